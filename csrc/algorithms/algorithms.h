@@ -1,0 +1,41 @@
+// Collective algorithms over a Context. Buffers are raw bytes of `count` elements of `dtype`.
+// Files: ring.cc, tree.cc (pipelined trees: double binary tree all-reduce, binomial and chain
+// broadcast/reduce), recursive_doubling.cc, barrier.cc.
+#pragma once
+
+#include <vector>
+
+#include "algorithms/context.h"
+
+namespace ringcomm {
+
+// Tunables read once from RINGCOMM_* (docs/configuration.md).
+struct AlgorithmTuning {
+  size_t ring_slice_bytes;       // RINGCOMM_RING_SLICE_BYTES
+  size_t tree_chunk_bytes;       // RINGCOMM_TREE_CHUNK_BYTES
+  size_t small_message_bytes;    // RINGCOMM_SMALL_MESSAGE_BYTES: recursive doubling up to here
+  size_t rooted_chain_bytes;     // RINGCOMM_CHAIN_MIN_BYTES: broadcast/reduce switch to a chain
+  static const AlgorithmTuning& get();
+};
+
+// all_reduce
+void ring_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
+void tree_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
+void recursive_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
+
+// reduce_scatter: `in` holds size() blocks of `count` elements; block rank() of the result
+// lands in `out`.
+void ring_reduce_scatter(Context& ctx, const void* in, void* out, size_t count, DType dtype,
+                         ReduceOp op);
+// all_gather(v): `out` holds every rank's block back to back (sizes `counts`); this rank's block
+// must already be in place.
+void ring_all_gather(Context& ctx, void* out, const std::vector<size_t>& counts, DType dtype);
+
+// Rooted collectives, by a binomial tree (small) or a pipelined chain (large).
+void tree_broadcast(Context& ctx, void* buf, size_t bytes, int root, Algorithm shape);
+void tree_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op, int root,
+                 Algorithm shape);
+
+void dissemination_barrier(Context& ctx);
+
+}  // namespace ringcomm

@@ -1,0 +1,102 @@
+// What an algorithm works with: the transport, its operation's signature and deadline, and
+// reusable scratch memory. Algorithms post sends/receives here and never see a socket.
+#pragma once
+
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "common/dtype.h"
+#include "transport/transport.h"
+
+namespace ringcomm {
+
+// Grow-only, 64-byte aligned scratch buffers owned by a communicator, indexed by slot.
+class Scratch {
+ public:
+  char* get(int slot, size_t bytes) {
+    if (slot >= int(buffers_.size())) buffers_.resize(slot + 1);
+    Buffer& b = buffers_[slot];
+    if (b.bytes < bytes) {
+      void* p = nullptr;
+      if (posix_memalign(&p, 64, bytes) != 0) throw std::bad_alloc();
+      b.data.reset(static_cast<char*>(p));
+      b.bytes = bytes;
+    }
+    return b.data.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  struct Buffer {
+    std::unique_ptr<char, Free> data;
+    size_t bytes = 0;
+  };
+  std::vector<Buffer> buffers_;
+};
+
+class Context {
+ public:
+  Context(Transport& transport, const Signature& sig, Clock::time_point deadline, Scratch& scratch)
+      : transport_(transport), sig_(sig), deadline_(deadline), scratch_(scratch) {}
+
+  int rank() const { return transport_.rank(); }
+  int size() const { return transport_.world_size(); }
+  const Signature& signature() const { return sig_; }
+
+  // Sends complete in the background; finish() waits for all of them.
+  void send(int peer, const void* data, size_t bytes) {
+    sends_.push_back(transport_.post_send(peer, data, bytes, sig_));
+  }
+  Request recv(int peer, void* data, size_t bytes) {
+    return transport_.post_recv(peer, data, bytes, sig_);
+  }
+  void wait(Request r) { transport_.wait(r, deadline_); }
+  void finish() {
+    for (Request r : sends_) transport_.wait(r, deadline_);
+    sends_.clear();
+  }
+  char* scratch(int slot, size_t bytes) { return scratch_.get(slot, bytes); }
+
+ private:
+  Transport& transport_;
+  Signature sig_;
+  Clock::time_point deadline_;
+  Scratch& scratch_;
+  std::vector<Request> sends_;
+};
+
+// Pieces of `count` elements, one per rank: balanced (the first count % n get one more) or
+// given explicitly (all_gatherv).
+class Segments {
+ public:
+  Segments(size_t count, int n) : offsets_(n + 1) {
+    for (int i = 0; i < n; ++i)
+      offsets_[i + 1] = offsets_[i] + count / n + (size_t(i) < count % n ? 1 : 0);
+  }
+  explicit Segments(const std::vector<size_t>& counts) : offsets_(counts.size() + 1) {
+    for (size_t i = 0; i < counts.size(); ++i) offsets_[i + 1] = offsets_[i] + counts[i];
+  }
+  size_t offset(int i) const { return offsets_[i]; }
+  size_t count(int i) const { return offsets_[i + 1] - offsets_[i]; }
+  size_t max_count() const {
+    size_t m = 0;
+    for (size_t i = 0; i + 1 < offsets_.size(); ++i) m = std::max(m, count(int(i)));
+    return m;
+  }
+
+ private:
+  std::vector<size_t> offsets_;
+};
+
+inline int mod(int a, int n) { return ((a % n) + n) % n; }
+
+// Number of pieces of at most `piece` elements covering `count` (at least 1, so that an empty
+// message still travels and is checked against the peer's signature).
+inline size_t piece_count(size_t count, size_t piece) {
+  return count == 0 ? 1 : (count + piece - 1) / piece;
+}
+
+}  // namespace ringcomm

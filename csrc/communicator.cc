@@ -1,0 +1,401 @@
+#include "communicator.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "common/env.h"
+#include "common/logging.h"
+
+namespace ringcomm {
+namespace {
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+uint64_t hash_counts(const std::vector<size_t>& counts) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (size_t c : counts)
+    for (int i = 0; i < 8; ++i) h = (h ^ ((c >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+// ---- Work ----
+
+bool Work::wait(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout_s < 0) {
+    cv_.wait(lk, [&] { return finished_; });
+  } else if (!cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return finished_; })) {
+    return false;
+  }
+  if (!error_.empty()) throw Error(error_);
+  return true;
+}
+
+bool Work::is_completed() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return finished_;
+}
+
+std::string Work::error() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return error_;
+}
+
+void Work::on_finished(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!finished_) {
+      callbacks_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
+}
+
+void Work::finish(const std::string& error) {
+  std::vector<std::function<void()>> callbacks;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (finished_) return;
+    finished_ = true;
+    error_ = error;
+    callbacks.swap(callbacks_);
+  }
+  cv_.notify_all();
+  for (auto& fn : callbacks) fn();
+}
+
+// ---- Communicator ----
+
+Communicator::Communicator(int rank, int world_size, double timeout_s,
+                           const std::string& master_addr)
+    : rank_(rank), world_size_(world_size),
+      timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))) {
+  RC_CHECK_ARG(world_size >= 1, "world_size must be >= 1, got ", world_size);
+  RC_CHECK_ARG(rank >= 0 && rank < world_size, "rank ", rank, " out of range for world_size ",
+               world_size);
+  RC_CHECK_ARG(timeout_s > 0, "timeout must be positive");
+  transport_ = std::make_unique<tcp::TcpTransport>(rank, world_size,
+                                                   tcp::TcpOptions::from_env(master_addr));
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+}
+
+Communicator::~Communicator() {
+  close();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void Communicator::connect(const std::vector<std::string>& addresses, const std::string& token) {
+  if (world_size_ > 1) transport_->connect(addresses, token, Clock::now() + timeout_);
+  progress_thread_ = std::thread([this] { progress_loop(); });
+}
+
+void Communicator::check_rank(int r, const char* what) const {
+  RC_CHECK_ARG(r >= 0 && r < world_size_, what, " ", r, " out of range for world_size ",
+               world_size_);
+}
+
+Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) const {
+  if (requested == Algorithm::kAuto) {
+    std::string forced = env_string("RINGCOMM_ALGO");
+    if (forced == "ring") return Algorithm::kRing;
+    if (forced == "tree") return Algorithm::kTree;
+    if (forced == "recursive_doubling") return Algorithm::kRecursiveDoubling;
+    RC_CHECK_ARG(forced.empty() || forced == "auto", "RINGCOMM_ALGO=", forced,
+                 ": expected ring, tree, recursive_doubling or auto");
+  } else {
+    return requested;
+  }
+  const auto& tune = AlgorithmTuning::get();
+  if (bytes <= tune.small_message_bytes) return Algorithm::kRecursiveDoubling;
+  // A ring costs 2(n-1) hops of latency, a tree 2*log2(n): with many ranks, mid-sized messages
+  // are latency-bound and go by tree.
+  if (world_size_ >= 8 && bytes <= tune.small_message_bytes * world_size_) return Algorithm::kTree;
+  return Algorithm::kRing;
+}
+
+Signature Communicator::collective(Collective coll, DType dtype, ReduceOp op, Algorithm algo,
+                                   size_t count, int root, uint64_t aux) {
+  Signature s;
+  s.coll = coll;
+  s.dtype = dtype;
+  s.op = op;
+  s.algo = algo;
+  s.root = root;
+  s.count = count;
+  s.aux = aux;
+  return s;
+}
+
+WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp op,
+                                 Algorithm algo, bool async) {
+  algo = choose_all_reduce(count * dtype_size(dtype), algo);
+  auto sig = collective(Collective::kAllReduce, dtype, op, algo, count);
+  return submit(sig, [=](Context& ctx) {
+    switch (algo) {
+      case Algorithm::kTree: tree_all_reduce(ctx, buf, count, dtype, op); break;
+      case Algorithm::kRecursiveDoubling:
+        recursive_doubling_all_reduce(ctx, buf, count, dtype, op);
+        break;
+      default: ring_all_reduce(ctx, buf, count, dtype, op);
+    }
+  }, async);
+}
+
+WorkPtr Communicator::reduce_scatter(void* out, const void* in, size_t count, DType dtype,
+                                     ReduceOp op, bool async) {
+  auto sig = collective(Collective::kReduceScatter, dtype, op, Algorithm::kRing, count);
+  return submit(sig, [=](Context& ctx) { ring_reduce_scatter(ctx, in, out, count, dtype, op); },
+                async);
+}
+
+WorkPtr Communicator::all_gather(void* out, const void* in, size_t count, DType dtype, bool async) {
+  return all_gatherv(out, in, std::vector<size_t>(world_size_, count), dtype, async);
+}
+
+WorkPtr Communicator::all_gatherv(void* out, const void* in, const std::vector<size_t>& counts,
+                                  DType dtype, bool async) {
+  RC_CHECK_ARG(int(counts.size()) == world_size_, "all_gatherv needs ", world_size_,
+               " counts, got ", counts.size());
+  size_t total = 0, offset = 0;
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_) offset = total;
+    total += counts[r];
+  }
+  bool uniform = std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; });
+  auto sig = collective(uniform ? Collective::kAllGather : Collective::kAllGatherV, dtype,
+                        ReduceOp::kSum, Algorithm::kRing, total, -1, hash_counts(counts));
+  const size_t e = dtype_size(dtype);
+  return submit(sig, [=](Context& ctx) {
+    char* dst = static_cast<char*>(out) + offset * e;
+    if (dst != in && counts[rank_] > 0) std::memmove(dst, in, counts[rank_] * e);
+    ring_all_gather(ctx, out, counts, dtype);
+  }, async);
+}
+
+WorkPtr Communicator::broadcast(void* buf, size_t count, DType dtype, int root, bool async) {
+  check_rank(root, "broadcast src");
+  size_t bytes = count * dtype_size(dtype);
+  Algorithm shape = bytes >= AlgorithmTuning::get().rooted_chain_bytes ? Algorithm::kChain
+                                                                       : Algorithm::kBinomial;
+  auto sig = collective(Collective::kBroadcast, dtype, ReduceOp::kSum, shape, count, root);
+  return submit(sig, [=](Context& ctx) { tree_broadcast(ctx, buf, bytes, root, shape); }, async);
+}
+
+WorkPtr Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, int root,
+                             bool async) {
+  check_rank(root, "reduce dst");
+  Algorithm shape = count * dtype_size(dtype) >= AlgorithmTuning::get().rooted_chain_bytes
+                        ? Algorithm::kChain
+                        : Algorithm::kBinomial;
+  auto sig = collective(Collective::kReduce, dtype, op, shape, count, root);
+  return submit(sig, [=](Context& ctx) { tree_reduce(ctx, buf, count, dtype, op, root, shape); },
+                async);
+}
+
+WorkPtr Communicator::barrier(bool async) {
+  auto sig = collective(Collective::kBarrier, DType::kUInt8, ReduceOp::kSum,
+                        Algorithm::kDissemination, 0);
+  return submit(sig, [](Context& ctx) { dissemination_barrier(ctx); }, async);
+}
+
+WorkPtr Communicator::send(const void* buf, size_t count, DType dtype, int peer, bool async) {
+  return point_to_point(true, const_cast<void*>(buf), count, dtype, peer, async);
+}
+
+WorkPtr Communicator::recv(void* buf, size_t count, DType dtype, int peer, bool async) {
+  return point_to_point(false, buf, count, dtype, peer, async);
+}
+
+// The k-th send from a to b pairs with the k-th receive at b from a: their signatures carry that
+// k (per direction and peer) and the sender's rank, so sizes and types are checked on arrival.
+WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DType dtype, int peer,
+                                     bool async) {
+  check_rank(peer, is_send ? "send dst" : "recv src");
+  RC_CHECK_ARG(peer != rank_, "send/recv with self (rank ", rank_, ") is not supported");
+  auto sig = collective(Collective::kSendRecv, dtype, ReduceOp::kSum, Algorithm::kDirect, count,
+                        is_send ? rank_ : peer);
+  sig.p2p = true;
+  const size_t bytes = count * dtype_size(dtype);
+  auto work = std::make_shared<Work>();
+  Task task;
+  task.work = work;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!broken_.empty()) throw Error("communicator is broken: " + broken_);
+    RC_CHECK_ARG(!stopping_, "communicator is closed");
+    sig.seq = (is_send ? send_seq_ : recv_seq_)[peer]++;
+  }
+  task.sig = sig;
+  task.post = [this, is_send, buf, bytes, peer, sig, work] {
+    auto deadline = Clock::now() + timeout_;
+    int64_t id;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      id = next_p2p_id_++;
+      p2p_deadlines_[id] = {deadline, sig.describe()};
+    }
+    auto done = [this, id, work, peer](const std::exception_ptr& error) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        p2p_deadlines_.erase(id);
+      }
+      work->finish(error ? str_cat(message_of(error), " [rank ", rank_, ", peer ", peer, "]") : "");
+    };
+    if (is_send)
+      transport_->post_send(peer, buf, bytes, sig, done);
+    else
+      transport_->post_recv(peer, buf, bytes, sig, done);
+  };
+  enqueue(std::move(task), /*inline_ok=*/false);
+  if (!async) work->wait(-1);
+  return work;
+}
+
+WorkPtr Communicator::submit(Signature sig, std::function<void(Context&)> body, bool async) {
+  Task task;
+  task.work = std::make_shared<Work>();
+  task.body = std::move(body);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!broken_.empty()) throw Error("communicator is broken: " + broken_);
+    RC_CHECK_ARG(!stopping_, "communicator is closed");
+    sig.seq = next_seq_++;
+  }
+  task.sig = sig;
+  WorkPtr work = task.work;
+  enqueue(std::move(task), /*inline_ok=*/!async);
+  if (!async) work->wait(-1);
+  return work;
+}
+
+// A blocking call with nothing queued ahead of it runs on the caller's thread: no hand-off to the
+// progress thread, which matters for small-message latency.
+void Communicator::enqueue(Task task, bool inline_ok) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (inline_ok && queue_.empty() && !executing_ && p2p_deadlines_.empty()) {
+    executing_ = true;
+    lk.unlock();
+    run(task);
+    lk.lock();
+    executing_ = false;
+    cv_.notify_all();
+    return;
+  }
+  queue_.push_back(std::move(task));
+  cv_.notify_all();
+  lk.unlock();
+  wake();
+}
+
+void Communicator::wake() {
+  uint64_t one = 1;
+  if (write(wake_fd_, &one, sizeof one) < 0) { /* counter saturated: already awake */ }
+}
+
+void Communicator::run(Task& task) {
+  try {
+    if (task.post) {
+      task.post();
+      return;
+    }
+    transport_->set_current(task.sig);
+    Context ctx(*transport_, task.sig, Clock::now() + timeout_, scratch_);
+    task.body(ctx);
+    task.work->finish("");
+  } catch (const std::exception& e) {
+    std::string reason = str_cat(e.what(), " [rank ", rank_, ", during ", task.sig.describe(), "]");
+    RC_LOG(reason);
+    fail(reason, std::current_exception());
+    task.work->finish(reason);
+  }
+}
+
+void Communicator::fail(const std::string& reason, const std::exception_ptr& error) {
+  std::deque<Task> dropped;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (broken_.empty()) broken_ = reason;
+    dropped.swap(queue_);
+  }
+  transport_->abort(reason, error);
+  for (Task& t : dropped) t.work->finish("communicator is broken: " + reason);
+}
+
+void Communicator::progress_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (true) {
+    cv_.wait(lk, [&] {
+      return !executing_ && (stopping_ || !queue_.empty() || !p2p_deadlines_.empty());
+    });
+    if (!queue_.empty()) {
+      Task task = std::move(queue_.front());
+      queue_.pop_front();
+      executing_ = true;
+      lk.unlock();
+      run(task);
+      lk.lock();
+      executing_ = false;
+      cv_.notify_all();
+      continue;
+    }
+    if (p2p_deadlines_.empty()) break;  // stopping, nothing left
+    // Only sends/receives are outstanding: progress them until one finishes, new work arrives
+    // (wake_fd_) or the earliest of their deadlines passes.
+    auto earliest = std::min_element(p2p_deadlines_.begin(), p2p_deadlines_.end(),
+                                     [](auto& a, auto& b) { return a.second.first < b.second.first; });
+    auto deadline = earliest->second.first;
+    std::string what = earliest->second.second;
+    if (stopping_ || Clock::now() >= deadline) {
+      std::string reason = stopping_ ? str_cat("communicator closed with ", what, " unfinished")
+                                     : str_cat("timed out waiting for ", what);
+      reason += str_cat(" [rank ", rank_, "]");
+      lk.unlock();
+      fail(reason, std::make_exception_ptr(Error(reason)));
+      lk.lock();
+      continue;
+    }
+    executing_ = true;
+    lk.unlock();
+    uint64_t drained;
+    while (read(wake_fd_, &drained, sizeof drained) > 0) {}
+    try {
+      transport_->progress_until_event(wake_fd_, std::min(deadline, Clock::now() + std::chrono::seconds(1)));
+    } catch (const std::exception& e) {
+      std::string reason = str_cat(e.what(), " [rank ", rank_, ", during send/recv]");
+      fail(reason, std::current_exception());
+    }
+    lk.lock();
+    executing_ = false;
+  }
+}
+
+std::string Communicator::broken_reason() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return broken_;
+}
+
+void Communicator::close() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  wake();
+  if (progress_thread_.joinable()) progress_thread_.join();
+}
+
+}  // namespace ringcomm

@@ -1,0 +1,112 @@
+// A communicator: one rank's view of a group of world_size processes. It owns the transport, a
+// progress thread that runs operations in issue order, sequence numbers, timeouts, and the
+// broken state after an error.
+#pragma once
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "algorithms/algorithms.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace ringcomm {
+
+// Completion handle of one operation.
+class Work {
+ public:
+  // Waits; returns false if `timeout_s` (negative: forever) passes first. Throws ringcomm::Error
+  // if the operation failed.
+  bool wait(double timeout_s);
+  bool is_completed();
+  std::string error();  // empty unless failed
+  // Runs `fn` once the operation has finished (at once if it already has), on whichever thread
+  // finishes it.
+  void on_finished(std::function<void()> fn);
+
+  void finish(const std::string& error);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool finished_ = false;
+  std::string error_;
+  std::vector<std::function<void()>> callbacks_;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+class Communicator {
+ public:
+  // Listens at once; the address must be published to the other ranks before connect().
+  Communicator(int rank, int world_size, double timeout_s, const std::string& master_addr);
+  ~Communicator();
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  std::string address() const { return transport_->address(); }
+  void connect(const std::vector<std::string>& addresses, const std::string& token);
+
+  WorkPtr all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, Algorithm algo, bool async);
+  WorkPtr reduce_scatter(void* out, const void* in, size_t count, DType dtype, ReduceOp op,
+                         bool async);
+  WorkPtr all_gather(void* out, const void* in, size_t count, DType dtype, bool async);
+  WorkPtr all_gatherv(void* out, const void* in, const std::vector<size_t>& counts, DType dtype,
+                      bool async);
+  WorkPtr broadcast(void* buf, size_t count, DType dtype, int root, bool async);
+  WorkPtr reduce(void* buf, size_t count, DType dtype, ReduceOp op, int root, bool async);
+  WorkPtr barrier(bool async);
+  WorkPtr send(const void* buf, size_t count, DType dtype, int peer, bool async);
+  WorkPtr recv(void* buf, size_t count, DType dtype, int peer, bool async);
+
+  // The algorithm all_reduce would use (RINGCOMM_ALGO overrides kAuto).
+  Algorithm choose_all_reduce(size_t bytes, Algorithm requested) const;
+  // Empty unless an error has broken this communicator.
+  std::string broken_reason();
+  // Finishes queued work, stops the progress thread and closes connections.
+  void close();
+
+ private:
+  struct Task {
+    Signature sig;
+    std::function<void(Context&)> body;  // collectives: runs to completion
+    std::function<void()> post;          // send/recv: posts to the transport and returns
+    WorkPtr work;
+  };
+  WorkPtr submit(Signature sig, std::function<void(Context&)> body, bool async);
+  WorkPtr point_to_point(bool is_send, void* buf, size_t count, DType dtype, int peer, bool async);
+  void enqueue(Task task, bool inline_ok);
+  void run(Task& task);
+  void fail(const std::string& reason, const std::exception_ptr& error);
+  void progress_loop();
+  void wake();
+  void check_rank(int r, const char* what) const;
+  Signature collective(Collective coll, DType dtype, ReduceOp op, Algorithm algo, size_t count,
+                       int root = -1, uint64_t aux = 0);
+
+  const int rank_, world_size_;
+  const Clock::duration timeout_;
+  std::unique_ptr<tcp::TcpTransport> transport_;
+  Scratch scratch_;
+
+  std::mutex mu_;                 // guards everything below
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  bool executing_ = false;        // a thread is inside the transport
+  bool stopping_ = false;
+  std::string broken_;
+  uint64_t next_seq_ = 0;
+  std::map<int, uint64_t> send_seq_, recv_seq_;  // per peer, for send/recv
+  // Posted sends/receives not yet finished: deadline and description, by id.
+  std::map<int64_t, std::pair<Clock::time_point, std::string>> p2p_deadlines_;
+  int64_t next_p2p_id_ = 0;
+  int wake_fd_ = -1;
+  std::thread progress_thread_;
+};
+
+}  // namespace ringcomm

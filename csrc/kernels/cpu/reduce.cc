@@ -1,0 +1,77 @@
+// CPU reduction kernels: a dtype x op switch over the shared loops in kernels/reduce_math.h.
+// The entry points are compiled twice (AVX2 and baseline x86-64) and picked at load time, and
+// `flatten` inlines the loops so each clone vectorises them for its own instruction set.
+#include "kernels/cpu/reduce.h"
+
+#include <cstdint>
+
+#include "kernels/reduce_math.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RC_MULTIVERSION __attribute__((target_clones("avx2", "default"), flatten))
+#else
+#define RC_MULTIVERSION __attribute__((flatten))
+#endif
+
+namespace ringcomm {
+namespace cpu {
+namespace {
+
+template <typename T>
+void reduce_typed(ReduceOp op, T* out, const T* a, const T* b, size_t n) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg: math::reduce_range(out, a, b, 0, n, math::Sum{}); return;
+    case ReduceOp::kProd: math::reduce_range(out, a, b, 0, n, math::Prod{}); return;
+    case ReduceOp::kMin: math::reduce_range(out, a, b, 0, n, math::Min{}); return;
+    case ReduceOp::kMax: math::reduce_range(out, a, b, 0, n, math::Max{}); return;
+  }
+}
+
+// bool: sum/max are logical or, prod/min logical and; bytes are normalised to 0/1.
+void reduce_bool(ReduceOp op, uint8_t* out, const uint8_t* a, const uint8_t* b, size_t n) {
+  if (op == ReduceOp::kSum || op == ReduceOp::kMax || op == ReduceOp::kAvg) {
+    for (size_t i = 0; i < n; ++i) out[i] = uint8_t((a[i] | b[i]) != 0);
+  } else {
+    for (size_t i = 0; i < n; ++i) out[i] = uint8_t((a[i] != 0) & (b[i] != 0));
+  }
+}
+
+}  // namespace
+
+RC_MULTIVERSION
+void reduce(DType dtype, ReduceOp op, void* out, const void* a, const void* b, size_t n) {
+  switch (dtype) {
+#define RC_CASE(code, T) \
+  case code: reduce_typed(op, static_cast<T*>(out), static_cast<const T*>(a), static_cast<const T*>(b), n); return;
+    RC_CASE(DType::kFloat32, float)
+    RC_CASE(DType::kFloat64, double)
+    RC_CASE(DType::kFloat16, math::Half)
+    RC_CASE(DType::kBFloat16, math::BFloat16)
+    RC_CASE(DType::kInt8, int8_t)
+    RC_CASE(DType::kUInt8, uint8_t)
+    RC_CASE(DType::kInt32, int32_t)
+    RC_CASE(DType::kInt64, int64_t)
+#undef RC_CASE
+    case DType::kBool:
+      reduce_bool(op, static_cast<uint8_t*>(out), static_cast<const uint8_t*>(a),
+                  static_cast<const uint8_t*>(b), n);
+      return;
+  }
+}
+
+RC_MULTIVERSION
+void divide(DType dtype, void* x, size_t n, int divisor) {
+  switch (dtype) {
+    case DType::kFloat32: math::divide_range(static_cast<float*>(x), divisor, 0, n); return;
+    case DType::kFloat64: math::divide_range(static_cast<double*>(x), divisor, 0, n); return;
+    case DType::kFloat16: math::divide_range(static_cast<math::Half*>(x), divisor, 0, n); return;
+    case DType::kBFloat16:
+      math::divide_range(static_cast<math::BFloat16*>(x), divisor, 0, n);
+      return;
+    default: RC_INVALID("divide needs a floating dtype, got ", dtype_name(dtype));
+  }
+}
+
+}  // namespace cpu
+}  // namespace ringcomm

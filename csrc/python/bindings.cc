@@ -1,0 +1,104 @@
+// pybind11 bindings: ringcomm._C. Buffers cross as (address, element count, dtype code); the
+// Python layer turns tensors and arrays into those and keeps them alive while in use.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "communicator.h"
+#include "kernels/cpu/reduce.h"
+
+namespace py = pybind11;
+using namespace ringcomm;
+
+namespace {
+
+void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+// A Python callable that may be destroyed on a thread without the GIL.
+std::function<void()> gil_safe_callback(py::function fn) {
+  auto holder = std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* o) {
+    py::gil_scoped_acquire gil;
+    delete o;
+  });
+  return [holder] {
+    py::gil_scoped_acquire gil;
+    try {
+      (*holder)();
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("ringcomm Work callback");
+    }
+  };
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ringcomm core: communicators, transports, algorithms and CPU kernels";
+  py::register_exception<Error>(m, "RingcommError", PyExc_RuntimeError);
+
+  py::class_<Work, WorkPtr>(m, "Work")
+      .def("wait", &Work::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def("is_completed", &Work::is_completed)
+      .def("error", &Work::error)
+      .def("add_done_callback",
+           [](Work& w, py::function fn) { w.on_finished(gil_safe_callback(std::move(fn))); });
+
+  using G = py::call_guard<py::gil_scoped_release>;
+  py::class_<Communicator>(m, "Communicator")
+      .def(py::init<int, int, double, const std::string&>(), py::arg("rank"),
+           py::arg("world_size"), py::arg("timeout_s"), py::arg("master_addr") = "")
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("world_size", &Communicator::world_size)
+      .def("address", &Communicator::address)
+      .def("connect", &Communicator::connect, G())
+      .def("choose_all_reduce",
+           [](const Communicator& c, size_t bytes, int algo) {
+             return std::string(algorithm_name(c.choose_all_reduce(bytes, Algorithm(algo))));
+           })
+      .def("all_reduce",
+           [](Communicator& c, uintptr_t buf, size_t n, int dt, int op, int algo, bool async) {
+             DType t = checked_dtype(dt);
+             return c.all_reduce(ptr(buf), n, t, checked_op(op, t), Algorithm(algo), async);
+           }, G())
+      .def("reduce_scatter",
+           [](Communicator& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, bool async) {
+             DType t = checked_dtype(dt);
+             return c.reduce_scatter(ptr(out), ptr(in), n, t, checked_op(op, t), async);
+           }, G())
+      .def("all_gatherv",
+           [](Communicator& c, uintptr_t out, uintptr_t in, const std::vector<size_t>& counts,
+              int dt, bool async) {
+             return c.all_gatherv(ptr(out), ptr(in), counts, checked_dtype(dt), async);
+           }, G())
+      .def("broadcast",
+           [](Communicator& c, uintptr_t buf, size_t n, int dt, int root, bool async) {
+             return c.broadcast(ptr(buf), n, checked_dtype(dt), root, async);
+           }, G())
+      .def("reduce",
+           [](Communicator& c, uintptr_t buf, size_t n, int dt, int op, int root, bool async) {
+             DType t = checked_dtype(dt);
+             return c.reduce(ptr(buf), n, t, checked_op(op, t), root, async);
+           }, G())
+      .def("barrier", &Communicator::barrier, G())
+      .def("send",
+           [](Communicator& c, uintptr_t buf, size_t n, int dt, int peer, bool async) {
+             return c.send(ptr(buf), n, checked_dtype(dt), peer, async);
+           }, G())
+      .def("recv",
+           [](Communicator& c, uintptr_t buf, size_t n, int dt, int peer, bool async) {
+             return c.recv(ptr(buf), n, checked_dtype(dt), peer, async);
+           }, G())
+      .def("broken_reason", &Communicator::broken_reason)
+      .def("close", &Communicator::close, G());
+
+  // Kernels, exposed for tests and benchmarks.
+  m.def("reduce_kernel",
+        [](int dt, int op, uintptr_t out, uintptr_t a, uintptr_t b, size_t n) {
+          DType t = checked_dtype(dt);
+          cpu::reduce(t, checked_op(op, t), ptr(out), ptr(a), ptr(b), n);
+        }, G());
+  m.def("divide_kernel",
+        [](int dt, uintptr_t x, size_t n, int divisor) {
+          cpu::divide(checked_dtype(dt), ptr(x), n, divisor);
+        }, G());
+}

@@ -1,0 +1,461 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "common/env.h"
+#include "common/error.h"
+#include "common/logging.h"
+
+namespace ringcomm {
+namespace tcp {
+namespace {
+
+constexpr uint32_t kMessageMagic = 0x524d4331;  // "RMC1"
+constexpr uint32_t kHelloMagic = 0x524d4348;    // "RMCH"
+constexpr uint8_t kData = 1;
+constexpr uint8_t kAbort = 2;
+constexpr size_t kMaxAbortText = 4096;
+
+struct Hello {
+  uint32_t magic;
+  uint32_t byte_order;  // 0x01020304 as written by the sender
+  int32_t world_size;
+  int32_t rank;
+  int32_t socket;
+  int32_t sockets_per_peer;
+  char token[64];
+};
+struct Ack {
+  uint32_t magic;
+  int32_t accepted;
+};
+
+WireHeader make_header(const Signature& sig, size_t bytes) {
+  WireHeader h{};
+  h.magic = kMessageMagic;
+  h.kind = kData;
+  h.coll = uint8_t(sig.coll);
+  h.dtype = uint8_t(sig.dtype);
+  h.op = uint8_t(sig.op);
+  h.algo = uint8_t(sig.algo);
+  h.p2p = sig.p2p;
+  h.root = sig.root;
+  h.seq = sig.seq;
+  h.count = sig.count;
+  h.aux = sig.aux;
+  h.payload_bytes = bytes;
+  return h;
+}
+
+Signature header_signature(const WireHeader& h) {
+  Signature s;
+  s.coll = Collective(h.coll);
+  s.dtype = DType(h.dtype);
+  s.op = ReduceOp(h.op);
+  s.algo = Algorithm(h.algo);
+  s.p2p = h.p2p != 0;
+  s.root = h.root;
+  s.seq = h.seq;
+  s.count = h.count;
+  s.aux = h.aux;
+  return s;
+}
+
+void copy_token(char (&dst)[64], const std::string& token) {
+  RC_CHECK_ARG(token.size() < sizeof dst, "token longer than 63 bytes");
+  memset(dst, 0, sizeof dst);
+  memcpy(dst, token.data(), token.size());
+}
+
+}  // namespace
+
+TcpOptions TcpOptions::from_env(const std::string& master_addr) {
+  TcpOptions o;
+  o.master_addr = master_addr;
+  o.sockets_per_peer = int(env_int("RINGCOMM_SOCKETS_PER_PEER", o.sockets_per_peer));
+  o.socket_buffer_bytes = int(env_int("RINGCOMM_SOCKET_BUFFER", o.socket_buffer_bytes));
+  o.spin_us = int(env_int("RINGCOMM_SPIN_US", o.spin_us));
+  o.stripe_min_bytes = size_t(env_int("RINGCOMM_STRIPE_MIN_BYTES", int64_t(o.stripe_min_bytes)));
+  RC_CHECK_ARG(o.sockets_per_peer >= 1 && o.sockets_per_peer <= 64,
+               "RINGCOMM_SOCKETS_PER_PEER must be in [1, 64], got ", o.sockets_per_peer);
+  return o;
+}
+
+TcpTransport::TcpTransport(int rank, int world_size, TcpOptions options)
+    : rank_(rank), world_size_(world_size), options_(std::move(options)),
+      sockets_(options_.sockets_per_peer) {
+  channels_.resize(size_t(world_size) * sockets_);
+  if (world_size > 1) listen_fd_ = listen_on(choose_bind_host(options_.master_addr), &bound_);
+}
+
+TcpTransport::~TcpTransport() {
+  if (listen_fd_ >= 0) close(listen_fd_);
+  for (Channel& ch : channels_)
+    if (ch.fd >= 0) close(ch.fd);
+}
+
+void TcpTransport::connect(const std::vector<std::string>& addresses, const std::string& token,
+                           Clock::time_point deadline) {
+  RC_CHECK_ARG(int(addresses.size()) == world_size_, "expected ", world_size_, " addresses");
+  Hello mine{kHelloMagic, 0x01020304, world_size_, rank_, 0, sockets_, {}};
+  copy_token(mine.token, token);
+
+  // Lower ranks accept, higher ranks connect: rank r dials 0..r-1, then accepts r+1..n-1.
+  for (int peer = 0; peer < rank_; ++peer) {
+    for (int s = 0; s < sockets_; ++s) {
+      int fd = connect_with_retry(Endpoint::parse(addresses[peer]), deadline);
+      set_nonblocking(fd);
+      Hello hello = mine;
+      hello.socket = s;
+      Ack ack{};
+      if (!write_fully(fd, &hello, sizeof hello, deadline) ||
+          !read_fully(fd, &ack, sizeof ack, deadline) || ack.magic != kHelloMagic ||
+          !ack.accepted) {
+        close(fd);
+        RC_THROW("rank ", peer, " at ", addresses[peer],
+                 " refused or dropped the handshake (different job token or world size?)");
+      }
+      configure_data_socket(fd, options_.socket_buffer_bytes);
+      channel(peer, s).fd = fd;
+      channel(peer, s).peer = peer;
+    }
+  }
+
+  // Accept until every (higher rank, socket) slot is filled. Each pending connection gets a few
+  // seconds to present a valid Hello; strangers and wrong tokens are closed without effect.
+  int missing = (world_size_ - 1 - rank_) * sockets_;
+  struct Pending {
+    int fd;
+    Clock::time_point deadline;
+    Hello hello;
+    size_t got;
+  };
+  std::vector<Pending> pending;
+  const auto handshake_time = std::chrono::seconds(5);
+  while (missing > 0) {
+    auto now = Clock::now();
+    if (now >= deadline)
+      RC_THROW("rank ", rank_, ": timed out waiting for ", missing,
+               " connection(s) from higher ranks");
+    std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}};
+    for (auto& p : pending) fds.push_back({p.fd, POLLIN, 0});
+    poll(fds.data(), fds.size(), 100);
+    if (fds[0].revents & POLLIN) {
+      int fd;
+      while ((fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0)
+        pending.push_back({fd, Clock::now() + handshake_time, {}, 0});
+    }
+    for (size_t i = 0; i < pending.size();) {
+      Pending& p = pending[i];
+      ssize_t n = recv(p.fd, reinterpret_cast<char*>(&p.hello) + p.got, sizeof(Hello) - p.got,
+                       MSG_DONTWAIT);
+      if (n > 0) p.got += size_t(n);
+      bool closed = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
+      bool complete = p.got == sizeof(Hello);
+      if (!complete && !closed && Clock::now() < p.deadline) {
+        ++i;
+        continue;
+      }
+      const Hello& h = p.hello;
+      bool valid = complete && h.magic == kHelloMagic && h.byte_order == 0x01020304 &&
+                   h.world_size == world_size_ && h.sockets_per_peer == sockets_ &&
+                   h.rank > rank_ && h.rank < world_size_ && h.socket >= 0 &&
+                   h.socket < sockets_ && memcmp(h.token, mine.token, sizeof h.token) == 0 &&
+                   channel(h.rank, h.socket).fd < 0;
+      Ack ack{kHelloMagic, valid ? 1 : 0};
+      if (valid && write_fully(p.fd, &ack, sizeof ack, Clock::now() + handshake_time)) {
+        configure_data_socket(p.fd, options_.socket_buffer_bytes);
+        channel(h.rank, h.socket).fd = p.fd;
+        channel(h.rank, h.socket).peer = h.rank;
+        --missing;
+      } else {
+        RC_LOG("rank ", rank_, ": refused a connection without a valid handshake");
+        close(p.fd);
+      }
+      pending.erase(pending.begin() + i);
+    }
+  }
+  for (auto& p : pending) close(p.fd);
+  if (listen_fd_ >= 0) close(listen_fd_);
+  listen_fd_ = -1;
+}
+
+void TcpTransport::set_current(const Signature& sig) {
+  current_ = sig;
+  has_current_ = true;
+}
+
+void TcpTransport::check_usable() const {
+  if (!abort_reason_.empty()) RC_THROW("transport aborted: ", abort_reason_);
+}
+
+Request TcpTransport::post_send(int peer, const void* data, size_t bytes, const Signature& sig,
+                                Callback on_done) {
+  return post(true, peer, static_cast<char*>(const_cast<void*>(data)), bytes, sig,
+              std::move(on_done));
+}
+
+Request TcpTransport::post_recv(int peer, void* data, size_t bytes, const Signature& sig,
+                                Callback on_done) {
+  return post(false, peer, static_cast<char*>(data), bytes, sig, std::move(on_done));
+}
+
+// Messages of at least stripe_min_bytes are split evenly over the peer's sockets; both sides
+// compute the same split from the byte count, so parts pair up in each socket's FIFO order.
+Request TcpTransport::post(bool is_send, int peer, char* data, size_t bytes,
+                           const Signature& sig, Callback on_done) {
+  check_usable();
+  RC_CHECK_ARG(peer >= 0 && peer < world_size_ && peer != rank_, "invalid peer rank ", peer);
+  int parts = bytes >= options_.stripe_min_bytes ? sockets_ : 1;
+  int64_t id = next_op_++;
+  ops_.emplace(id, Op{parts, std::move(on_done)});
+  size_t offset = 0;
+  for (int s = 0; s < parts; ++s) {
+    size_t len = bytes / parts + (size_t(s) < bytes % parts ? 1 : 0);
+    Part part{id, data + offset, len, 0, make_header(sig, len), 0};
+    Channel& ch = channel(peer, s);
+    (is_send ? ch.sends : ch.recvs).push_back(part);
+    offset += len;
+  }
+  return Request{id};
+}
+
+void TcpTransport::complete_part(int64_t op) {
+  auto it = ops_.find(op);
+  if (--it->second.parts_left > 0) return;
+  Callback cb = std::move(it->second.on_done);
+  ops_.erase(it);
+  if (cb) cb(nullptr);
+}
+
+bool TcpTransport::pump_send(Channel& ch) {
+  bool moved = false;
+  while (!ch.sends.empty()) {
+    Part& p = ch.sends.front();
+    iovec iov[2];
+    int n_iov = 0;
+    if (p.header_done < sizeof(WireHeader))
+      iov[n_iov++] = {reinterpret_cast<char*>(&p.header) + p.header_done,
+                      sizeof(WireHeader) - p.header_done};
+    if (p.done < p.bytes) iov[n_iov++] = {p.data + p.done, p.bytes - p.done};
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n_iov;
+    ssize_t n = sendmsg(ch.fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EINTR) return moved;
+      RC_THROW("connection to rank ", ch.peer, " lost while sending: ", errno_string(errno));
+    }
+    moved = true;
+    size_t sent = size_t(n);
+    size_t to_header = std::min(sent, sizeof(WireHeader) - p.header_done);
+    p.header_done += to_header;
+    p.done += sent - to_header;
+    if (p.header_done < sizeof(WireHeader) || p.done < p.bytes) return moved;
+    int64_t op = p.op;
+    ch.sends.pop_front();
+    complete_part(op);
+  }
+  return moved;
+}
+
+[[noreturn]] void TcpTransport::read_abort_and_throw(Channel& ch) {
+  std::string text(std::min<uint64_t>(ch.incoming.payload_bytes, kMaxAbortText), '\0');
+  if (!read_fully(ch.fd, text.data(), text.size(), Clock::now() + std::chrono::seconds(1)))
+    text = "(reason not received)";
+  RC_THROW("rank ", ch.peer, " aborted: ", text);
+}
+
+// Called once a whole header has arrived: an abort, a mismatch against the posted receive, or
+// (with nothing posted) a message of the running collective with another signature all throw.
+void TcpTransport::check_incoming(Channel& ch) {
+  const WireHeader& h = ch.incoming;
+  if (h.magic != kMessageMagic)
+    RC_THROW("protocol error: garbage from rank ", ch.peer, " (bad message magic)");
+  if (h.kind == kAbort) read_abort_and_throw(ch);
+  Signature theirs = header_signature(h);
+  auto mismatch = [&](const Signature& ours) {
+    RC_THROW("mismatched operations: rank ", ch.peer, " issued ", theirs.describe(), " but rank ",
+             rank_, " issued ", ours.describe());
+  };
+  if (!ch.recvs.empty()) {
+    const Part& p = ch.recvs.front();
+    Signature ours = header_signature(p.header);
+    if (theirs != ours) mismatch(ours);
+    if (h.payload_bytes != p.bytes)
+      RC_THROW("protocol error: rank ", ch.peer, " sent ", h.payload_bytes, " bytes for ",
+               theirs.describe(), ", rank ", rank_, " expected ", p.bytes);
+    ch.incoming_matched = true;
+  } else if (has_current_ && !theirs.p2p && !current_.p2p &&
+             (theirs.seq < current_.seq || (theirs.seq == current_.seq && theirs != current_))) {
+    mismatch(current_);
+  }
+}
+
+bool TcpTransport::pump_recv(Channel& ch, bool eager) {
+  bool moved = false;
+  while (true) {
+    if (ch.incoming_got < sizeof(WireHeader)) {
+      if (ch.recvs.empty() && !eager) return moved;
+      ssize_t n = recv(ch.fd, reinterpret_cast<char*>(&ch.incoming) + ch.incoming_got,
+                       sizeof(WireHeader) - ch.incoming_got, MSG_DONTWAIT);
+      if (n == 0 && ch.recvs.empty() && ch.incoming_got == 0) {
+        // A peer may finish and exit while others still work; only a receive that needs it fails.
+        ch.hung_up = true;
+        return moved;
+      }
+      if (n == 0)
+        RC_THROW("connection to rank ", ch.peer, " closed (peer exited or aborted)");
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EINTR) return moved;
+        RC_THROW("connection to rank ", ch.peer, " lost: ", errno_string(errno));
+      }
+      moved = true;
+      ch.incoming_got += size_t(n);
+      if (ch.incoming_got < sizeof(WireHeader)) continue;
+      ch.incoming_matched = false;
+      check_incoming(ch);
+    }
+    if (ch.recvs.empty()) return moved;  // header held until a receive is posted
+    if (!ch.incoming_matched) check_incoming(ch);
+    Part& p = ch.recvs.front();
+    while (p.done < p.bytes) {
+      ssize_t n = recv(ch.fd, p.data + p.done, p.bytes - p.done, MSG_DONTWAIT);
+      if (n == 0)
+        RC_THROW("connection to rank ", ch.peer, " closed (peer exited or aborted)");
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EINTR) return moved;
+        RC_THROW("connection to rank ", ch.peer, " lost: ", errno_string(errno));
+      }
+      moved = true;
+      p.done += size_t(n);
+    }
+    int64_t op = p.op;
+    ch.recvs.pop_front();
+    ch.incoming_got = 0;
+    complete_part(op);
+    moved = true;
+  }
+}
+
+bool TcpTransport::pump_posted() {
+  bool moved = false;
+  for (Channel& ch : channels_) {
+    if (ch.fd < 0) continue;
+    if (!ch.sends.empty()) moved |= pump_send(ch);
+    if (!ch.recvs.empty()) moved |= pump_recv(ch, false);
+  }
+  return moved;
+}
+
+bool TcpTransport::block(int wake_fd, Clock::time_point deadline) {
+  std::vector<pollfd> fds;
+  std::vector<Channel*> owners;
+  fds.reserve(channels_.size() + 1);
+  for (Channel& ch : channels_) {
+    if (ch.fd < 0 || ch.hung_up) continue;
+    short events = 0;
+    if (!ch.sends.empty()) events |= POLLOUT;
+    // Idle channels are watched too, so a peer's abort or a mismatched header is seen at once.
+    if (!ch.recvs.empty() || ch.incoming_got < sizeof(WireHeader)) events |= POLLIN;
+    if (!events) continue;
+    fds.push_back({ch.fd, events, 0});
+    owners.push_back(&ch);
+  }
+  if (wake_fd >= 0) fds.push_back({wake_fd, POLLIN, 0});
+  auto left = deadline - Clock::now();
+  if (left <= Clock::duration::zero()) return false;
+  auto cap = std::min<Clock::duration>(left, std::chrono::seconds(1));
+  timespec ts{time_t(std::chrono::duration_cast<std::chrono::seconds>(cap).count()),
+              long(std::chrono::duration_cast<std::chrono::nanoseconds>(cap).count() % 1000000000)};
+  int n = ppoll(fds.data(), fds.size(), &ts, nullptr);
+  if (n < 0 && errno != EINTR) RC_THROW("ppoll failed: ", errno_string(errno));
+  for (size_t i = 0; i < owners.size(); ++i) {
+    Channel& ch = *owners[i];
+    short ev = fds[i].revents;
+    if (!ev) continue;
+    if (ev & POLLOUT) pump_send(ch);
+    if (ev & (POLLIN | POLLHUP | POLLERR)) {
+      bool header_waiting = ch.incoming_got == sizeof(WireHeader) && ch.recvs.empty();
+      if (header_waiting) {
+        // Data (or the peer's close) sits behind a held header: nothing to read for now.
+        if (ev & (POLLHUP | POLLERR)) ch.hung_up = true;
+      } else {
+        pump_recv(ch, true);
+      }
+    }
+  }
+  return true;
+}
+
+std::string TcpTransport::describe_waiting() const {
+  std::string peers;
+  for (const Channel& ch : channels_) {
+    if (ch.fd < 0 || (ch.sends.empty() && ch.recvs.empty())) continue;
+    std::string me = str_cat(ch.peer);
+    if (peers.find(me) == std::string::npos) peers += (peers.empty() ? "" : ", ") + me;
+  }
+  return peers.empty() ? "nothing" : "rank(s) " + peers;
+}
+
+void TcpTransport::wait(Request req, Clock::time_point deadline) {
+  check_usable();
+  auto spin_end = Clock::now() + std::chrono::microseconds(options_.spin_us);
+  while (!done(req)) {
+    if (pump_posted()) continue;
+    if (done(req)) break;
+    if (Clock::now() < spin_end) continue;
+    if (!block(-1, deadline))
+      RC_THROW("timed out during ", has_current_ ? current_.describe() : "an operation",
+               " waiting on ", describe_waiting());
+  }
+}
+
+void TcpTransport::progress_until_event(int wake_fd, Clock::time_point deadline) {
+  check_usable();
+  size_t before = ops_.size();
+  if (pump_posted() && ops_.size() < before) return;
+  block(wake_fd, deadline);
+}
+
+void TcpTransport::abort(const std::string& reason, const std::exception_ptr& error) {
+  if (!abort_reason_.empty()) return;
+  abort_reason_ = reason.empty() ? "aborted" : reason;
+  std::string text = abort_reason_.substr(0, kMaxAbortText);
+  auto deadline = Clock::now() + std::chrono::milliseconds(200);
+  for (Channel& ch : channels_) {
+    if (ch.fd < 0) continue;
+    // A frame can only be written between messages, not inside a half-sent one.
+    bool between_messages = ch.sends.empty() || ch.sends.front().header_done == 0;
+    if (between_messages) {
+      WireHeader h{};
+      h.magic = kMessageMagic;
+      h.kind = kAbort;
+      h.payload_bytes = text.size();
+      if (write_fully(ch.fd, &h, sizeof h, deadline)) write_fully(ch.fd, text.data(), text.size(), deadline);
+    }
+    // Half-close: the peer reads the frame, then end-of-stream. A full close could reset the
+    // connection and discard the frame before the peer reads it.
+    shutdown(ch.fd, SHUT_WR);
+  }
+  std::vector<Callback> callbacks;
+  for (auto& [id, op] : ops_)
+    if (op.on_done) callbacks.push_back(std::move(op.on_done));
+  ops_.clear();
+  for (Channel& ch : channels_) {
+    ch.sends.clear();
+    ch.recvs.clear();
+  }
+  for (auto& cb : callbacks) cb(error);
+}
+
+}  // namespace tcp
+}  // namespace ringcomm

@@ -1,0 +1,307 @@
+"""The Communicator: rendezvous through a torch.distributed Store, collectives on tensors."""
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import threading
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from ._buffers import FLOATING, Buffer, algorithm_code, op_code
+
+RingcommError = _C.RingcommError
+
+_instance_counter = itertools.count()
+_live = set()  # communicators to close at exit, so progress threads never outlive Python
+_live_lock = threading.Lock()
+
+
+class Work:
+    """Handle of an asynchronous operation (``async_op=True``)."""
+
+    def __init__(self, core_work, result, on_success=None):
+        self._core = core_work
+        self._result = result
+        self._future = None
+        self._on_success = on_success
+        if on_success is not None:
+            core_work.add_done_callback(self._run_on_success)
+
+    def _run_on_success(self):
+        if not self._core.error():
+            self._on_success()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until done; raises RingcommError if the operation failed or `timeout` (seconds
+        or timedelta) passes first."""
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        if not self._core.wait(-1.0 if timeout is None else float(timeout)):
+            raise RingcommError(f"timed out after {timeout}s waiting for the operation")
+        return True
+
+    def is_completed(self) -> bool:
+        return self._core.is_completed()
+
+    def is_success(self) -> bool:
+        return self._core.is_completed() and not self._core.error()
+
+    def exception(self) -> Optional[RingcommError]:
+        err = self._core.error()
+        return RingcommError(err) if err else None
+
+    def result(self):
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A torch.futures.Future completed with the result (the tensor) or the error."""
+        if self._future is None:
+            fut = torch.futures.Future()
+            self._future = fut
+
+            def complete():
+                err = self._core.error()
+                if err:
+                    fut.set_exception(RingcommError(err))
+                else:
+                    fut.set_result(self._result)
+
+            self._core.add_done_callback(complete)
+        return self._future
+
+
+def _store_from_env(rank: int, world_size: int, timeout: timedelta):
+    addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise ValueError("no store given and MASTER_ADDR/MASTER_PORT are not set "
+                         "(run under torchrun, or pass store=, rank=, world_size=)")
+    # Under torchrun the elastic agent hosts the store on MASTER_PORT; ranks are all clients.
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return dist.TCPStore(addr, int(port), world_size, is_master=(rank == 0 and not agent_hosts),
+                         timeout=timeout, wait_for_workers=False)
+
+
+class Communicator:
+    """One rank of a group of `world_size` processes that rendezvous through `store`.
+
+    Collectives work in place on contiguous CPU tensors (or numpy arrays). With
+    ``async_op=True`` they return a Work; otherwise they return None when done. Operations run in
+    issue order on a progress thread (blocking calls run on the caller's thread when nothing is
+    queued). Errors raise RingcommError, after which the communicator is broken.
+    """
+
+    def __init__(self, store, rank: int, world_size: int,
+                 timeout: timedelta = timedelta(minutes=10), name: Optional[str] = None):
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        self.rank, self.world_size, self.timeout = int(rank), int(world_size), timeout
+        name = name if name is not None else f"comm{next(_instance_counter)}"
+        store = dist.PrefixStore(f"ringcomm/{name}", store)
+        self._core = _C.Communicator(self.rank, self.world_size, timeout.total_seconds(),
+                                     os.environ.get("MASTER_ADDR", ""))
+        store.set(f"addr/{self.rank}", self._core.address())
+        if self.rank == 0:
+            store.set("token", secrets.token_hex(16))
+        keys = ["token"] + [f"addr/{r}" for r in range(self.world_size)]
+        store.wait(keys, timeout)
+        token = store.get("token").decode()
+        addresses = [store.get(f"addr/{r}").decode() for r in range(self.world_size)]
+        self._core.connect(addresses, token)
+        self._closed = False
+        with _live_lock:
+            _live.add(self)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _finish(self, core_work, result, async_op, on_success=None):
+        if async_op:
+            return Work(core_work, result, on_success)
+        if on_success is not None:
+            on_success()
+        return None
+
+    @staticmethod
+    def _check_op(op, buf: Buffer) -> int:
+        code = op_code(op)
+        if code == 1 and buf.dtype not in FLOATING:
+            raise TypeError(f"op avg needs a floating dtype, got {buf.obj.dtype}")
+        return code
+
+    def _check_rank(self, r: int, what: str) -> int:
+        r = int(r)
+        if not 0 <= r < self.world_size:
+            raise ValueError(f"{what} {r} out of range for world_size {self.world_size}")
+        return r
+
+    @staticmethod
+    def _same_dtype(a: Buffer, b: Buffer):
+        if a.dtype != b.dtype:
+            raise TypeError(f"dtype mismatch: {a.obj.dtype} vs {b.obj.dtype}")
+
+    # -- collectives ----------------------------------------------------------------------
+
+    def all_reduce(self, tensor, op="sum", algorithm: str = "auto", async_op: bool = False):
+        buf = Buffer(tensor)
+        code = self._check_op(op, buf)
+        w = self._core.all_reduce(buf.ptr, buf.numel, buf.dtype, code,
+                                  algorithm_code(algorithm), async_op)
+        return self._finish(w, tensor, async_op)
+
+    def reduce_scatter(self, output, input, op="sum", async_op: bool = False):
+        """Reduces `input` (world_size blocks of output.numel() elements, as one tensor or a list
+        of world_size tensors) over all ranks; block `rank` of the result lands in `output`."""
+        out = Buffer(output, "output")
+        flat = torch.cat([t.reshape(-1) for t in input]) if isinstance(input, (list, tuple)) else input
+        inp = Buffer(flat, "input")
+        self._same_dtype(out, inp)
+        if inp.numel != out.numel * self.world_size:
+            raise ValueError(f"reduce_scatter input has {inp.numel} elements, expected "
+                             f"world_size * output.numel() = {out.numel * self.world_size}")
+        code = self._check_op(op, out)
+        w = self._core.reduce_scatter(out.ptr, inp.ptr, out.numel, out.dtype, code, async_op)
+        return self._finish(w, output, async_op)
+
+    def all_gather(self, output, input, async_op: bool = False):
+        """Gathers every rank's `input` into `output`: one tensor of world_size * input.numel()
+        elements, or a list of world_size tensors shaped like input."""
+        n = Buffer(input, "input").numel
+        return self.all_gatherv(output, input, [n] * self.world_size, async_op)
+
+    def all_gatherv(self, output, input, counts: Sequence[int], async_op: bool = False):
+        """Like all_gather with per-rank sizes: rank r contributes counts[r] elements."""
+        inp = Buffer(input, "input")
+        counts = [int(c) for c in counts]
+        if len(counts) != self.world_size or min(counts) < 0:
+            raise ValueError(f"counts must be {self.world_size} non-negative sizes, got {counts}")
+        if counts[self.rank] != inp.numel:
+            raise ValueError(f"counts[{self.rank}] = {counts[self.rank]} but input has {inp.numel} elements")
+        as_list = isinstance(output, (list, tuple))
+        if as_list:
+            if len(output) != self.world_size:
+                raise ValueError(f"output list needs {self.world_size} tensors, got {len(output)}")
+            for r, t in enumerate(output):
+                if t.numel() != counts[r]:
+                    raise ValueError(f"output[{r}] has {t.numel()} elements, expected {counts[r]}")
+            flat = torch.empty(sum(counts), dtype=input.dtype)
+        else:
+            flat = output
+        out = Buffer(flat, "output")
+        self._same_dtype(out, inp)
+        if out.numel != sum(counts):
+            raise ValueError(f"output has {out.numel} elements, expected {sum(counts)}")
+
+        def scatter_to_list():
+            for t, piece in zip(output, torch.split(flat, counts)):
+                t.copy_(piece.view_as(t))
+
+        w = self._core.all_gatherv(out.ptr, inp.ptr, counts, out.dtype, async_op)
+        return self._finish(w, output, async_op, scatter_to_list if as_list else None)
+
+    def broadcast(self, tensor, src: int, async_op: bool = False):
+        buf = Buffer(tensor)
+        w = self._core.broadcast(buf.ptr, buf.numel, buf.dtype, self._check_rank(src, "src"), async_op)
+        return self._finish(w, tensor, async_op)
+
+    def reduce(self, tensor, dst: int, op="sum", async_op: bool = False):
+        """Reduces into `tensor` on rank `dst`; other ranks' tensors are left unchanged."""
+        buf = Buffer(tensor)
+        code = self._check_op(op, buf)
+        w = self._core.reduce(buf.ptr, buf.numel, buf.dtype, code, self._check_rank(dst, "dst"), async_op)
+        return self._finish(w, tensor, async_op)
+
+    def barrier(self, async_op: bool = False):
+        return self._finish(self._core.barrier(async_op), None, async_op)
+
+    def send(self, tensor, dst: int, async_op: bool = False):
+        buf = Buffer(tensor)
+        w = self._core.send(buf.ptr, buf.numel, buf.dtype, self._check_peer(dst, "dst"), async_op)
+        return self._finish(w, tensor, async_op)
+
+    def recv(self, tensor, src: int, async_op: bool = False):
+        buf = Buffer(tensor)
+        w = self._core.recv(buf.ptr, buf.numel, buf.dtype, self._check_peer(src, "src"), async_op)
+        return self._finish(w, tensor, async_op)
+
+    def isend(self, tensor, dst: int) -> Work:
+        return self.send(tensor, dst, async_op=True)
+
+    def irecv(self, tensor, src: int) -> Work:
+        return self.recv(tensor, src, async_op=True)
+
+    def _check_peer(self, peer, what):
+        peer = self._check_rank(peer, what)
+        if peer == self.rank:
+            raise ValueError(f"{what} {peer} is this rank; send/recv with self is not supported")
+        return peer
+
+    # -- state ----------------------------------------------------------------------------
+
+    def algorithm_for(self, nbytes: int, algorithm: str = "auto") -> str:
+        """The all_reduce algorithm used for a message of `nbytes` bytes."""
+        return self._core.choose_all_reduce(int(nbytes), algorithm_code(algorithm))
+
+    @property
+    def broken(self) -> Optional[str]:
+        """Why this communicator is broken, or None."""
+        return self._core.broken_reason() or None
+
+    def close(self):
+        """Finishes queued operations and closes connections. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._core.close()
+        with _live_lock:
+            _live.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"ringcomm.Communicator(rank={self.rank}, world_size={self.world_size})"
+
+
+def init(store=None, rank: Optional[int] = None, world_size: Optional[int] = None,
+         timeout: timedelta = timedelta(minutes=10)) -> Communicator:
+    """Creates a Communicator.
+
+    Without arguments: reuses torch.distributed's default store (under a prefix) when a process
+    group is initialised, else reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE as torchrun
+    sets them.
+    """
+    if store is None and dist.is_available() and dist.is_initialized():
+        from torch.distributed.distributed_c10d import _get_default_store
+        store = _get_default_store()
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    if rank is None:
+        rank = int(os.environ.get("RANK", "-1"))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "-1"))
+    if rank < 0 or world_size < 1:
+        raise ValueError("rank and world_size must be given or set in RANK and WORLD_SIZE")
+    if store is None:
+        store = _store_from_env(rank, world_size, timeout)
+    return Communicator(store, rank, world_size, timeout)
+
+
+def _close_all():
+    with _live_lock:
+        live = list(_live)
+    for comm in live:
+        comm.close()
+
+
+import atexit  # noqa: E402
+
+atexit.register(_close_all)

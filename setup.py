@@ -1,0 +1,50 @@
+"""Builds ringcomm: CMake + ninja compile the C++ core and the ringcomm._C extension."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        import pybind11
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(self.build_temp).resolve() / ext.name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        config = [
+            "cmake", str(ROOT), "-G", "Ninja",
+            f"-DCMAKE_BUILD_TYPE={os.environ.get('RINGCOMM_BUILD_TYPE', 'Release')}",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+        ]
+        subprocess.check_call(config, cwd=build_dir)
+        subprocess.check_call(["cmake", "--build", ".", "--target", "_C"], cwd=build_dir)
+
+
+setup(
+    name="ringcomm",
+    version="0.1.0",
+    description="Collective communication for PyTorch: ring/tree all-reduce over TCP",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["ringcomm", "ringcomm.*"]),
+    ext_modules=[CMakeExtension("ringcomm._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.9",
+    install_requires=["numpy"],
+    extras_require={"torch": ["torch>=2.3"]},
+    entry_points={"console_scripts": ["ringcomm-bench=ringcomm.bench:main"]},
+    zip_safe=False,
+)
