@@ -184,6 +184,12 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
     }
   }
   for (auto& p : pending) close(p.fd);
+  if (options_.spin_us < 0) {
+    long local_ranks = std::count_if(addresses.begin(), addresses.end(), [&](const std::string& a) {
+      return Endpoint::parse(a).host == bound_.host;
+    });
+    options_.spin_us = local_ranks <= long(std::thread::hardware_concurrency()) ? 10 : 0;
+  }
   if (listen_fd_ >= 0) close(listen_fd_);
   listen_fd_ = -1;
 }

@@ -18,7 +18,10 @@ struct TcpOptions {
   std::string master_addr;          // used to pick the bind address (see choose_bind_host)
   int sockets_per_peer = 1;         // RINGCOMM_SOCKETS_PER_PEER
   int socket_buffer_bytes = 0;      // RINGCOMM_SOCKET_BUFFER; 0 keeps kernel autotuning
-  int spin_us = 50;                 // RINGCOMM_SPIN_US: busy-poll this long before blocking
+  // RINGCOMM_SPIN_US: busy-poll this long before blocking in ppoll. -1 (default): 10 us when
+  // this host has at least as many CPUs as local ranks, else 0 (spinning would steal the CPU
+  // the peer needs to answer).
+  int spin_us = -1;
   size_t stripe_min_bytes = 1 << 20;  // RINGCOMM_STRIPE_MIN_BYTES: split larger messages
   static TcpOptions from_env(const std::string& master_addr);
 };

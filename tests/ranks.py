@@ -1,0 +1,79 @@
+"""Runs a function on N real processes that talk over loopback TCP.
+
+Each rank is a forked process with its own ringcomm.Communicator, rendezvousing through a
+torch FileStore. Results (or exceptions) come back to the test; a rank that does not finish
+within `timeout` seconds fails the test instead of hanging it.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+
+CTX = mp.get_context("fork")
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm):
+    try:
+        store = dist.FileStore(store_path, world)
+        if make_comm:
+            import ringcomm
+
+            comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=comm_timeout))
+            result = fn(comm, *args)
+            comm.close()
+        else:
+            result = fn(store, rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 30,
+              make_comm: bool = True, allow_errors: bool = False):
+    """Runs fn(comm, *args) on `world` ranks (fn(store, rank, world, *args) without make_comm).
+
+    Returns the per-rank results. With allow_errors, a rank's exception is returned as
+    ("error", text) instead of failing the test.
+    """
+    tmp = tempfile.mkdtemp(prefix="ringcomm-test-")
+    store_path = os.path.join(tmp, "store")
+    queue = CTX.Queue()
+    procs = [CTX.Process(target=_child, args=(fn, r, world, store_path, comm_timeout, queue, args,
+                                              make_comm), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            try:
+                rank, status, value = queue.get(timeout=timeout)
+            except Exception:
+                missing = sorted(set(range(world)) - set(results))
+                raise RankFailed(f"rank(s) {missing} did not finish within {timeout}s (hang?)")
+            results[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    out = []
+    for r in range(world):
+        status, value = results[r]
+        if status == "error" and not allow_errors:
+            raise RankFailed(f"rank {r} failed:\n{value}")
+        out.append(("error", value) if status == "error" else value)
+    return out

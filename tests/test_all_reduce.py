@@ -1,0 +1,104 @@
+"""all_reduce on 1-5 real ranks: every op x dtype x algorithm against a float64 reference."""
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from ranks import run_ranks
+from ringcomm._buffers import TORCH_DTYPES
+
+COUNTS = [0, 1, 7, 4097, (1 << 20) + 3]
+OPS = ["sum", "avg", "prod", "min", "max"]
+ALGOS = ["ring", "tree", "recursive_doubling"]
+
+
+def rank_input(rank, count, dtype, seed=0):
+    """Small integers: every reduction of up to 5 of them is exact in every dtype."""
+    gen = torch.Generator().manual_seed(1000 * rank + 7 * count + seed)
+    low = 0 if dtype in (torch.uint8, torch.bool) else -4
+    high = 2 if dtype == torch.bool else 5
+    x = torch.randint(low, high, (count,), generator=gen)
+    return x.bool() if dtype == torch.bool else x.to(dtype)
+
+
+def reference(op, world, count, dtype):
+    xs = np.stack([rank_input(r, count, dtype).double().numpy() for r in range(world)])
+    if dtype == torch.bool:
+        xs = xs.astype(bool)
+        return {"sum": xs.any(0), "max": xs.any(0), "prod": xs.all(0), "min": xs.all(0)}[op]
+    red = {"sum": xs.sum(0), "avg": xs.mean(0), "prod": xs.prod(0), "min": xs.min(0),
+           "max": xs.max(0)}[op]
+    if not dtype.is_floating_point:  # integers wrap around, like torch's
+        red = red.astype(np.int64).astype(torch.empty(0, dtype=dtype).numpy().dtype).astype(np.float64)
+    return red
+
+
+def tolerance(dtype):
+    return {torch.float16: 1e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
+
+
+def every_combination(comm, counts):
+    """Runs every case; returns (failures, digest of all results) for the parent to compare."""
+    failures, digest = [], hashlib.sha256()
+    for count in counts:
+        for dtype in TORCH_DTYPES:
+            for op in OPS:
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                expect = reference(op, comm.world_size, count, dtype)
+                for algo in ALGOS:
+                    t = rank_input(comm.rank, count, dtype)
+                    comm.all_reduce(t, op=op, algorithm=algo)
+                    got = t.double().numpy() if dtype != torch.bool else t.numpy()
+                    if dtype == torch.bool:
+                        ok = np.array_equal(got, expect)
+                    else:
+                        ok = np.allclose(got, expect, rtol=tolerance(dtype), atol=tolerance(dtype))
+                    if not ok:
+                        failures.append(f"count={count} {dtype} {op} {algo}")
+                    digest.update(t.view(torch.uint8).numpy().tobytes() if count else b"")
+    return failures, digest.hexdigest()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_every_op_dtype_algorithm(world):
+    results = run_ranks(world, every_combination, COUNTS, timeout=240, comm_timeout=60)
+    for rank, (failures, _) in enumerate(results):
+        assert not failures, f"rank {rank}: {failures[:10]}"
+    # results are bitwise identical on every rank
+    assert len({digest for _, digest in results}) == 1
+
+
+def random_float_sums(comm, count, algos, repeats):
+    """Float inputs that round differently in different orders: a real determinism check."""
+    out = {}
+    for algo in algos:
+        runs = []
+        for _ in range(repeats):
+            gen = torch.Generator().manual_seed(comm.rank)
+            t = torch.randn(count, generator=gen) * 10 ** torch.randint(-3, 4, (count,), generator=gen)
+            comm.all_reduce(t, algorithm=algo)
+            runs.append(hashlib.sha256(t.numpy().tobytes()).hexdigest())
+        out[algo] = runs
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_deterministic_across_ranks_and_runs(world):
+    results = run_ranks(world, random_float_sums, 300_001, ALGOS, 3)
+    for algo in ALGOS:
+        digests = {d for r in results for d in r[algo]}
+        assert len(digests) == 1, f"{algo}: {len(digests)} different results"
+
+
+def auto_choices(comm):
+    return [comm.algorithm_for(n) for n in (8, 64 << 10, 1 << 20, 64 << 20)]
+
+
+def test_auto_picks_by_size_and_env_forces(monkeypatch):
+    (choices,) = run_ranks(1, auto_choices)
+    assert choices == ["recursive_doubling", "recursive_doubling", "ring", "ring"]
+    monkeypatch.setenv("RINGCOMM_ALGO", "tree")
+    (choices,) = run_ranks(1, auto_choices)
+    assert choices == ["tree"] * 4

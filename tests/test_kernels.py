@@ -1,0 +1,82 @@
+"""CPU reduction kernels (the arithmetic the CUDA kernels share) against torch."""
+import pytest
+import torch
+
+from ringcomm import _C
+from ringcomm._buffers import TORCH_DTYPES
+
+OPS = {"sum": 0, "prod": 2, "min": 3, "max": 4}
+
+
+def torch_reduce(op, a, b):
+    if a.dtype == torch.bool:
+        return {"sum": a | b, "max": a | b, "prod": a & b, "min": a & b}[op]
+    if a.dtype in (torch.float16, torch.bfloat16):
+        fa, fb = a.float(), b.float()
+        return torch_reduce(op, fa, fb).to(a.dtype)
+    return {"sum": a + b, "prod": a * b, "min": torch.minimum(a, b), "max": torch.maximum(a, b)}[op]
+
+
+def sample(dtype, n, gen):
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=gen).bool()
+    if dtype.is_floating_point:
+        x = torch.randn(n, generator=gen, dtype=torch.float64) * 100
+        x[::17] = 0.0
+        x[1::17] = -0.0
+        x[2::31] = float("inf")
+        x[3::37] = float("nan")
+        return x.to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (n,), generator=gen, dtype=torch.int64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("n", [0, 1, 15, 1000, 4099])
+def test_reduce_matches_torch(dtype, op, n):
+    gen = torch.Generator().manual_seed(n * 31 + OPS[op])
+    a, b = sample(dtype, n, gen), sample(dtype, n, gen)
+    out = torch.empty_like(a)
+    _C.reduce_kernel(TORCH_DTYPES[dtype], OPS[op], out.data_ptr(), a.data_ptr(), b.data_ptr(), n)
+    expect = torch_reduce(op, a, b)
+    assert torch.equal(out.view(-1), expect.view(-1)) or (
+        dtype.is_floating_point
+        and torch.equal(out.isnan(), expect.isnan())
+        and torch.equal(out[~out.isnan()], expect[~expect.isnan()])
+    )
+
+
+def test_half_rounding_is_nearest_even_over_all_fp16_values():
+    # Every fp16 bit pattern plus a fixed addend: exercises subnormals, overflow and ties.
+    a = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    for addend in (0.0, 1e-4, 0.5, 3.0, -65504.0, 2.0 ** -24):
+        b = torch.full_like(a, addend)
+        out = torch.empty_like(a)
+        _C.reduce_kernel(TORCH_DTYPES[torch.float16], 0, out.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel())
+        expect = (a.float() + b.float()).half()
+        same = (out.view(torch.int16) == expect.view(torch.int16)) | (out.isnan() & expect.isnan())
+        assert bool(same.all()), f"addend {addend}: {int((~same).sum())} mismatches"
+
+
+def test_bf16_rounding_matches_torch():
+    gen = torch.Generator().manual_seed(7)
+    a = (torch.randn(100000, generator=gen) * 1e3).bfloat16()
+    b = (torch.randn(100000, generator=gen) * 1e-1).bfloat16()
+    out = torch.empty_like(a)
+    _C.reduce_kernel(TORCH_DTYPES[torch.bfloat16], 0, out.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel())
+    assert torch.equal(out, (a.float() + b.float()).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_divide_is_true_division(dtype):
+    x = (torch.arange(1, 2000, dtype=torch.float64) * 0.37).to(dtype)
+    out = x.clone()
+    _C.divide_kernel(TORCH_DTYPES[dtype], out.data_ptr(), out.numel(), 3)
+    assert torch.equal(out, (x.float() / 3).to(dtype) if dtype != torch.float64 else x / 3)
+
+
+def test_divide_rejects_integers():
+    x = torch.arange(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="floating"):
+        _C.divide_kernel(TORCH_DTYPES[torch.int32], x.data_ptr(), 4, 2)
