@@ -24,9 +24,10 @@ _live_lock = threading.Lock()
 class Work:
     """Handle of an asynchronous operation (``async_op=True``)."""
 
-    def __init__(self, core_work, result, on_success=None):
+    def __init__(self, core_work, result, keep=(), on_success=None):
         self._core = core_work
         self._result = result
+        self._keep = keep  # every buffer the operation reads or writes stays alive until done
         self._future = None
         self._on_success = on_success
         if on_success is not None:
@@ -120,9 +121,9 @@ class Communicator:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _finish(self, core_work, result, async_op, on_success=None):
+    def _finish(self, core_work, result, async_op, keep=(), on_success=None):
         if async_op:
-            return Work(core_work, result, on_success)
+            return Work(core_work, result, keep, on_success)
         if on_success is not None:
             on_success()
         return None
@@ -166,7 +167,7 @@ class Communicator:
                              f"world_size * output.numel() = {out.numel * self.world_size}")
         code = self._check_op(op, out)
         w = self._core.reduce_scatter(out.ptr, inp.ptr, out.numel, out.dtype, code, async_op)
-        return self._finish(w, output, async_op)
+        return self._finish(w, output, async_op, keep=(flat,))
 
     def all_gather(self, output, input, async_op: bool = False):
         """Gathers every rank's `input` into `output`: one tensor of world_size * input.numel()
@@ -202,7 +203,8 @@ class Communicator:
                 t.copy_(piece.view_as(t))
 
         w = self._core.all_gatherv(out.ptr, inp.ptr, counts, out.dtype, async_op)
-        return self._finish(w, output, async_op, scatter_to_list if as_list else None)
+        return self._finish(w, output, async_op, keep=(flat, input),
+                            on_success=scatter_to_list if as_list else None)
 
     def broadcast(self, tensor, src: int, async_op: bool = False):
         buf = Buffer(tensor)

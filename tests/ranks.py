@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queue_module
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -57,14 +59,21 @@ def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 
     for p in procs:
         p.start()
     results = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
+        while len(results) < world:
             try:
-                rank, status, value = queue.get(timeout=timeout)
-            except Exception:
+                rank, status, value = queue.get(timeout=0.2)
+                results[rank] = (status, value)
+                continue
+            except queue_module.Empty:
+                pass
+            for r, p in enumerate(procs):  # a rank that died without reporting
+                if r not in results and p.exitcode is not None and queue.empty():
+                    results[r] = ("error", f"rank {r} exited with code {p.exitcode}")
+            if time.monotonic() > deadline:
                 missing = sorted(set(range(world)) - set(results))
                 raise RankFailed(f"rank(s) {missing} did not finish within {timeout}s (hang?)")
-            results[rank] = (status, value)
     finally:
         for p in procs:
             p.join(timeout=5)

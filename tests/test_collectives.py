@@ -1,0 +1,133 @@
+"""reduce_scatter, all_gather(v), broadcast, reduce, barrier, send/recv, async handles."""
+import numpy as np
+import pytest
+import torch
+
+from ranks import run_ranks
+
+WORLDS = [1, 2, 3, 5]
+
+
+def values(rank, n, dtype=torch.float32):
+    return (torch.arange(n, dtype=torch.float64) % 11 + rank * 3 - 4).to(dtype)
+
+
+def rooted_and_gathers(comm, counts):
+    r, n = comm.rank, comm.world_size
+    for count in counts:
+        # reduce_scatter: tensor input and list input
+        inp = values(r, count * n)
+        out = torch.empty(count)
+        comm.reduce_scatter(out, inp)
+        total = sum(values(q, count * n) for q in range(n))
+        assert torch.equal(out, total[r * count:(r + 1) * count]), "reduce_scatter"
+        out2 = torch.empty(count, dtype=torch.float64)
+        comm.reduce_scatter(out2, [values(r, count, torch.float64) + q for q in range(n)], op="max")
+        assert torch.equal(out2, values(n - 1, count, torch.float64) + r), "reduce_scatter list max"
+
+        # all_gather into one tensor and into a list
+        gathered = torch.empty(count * n, dtype=torch.int64)
+        comm.all_gather(gathered, values(r, count, torch.int64))
+        assert torch.equal(gathered, torch.cat([values(q, count, torch.int64) for q in range(n)]))
+        pieces = [torch.empty(count, dtype=torch.bfloat16) for _ in range(n)]
+        comm.all_gather(pieces, values(r, count, torch.bfloat16))
+        for q in range(n):
+            assert torch.equal(pieces[q], values(q, count, torch.bfloat16)), "all_gather list"
+
+        # all_gatherv with per-rank sizes, including empty contributions
+        sizes = [(count + 3 * q) % 5 * (q + 1) for q in range(n)]
+        gv = torch.empty(sum(sizes), dtype=torch.float16)
+        comm.all_gatherv(gv, values(r, sizes[r], torch.float16), sizes)
+        assert torch.equal(gv, torch.cat([values(q, sizes[q], torch.float16) for q in range(n)]))
+
+        for root in range(n):
+            b = values(r, count, torch.int32)
+            comm.broadcast(b, src=root)
+            assert torch.equal(b, values(root, count, torch.int32)), f"broadcast root {root}"
+
+            red = values(r, count)
+            comm.reduce(red, dst=root, op="sum")
+            if r == root:
+                assert torch.equal(red, sum(values(q, count) for q in range(n))), "reduce"
+            else:
+                assert torch.equal(red, values(r, count)), "reduce must leave non-root input alone"
+        comm.barrier()
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_rooted_and_gather_collectives(world):
+    # 300_000 floats crosses the chain threshold for broadcast/reduce and needs many ring slices
+    run_ranks(world, rooted_and_gathers, [0, 1, 7, 4097, 300_000], timeout=120)
+
+
+def numpy_arrays(comm):
+    a = np.full(1000, comm.rank + 1, dtype=np.float64)
+    comm.all_reduce(a, op="max")
+    assert (a == comm.world_size).all()
+    return True
+
+
+def test_numpy_arrays():
+    run_ranks(2, numpy_arrays)
+
+
+def point_to_point(comm):
+    r, n = comm.rank, comm.world_size
+    # ring exchange where every rank posts its receive first: must not deadlock
+    right, left = (r + 1) % n, (r - 1) % n
+    got = torch.empty(100_000, dtype=torch.int64)
+    recv_work = comm.irecv(got, left)
+    send_work = comm.isend(torch.full((100_000,), r, dtype=torch.int64), right)
+    recv_work.wait()
+    send_work.wait()
+    assert (got == left).all()
+    # blocking, in order, with several messages between the same pair
+    if r == 0:
+        for i in range(5):
+            comm.send(torch.full((i + 1,), float(i)), 1)
+    elif r == 1:
+        for i in range(5):
+            t = torch.empty(i + 1)
+            comm.recv(t, 0)
+            assert (t == i).all()
+    # point-to-point and collectives interleave
+    t = torch.ones(10)
+    comm.all_reduce(t)
+    assert (t == n).all()
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_send_recv(world):
+    run_ranks(world, point_to_point)
+
+
+def async_handles(comm):
+    n = comm.world_size
+    tensors = [torch.full((50_000,), float(i)) for i in range(8)]
+    works = [comm.all_reduce(t, async_op=True) for t in tensors]
+    futs = [w.get_future() for w in works]
+    for i, (w, f) in enumerate(zip(works, futs)):
+        assert w.wait(timeout=30) is True
+        assert w.is_completed() and w.exception() is None
+        assert f.wait() is tensors[i]
+        assert (tensors[i] == i * n).all()
+    # a future's callback chain
+    t = torch.ones(4)
+    chained = comm.all_reduce(t, async_op=True).get_future().then(lambda fut: fut.value() * 2)
+    assert (chained.wait() == 2 * n).all()
+    # async collectives of every kind, waited on in reverse order
+    out = torch.empty(3 * n)
+    works = [comm.all_gather(out, torch.full((3,), float(comm.rank)), async_op=True),
+             comm.broadcast(torch.zeros(3), 0, async_op=True),
+             comm.barrier(async_op=True)]
+    for w in reversed(works):
+        w.wait()
+    assert torch.equal(out, torch.arange(n).float().repeat_interleave(3))
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_async_work_and_futures(world):
+    run_ranks(world, async_handles)

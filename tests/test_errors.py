@@ -1,0 +1,202 @@
+"""Bad input, mismatched collectives, dead peers, strangers and timeouts: clear errors, no hangs."""
+import os
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import ringcomm
+from ranks import run_ranks
+
+
+def expect_error(fn):
+    start = time.monotonic()
+    try:
+        fn()
+    except ringcomm.RingcommError as e:
+        return str(e), time.monotonic() - start
+    raise AssertionError("expected RingcommError")
+
+
+# ---- mismatched collectives ---------------------------------------------------------------
+
+def mismatched(comm, kind, count):
+    r = comm.rank
+    odd = r == 1
+    if kind == "count":
+        call = lambda: comm.all_reduce(torch.ones(count + (3 if odd else 0)))
+    elif kind == "dtype":
+        call = lambda: comm.all_reduce(torch.ones(count, dtype=torch.float64 if odd else torch.float32))
+    elif kind == "op":
+        call = lambda: comm.all_reduce(torch.ones(count), op="max" if odd else "sum")
+    elif kind == "collective":
+        call = (lambda: comm.broadcast(torch.ones(count), 0)) if odd else (lambda: comm.all_reduce(torch.ones(count)))
+    elif kind == "root":
+        # Both think they are the root, so both only send: the broadcast itself can complete,
+        # and the mismatch surfaces on the next call, when the stray message is read.
+        def call():
+            comm.broadcast(torch.ones(count), 1 if odd else 0)
+            comm.all_reduce(torch.ones(5))
+    def good_then_bad():
+        # A matching call first, so sequence numbers agree. A rank still in it may already hear
+        # another rank's abort for the mismatch that follows, and raise there: that is intended.
+        comm.all_reduce(torch.ones(5))
+        call()
+
+    message, elapsed = expect_error(good_then_bad)
+    broken, _ = expect_error(lambda: comm.all_reduce(torch.ones(5)))
+    return message, elapsed, broken
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind,count", [("count", 10), ("count", 1 << 20), ("dtype", 100),
+                                        ("op", 1 << 20), ("collective", 1000), ("root", 100)])
+def test_mismatch_raises_on_every_rank(world, kind, count):
+    results = run_ranks(world, mismatched, kind, count, timeout=60, comm_timeout=30)
+    for rank, (message, elapsed, broken) in enumerate(results):
+        assert "mismatched operations" in message, f"rank {rank}: {message}"
+        # both sides of the mismatch are named
+        assert "rank 1 issued" in message or "but rank 1 issued" in message, message
+        assert message.count("seq=1") >= (1 if kind == "root" else 2), message
+        assert elapsed < 10, f"rank {rank} took {elapsed:.1f}s to notice"
+        assert "broken" in broken
+
+
+def both_counts_named(comm):
+    message, _ = expect_error(lambda: comm.all_reduce(torch.ones(7 if comm.rank == 2 else 9)))
+    return message
+
+
+def test_mismatch_message_names_both_counts():
+    for message in run_ranks(3, both_counts_named):
+        assert "count=7" in message and "count=9" in message, message
+
+
+def empty_vs_nonempty(comm):
+    return expect_error(lambda: comm.all_reduce(torch.ones(0 if comm.rank == 0 else 5)))[0]
+
+
+def test_empty_against_nonempty_is_a_mismatch():
+    for message in run_ranks(2, empty_vs_nonempty):
+        assert "mismatched" in message
+
+
+# ---- dead peers ---------------------------------------------------------------------------
+
+def peer_dies(comm):
+    big = torch.ones(4 << 20)
+    if comm.rank == 2:
+        threading.Timer(0.5, lambda: os._exit(17)).start()
+        while True:
+            comm.all_reduce(big)
+    died_at = time.monotonic() + 0.5
+    message, _ = expect_error(lambda: [comm.all_reduce(big) for _ in range(10_000)])
+    return message, time.monotonic() - died_at
+
+
+def test_dead_peer_raises_everywhere_within_seconds():
+    results = run_ranks(3, peer_dies, allow_errors=True, timeout=60, comm_timeout=60)
+    for rank in (0, 1):
+        message, after = results[rank]
+        assert "rank 2" in message and "all_reduce" in message, message
+        assert after < 5, f"rank {rank} noticed the dead peer after {after:.1f}s"
+
+
+def peer_silent(comm, hold):
+    if comm.rank == 1:
+        time.sleep(hold)  # never joins the collective
+        return None
+    return expect_error(lambda: comm.all_reduce(torch.ones(100)))
+
+
+def test_timeout_when_a_peer_never_joins():
+    results = run_ranks(2, peer_silent, 4.0, comm_timeout=1.5)
+    message, elapsed = results[0]
+    assert "timed out" in message and "all_reduce" in message and "rank(s) 1" in message
+    assert 1.0 < elapsed < 4.0
+
+
+# ---- strangers ----------------------------------------------------------------------------
+
+HELLO = struct.Struct("<IIiiii64s")
+
+
+def stranger_and_two_ranks(store, rank, world):
+    prefixed = torch.distributed.PrefixStore("ringcomm/stranger", store)
+    if rank == 2:  # the stranger
+        prefixed.wait(["addr/0"], timedelta(seconds=20))
+        host, port = prefixed.get("addr/0").decode().rsplit(":", 1)
+        # Both strangers connect and speak while rank 0 waits for rank 1, so rank 0's accept
+        # loop meets them before (or beside) the real peer.
+        wrong_token = socket.create_connection((host, int(port)), timeout=20)
+        wrong_token.sendall(HELLO.pack(0x524D4348, 0x01020304, 2, 1, 0, 1, b"not-the-token"))
+        garbage = socket.create_connection((host, int(port)), timeout=20)
+        garbage.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 200)
+        store.set("stranger_done", "1")
+        def read(conn):  # a refusal is an Ack with accepted=0, then end of stream (or a reset)
+            try:
+                return conn.recv(64)
+            except ConnectionResetError:
+                return b""
+
+        seen = []
+        reply = read(wrong_token)
+        seen.append(reply[4:8] if reply else b"")
+        seen.append(read(wrong_token))
+        data = read(garbage)
+        seen.append(data[4:8] if data else b"")
+        wrong_token.close()
+        garbage.close()
+        return seen
+    if rank == 1:
+        store.wait(["stranger_done"], timedelta(seconds=20))
+    comm = ringcomm.Communicator(store, rank, 2, timeout=timedelta(seconds=20), name="stranger")
+    t = torch.full((1000,), float(rank + 1))
+    comm.all_reduce(t)
+    comm.close()
+    return bool((t == 3).all())
+
+
+def test_stranger_with_wrong_token_is_refused():
+    ok0, ok1, stranger_seen = run_ranks(3, stranger_and_two_ranks, make_comm=False, timeout=60)
+    assert ok0 and ok1
+    refused = struct.pack("<i", 0)
+    assert stranger_seen[0] in (refused, b""), stranger_seen
+    assert stranger_seen[1] == b"", "connection must be closed after refusal"
+    assert stranger_seen[2] in (refused, b""), stranger_seen
+
+
+# ---- bad arguments ------------------------------------------------------------------------
+
+def bad_arguments(comm):
+    cases = [
+        (lambda: comm.all_reduce(torch.ones(4, 4).t()), ValueError, "contiguous"),
+        (lambda: comm.all_reduce(torch.ones(4, dtype=torch.complex64)), TypeError, "dtype"),
+        (lambda: comm.all_reduce(torch.ones(4, device="meta")), ValueError, "CPU"),
+        (lambda: comm.all_reduce([1.0, 2.0]), TypeError, "torch.Tensor"),
+        (lambda: comm.all_reduce(torch.ones(4, dtype=torch.int32), op="avg"), TypeError, "floating"),
+        (lambda: comm.all_reduce(torch.ones(4), op="bxor"), ValueError, "unsupported"),
+        (lambda: comm.all_reduce(torch.ones(4), algorithm="magic"), ValueError, "algorithm"),
+        (lambda: comm.broadcast(torch.ones(4), src=comm.world_size), ValueError, "out of range"),
+        (lambda: comm.reduce(torch.ones(4), dst=-1), ValueError, "out of range"),
+        (lambda: comm.send(torch.ones(4), comm.rank), ValueError, "self"),
+        (lambda: comm.reduce_scatter(torch.ones(3), torch.ones(5)), ValueError, "elements"),
+        (lambda: comm.all_gather(torch.ones(8), torch.ones(4, dtype=torch.float64)), TypeError, "dtype"),
+        (lambda: comm.all_gatherv(torch.ones(8), torch.ones(4), [4]), ValueError, "counts"),
+    ]
+    for call, error, text in cases:
+        with pytest.raises(error, match=text):
+            call()
+    # nothing was sent: the communicator still works
+    t = torch.ones(3)
+    comm.all_reduce(t)
+    assert comm.broken is None
+    return bool((t == comm.world_size).all())
+
+
+def test_bad_arguments_raise_before_sending():
+    assert all(run_ranks(2, bad_arguments))
