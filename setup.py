@@ -44,7 +44,8 @@ setup(
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
     install_requires=["numpy"],
-    extras_require={"torch": ["torch>=2.3"]},
+    # torch is not pinned here: install it first (see the Makefile), or pip may pull a CUDA build.
+    extras_require={"torch": ["torch>=2.3"], "test": ["pytest", "pytest-timeout", "scikit-learn"]},
     entry_points={"console_scripts": ["ringcomm-bench=ringcomm.bench:main"]},
     zip_safe=False,
 )

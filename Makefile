@@ -1,0 +1,29 @@
+# One-command workflows on a fresh clone. Everything lives in $(VENV).
+VENV      ?= .venv
+PYTHON    ?= python3
+TORCH_PIN ?= torch==2.13.0
+RANKS     ?= 2
+SIZES     ?= 8,4K,64K,1M,16M,64M
+PY        := $(VENV)/bin/python
+SOURCES   := $(shell find csrc ringcomm -name '*.cc' -o -name '*.h' -o -name '*.py') setup.py pyproject.toml CMakeLists.txt
+
+.PHONY: install test bench clean
+
+# venv, the torch pin first (so nothing pulls a CUDA build), then the package (editable).
+$(VENV)/.installed: $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest tests
+
+# The main job: ringcomm vs gloo, $(RANKS) local ranks over TCP loopback, one run.
+bench: install
+	$(PY) -m ringcomm.bench --ranks $(RANKS) --sizes $(SIZES) --compare gloo
+
+clean:
+	rm -rf build *.egg-info ringcomm/_C*.so
