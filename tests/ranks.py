@@ -1,7 +1,8 @@
 """Runs a function on N real processes that talk over loopback TCP.
 
-Each rank is a forked process with its own ringcomm.Communicator, rendezvousing through a
-torch FileStore. Results (or exceptions) come back to the test; a rank that does not finish
+Each rank is a process with its own ringcomm.Communicator, rendezvousing through a torch
+FileStore. Ranks are forked from a clean, single-threaded fork server (not from the pytest process,
+whose torch may have started OpenMP threads: a fork from there can deadlock in the child). Results (or exceptions) come back to the test; a rank that does not finish
 within `timeout` seconds fails the test instead of hanging it.
 """
 from __future__ import annotations
@@ -16,15 +17,17 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-CTX = mp.get_context("fork")
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "ringcomm", "numpy"])
 
 
 class RankFailed(AssertionError):
     pass
 
 
-def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm):
+def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm, env):
     try:
+        os.environ.update(env)
         store = dist.FileStore(store_path, world)
         if make_comm:
             import ringcomm
@@ -44,17 +47,17 @@ def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm):
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 30,
-              make_comm: bool = True, allow_errors: bool = False):
+              make_comm: bool = True, allow_errors: bool = False, env: dict | None = None):
     """Runs fn(comm, *args) on `world` ranks (fn(store, rank, world, *args) without make_comm).
 
     Returns the per-rank results. With allow_errors, a rank's exception is returned as
-    ("error", text) instead of failing the test.
+    ("error", text) instead of failing the test. `env` is added to each rank's environment.
     """
     tmp = tempfile.mkdtemp(prefix="ringcomm-test-")
     store_path = os.path.join(tmp, "store")
     queue = CTX.Queue()
     procs = [CTX.Process(target=_child, args=(fn, r, world, store_path, comm_timeout, queue, args,
-                                              make_comm), daemon=True)
+                                              make_comm, env or {}), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -96,9 +96,8 @@ def auto_choices(comm):
     return [comm.algorithm_for(n) for n in (8, 64 << 10, 1 << 20, 64 << 20)]
 
 
-def test_auto_picks_by_size_and_env_forces(monkeypatch):
+def test_auto_picks_by_size_and_env_forces():
     (choices,) = run_ranks(1, auto_choices)
     assert choices == ["recursive_doubling", "recursive_doubling", "ring", "ring"]
-    monkeypatch.setenv("RINGCOMM_ALGO", "tree")
-    (choices,) = run_ranks(1, auto_choices)
+    (choices,) = run_ranks(1, auto_choices, env={"RINGCOMM_ALGO": "tree"})
     assert choices == ["tree"] * 4
