@@ -439,8 +439,16 @@ void TcpTransport::abort(const std::string& reason, const std::exception_ptr& er
   auto deadline = Clock::now() + std::chrono::milliseconds(200);
   for (Channel& ch : channels_) {
     if (ch.fd < 0) continue;
-    // A frame can only be written between messages, not inside a half-sent one.
+    // A frame can only be written between messages: finish a half-sent one first (usually one
+    // slice, which fits in the socket buffer), so the peer reads the reason, not just a close.
     bool between_messages = ch.sends.empty() || ch.sends.front().header_done == 0;
+    if (!between_messages) {
+      Part& p = ch.sends.front();
+      between_messages =
+          write_fully(ch.fd, reinterpret_cast<char*>(&p.header) + p.header_done,
+                      sizeof(WireHeader) - p.header_done, deadline) &&
+          write_fully(ch.fd, p.data + p.done, p.bytes - p.done, deadline);
+    }
     if (between_messages) {
       WireHeader h{};
       h.magic = kMessageMagic;
