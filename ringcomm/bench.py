@@ -28,7 +28,9 @@ DTYPES = {"float": torch.float32, "float32": torch.float32, "double": torch.floa
           "float64": torch.float64, "half": torch.float16, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int32": torch.int32, "int": torch.int32,
           "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+# "exchange": ranks 2i and 2i+1 send each other `size` bytes at once (isend + irecv): the
+# transport's own ceiling, against which the collectives' large-message times can be read.
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "exchange")
 OPS = ("sum", "avg", "prod", "min", "max")
 GLOO_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
             "max": dist.ReduceOp.MAX}
@@ -45,7 +47,7 @@ def bus_factor(coll: str, n: int) -> float:
         return 2 * (n - 1) / n
     if coll in ("reduce_scatter", "all_gather"):
         return (n - 1) / n
-    return 1.0
+    return 1.0  # broadcast, reduce; exchange: bytes each way per second
 
 
 def sizes_from(args) -> list[int]:
@@ -78,6 +80,11 @@ class Case:
             self.inp, self.out = self.input(count), torch.empty(per_rank, dtype=dtype)
         elif coll == "all_gather":
             self.inp, self.out = self.input(per_rank), torch.empty(count, dtype=dtype)
+        elif coll == "exchange":
+            if world % 2:
+                raise SystemExit("--coll exchange needs an even number of ranks")
+            self.peer = rank ^ 1
+            self.inp, self.out = self.input(count), torch.empty(count, dtype=dtype)
         else:
             self.inp = self.out = self.input(count)
         self.nbytes = count * elem
@@ -99,6 +106,10 @@ class Case:
                 c.all_gather(self.out, t)
             elif self.coll == "broadcast":
                 c.broadcast(t, 0)
+            elif self.coll == "exchange":
+                works = [c.irecv(self.out, self.peer), c.isend(t, self.peer)]
+                for w in works:
+                    w.wait()
             else:
                 c.reduce(t, 0, op=self.op)
         else:
@@ -111,6 +122,9 @@ class Case:
                 dist.all_gather_into_tensor(self.out, t)
             elif self.coll == "broadcast":
                 dist.broadcast(t, 0)
+            elif self.coll == "exchange":
+                for w in [dist.irecv(self.out, self.peer), dist.isend(t, self.peer)]:
+                    w.wait()
             else:
                 dist.reduce(t, 0, op=op)
 
@@ -124,6 +138,8 @@ class Case:
             expect, got = inputs[0], self.inp
         elif self.coll == "all_gather":
             expect, got = torch.cat(inputs), self.out
+        elif self.coll == "exchange":
+            expect, got = inputs[self.peer], self.out
         else:
             stacked = torch.stack(inputs)
             red = {"sum": stacked.sum(0), "avg": stacked.mean(0), "prod": stacked.prod(0),

@@ -188,7 +188,7 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
     long local_ranks = std::count_if(addresses.begin(), addresses.end(), [&](const std::string& a) {
       return Endpoint::parse(a).host == bound_.host;
     });
-    options_.spin_us = local_ranks <= long(std::thread::hardware_concurrency()) ? 10 : 0;
+    options_.spin_us = local_ranks <= long(std::thread::hardware_concurrency()) ? 30 : 0;
   }
   if (listen_fd_ >= 0) close(listen_fd_);
   listen_fd_ = -1;

@@ -18,7 +18,7 @@ struct TcpOptions {
   std::string master_addr;          // used to pick the bind address (see choose_bind_host)
   int sockets_per_peer = 1;         // RINGCOMM_SOCKETS_PER_PEER
   int socket_buffer_bytes = 0;      // RINGCOMM_SOCKET_BUFFER; 0 keeps kernel autotuning
-  // RINGCOMM_SPIN_US: busy-poll this long before blocking in ppoll. -1 (default): 10 us when
+  // RINGCOMM_SPIN_US: busy-poll this long before blocking in ppoll. -1 (default): 30 us when
   // this host has at least as many CPUs as local ranks, else 0 (spinning would steal the CPU
   // the peer needs to answer).
   int spin_us = -1;
