@@ -1,0 +1,56 @@
+"""Transport settings: several sockets per peer (striping), bind address / interface choice."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from ranks import run_ranks
+
+
+def striped_collectives(comm):
+    n = comm.world_size
+    t = torch.arange(3_000_001, dtype=torch.float32) + comm.rank  # > stripe threshold, odd size
+    comm.all_reduce(t, op=dist.ReduceOp.SUM)
+    expect = torch.arange(3_000_001, dtype=torch.float32) * n + sum(range(n))
+    assert torch.equal(t, expect)
+    small = torch.tensor([float(comm.rank)])
+    comm.all_reduce(small, op=dist.ReduceOp.MAX)
+    assert small.item() == n - 1
+    b = torch.full((2_000_000,), float(comm.rank), dtype=torch.float64)
+    comm.broadcast(b, src=n - 1)
+    assert (b == n - 1).all()
+    return True
+
+
+@pytest.mark.parametrize("sockets", ["1", "3"])
+def test_sockets_per_peer(sockets):
+    env = {"RINGCOMM_SOCKETS_PER_PEER": sockets, "RINGCOMM_STRIPE_MIN_BYTES": "65536"}
+    assert all(run_ranks(3, striped_collectives, env=env))
+
+
+def bound_address(comm):
+    t = torch.ones(10)
+    comm.all_reduce(t)
+    return comm._core.address()
+
+
+@pytest.mark.parametrize("env,host", [({"RINGCOMM_SOCKET_ADDR": "127.0.0.1"}, "127.0.0.1"),
+                                      ({"RINGCOMM_SOCKET_IFNAME": "lo"}, "127.0.0.1"),
+                                      ({"MASTER_ADDR": "127.0.0.1"}, "127.0.0.1")])
+def test_bind_address_choice(env, host):
+    for address in run_ranks(2, bound_address, env=env):
+        assert address.rsplit(":", 1)[0] == host
+
+
+def bad_interface(store, rank, world):
+    import ringcomm
+    try:
+        ringcomm.Communicator(store, rank, world)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_unknown_interface_is_a_clear_error():
+    messages = run_ranks(2, bad_interface, make_comm=False, env={"RINGCOMM_SOCKET_IFNAME": "nosuch0"},
+                         timeout=30)
+    assert all("nosuch0" in m for m in messages), messages
