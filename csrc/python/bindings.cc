@@ -10,6 +10,10 @@
 namespace py = pybind11;
 using namespace ringcomm;
 
+namespace ringcomm {
+void bind_compress(py::module_& m);  // compress_bindings.cc
+}
+
 namespace {
 
 void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
@@ -97,6 +101,7 @@ PYBIND11_MODULE(_C, m) {
           DType t = checked_dtype(dt);
           cpu::reduce(t, checked_op(op, t), ptr(out), ptr(a), ptr(b), n);
         }, G());
+  bind_compress(m);
   m.def("divide_kernel",
         [](int dt, uintptr_t x, size_t n, int divisor) {
           cpu::divide(checked_dtype(dt), ptr(x), n, divisor);

@@ -1,0 +1,193 @@
+// Top-k selection: a sampled threshold, one pass over the data, and an exact fix-up.
+//
+// 1. Sample: estimate from a fixed pseudo-random sample of keys a threshold t that a little more
+//    than k elements reach (over-selecting on purpose).
+// 2. Scan (the only full pass): collect every index whose key is >= t. In the error-feedback
+//    variant the same pass computes acc = grad + residual and stores it.
+// 3. If fewer than k were collected, the estimate was too high: lower t and scan again (rare;
+//    this is what makes the result exact, not probabilistic).
+// 4. Among the candidates, which contain every element of the true top-k whenever there are at
+//    least k of them, select exactly by (key descending, index ascending), then sort the winners
+//    by index.
+// Memory traffic: one read of the input (plus one read and one write of the residual), against
+// torch.topk's heap or sort over the whole tensor.
+#include "kernels/cpu/topk.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/topk_math.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RC_MULTIVERSION __attribute__((target_clones("avx2", "default"), flatten))
+#else
+#define RC_MULTIVERSION __attribute__((flatten))
+#endif
+#define RC_TOPK_INLINE inline __attribute__((always_inline))
+
+namespace ringcomm {
+namespace cpu {
+namespace {
+
+using topk::Key;
+using topk::magnitude_key;
+
+constexpr size_t kSampleSize = 1 << 16;
+// Small inputs, or k a large fraction of n: select directly over every element.
+constexpr size_t kDirectBelow = 1 << 17;
+
+struct Candidate {
+  Key key;
+  uint32_t index;
+};
+
+// Threshold key that about `want` of n elements reach, estimated from a sample of keys: short
+// contiguous runs at pseudo-random offsets, which costs a few cache misses per run instead of
+// one per sampled element.
+template <typename KeyAt>
+Key estimate_threshold(size_t n, size_t want, KeyAt key_at) {
+  constexpr size_t kRun = 64;
+  std::vector<Key> sample;
+  sample.reserve(kSampleSize);
+  uint64_t state = 0x9e3779b97f4a7c15ull ^ n;  // fixed seed: deterministic
+  while (sample.size() < kSampleSize) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    size_t start = size_t((state >> 33) % (n - kRun));
+    for (size_t i = start; i < start + kRun; ++i) sample.push_back(key_at(i));
+  }
+  double expected = double(want) * kSampleSize / double(n);
+  // Aim 20% plus four standard deviations above the expected count, so one scan nearly always
+  // suffices.
+  size_t rank = size_t(std::min<double>(kSampleSize - 1, expected * 1.2 + 4 * std::sqrt(expected) + 8));
+  std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<Key>());
+  return sample[rank];
+}
+
+// Appends (key, index) for every element of [0, n) with key >= t. Blocks of 16 are tested with a
+// branch-free (vectorisable) "any" first: almost all blocks hold no candidate.
+template <typename KeyAt>
+RC_TOPK_INLINE void collect_at_least(size_t n, Key t, KeyAt key_at, std::vector<Candidate>& out) {
+  constexpr size_t kBlock = 16;
+  size_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    bool any = false;
+    for (size_t j = 0; j < kBlock; ++j) any |= key_at(i + j) >= t;
+    if (!any) continue;
+    for (size_t j = i; j < i + kBlock; ++j)
+      if (key_at(j) >= t) out.push_back({key_at(j), uint32_t(j)});
+  }
+  for (; i < n; ++i)
+    if (key_at(i) >= t) out.push_back({key_at(i), uint32_t(i)});
+}
+
+void select_exact(std::vector<Candidate>& cands, size_t k, int32_t* indices) {
+  auto before = [](const Candidate& a, const Candidate& b) {
+    return topk::ranks_before(a.key, a.index, b.key, b.index);
+  };
+  if (k < cands.size()) std::nth_element(cands.begin(), cands.begin() + k, cands.end(), before);
+  cands.resize(k);
+  for (size_t i = 0; i < k; ++i) indices[i] = int32_t(cands[i].index);
+  std::sort(indices, indices + k);
+}
+
+// The shared selection driver. `scan(t, out)` appends every (key, index) with key >= t, for the
+// whole input, and may be called again with a lower t.
+template <typename KeyAt, typename Scan>
+void select(size_t n, size_t k, int32_t* indices, KeyAt key_at, Scan scan) {
+  std::vector<Candidate> cands;
+  if (n < kDirectBelow || k * 4 >= n) {
+    scan(Key(0), cands);
+  } else {
+    Key t = estimate_threshold(n, k, key_at);
+    cands.reserve(k * 2);
+    scan(t, cands);
+    while (cands.size() < k) {  // too few reached t: lower it and look again
+      t = t / 2;
+      cands.clear();
+      scan(t, cands);
+    }
+  }
+  select_exact(cands, k, indices);
+}
+
+template <typename T>
+void topk_typed(const T* data, size_t n, size_t k, int32_t* indices, T* values) {
+  auto key_at = [&](size_t i) { return magnitude_key(data[i]); };
+  select(n, k, indices, key_at,
+         [&](Key t, std::vector<Candidate>& out) { collect_at_least(n, t, key_at, out); });
+  for (size_t i = 0; i < k; ++i) values[i] = data[indices[i]];
+}
+
+template <typename T>
+void topk_with_residual_typed(const T* grad, T* residual, size_t n, size_t k, int32_t* indices,
+                              T* values) {
+  bool accumulated = false;
+  auto key_at = [&](size_t i) {
+    return magnitude_key(accumulated ? residual[i] : topk::accumulate(grad[i], residual[i]));
+  };
+  select(n, k, indices, key_at, [&](Key t, std::vector<Candidate>& out) {
+    if (!accumulated) {  // first scan: accumulate and collect in one pass
+      for (size_t i = 0; i < n; ++i) {
+        T acc = topk::accumulate(grad[i], residual[i]);
+        residual[i] = acc;
+        Key key = magnitude_key(acc);
+        if (key >= t) out.push_back({key, uint32_t(i)});
+      }
+      accumulated = true;
+    } else {
+      collect_at_least(n, t, [&](size_t i) { return magnitude_key(residual[i]); }, out);
+    }
+  });
+  for (size_t i = 0; i < k; ++i) {
+    values[i] = residual[indices[i]];
+    residual[indices[i]] = T{};
+  }
+}
+
+void check(DType dtype, size_t n, size_t k) {
+  RC_CHECK_ARG(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16,
+               "top-k supports float32, float16 and bfloat16, got ", dtype_name(dtype));
+  RC_CHECK_ARG(k <= n, "k = ", k, " is larger than the number of elements ", n);
+  RC_CHECK_ARG(n <= size_t(INT32_MAX), "top-k indices are int32: at most 2^31-1 elements, got ", n);
+}
+
+}  // namespace
+
+RC_MULTIVERSION
+void topk(DType dtype, const void* data, size_t n, size_t k, int32_t* indices, void* values) {
+  check(dtype, n, k);
+  if (k == 0) return;
+  switch (dtype) {
+    case DType::kFloat32:
+      return topk_typed(static_cast<const float*>(data), n, k, indices, static_cast<float*>(values));
+    case DType::kFloat16:
+      return topk_typed(static_cast<const math::Half*>(data), n, k, indices,
+                        static_cast<math::Half*>(values));
+    default:
+      return topk_typed(static_cast<const math::BFloat16*>(data), n, k, indices,
+                        static_cast<math::BFloat16*>(values));
+  }
+}
+
+RC_MULTIVERSION
+void topk_with_residual(DType dtype, const void* grad, void* residual, size_t n, size_t k,
+                        int32_t* indices, void* values) {
+  check(dtype, n, k);
+  switch (dtype) {
+    case DType::kFloat32:
+      return topk_with_residual_typed(static_cast<const float*>(grad), static_cast<float*>(residual),
+                                      n, k, indices, static_cast<float*>(values));
+    case DType::kFloat16:
+      return topk_with_residual_typed(static_cast<const math::Half*>(grad),
+                                      static_cast<math::Half*>(residual), n, k, indices,
+                                      static_cast<math::Half*>(values));
+    default:
+      return topk_with_residual_typed(static_cast<const math::BFloat16*>(grad),
+                                      static_cast<math::BFloat16*>(residual), n, k, indices,
+                                      static_cast<math::BFloat16*>(values));
+  }
+}
+
+}  // namespace cpu
+}  // namespace ringcomm
