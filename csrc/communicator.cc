@@ -211,6 +211,31 @@ WorkPtr Communicator::barrier(bool async) {
   return submit(sig, [](Context& ctx) { dissemination_barrier(ctx); }, async);
 }
 
+WorkPtr Communicator::sparse_all_reduce(const int32_t* indices, const void* values, size_t k,
+                                        DType value_dtype, void* out, size_t numel,
+                                        DType out_dtype, ReduceOp op, Algorithm algo, bool async) {
+  auto sparse_type = [](DType t) {
+    return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16;
+  };
+  RC_CHECK_ARG(sparse_type(value_dtype) && sparse_type(out_dtype),
+               "sparse_all_reduce supports float32, float16 and bfloat16 values and output, got ",
+               dtype_name(value_dtype), " and ", dtype_name(out_dtype));
+  RC_CHECK_ARG(op == ReduceOp::kSum || op == ReduceOp::kAvg,
+               "sparse_all_reduce supports op sum and avg, got ", op_name(op));
+  RC_CHECK_ARG(numel <= size_t(INT32_MAX), "sparse_all_reduce: numel ", numel, " exceeds int32 indices");
+  RC_CHECK_ARG(algo == Algorithm::kAuto || algo == Algorithm::kSparseGather ||
+                   algo == Algorithm::kSparseRanges || algo == Algorithm::kRing,
+               "sparse_all_reduce algorithm must be auto, sparse_gather, sparse_ranges or ring");
+  for (size_t i = 0; i < k; ++i)
+    RC_CHECK_ARG(indices[i] >= 0 && size_t(indices[i]) < numel, "index ", indices[i],
+                 " at position ", i, " is outside [0, ", numel, ")");
+  auto sig = collective(Collective::kSparseAllReduce, value_dtype, op, algo, numel, -1,
+                        uint64_t(out_dtype));
+  return submit(sig, [=](Context& ctx) {
+    sparse_all_reduce_steps(ctx, indices, values, k, value_dtype, out, numel, out_dtype, op, algo);
+  }, async);
+}
+
 WorkPtr Communicator::send(const void* buf, size_t count, DType dtype, int peer, bool async) {
   return point_to_point(true, const_cast<void*>(buf), count, dtype, peer, async);
 }

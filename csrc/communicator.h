@@ -61,11 +61,17 @@ class Communicator {
   WorkPtr broadcast(void* buf, size_t count, DType dtype, int root, bool async);
   WorkPtr reduce(void* buf, size_t count, DType dtype, ReduceOp op, int root, bool async);
   WorkPtr barrier(bool async);
+  // Dense sum/average of every rank's k (index, value) pairs into `out` (algorithms/sparse.cc).
+  WorkPtr sparse_all_reduce(const int32_t* indices, const void* values, size_t k,
+                            DType value_dtype, void* out, size_t numel, DType out_dtype,
+                            ReduceOp op, Algorithm algo, bool async);
   WorkPtr send(const void* buf, size_t count, DType dtype, int peer, bool async);
   WorkPtr recv(void* buf, size_t count, DType dtype, int peer, bool async);
 
   // The algorithm all_reduce would use (RINGCOMM_ALGO overrides kAuto).
   Algorithm choose_all_reduce(size_t bytes, Algorithm requested) const;
+  // Bytes this rank has written to its connections (headers included).
+  uint64_t bytes_sent() const { return transport_->bytes_sent(); }
   // Empty unless an error has broken this communicator.
   std::string broken_reason();
   // Finishes queued work, stops the progress thread and closes connections.

@@ -19,6 +19,8 @@ FLOATING = {0, 1, 2, 3}
 # Values follow torch.distributed.ReduceOp: SUM=0, AVG=1, PRODUCT=2, MIN=3, MAX=4.
 OP_CODES = {"sum": 0, "avg": 1, "mean": 1, "prod": 2, "product": 2, "min": 3, "max": 4}
 ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "recursive_doubling": 3}
+# sparse_all_reduce: "ring" is the dense fallback (scatter locally, then ring all-reduce).
+SPARSE_ALGORITHMS = {"auto": 0, "ring": 1, "sparse_gather": 8, "sparse_ranges": 9}
 
 
 class Buffer:
@@ -70,8 +72,8 @@ def op_code(op) -> int:
     raise ValueError(f"unsupported reduce op {op!r}")
 
 
-def algorithm_code(algorithm: str) -> int:
-    code = ALGORITHMS.get(algorithm)
+def algorithm_code(algorithm: str, known=ALGORITHMS) -> int:
+    code = known.get(algorithm)
     if code is None:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(known)}")
     return code

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._buffers import FLOATING, Buffer, algorithm_code, op_code
+from ._buffers import FLOATING, SPARSE_ALGORITHMS, TORCH_DTYPES, Buffer, algorithm_code, op_code
 
 RingcommError = _C.RingcommError
 
@@ -205,6 +205,38 @@ class Communicator:
         w = self._core.all_gatherv(out.ptr, inp.ptr, counts, out.dtype, async_op)
         return self._finish(w, output, async_op, keep=(flat, input),
                             on_success=scatter_to_list if as_list else None)
+
+    def sparse_all_reduce(self, indices, values, numel: int, out=None, op="sum",
+                          algorithm: str = "auto", async_op: bool = False):
+        """Dense sum (op="avg": average) over ranks of every rank's (indices, values) pairs.
+
+        indices: int32 tensor of k positions in [0, numel) (repeats add up); values: k float32,
+        float16 or bfloat16 values; ranks may pass different k. The result goes to `out` (numel
+        elements, float32/float16/bfloat16; default a new float32 tensor), which is returned.
+        algorithm: "auto" (cheapest estimate), "sparse_gather", "sparse_ranges" or "ring" (dense).
+        """
+        idx, val = Buffer(indices, "indices"), Buffer(values, "values")
+        if idx.dtype != TORCH_DTYPES[torch.int32]:
+            raise TypeError(f"indices must be int32, got {idx.obj.dtype}")
+        if idx.numel != val.numel:
+            raise ValueError(f"{idx.numel} indices but {val.numel} values")
+        numel = int(numel)
+        out = torch.empty(numel, dtype=torch.float32) if out is None else out
+        res = Buffer(out, "out")
+        if res.numel != numel:
+            raise ValueError(f"out has {res.numel} elements, expected numel = {numel}")
+        code = op_code(op)
+        w = self._core.sparse_all_reduce(idx.ptr, val.ptr, idx.numel, val.dtype, res.ptr, numel,
+                                         res.dtype, code, algorithm_code(algorithm, SPARSE_ALGORITHMS),
+                                         async_op)
+        if async_op:
+            return Work(w, out, keep=(indices, values))
+        return out
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has written to its connections so far (message headers included)."""
+        return self._core.bytes_sent
 
     def broadcast(self, tensor, src: int, async_op: bool = False):
         buf = Buffer(tensor)

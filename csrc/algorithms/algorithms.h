@@ -38,4 +38,11 @@ void tree_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op
 
 void dissemination_barrier(Context& ctx);
 
+// Dense sum (or average) into `out` (numel elements of out_dtype, float types) of every rank's k
+// (index, value) pairs (sparse.cc). `algo`: kSparseGather, kSparseRanges, kRing (dense) or kAuto
+// (cheapest estimate, the same on every rank). Returns the algorithm used.
+Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const void* values, size_t k,
+                            DType value_dtype, void* out, size_t numel, DType out_dtype,
+                            ReduceOp op, Algorithm algo);
+
 }  // namespace ringcomm

@@ -92,6 +92,15 @@ PYBIND11_MODULE(_C, m) {
            [](Communicator& c, uintptr_t buf, size_t n, int dt, int peer, bool async) {
              return c.recv(ptr(buf), n, checked_dtype(dt), peer, async);
            }, G())
+      .def("sparse_all_reduce",
+           [](Communicator& c, uintptr_t indices, uintptr_t values, size_t k, int value_dt,
+              uintptr_t out, size_t numel, int out_dt, int op, int algo, bool async) {
+             DType vt = checked_dtype(value_dt), ot = checked_dtype(out_dt);
+             return c.sparse_all_reduce(static_cast<const int32_t*>(ptr(indices)), ptr(values), k,
+                                        vt, ptr(out), numel, ot, checked_op(op, ot),
+                                        Algorithm(algo), async);
+           }, G())
+      .def_property_readonly("bytes_sent", &Communicator::bytes_sent)
       .def("broken_reason", &Communicator::broken_reason)
       .def("close", &Communicator::close, G());
 

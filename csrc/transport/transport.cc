@@ -14,6 +14,7 @@ const char* collective_name(Collective c) {
     case Collective::kReduce: return "reduce";
     case Collective::kBarrier: return "barrier";
     case Collective::kSendRecv: return "send/recv";
+    case Collective::kSparseAllReduce: return "sparse_all_reduce";
   }
   return "unknown-collective";
 }
@@ -28,6 +29,8 @@ const char* algorithm_name(Algorithm a) {
     case Algorithm::kBinomial: return "binomial";
     case Algorithm::kDissemination: return "dissemination";
     case Algorithm::kDirect: return "direct";
+    case Algorithm::kSparseGather: return "sparse_gather";
+    case Algorithm::kSparseRanges: return "sparse_ranges";
   }
   return "unknown-algorithm";
 }
@@ -41,7 +44,7 @@ std::string Signature::describe() const {
   std::string s = str_cat(collective_name(coll), "(", p2p ? "p2p seq=" : "seq=", seq,
                           ", count=", count, ", ", dtype_name(dtype));
   if (coll == Collective::kAllReduce || coll == Collective::kReduceScatter ||
-      coll == Collective::kReduce)
+      coll == Collective::kReduce || coll == Collective::kSparseAllReduce)
     s += str_cat(", op=", op_name(op));
   if (root >= 0) s += str_cat(", root=", root);
   if (coll == Collective::kAllGatherV) s += str_cat(", counts hash=", aux);

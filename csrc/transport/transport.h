@@ -29,6 +29,7 @@ enum class Collective : uint8_t {
   kReduce = 6,
   kBarrier = 7,
   kSendRecv = 8,
+  kSparseAllReduce = 9,
 };
 const char* collective_name(Collective c);
 
@@ -41,6 +42,8 @@ enum class Algorithm : uint8_t {
   kBinomial = 5,
   kDissemination = 6,
   kDirect = 7,
+  kSparseGather = 8,
+  kSparseRanges = 9,
 };
 const char* algorithm_name(Algorithm a);
 

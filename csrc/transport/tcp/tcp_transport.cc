@@ -262,6 +262,7 @@ bool TcpTransport::pump_send(Channel& ch) {
     }
     moved = true;
     size_t sent = size_t(n);
+    bytes_sent_.fetch_add(sent, std::memory_order_relaxed);
     size_t to_header = std::min(sent, sizeof(WireHeader) - p.header_done);
     p.header_done += to_header;
     p.done += sent - to_header;

@@ -2,6 +2,7 @@
 // driven by one non-blocking progress engine (sendmsg/recv + ppoll) on the caller's thread.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <string>
@@ -51,6 +52,7 @@ class TcpTransport final : public Transport {
   ~TcpTransport() override;
 
   std::string address() const { return bound_.str(); }
+  uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
   // Builds the mesh: connects to lower ranks, accepts higher ranks. Connections that do not
   // present `token` and a valid rank are refused and closed.
   void connect(const std::vector<std::string>& addresses, const std::string& token,
@@ -117,6 +119,7 @@ class TcpTransport final : public Transport {
   Signature current_;
   bool has_current_ = false;
   std::string abort_reason_;
+  std::atomic<uint64_t> bytes_sent_{0};  // read from other threads for statistics
 };
 
 }  // namespace tcp
