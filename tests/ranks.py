@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import tempfile
 import time
@@ -37,7 +38,9 @@ def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm, en
             comm.close()
         else:
             result = fn(store, rank, world, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle, not the queue's: torch would pass tensors as shared-memory handles that
+        # die with this process before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -67,7 +70,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 
         while len(results) < world:
             try:
                 rank, status, value = queue.get(timeout=0.2)
-                results[rank] = (status, value)
+                results[rank] = (status, pickle.loads(value) if status == "ok" else value)
                 continue
             except queue_module.Empty:
                 pass
