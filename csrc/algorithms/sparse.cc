@@ -1,10 +1,13 @@
 // Sparse all-reduce: every rank holds k_r (index, value) pairs of a vector of `numel` elements;
 // every rank gets the dense sum (or average) of all of them.
 //
-// Step 0 (always): all-gather the pair counts k_r, so every rank makes the same choice below.
-// Then, by the cheapest estimate (bytes on the wire per rank, plus 64 KiB per message round):
+// Step 0 (always): all-gather each rank's pair count k_r and packed size, so every rank makes the
+// same choice below. Then, by the cheapest estimate (bytes on the wire per rank, plus 64 KiB per
+// message round):
 //   gather:  all-gather every rank's packed pairs (ring); scatter-add them all, in rank order.
-//            Bytes received per rank: (sum of the others' k) x (4 + value size).
+//            Packed: indices as zigzag-varint deltas (about 1.3 bytes each for ascending top-k
+//            indices at 1% density, kernels/cpu/index_codec.h), then the values.
+//            Bytes received per rank: the others' packed sizes.
 //   ranges:  (Ok-Topk's shape) rank q owns index range q of n balanced ranges.
 //            1. each rank sends each owner the pairs in its range (counts first): about
 //               k (n-1)/n (4 + value size) bytes;
@@ -19,6 +22,7 @@
 #include <cstring>
 
 #include "algorithms/algorithms.h"
+#include "kernels/cpu/index_codec.h"
 #include "kernels/cpu/reduce.h"
 #include "kernels/reduce_math.h"
 
@@ -26,7 +30,7 @@ namespace ringcomm {
 namespace {
 
 // Slots of the communicator's scratch used here (0 is the ring's, for the dense fallback).
-enum Slot { kCounts = 4, kPacked = 5, kIncoming = 6, kPieces = 7, kGathered = 8 };
+enum Slot { kCounts = 4, kPacked = 5, kIncoming = 6, kPieces = 7, kGathered = 8, kDecoded = 9 };
 
 struct Pairs {
   const int32_t* index;
@@ -77,16 +81,17 @@ Pairs unpack(const char* packed, size_t n) {
 struct Sizes {
   int n, rank;
   size_t numel, value_size, out_size;
-  std::vector<size_t> k;  // pairs per rank
+  std::vector<size_t> k;       // pairs per rank
+  std::vector<size_t> packed;  // gather's packed bytes per rank
 };
 
-// Every rank's count, via a ring all-gather of 8 bytes each.
-std::vector<size_t> gather_counts(Context& ctx, uint64_t mine) {
+// Every rank's `words` 8-byte values, via a ring all-gather: result[q * words + i].
+std::vector<size_t> gather_words(Context& ctx, const uint64_t* mine, int words) {
   const int n = ctx.size();
-  auto* all = reinterpret_cast<uint64_t*>(ctx.scratch(kCounts, 8 * n));
-  all[ctx.rank()] = mine;
-  ring_all_gather(ctx, all, std::vector<size_t>(n, 8), DType::kUInt8);
-  return std::vector<size_t>(all, all + n);
+  auto* all = reinterpret_cast<uint64_t*>(ctx.scratch(kCounts, 8 * words * n));
+  std::memcpy(all + ctx.rank() * words, mine, 8 * words);
+  if (n > 1) ring_all_gather(ctx, all, std::vector<size_t>(n, 8 * words), DType::kUInt8);
+  return std::vector<size_t>(all, all + words * n);
 }
 
 // All-gather of variable byte blocks; block q lands at offset sum(bytes[0..q)) of the result.
@@ -110,7 +115,9 @@ Algorithm choose(const Sizes& s) {
     none_hit *= 1.0 - double(k) / double(std::max<size_t>(1, s.numel));
   }
   const double pair = 4.0 + double(s.value_size);
-  double gather = (total - total / n) * pair + (n - 1) * round;
+  double packed_total = 0;
+  for (size_t b : s.packed) packed_total += double(b);
+  double gather = (packed_total - packed_total / n) + (n - 1) * round;
   double expected_union = double(s.numel) * (1.0 - none_hit);
   double piece = std::min(expected_union * (4.0 + s.out_size), double(s.numel) * s.out_size);
   double ranges = total / n * (n - 1) / n * pair + piece * (n - 1) / n + (n + 1) * round;
@@ -119,17 +126,28 @@ Algorithm choose(const Sizes& s) {
   return gather <= ranges ? Algorithm::kSparseGather : Algorithm::kSparseRanges;
 }
 
-void gather_all_reduce(Context& ctx, const Sizes& s, const Pairs& mine, DType vt, DType ot, void* out) {
-  std::vector<size_t> bytes(s.n);
-  for (int q = 0; q < s.n; ++q) bytes[q] = packed_bytes(s.k[q], s.value_size);
-  char* packed = ctx.scratch(kPacked, std::max<size_t>(1, bytes[s.rank]));
-  std::memcpy(packed, mine.index, mine.count * sizeof(int32_t));
-  std::memcpy(packed + mine.count * sizeof(int32_t), mine.value, mine.count * s.value_size);
-  const char* all = gather_blocks(ctx, kGathered, packed, bytes);
+// Packs my pairs for gather: encoded indices, then values. Returns the packed size.
+size_t pack_for_gather(Context& ctx, const Pairs& mine, size_t value_size, char** packed) {
+  *packed = ctx.scratch(kPacked, std::max<size_t>(1, cpu::max_encoded_bytes(mine.count) +
+                                                        mine.count * value_size));
+  size_t index_bytes = cpu::encode_indices(mine.index, mine.count, reinterpret_cast<uint8_t*>(*packed));
+  std::memcpy(*packed + index_bytes, mine.value, mine.count * value_size);
+  return index_bytes + mine.count * value_size;
+}
+
+void gather_all_reduce(Context& ctx, const Sizes& s, const char* packed, DType vt, DType ot,
+                       void* out) {
+  const char* all = gather_blocks(ctx, kGathered, packed, s.packed);
+  size_t most = *std::max_element(s.k.begin(), s.k.end());
+  auto* decoded = reinterpret_cast<int32_t*>(ctx.scratch(kDecoded, std::max<size_t>(1, most * 4)));
   std::memset(out, 0, s.numel * s.out_size);
   for (int q = 0; q < s.n; ++q) {
-    Pairs p = unpack(all, s.k[q]);
-    all += bytes[q];
+    size_t index_bytes = s.packed[q] - s.k[q] * s.value_size;
+    if (cpu::decode_indices(reinterpret_cast<const uint8_t*>(all), index_bytes, s.k[q], decoded) !=
+        index_bytes)
+      RC_THROW("sparse_all_reduce: malformed index encoding from rank ", q);
+    Pairs p{decoded, all + index_bytes, s.k[q]};
+    all += s.packed[q];
     check_indices(p, 0, s.numel, q);
     scatter_add(vt, ot, out, p);
   }
@@ -212,7 +230,7 @@ void ranges_all_reduce(Context& ctx, const Sizes& s, const Pairs& mine, DType vt
   }
 
   // 3. All-gather the pieces; a piece is dense iff its size is the whole range's.
-  std::vector<size_t> piece_sizes = gather_counts(ctx, piece_bytes);
+  std::vector<size_t> piece_sizes = gather_words(ctx, &piece_bytes, 1);
   const char* all = gather_blocks(ctx, kGathered, piece, piece_sizes);
   for (int q = 0; q < n; ++q) {
     const char* block = all;
@@ -239,9 +257,15 @@ void ranges_all_reduce(Context& ctx, const Sizes& s, const Pairs& mine, DType vt
 Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const void* values, size_t k,
                             DType value_dtype, void* out, size_t numel, DType out_dtype,
                             ReduceOp op, Algorithm algo) {
-  Sizes s{ctx.size(), ctx.rank(), numel, dtype_size(value_dtype), dtype_size(out_dtype), {}};
+  Sizes s{ctx.size(), ctx.rank(), numel, dtype_size(value_dtype), dtype_size(out_dtype), {}, {}};
   Pairs mine{indices, static_cast<const char*>(values), k};
-  s.k = ctx.size() == 1 ? std::vector<size_t>{k} : gather_counts(ctx, k);
+  char* packed = nullptr;
+  uint64_t sizes[2] = {k, pack_for_gather(ctx, mine, s.value_size, &packed)};
+  std::vector<size_t> words = gather_words(ctx, sizes, 2);
+  for (int q = 0; q < s.n; ++q) {
+    s.k.push_back(words[2 * q]);
+    s.packed.push_back(words[2 * q + 1]);
+  }
   if (algo == Algorithm::kAuto) algo = choose(s);
   switch (algo) {
     case Algorithm::kSparseRanges:
@@ -254,7 +278,7 @@ Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const vo
       ring_all_reduce(ctx, out, numel, out_dtype, ReduceOp::kSum);
       break;
     default:
-      gather_all_reduce(ctx, s, mine, value_dtype, out_dtype, out);
+      gather_all_reduce(ctx, s, packed, value_dtype, out_dtype, out);
   }
   if (op == ReduceOp::kAvg) cpu::divide(out_dtype, out, numel, s.n);
   ctx.finish();
