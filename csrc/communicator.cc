@@ -89,6 +89,13 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
   RC_CHECK_ARG(timeout_s > 0, "timeout must be positive");
   transport_ = std::make_unique<tcp::TcpTransport>(rank, world_size,
                                                    tcp::TcpOptions::from_env(master_addr));
+  // Read once: a coalesced call asks for every buffer's algorithm.
+  const std::string forced = env_string("RINGCOMM_ALGO");
+  if (forced == "ring") forced_all_reduce_ = Algorithm::kRing;
+  if (forced == "tree") forced_all_reduce_ = Algorithm::kTree;
+  if (forced == "recursive_doubling") forced_all_reduce_ = Algorithm::kRecursiveDoubling;
+  RC_CHECK_ARG(forced.empty() || forced == "auto" || forced_all_reduce_ != Algorithm::kAuto,
+               "RINGCOMM_ALGO=", forced, ": expected ring, tree, recursive_doubling or auto");
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 }
 
@@ -108,16 +115,8 @@ void Communicator::check_rank(int r, const char* what) const {
 }
 
 Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) const {
-  if (requested == Algorithm::kAuto) {
-    std::string forced = env_string("RINGCOMM_ALGO");
-    if (forced == "ring") return Algorithm::kRing;
-    if (forced == "tree") return Algorithm::kTree;
-    if (forced == "recursive_doubling") return Algorithm::kRecursiveDoubling;
-    RC_CHECK_ARG(forced.empty() || forced == "auto", "RINGCOMM_ALGO=", forced,
-                 ": expected ring, tree, recursive_doubling or auto");
-  } else {
-    return requested;
-  }
+  if (requested != Algorithm::kAuto) return requested;
+  if (forced_all_reduce_ != Algorithm::kAuto) return forced_all_reduce_;
   const auto& tune = AlgorithmTuning::get();
   if (bytes <= tune.small_message_bytes) return Algorithm::kRecursiveDoubling;
   // A ring costs 2(n-1) hops of latency, a tree 2*log2(n): with many ranks, mid-sized messages
@@ -259,8 +258,7 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
   task.work = work;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!broken_.empty()) throw Error("communicator is broken: " + broken_);
-    RC_CHECK_ARG(!stopping_, "communicator is closed");
+    check_usable_locked();
     sig.seq = (is_send ? send_seq_ : recv_seq_)[peer]++;
   }
   task.sig = sig;
@@ -289,15 +287,31 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
   return work;
 }
 
-WorkPtr Communicator::submit(Signature sig, std::function<void(Context&)> body, bool async) {
+void Communicator::check_usable_locked() const {
+  if (!broken_.empty()) throw Error("communicator is broken: " + broken_);
+  RC_CHECK_ARG(!stopping_, "communicator is closed");
+}
+
+WorkPtr Communicator::finished_work() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    check_usable_locked();
+  }
+  auto work = std::make_shared<Work>();
+  work->finish("");
+  return work;
+}
+
+WorkPtr Communicator::submit(Signature sig, std::function<void(Context&)> body, bool async,
+                             uint64_t operations) {
   Task task;
   task.work = std::make_shared<Work>();
   task.body = std::move(body);
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!broken_.empty()) throw Error("communicator is broken: " + broken_);
-    RC_CHECK_ARG(!stopping_, "communicator is closed");
-    sig.seq = next_seq_++;
+    check_usable_locked();
+    sig.seq = next_seq_;
+    next_seq_ += operations;
   }
   task.sig = sig;
   WorkPtr work = task.work;

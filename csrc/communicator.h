@@ -68,6 +68,32 @@ class Communicator {
   WorkPtr send(const void* buf, size_t count, DType dtype, int peer, bool async);
   WorkPtr recv(void* buf, size_t count, DType dtype, int peer, bool async);
 
+  // Coalesced collectives (communicator_coalesced.cc, algorithms/coalesced.cc): the buffers are
+  // grouped by dtype (in order of first appearance), laid back to back, cut into buckets of at
+  // most `bucket_bytes` (one operation on the wire each) and pipelined. Results are those of one
+  // collective per buffer, bitwise (docs/algorithms.md). Buffers must not overlap; an empty list
+  // moves nothing.
+  struct BufferRef {
+    void* data;
+    size_t count;
+    DType dtype;
+  };
+  // How all_reduce_coalesced packs: float32 buffers travel as `float32_wire` (float16 or bfloat16
+  // compress them), and every value is multiplied by `prescale` as it is packed (the 1/world_size
+  // of an average taken before the sum, as DDP does).
+  struct FusedReduceOptions {
+    DType float32_wire = DType::kFloat32;
+    double prescale = 1.0;
+  };
+  WorkPtr all_reduce_coalesced(const std::vector<BufferRef>& buffers, ReduceOp op,
+                               size_t bucket_bytes, const FusedReduceOptions& options, bool async);
+  WorkPtr broadcast_coalesced(const std::vector<BufferRef>& buffers, int root,
+                              size_t bucket_bytes, bool async);
+  // outputs[q][i] (shaped like inputs[i]) receives rank q's inputs[i].
+  WorkPtr all_gather_coalesced(const std::vector<std::vector<BufferRef>>& outputs,
+                               const std::vector<BufferRef>& inputs, size_t bucket_bytes,
+                               bool async);
+
   // The algorithm all_reduce would use (RINGCOMM_ALGO overrides kAuto).
   Algorithm choose_all_reduce(size_t bytes, Algorithm requested) const;
   // Bytes this rank has written to its connections (headers included).
@@ -84,7 +110,13 @@ class Communicator {
     std::function<void()> post;          // send/recv: posts to the transport and returns
     WorkPtr work;
   };
-  WorkPtr submit(Signature sig, std::function<void(Context&)> body, bool async);
+  // `operations`: sequence numbers the task takes (a coalesced call: one per bucket), the first
+  // in sig.seq.
+  WorkPtr submit(Signature sig, std::function<void(Context&)> body, bool async,
+                 uint64_t operations = 1);
+  // For calls with nothing to move: a finished Work, or the error a call would raise now.
+  WorkPtr finished_work();
+  void check_usable_locked() const;  // with mu_ held: throws if broken or closed
   WorkPtr point_to_point(bool is_send, void* buf, size_t count, DType dtype, int peer, bool async);
   void enqueue(Task task, bool inline_ok);
   void run(Task& task);
@@ -97,6 +129,7 @@ class Communicator {
 
   const int rank_, world_size_;
   const Clock::duration timeout_;
+  Algorithm forced_all_reduce_ = Algorithm::kAuto;  // RINGCOMM_ALGO
   std::unique_ptr<tcp::TcpTransport> transport_;
   Scratch scratch_;
 

@@ -3,9 +3,17 @@
     comm = ringcomm.init()                      # under torchrun, or init(store, rank, world_size)
     comm.all_reduce(tensor)                     # ring / tree / recursive doubling, picked by size
     work = comm.all_reduce(tensor, op="avg", async_op=True); work.wait()
+    comm.all_reduce_coalesced(tensors)          # many tensors as a few fused, pipelined operations
+    averager = ringcomm.GradientAverager(model.parameters(), comm)   # then averager.step()
 """
 from ._C import RingcommError
 from .communicator import Communicator, Work, init
+from .averager import GradientAverager
+from .backend import ProcessGroupRingcomm, register_backend
+from . import hooks
 
-__all__ = ["Communicator", "RingcommError", "Work", "init"]
+register_backend()  # dist.init_process_group("ringcomm") works from here on
+
+__all__ = ["Communicator", "GradientAverager", "ProcessGroupRingcomm", "RingcommError", "Work", "hooks", "init",
+           "register_backend"]
 __version__ = "0.1.0"

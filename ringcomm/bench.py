@@ -2,6 +2,7 @@
 
     python -m ringcomm.bench --ranks 2 -b 8 -e 64M -f 4 --compare gloo
     torchrun --nproc-per-node 4 -m ringcomm.bench -b 8 -e 64M --coll all_reduce
+    python -m ringcomm.bench --coll all_reduce_coalesced --tensors 1000 --tensor-bytes 1K-16K --compare gloo
 
 Without RANK in the environment it launches `--ranks` local ranks itself (each one this module
 under the env:// variables torchrun sets). Times are medians over --repeats samples of --iters
@@ -30,7 +31,9 @@ DTYPES = {"float": torch.float32, "float32": torch.float32, "double": torch.floa
           "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
 # "exchange": ranks 2i and 2i+1 send each other `size` bytes at once (isend + irecv): the
 # transport's own ceiling, against which the collectives' large-message times can be read.
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "exchange")
+# "all_reduce_coalesced": --tensors tensors of random sizes (see coalesced_row), one row.
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "exchange",
+               "all_reduce_coalesced")
 OPS = ("sum", "avg", "prod", "min", "max")
 GLOO_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
             "max": dist.ReduceOp.MAX}
@@ -164,6 +167,81 @@ def time_case(case: Case, iters: int, barrier) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def coalesced_row(args, comm, rank: int, world: int, libs) -> dict:
+    """--tensors tensors with random sizes in --tensor-bytes (seed --seed), reduced in the same
+    run, samples interleaved: ringcomm all_reduce_coalesced, one ringcomm all_reduce per tensor,
+    gloo's dist.all_reduce_coalesced (with --compare gloo), and for reference one ringcomm
+    all_reduce of a single tensor of the same total size (no packing: the transport's floor for
+    these bytes). Ratios: each variant's time over all_reduce_coalesced's."""
+    import warnings
+
+    dtype = DTYPES[args.datatype]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    lo, hi = (parse_size(s) for s in args.tensor_bytes.split("-"))
+    gen = torch.Generator().manual_seed(args.seed)
+    counts = torch.randint(max(1, lo // elem), hi // elem + 1, (args.tensors,), generator=gen).tolist()
+
+    def inputs(r):  # small integers: every variant has one right answer
+        return [(torch.arange(c, dtype=torch.float64) % 5 + 1 + r % 3).to(dtype) for c in counts]
+
+    tensors = inputs(rank)
+    flat = torch.cat(tensors)
+    variants = {
+        "ringcomm all_reduce_coalesced": lambda: comm.all_reduce_coalesced(tensors, op=args.op),
+        "ringcomm all_reduce per tensor": lambda: [comm.all_reduce(t, op=args.op) for t in tensors],
+    }
+    if "gloo" in libs:
+        warnings.filterwarnings("ignore", message=".*all_reduce_coalesced.*deprecated")
+        variants["gloo all_reduce_coalesced"] = lambda: dist.all_reduce_coalesced(
+            tensors, op=GLOO_OPS[args.op])
+    variants["ringcomm all_reduce, one flat tensor"] = lambda: comm.all_reduce(flat, op=args.op)
+    iters = args.iters or 20
+    for run in variants.values():
+        for _ in range(args.warmup_iters):
+            run()
+    samples = {name: [] for name in variants}
+    for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
+        for name, run in variants.items():
+            comm.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                run()
+            samples[name].append((time.perf_counter() - start) / iters)
+    stacked = [torch.cat(inputs(r)).double() for r in range(world)]
+    expect = {"sum": sum(stacked), "avg": sum(stacked) / world,
+              "prod": torch.stack(stacked).prod(0), "min": torch.stack(stacked).min(0).values,
+              "max": torch.stack(stacked).max(0).values}[args.op].to(dtype).double()
+    wrong = []
+    for name, run in variants.items():
+        for t, fresh in zip(tensors, inputs(rank)):
+            t.copy_(fresh)
+        flat.copy_(torch.cat(tensors))
+        run()
+        got = flat if name.endswith("flat tensor") else torch.cat(tensors)
+        wrong.append(int((got.double() != expect).sum()) if args.check else 0)
+    wrong_total = torch.tensor(wrong, dtype=torch.int64)
+    comm.all_reduce(wrong_total)
+    nbytes = sum(counts) * elem
+    first = statistics.median(samples["ringcomm all_reduce_coalesced"])
+    row = {"coll": args.coll, "ranks": world, "type": args.datatype, "redop": args.op,
+           "tensors": args.tensors, "tensor_bytes": args.tensor_bytes, "seed": args.seed,
+           "size": nbytes}
+    for (name, times), w in zip(samples.items(), wrong_total.tolist()):
+        t = statistics.median(times)
+        row[name] = {"time_us": t * 1e6, "algbw": nbytes / t / 1e9, "wrong": w,
+                     "ratio": t / first, "samples_us": [x * 1e6 for x in times]}
+    if rank == 0:
+        print(f"# {args.tensors} {args.datatype} tensors of {args.tensor_bytes} B (seed {args.seed}, "
+              f"{nbytes} B in all), {world} ranks, op {args.op}, {iters} calls per sample, "
+              f"{args.repeats} repeats (median); ratio = time / all_reduce_coalesced's", flush=True)
+        print(f"# {'variant':<36} {'time(us)':>10} {'algbw':>7} {'#wrong':>6} {'ratio':>7}")
+        for name in variants:
+            r = row[name]
+            print(f"  {name:<36} {r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['wrong']:>6} "
+                  f"{r['ratio']:>7.2f}", flush=True)
+    return row
+
+
 def worker(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -181,7 +259,10 @@ def worker(args):
         libs.append("gloo")
     dtype = DTYPES[args.datatype]
     rows = []
-    if rank == 0:
+    coalesced = args.coll == "all_reduce_coalesced"
+    if coalesced:
+        rows.append(coalesced_row(args, comm, rank, world, libs))
+    elif rank == 0:
         print(f"# ringcomm {args.coll}, {world} ranks, {args.datatype}, op {args.op}, "
               f"algorithm {args.algo}, {args.repeats} repeats (median)", flush=True)
         head = f"# {'size(B)':>12} {'count':>10} {'type':>8} {'redop':>5}"
@@ -190,7 +271,7 @@ def worker(args):
         if len(libs) > 1:
             head += f" | {'time ratio':>10} {'busbw ratio':>11}"
         print(head, flush=True)
-    for nbytes in sizes_from(args):
+    for nbytes in [] if coalesced else sizes_from(args):
         cases = [Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype,
                       args.op, args.algo, rank, world) for lib in libs]
         iters = args.iters or default_iters(cases[0].nbytes)
@@ -260,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="increment between sizes when -f is 1")
     p.add_argument("--sizes", help="comma-separated sizes, instead of -b/-e/-f")
     p.add_argument("-n", "--iters", type=int, default=0,
-                   help="operations per sample (default: 200 up to 64 KiB, else 256 MiB / size)")
+                   help="operations per sample (default: 200 up to 64 KiB, else 256 MiB / size; "
+                        "all_reduce_coalesced: 20)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5)
     p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong results")
     p.add_argument("-o", "--op", choices=OPS, default="sum")
@@ -271,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=2, help="local ranks to launch (without torchrun)")
     p.add_argument("--compare", choices=("none", "gloo"), default="none")
     p.add_argument("--json", help="write every row (with all samples) to this file")
+    p.add_argument("--tensors", type=int, default=1000,
+                   help="all_reduce_coalesced: number of tensors")
+    p.add_argument("--tensor-bytes", default="1K-16K",
+                   help="all_reduce_coalesced: tensor sizes, uniformly random in MIN-MAX bytes")
+    p.add_argument("--seed", type=int, default=0, help="all_reduce_coalesced: seed of the sizes")
     return p
 
 

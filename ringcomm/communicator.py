@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, fusion
 from ._buffers import FLOATING, SPARSE_ALGORITHMS, TORCH_DTYPES, Buffer, algorithm_code, op_code
 
 RingcommError = _C.RingcommError
@@ -30,12 +30,23 @@ class Work:
         self._keep = keep  # every buffer the operation reads or writes stays alive until done
         self._future = None
         self._on_success = on_success
-        if on_success is not None:
-            core_work.add_done_callback(self._run_on_success)
+        self._lock = threading.Lock()
+        self._finished = threading.Event()  # set once the result is final: on_success has run
+        # The core marks an operation finished before it runs its callbacks, and runs a callback
+        # added after that at once on the adding thread; so what must follow on_success (waking
+        # waiters, completing the future) hangs off this one callback, not off the core.
+        core_work.add_done_callback(self._on_core_done)
 
-    def _run_on_success(self):
-        if not self._core.error():
-            self._on_success()
+    def _on_core_done(self):
+        try:
+            if self._on_success is not None and not self._core.error():
+                self._on_success()
+        finally:
+            with self._lock:
+                self._finished.set()
+                future = self._future
+            if future is not None:
+                self._complete(future)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Blocks until done; raises RingcommError if the operation failed or `timeout` (seconds
@@ -44,13 +55,14 @@ class Work:
             timeout = timeout.total_seconds()
         if not self._core.wait(-1.0 if timeout is None else float(timeout)):
             raise RingcommError(f"timed out after {timeout}s waiting for the operation")
+        self._finished.wait()  # on_success may still be running on the progress thread
         return True
 
     def is_completed(self) -> bool:
-        return self._core.is_completed()
+        return self._finished.is_set()
 
     def is_success(self) -> bool:
-        return self._core.is_completed() and not self._core.error()
+        return self._finished.is_set() and not self._core.error()
 
     def exception(self) -> Optional[RingcommError]:
         err = self._core.error()
@@ -62,19 +74,21 @@ class Work:
 
     def get_future(self) -> torch.futures.Future:
         """A torch.futures.Future completed with the result (the tensor) or the error."""
-        if self._future is None:
-            fut = torch.futures.Future()
-            self._future = fut
-
-            def complete():
-                err = self._core.error()
-                if err:
-                    fut.set_exception(RingcommError(err))
-                else:
-                    fut.set_result(self._result)
-
-            self._core.add_done_callback(complete)
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            self._future = torch.futures.Future()
+            finished = self._finished.is_set()  # else _on_core_done completes it
+        if finished:
+            self._complete(self._future)
         return self._future
+
+    def _complete(self, future: torch.futures.Future):
+        err = self._core.error()
+        if err:
+            future.set_exception(RingcommError(err))
+        else:
+            future.set_result(self._result)
 
 
 def _store_from_env(rank: int, world_size: int, timeout: timedelta):
@@ -269,6 +283,26 @@ class Communicator:
     def irecv(self, tensor, src: int) -> Work:
         return self.recv(tensor, src, async_op=True)
 
+    # -- coalesced collectives (fusion.py): grouped by dtype, fused into buckets, pipelined --
+
+    def all_reduce_coalesced(self, tensors, op="sum", bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
+                             async_op: bool = False):
+        """all_reduce of every tensor in the list, in place, as a few fused operations (buckets of
+        at most `bucket_bytes`). Each result is bitwise what `all_reduce(t, op)` gives."""
+        return fusion.all_reduce_coalesced(self, tensors, op, bucket_bytes, async_op)
+
+    def broadcast_coalesced(self, tensors, src: int,
+                            bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES, async_op: bool = False):
+        """broadcast of every tensor in the list from rank `src`, fused into buckets."""
+        return fusion.broadcast_coalesced(self, tensors, src, bucket_bytes, async_op)
+
+    def all_gather_coalesced(self, output_lists, input_tensors,
+                             bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES, async_op: bool = False):
+        """all_gather of every tensor in `input_tensors`, fused into buckets:
+        output_lists[r][i] (world_size lists, tensors like the inputs) receives rank r's
+        input_tensors[i]."""
+        return fusion.all_gather_coalesced(self, output_lists, input_tensors, bucket_bytes, async_op)
+
     def _check_peer(self, peer, what):
         peer = self._check_rank(peer, what)
         if peer == self.rank:
@@ -306,12 +340,12 @@ class Communicator:
 
 
 def init(store=None, rank: Optional[int] = None, world_size: Optional[int] = None,
-         timeout: timedelta = timedelta(minutes=10)) -> Communicator:
+         timeout: timedelta = timedelta(minutes=10), name: Optional[str] = None) -> Communicator:
     """Creates a Communicator.
 
     Without arguments: reuses torch.distributed's default store (under a prefix) when a process
     group is initialised, else reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE as torchrun
-    sets them.
+    sets them. `name` is passed on to Communicator.
     """
     if store is None and dist.is_available() and dist.is_initialized():
         from torch.distributed.distributed_c10d import _get_default_store
@@ -326,7 +360,7 @@ def init(store=None, rank: Optional[int] = None, world_size: Optional[int] = Non
         raise ValueError("rank and world_size must be given or set in RANK and WORLD_SIZE")
     if store is None:
         store = _store_from_env(rank, world_size, timeout)
-    return Communicator(store, rank, world_size, timeout)
+    return Communicator(store, rank, world_size, timeout, name)
 
 
 def _close_all():

@@ -131,3 +131,23 @@ def async_handles(comm):
 @pytest.mark.parametrize("world", [2, 3])
 def test_async_work_and_futures(world):
     run_ranks(world, async_handles)
+
+
+def list_results_when_done(comm):
+    # all_gather into a list copies out of a flat buffer after the core finishes; wait(),
+    # is_completed() and the future must all come after that copy.
+    stale = 0
+    for i in range(200):
+        expected = [i * 10 + r for r in range(comm.world_size)]
+        outs = [[torch.zeros(1, dtype=torch.int64) for _ in range(comm.world_size)] for _ in range(2)]
+        by_wait = comm.all_gather(outs[0], torch.tensor([expected[comm.rank]]), async_op=True)
+        by_wait.wait()
+        by_future = comm.all_gather(outs[1], torch.tensor([expected[comm.rank]]), async_op=True)
+        by_future.get_future().wait()
+        assert by_wait.is_completed() and by_future.is_completed()
+        stale += sum([int(t) for t in out] != expected for out in outs)
+    return stale
+
+
+def test_async_list_results_are_complete_when_waited():
+    assert run_ranks(2, list_results_when_done) == [0, 0]

@@ -15,6 +15,7 @@ struct AlgorithmTuning {
   size_t tree_chunk_bytes;       // RINGCOMM_TREE_CHUNK_BYTES
   size_t small_message_bytes;    // RINGCOMM_SMALL_MESSAGE_BYTES: recursive doubling up to here
   size_t rooted_chain_bytes;     // RINGCOMM_CHAIN_MIN_BYTES: broadcast/reduce switch to a chain
+  size_t fusion_slice_bytes;     // RINGCOMM_FUSION_SLICE_BYTES: message size of coalesced collectives
   static const AlgorithmTuning& get();
 };
 
@@ -30,6 +31,14 @@ void ring_reduce_scatter(Context& ctx, const void* in, void* out, size_t count, 
 // all_gather(v): `out` holds every rank's block back to back (sizes `counts`); this rank's block
 // must already be in place.
 void ring_all_gather(Context& ctx, void* out, const std::vector<size_t>& counts, DType dtype);
+
+// A rank's place in a tree: parent (-1 at the root) and children.
+struct TreeLinks {
+  int parent = -1;
+  std::vector<int> children;  // in the order their partial results are combined
+};
+// The binomial tree (shape kBinomial) or chain (kChain) rooted at `root` (tree.cc).
+TreeLinks rooted_tree(int n, int rank, int root, Algorithm shape);
 
 // Rooted collectives, by a binomial tree (small) or a pipelined chain (large).
 void tree_broadcast(Context& ctx, void* buf, size_t bytes, int root, Algorithm shape);

@@ -47,12 +47,18 @@ class Context {
   const Signature& signature() const { return sig_; }
 
   // Sends complete in the background; finish() waits for all of them.
-  void send(int peer, const void* data, size_t bytes) {
-    sends_.push_back(transport_.post_send(peer, data, bytes, sig_));
+  void send(int peer, const void* data, size_t bytes) { send(peer, data, bytes, sig_); }
+  Request recv(int peer, void* data, size_t bytes) { return recv(peer, data, bytes, sig_); }
+  // A task made of several operations (the buckets of a coalesced collective, each with its own
+  // sequence number) posts each one's messages under that operation's signature, and names the
+  // oldest one still in flight as current: messages of later ones may arrive early.
+  void send(int peer, const void* data, size_t bytes, const Signature& sig) {
+    sends_.push_back(transport_.post_send(peer, data, bytes, sig));
   }
-  Request recv(int peer, void* data, size_t bytes) {
-    return transport_.post_recv(peer, data, bytes, sig_);
+  Request recv(int peer, void* data, size_t bytes, const Signature& sig) {
+    return transport_.post_recv(peer, data, bytes, sig);
   }
+  void set_current(const Signature& sig) { transport_.set_current(sig); }
   void wait(Request r) { transport_.wait(r, deadline_); }
   void finish() {
     for (Request r : sends_) transport_.wait(r, deadline_);

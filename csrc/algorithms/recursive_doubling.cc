@@ -8,7 +8,8 @@
 //   3. unfold: each odd rank of step 1 sends the result back to its even partner.
 // Bytes on the wire per rank: S * log2(p) (+ S for the fold) for a buffer of S bytes. Both
 // partners compute the same expression with the same operand order, so results are bitwise equal
-// on every rank.
+// on every rank. reduction_order.cc replays this order for coalesced all-reduce (checked by
+// tests/test_fusion.py).
 #include "algorithms/algorithms.h"
 #include "kernels/cpu/reduce.h"
 

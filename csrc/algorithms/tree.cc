@@ -14,7 +14,8 @@
 // Bytes on the wire per rank for a buffer of S bytes: as an inner node of one tree, S/2 up and
 // S/2 to each of two children; as a leaf of the other, S/2 up: about 2S sent and 2S received,
 // with 2*log2(n) hops of latency. Results are computed once at each root and copied down, so
-// every rank gets the same bits.
+// every rank gets the same bits. reduction_order.cc replays this order for coalesced all-reduce
+// (checked by tests/test_fusion.py).
 //
 // Broadcast: S bytes received and forwarded once per rank (chain) or to each child (binomial).
 // Reduce: each rank sends S bytes once; the input of non-root ranks is left untouched.
@@ -25,11 +26,6 @@
 
 namespace ringcomm {
 namespace {
-
-struct TreeLinks {
-  int parent = -1;
-  std::vector<int> children;  // in the order their partial results are combined
-};
 
 // Heap order over ranks (children of position p are 2p+1, 2p+2); `mirrored` maps position p to
 // rank n-1-p.
@@ -42,6 +38,8 @@ TreeLinks heap_tree(int n, int rank, bool mirrored) {
     if (child < n) t.children.push_back(rank_at(child));
   return t;
 }
+
+}  // namespace
 
 // Binomial tree rooted at `root`: in root-relative numbering v, the parent of v is v minus its
 // lowest set bit, and the children are v + 2^k for every 2^k below that bit (largest subtree
@@ -63,6 +61,8 @@ TreeLinks rooted_tree(int n, int rank, int root, Algorithm shape) {
     if (step < low && v + step < n) t.children.push_back(rank_of(v + step));
   return t;
 }
+
+namespace {
 
 class TreePipeline {
  public:

@@ -9,6 +9,7 @@ const AlgorithmTuning& AlgorithmTuning::get() {
       size_t(env_int("RINGCOMM_TREE_CHUNK_BYTES", 256 << 10)),
       size_t(env_int("RINGCOMM_SMALL_MESSAGE_BYTES", 64 << 10)),
       size_t(env_int("RINGCOMM_CHAIN_MIN_BYTES", 256 << 10)),
+      size_t(env_int("RINGCOMM_FUSION_SLICE_BYTES", 128 << 10)),
   };
   return tuning;
 }

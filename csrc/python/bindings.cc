@@ -12,6 +12,7 @@ using namespace ringcomm;
 
 namespace ringcomm {
 void bind_compress(py::module_& m);  // compress_bindings.cc
+void bind_fusion(py::module_& m);    // fusion_bindings.cc
 }
 
 namespace {
@@ -111,6 +112,7 @@ PYBIND11_MODULE(_C, m) {
           cpu::reduce(t, checked_op(op, t), ptr(out), ptr(a), ptr(b), n);
         }, G());
   bind_compress(m);
+  bind_fusion(m);
   m.def("divide_kernel",
         [](int dt, uintptr_t x, size_t n, int divisor) {
           cpu::divide(checked_dtype(dt), ptr(x), n, divisor);

@@ -15,6 +15,9 @@ const char* collective_name(Collective c) {
     case Collective::kBarrier: return "barrier";
     case Collective::kSendRecv: return "send/recv";
     case Collective::kSparseAllReduce: return "sparse_all_reduce";
+    case Collective::kAllReduceCoalesced: return "all_reduce_coalesced";
+    case Collective::kBroadcastCoalesced: return "broadcast_coalesced";
+    case Collective::kAllGatherCoalesced: return "all_gather_coalesced";
   }
   return "unknown-collective";
 }
@@ -44,10 +47,14 @@ std::string Signature::describe() const {
   std::string s = str_cat(collective_name(coll), "(", p2p ? "p2p seq=" : "seq=", seq,
                           ", count=", count, ", ", dtype_name(dtype));
   if (coll == Collective::kAllReduce || coll == Collective::kReduceScatter ||
-      coll == Collective::kReduce || coll == Collective::kSparseAllReduce)
+      coll == Collective::kReduce || coll == Collective::kSparseAllReduce ||
+      coll == Collective::kAllReduceCoalesced)
     s += str_cat(", op=", op_name(op));
   if (root >= 0) s += str_cat(", root=", root);
   if (coll == Collective::kAllGatherV) s += str_cat(", counts hash=", aux);
+  if (coll == Collective::kAllReduceCoalesced || coll == Collective::kBroadcastCoalesced ||
+      coll == Collective::kAllGatherCoalesced)
+    s += str_cat(", layout hash=", aux);
   return s + str_cat(", algorithm=", algorithm_name(algo), ")");
 }
 

@@ -30,6 +30,10 @@ enum class Collective : uint8_t {
   kBarrier = 7,
   kSendRecv = 8,
   kSparseAllReduce = 9,
+  // One bucket of a coalesced call each (algorithms/coalesced.cc).
+  kAllReduceCoalesced = 10,
+  kBroadcastCoalesced = 11,
+  kAllGatherCoalesced = 12,
 };
 const char* collective_name(Collective c);
 

@@ -1,0 +1,274 @@
+// Coalesced collectives: the caller's buffers, grouped by dtype and cut into buckets (one
+// operation on the wire each, with its own sequence number and signature), flow through a
+// pipeline of slices. A slice is packed from the buffers into a slice buffer (cast and scaled on
+// the way, kernels/cpu/pack.h), exchanged, and unpacked back into the buffers.
+//
+// Iteration t of the pipeline runs stage 0 of slice t, then stage 1 of slice t-1, then stage 2
+// of slice t-2. Every wait progresses all posted messages, so packing slice t and unpacking
+// slice t-2 run while slice t-1 (and t) are in flight, on the one thread that runs the
+// operation. Slices run on across bucket edges: bucket i+1 is packed while bucket i's last slices
+// are still on the wire. S below is RINGCOMM_FUSION_SLICE_BYTES, the size of one message.
+//
+// all_reduce, 3 stages; a slice is n parts of S, part k owned by rank k:
+//   0. pack the slice; send part k to rank k (every k != me); receive every rank's part `me`.
+//   1. reduce part `me` from the n contributions, element by element in the order that one
+//      all_reduce per buffer would have used (reduction_order.h), so the results are bitwise
+//      those of per-buffer all_reduce; send it to every rank; unpack it.
+//   2. receive every other part from its owner; unpack it.
+//   Bytes on the wire per rank: 2(n-1)/n of the data (sent and received), as a ring all-reduce,
+//   in two message latencies per slice. Every rank gets the owner's bits.
+// broadcast, 2 stages; the binomial tree or chain of broadcast (by bucket size):
+//   0. the root packs the slice and sends it to its children; the others receive it from their
+//      parent.  1. forward it to the children; unpack it.   S received per rank per slice.
+// all_gather, 2 stages; a slice is S of every rank's inputs:
+//   0. pack my slice; send it to every rank; receive every rank's slice.  1. unpack all of them.
+//   (n-1) S sent and received per rank per slice.
+#include "algorithms/coalesced.h"
+
+#include <algorithm>
+
+#include "algorithms/algorithms.h"
+
+namespace ringcomm {
+namespace {
+
+// Scratch slots used here (the other algorithms use 0 .. 8): one per pipeline stage in flight.
+constexpr int kMaxDepth = 3;
+enum Slot { kSliceBuffers = 16, kIncoming = 16 + kMaxDepth, kTemps = 16 + 2 * kMaxDepth };
+
+struct Slice {
+  size_t bucket, begin, end;  // fused elements [begin, end) of the bucket
+  size_t count() const { return end - begin; }
+};
+
+// Elements of `dtype` in one message of at most RINGCOMM_FUSION_SLICE_BYTES (at least one).
+size_t slice_elems(DType dtype) {
+  return std::max<size_t>(1, AlgorithmTuning::get().fusion_slice_bytes / dtype_size(dtype));
+}
+
+// Slices of at most `per_bucket(bucket)` elements, at least one per bucket so that an empty
+// bucket still travels and is checked against the peers' signatures.
+template <typename PerBucket>
+std::vector<Slice> slices_of(const std::vector<FusedBucket>& buckets, PerBucket per_bucket) {
+  std::vector<Slice> slices;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const size_t count = buckets[b].buffers.count(), slice = per_bucket(buckets[b]);
+    for (size_t j = 0, pieces = piece_count(count, slice); j < pieces; ++j)
+      slices.push_back({b, std::min(count, j * slice), std::min(count, (j + 1) * slice)});
+  }
+  return slices;
+}
+
+// The largest per-message buffer any bucket needs, in bytes.
+template <typename PerBucket>
+size_t max_message_bytes(const std::vector<FusedBucket>& buckets, PerBucket per_bucket) {
+  size_t bytes = 1;
+  for (const FusedBucket& b : buckets)
+    bytes = std::max(bytes, per_bucket(b) * dtype_size(b.sig.dtype));
+  return bytes;
+}
+
+// Bucket i's signature carries the call's first sequence number + i.
+std::vector<Signature> signatures(const Context& ctx, const std::vector<FusedBucket>& buckets) {
+  std::vector<Signature> sigs;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    sigs.push_back(buckets[i].sig);
+    sigs.back().seq = ctx.signature().seq + i;
+  }
+  return sigs;
+}
+
+// Runs stage(s, c) for stage s < depth of slice c at iteration c + s, stages in order. Slice c
+// uses buffers c % depth, which slice c + depth takes over once every send posted before it is
+// out.
+template <typename Stage>
+void run_pipeline(Context& ctx, const std::vector<Slice>& slices,
+                  const std::vector<Signature>& sigs, size_t depth, Stage stage) {
+  const size_t count = slices.size();
+  for (size_t t = 0; t + 1 < count + depth; ++t) {
+    // The oldest slice in flight: messages of later buckets may arrive before they are expected.
+    size_t oldest = t + 1 < depth ? 0 : std::min(count - 1, t + 1 - depth);
+    ctx.set_current(sigs[slices[oldest].bucket]);
+    if (t >= depth) ctx.finish();
+    for (size_t s = 0; s < depth; ++s)
+      if (t >= s && t - s < count) stage(s, t - s);
+  }
+  ctx.finish();
+}
+
+// out = my part's reduction, for fused elements [begin, begin + count) of bucket `b`, each
+// element by its own range's program. inputs[q]: rank q's contribution to those elements.
+void reduce_in_order(const CoalescedAllReduce& plan, const FusedBucket& b, size_t begin,
+                     size_t count, const char* const* inputs, char* out, char* temps, int n) {
+  const std::vector<OrderedRange>& ranges = plan.ranges[b.order_group];
+  const DType dtype = b.sig.dtype;
+  const size_t e = dtype_size(dtype), first = b.order_base + begin, last = first + count;
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), first,
+                             [](size_t pos, const OrderedRange& r) { return pos < r.begin; });
+  if (it != ranges.begin()) --it;
+  std::vector<const char*> shifted(static_cast<size_t>(n));
+  for (; it != ranges.end() && it->begin < last; ++it) {
+    size_t lo = std::max(first, it->begin), hi = std::min(last, it->begin + it->count);
+    if (lo >= hi) continue;
+    for (int q = 0; q < n; ++q) shifted[size_t(q)] = inputs[q] + (lo - first) * e;
+    plan.orders.program(it->program)
+        .run(dtype, plan.op, shifted.data(), out + (lo - first) * e, hi - lo, temps);
+  }
+}
+
+}  // namespace
+
+void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
+  const int n = ctx.size(), me = ctx.rank();
+  if (n == 1 || plan.buckets.empty()) return;
+  const auto part_elems = [](const FusedBucket& b) { return slice_elems(b.sig.dtype); };
+  const auto slices =
+      slices_of(plan.buckets, [&](const FusedBucket& b) { return part_elems(b) * size_t(n); });
+  const auto sigs = signatures(ctx, plan.buckets);
+  const size_t part_bytes = max_message_bytes(plan.buckets, part_elems);
+  size_t temp_bytes = 1;
+  for (const FusedBucket& b : plan.buckets)
+    temp_bytes = std::max(temp_bytes, plan.orders.scratch_bytes(b.sig.dtype));
+  char* temps = ctx.scratch(kTemps, temp_bytes);
+  constexpr size_t depth = 3;
+  struct SlotState {
+    char* buffer;    // the packed slice, then the reduced parts
+    char* incoming;  // the other ranks' contributions to my part, (n-1) x part_bytes
+    std::vector<Request> contributions, results;  // by peer
+  } slots[depth];
+  for (size_t s = 0; s < depth; ++s) {
+    slots[s].buffer = ctx.scratch(kSliceBuffers + int(s), part_bytes * size_t(n));
+    slots[s].incoming = ctx.scratch(kIncoming + int(s), part_bytes * size_t(n - 1));
+    slots[s].contributions.resize(size_t(n));
+    slots[s].results.resize(size_t(n));
+  }
+  auto incoming_of = [&](SlotState& slot, int q) {
+    return slot.incoming + size_t(q < me ? q : q - 1) * part_bytes;
+  };
+
+  run_pipeline(ctx, slices, sigs, depth, [&](size_t stage, size_t c) {
+    const Slice& slice = slices[c];
+    const FusedBucket& b = plan.buckets[slice.bucket];
+    const Signature& sig = sigs[slice.bucket];
+    const size_t e = dtype_size(sig.dtype);
+    const Segments parts(slice.count(), n);
+    SlotState& slot = slots[c % depth];
+    char* mine = slot.buffer + parts.offset(me) * e;
+    auto unpack_part = [&](int k) {
+      size_t begin = slice.begin + parts.offset(k);
+      cpu::unpack(slot.buffer + parts.offset(k) * e, sig.dtype, b.buffers, begin,
+                  begin + parts.count(k), plan.unpack_scaling);
+    };
+    if (stage == 0) {
+      cpu::pack(b.buffers, slice.begin, slice.end, slot.buffer, sig.dtype, plan.pack_scaling);
+      for (int q = 0; q < n; ++q) {
+        if (q == me) continue;
+        slot.contributions[size_t(q)] =
+            ctx.recv(q, incoming_of(slot, q), parts.count(me) * e, sig);
+        ctx.send(q, slot.buffer + parts.offset(q) * e, parts.count(q) * e, sig);
+      }
+    } else if (stage == 1) {
+      std::vector<const char*> inputs(static_cast<size_t>(n));
+      for (int q = 0; q < n; ++q) {
+        if (q == me) {
+          inputs[size_t(q)] = mine;
+          continue;
+        }
+        ctx.wait(slot.contributions[size_t(q)]);
+        inputs[size_t(q)] = incoming_of(slot, q);
+      }
+      reduce_in_order(plan, b, slice.begin + parts.offset(me), parts.count(me), inputs.data(),
+                      mine, temps, n);
+      for (int q = 0; q < n; ++q) {
+        if (q == me) continue;
+        ctx.send(q, mine, parts.count(me) * e, sig);
+        // Lands where my contribution to q was: q sends its result only after it has all of it.
+        slot.results[size_t(q)] =
+            ctx.recv(q, slot.buffer + parts.offset(q) * e, parts.count(q) * e, sig);
+      }
+      unpack_part(me);
+    } else {
+      for (int q = 0; q < n; ++q) {
+        if (q == me) continue;
+        ctx.wait(slot.results[size_t(q)]);
+        unpack_part(q);
+      }
+    }
+  });
+}
+
+void coalesced_broadcast(Context& ctx, const std::vector<FusedBucket>& buckets, int root) {
+  const int n = ctx.size(), me = ctx.rank();
+  if (n == 1 || buckets.empty()) return;
+  const auto elems = [](const FusedBucket& b) { return slice_elems(b.sig.dtype); };
+  const auto slices = slices_of(buckets, elems);
+  const auto sigs = signatures(ctx, buckets);
+  std::vector<TreeLinks> links;
+  for (const FusedBucket& b : buckets) links.push_back(rooted_tree(n, me, root, b.sig.algo));
+  const size_t bytes = max_message_bytes(buckets, elems);
+  constexpr size_t depth = 2;
+  char* buffers[depth];
+  Request from_parent[depth];
+  for (size_t s = 0; s < depth; ++s) buffers[s] = ctx.scratch(kSliceBuffers + int(s), bytes);
+
+  run_pipeline(ctx, slices, sigs, depth, [&](size_t stage, size_t c) {
+    const Slice& slice = slices[c];
+    const FusedBucket& b = buckets[slice.bucket];
+    const Signature& sig = sigs[slice.bucket];
+    const TreeLinks& tree = links[slice.bucket];
+    const size_t len = slice.count() * dtype_size(sig.dtype);
+    char* buf = buffers[c % depth];
+    if (stage == 0) {
+      if (me == root) {
+        cpu::pack(b.buffers, slice.begin, slice.end, buf, sig.dtype, {});
+        for (int child : tree.children) ctx.send(child, buf, len, sig);
+      } else {
+        from_parent[c % depth] = ctx.recv(tree.parent, buf, len, sig);
+      }
+    } else if (me != root) {
+      ctx.wait(from_parent[c % depth]);
+      for (int child : tree.children) ctx.send(child, buf, len, sig);
+      cpu::unpack(buf, sig.dtype, b.buffers, slice.begin, slice.end, {});
+    }
+  });
+}
+
+void coalesced_all_gather(Context& ctx, const std::vector<FusedBucket>& buckets) {
+  const int n = ctx.size(), me = ctx.rank();
+  if (buckets.empty()) return;
+  const auto elems = [](const FusedBucket& b) { return slice_elems(b.sig.dtype); };
+  const auto slices = slices_of(buckets, elems);
+  const auto sigs = signatures(ctx, buckets);
+  const size_t part_bytes = max_message_bytes(buckets, elems);
+  constexpr size_t depth = 2;
+  char* buffers[depth];
+  std::vector<Request> from_peer[depth];
+  for (size_t s = 0; s < depth; ++s) {
+    buffers[s] = ctx.scratch(kSliceBuffers + int(s), part_bytes * size_t(n));
+    from_peer[s].resize(size_t(n));
+  }
+
+  run_pipeline(ctx, slices, sigs, depth, [&](size_t stage, size_t c) {
+    const Slice& slice = slices[c];
+    const FusedBucket& b = buckets[slice.bucket];
+    const Signature& sig = sigs[slice.bucket];
+    const size_t len = slice.count() * dtype_size(sig.dtype);
+    char* buf = buffers[c % depth];
+    auto part = [&](int q) { return buf + size_t(q) * part_bytes; };
+    if (stage == 0) {
+      cpu::pack(b.buffers, slice.begin, slice.end, part(me), sig.dtype, {});
+      for (int q = 0; q < n; ++q) {
+        if (q == me) continue;
+        from_peer[c % depth][size_t(q)] = ctx.recv(q, part(q), len, sig);
+        ctx.send(q, part(me), len, sig);
+      }
+    } else {
+      for (int q = 0; q < n; ++q) {
+        if (q != me) ctx.wait(from_peer[c % depth][size_t(q)]);
+        cpu::unpack(part(q), sig.dtype, b.outputs[size_t(q)], slice.begin, slice.end, {});
+      }
+    }
+  });
+}
+
+}  // namespace ringcomm

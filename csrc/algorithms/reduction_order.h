@@ -1,0 +1,86 @@
+// The order in which all_reduce combines the ranks' contributions to an element, for each of its
+// algorithms, as a program of binary steps that can be replayed on any buffer.
+//
+// One all_reduce per buffer picks its algorithm by the buffer's size, and the order of the
+// combinations (which matters for floating-point sums and products) follows from the algorithm,
+// the number of ranks and where the element sits in the buffer:
+//   recursive doubling (recursive_doubling.cc): one order for every element, a balanced tree over
+//     butterfly indices with a fold of ranks 2i, 2i+1 when n is not a power of two;
+//   ring (ring.cc): element in segment k: x_k op (x_k-1 op (... op (x_k+2 op x_k+1)));
+//   double binary tree (tree.cc): first half of the buffer over the heap tree, second half over
+//     its mirror; at each node (mine op child_0) op child_1.
+// A coalesced all-reduce (coalesced.cc) reduces each element at one rank that has every rank's
+// contribution, so it can use any order: it replays the one all_reduce would have used, which
+// makes its results bitwise equal to one all_reduce per buffer. tests/test_fusion.py checks the
+// two against each other for every algorithm; a change to an algorithm's order must change the
+// program built here too.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "common/dtype.h"
+#include "transport/transport.h"
+
+namespace ringcomm {
+
+class ReductionProgram {
+ public:
+  // Operands 0 .. n-1 are the ranks' contributions; n + j is the result of step j. The last
+  // step's result is the reduced value.
+  struct Step {
+    int a, b;  // result = a op b
+  };
+  explicit ReductionProgram(int n) : n_(n) {}
+  int add(int a, int b);
+  // Assigns temporaries (a step's result lives until the step that uses it); call once, after
+  // the last add().
+  void finish();
+
+  // Elements processed per pass when temporaries are needed.
+  static constexpr size_t kBlock = 4096;
+  size_t scratch_bytes(DType dtype) const { return size_t(temps_) * kBlock * dtype_size(dtype); }
+  // out[i] = the program over inputs[0][i] .. inputs[n-1][i], for `count` elements. `out` may be
+  // one of the inputs; `scratch` holds scratch_bytes(dtype).
+  void run(DType dtype, ReduceOp op, const char* const* inputs, char* out, size_t count,
+           char* scratch) const;
+
+ private:
+  int n_;
+  std::vector<Step> steps_;
+  std::vector<int> temp_of_;  // per step: its temporary
+  int temps_ = 0;
+};
+
+// A range of a buffer whose elements share one reduction order.
+struct OrderedRange {
+  size_t begin, count;
+  int program;
+};
+
+// The programs of all_reduce's algorithms for n ranks, built as they are first needed.
+class ReductionOrders {
+ public:
+  explicit ReductionOrders(int n) : n_(n) {}
+  // Appends the ranges of a `count`-element buffer that all_reduce with `algo` (ring, tree or
+  // recursive doubling) reduces in one order each, shifted by `base`.
+  void ranges(Algorithm algo, size_t count, size_t base, std::vector<OrderedRange>& out);
+  const ReductionProgram& program(int id) const { return programs_[size_t(id)]; }
+  // Scratch that any of the programs built so far needs.
+  size_t scratch_bytes(DType dtype) const {
+    size_t bytes = 0;
+    for (const ReductionProgram& p : programs_) bytes = std::max(bytes, p.scratch_bytes(dtype));
+    return bytes;
+  }
+
+ private:
+  int program_id(Algorithm algo, int piece);
+  ReductionProgram build(Algorithm algo, int piece) const;
+
+  int n_;
+  std::vector<ReductionProgram> programs_;
+  std::vector<std::pair<Algorithm, int>> keys_;  // (algorithm, piece) of programs_[i]
+};
+
+}  // namespace ringcomm

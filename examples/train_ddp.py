@@ -1,0 +1,182 @@
+"""Trains an MLP on scikit-learn's digits with DDP, gradients averaged by gloo or ringcomm.
+
+    torchrun --nproc-per-node 2 examples/train_ddp.py --hook allreduce --width 2048
+    torchrun --nproc-per-node 2 examples/train_ddp.py --backend ringcomm --hook none
+    torchrun --nproc-per-node 2 examples/train_ddp.py --hook allreduce --width 2048 --compare-gloo
+
+--backend picks the process group DDP runs on; --hook registers a ringcomm comm hook on it ("none":
+DDP's own all-reduce through that backend). --width 2048 gives two hidden layers of 2048, about
+4.3M parameters, enough for communication to matter. --compare-gloo also trains gloo's default DDP
+from the same initial weights on the same batches, alternating steps with the run above so both
+see the same machine load, and prints both. Rank 0 prints test accuracy, the mean step time
+(forward, backward with its communication, optimizer step; after --warmup steps) and the bytes
+this rank sent per step over TCP (Linux's per-socket counters, all of the process's connections).
+"""
+import argparse
+import os
+import socket
+import struct
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ringcomm  # noqa: F401 - registers the "ringcomm" backend
+from ringcomm import hooks
+
+HOOKS = {"none": None, "allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
+         "bf16": hooks.bf16_compress_hook, "topk": hooks.topk_hook}
+TCP_INFO_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64, Linux >= 4.19) in struct tcp_info
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["gloo", "ringcomm"], default="gloo")
+    p.add_argument("--hook", choices=list(HOOKS), default="allreduce")
+    p.add_argument("--width", type=int, default=256, help="units in each of the two hidden layers")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch, split over the ranks")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the mean step time")
+    p.add_argument("--ratio", type=float, default=0.01, help="--hook topk: fraction of entries sent")
+    p.add_argument("--topk-warmup", type=int, default=10,
+                   help="--hook topk: dense steps before compression starts")
+    p.add_argument("--topk-values", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="--hook topk: wire type of the values sent")
+    p.add_argument("--compare-gloo", action="store_true",
+                   help="also train gloo's default DDP, alternating steps, and print both")
+    args = p.parse_args()
+    if args.width < 1 or args.epochs < 1 or args.batch_size < 1 or args.warmup < 0:
+        p.error("--width, --epochs and --batch-size must be positive, --warmup non-negative")
+    return args
+
+
+def tcp_bytes_sent() -> int:
+    """Bytes this process has sent over all its TCP connections (retransmissions included)."""
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            with socket.socket(fileno=os.dup(int(fd))) as s:  # a duplicate: closing it keeps fd open
+                if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                    info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+                    total += struct.unpack_from("Q", info, TCP_INFO_BYTES_SENT)[0]
+        except OSError:  # closed since listed
+            continue
+    return total
+
+
+def digits(seed: int):
+    """(train x, train y, test x, test y): 80/20 split of the 1797 8x8 images, pixels in [0, 1]."""
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_train = len(y) * 4 // 5
+    train, test = order[:n_train], order[n_train:]
+    return x[train], y[train], x[test], y[test]
+
+
+def mlp(width: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, 10))
+
+
+class Run:
+    """One DDP model, its optimizer and its measurements."""
+
+    def __init__(self, name, args, process_group=None, hook=None):
+        self.name = name
+        self.model = DDP(mlp(args.width, args.seed), process_group=process_group)
+        if hook is not None:
+            state = None
+            if hook is hooks.topk_hook:
+                state = hooks.TopKState(ratio=args.ratio, warmup_steps=args.topk_warmup,
+                                        value_dtype=getattr(torch, args.topk_values))
+            self.model.register_comm_hook(state, hook)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.step_times, self.bytes_sent = [], 0
+
+    def step(self, x, y, timed: bool):
+        sent_before = tcp_bytes_sent()
+        start = time.perf_counter()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        elapsed = time.perf_counter() - start
+        if timed:
+            self.step_times.append(elapsed)
+            self.bytes_sent += tcp_bytes_sent() - sent_before
+
+    @torch.no_grad()
+    def accuracy(self, x, y) -> float:
+        return (self.model.module(x).argmax(1) == y).float().mean().item()
+
+
+def main():
+    args = parse_args()
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_x, train_y, test_x, test_y = digits(args.seed)
+    if args.batch_size % world:
+        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {world} ranks")
+
+    hook_name = "DDP's all-reduce" if args.hook == "none" else f"ringcomm {args.hook} hook"
+    runs = [Run(f"{args.backend}, {hook_name}", args, hook=HOOKS[args.hook])]
+    groups = [None]  # the default group, and a gloo group when that is not gloo already
+    if args.compare_gloo:
+        if args.backend != "gloo":
+            groups.append(dist.new_group(backend="gloo"))
+        runs.append(Run("gloo, DDP's all-reduce", args, process_group=groups[-1]))
+
+    per_rank = args.batch_size // world
+    steps_per_epoch = len(train_y) // args.batch_size
+    if steps_per_epoch * args.epochs <= args.warmup:
+        raise SystemExit(f"{steps_per_epoch * args.epochs} steps leave none to time after "
+                         f"--warmup {args.warmup}")
+    step = 0
+    for epoch in range(args.epochs):
+        # the same shuffle on every rank; each takes its slice of every global batch
+        shuffle = torch.Generator().manual_seed(args.seed * 1000 + epoch)
+        order = torch.randperm(len(train_y), generator=shuffle)
+        for i in range(steps_per_epoch):
+            batch = order[i * args.batch_size + rank * per_rank:][:per_rank]
+            for run in runs:
+                run.step(train_x[batch], train_y[batch], timed=step >= args.warmup)
+            step += 1
+
+    if rank == 0:
+        params = sum(p.numel() for p in runs[0].model.parameters())
+        timed = step - args.warmup
+        print(f"digits: {len(train_y)} train / {len(test_y)} test images; MLP 64-{args.width}-"
+              f"{args.width}-10, {params:,} parameters; {world} ranks, global batch {args.batch_size}, "
+              f"{step} steps ({timed} timed)")
+        print(f"{'run':<34} {'test acc':>9} {'step ms':>9} {'steps/s':>8} {'MB sent/step':>13}")
+        for run in runs:
+            mean = sum(run.step_times) / len(run.step_times)
+            print(f"{run.name:<34} {100 * run.accuracy(test_x, test_y):>8.2f}% {1e3 * mean:>9.2f} "
+                  f"{1 / mean:>8.2f} {run.bytes_sent / timed / 1e6:>13.2f}")
+        if len(runs) == 2:
+            ratio = sum(runs[1].step_times) / sum(runs[0].step_times)
+            print(f"steps/s, {runs[0].name} over {runs[1].name}: {ratio:.2f}x")
+    # Models first, while torch still holds their groups; then a barrier on each group; then the
+    # groups. torch 2.13's gloo destructor joins its worker threads holding the GIL, and a worker
+    # still freeing an all-reduce issued during backward needs the GIL (the work carries
+    # backward's Python context): dropping a gloo group right after its last all-reduce can hang.
+    del runs
+    for group in groups:
+        dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

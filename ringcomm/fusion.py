@@ -1,0 +1,105 @@
+"""Coalesced collectives on lists of tensors: argument checks and buffer lists for ringcomm._C.
+
+The tensors are grouped by dtype, fused into buckets of at most `bucket_bytes` (one operation on
+the wire each) and pipelined in the core (csrc/algorithms/coalesced.cc). Results land in the
+given tensors and are bitwise those of one collective per tensor (docs/algorithms.md).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from . import _C
+from ._buffers import FLOATING, TORCH_DTYPES, Buffer, op_code
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+FLOAT32 = TORCH_DTYPES[torch.float32]
+
+
+class BufferList:
+    """Addresses, element counts and dtype codes of a list of contiguous CPU tensors (or numpy
+    arrays), for the core's list arguments."""
+
+    __slots__ = ("ptrs", "counts", "dtypes")
+
+    def __init__(self, items, name: str = "tensors"):
+        if not isinstance(items, (list, tuple)):
+            raise TypeError(f"{name} must be a list or tuple of tensors, got {type(items).__name__}")
+        # Lists of hundreds of small tensors are the point of coalescing, so the common case (all
+        # contiguous CPU tensors of supported dtypes) is checked and read with map(), one pass per
+        # property: about 0.3 us per tensor, a tenth of a Buffer's.
+        if all(issubclass(t, torch.Tensor) for t in set(map(type, items))):
+            codes = list(map(TORCH_DTYPES.get, map(_dtype, items)))
+            if (None not in codes and all(map(_is_cpu, items))
+                    and set(map(_layout, items)) <= {torch.strided}
+                    and all(map(torch.Tensor.is_contiguous, items))):
+                self.ptrs = list(map(torch.Tensor.data_ptr, items))
+                self.counts = list(map(torch.Tensor.numel, items))
+                self.dtypes = codes
+                return
+        # Otherwise numpy arrays, or an error naming the first bad element.
+        bufs = [Buffer(t, f"{name}[{i}]") for i, t in enumerate(items)]
+        self.ptrs = [b.ptr for b in bufs]
+        self.counts = [b.numel for b in bufs]
+        self.dtypes = [b.dtype for b in bufs]
+
+    def __len__(self):
+        return len(self.ptrs)
+
+
+_dtype = operator.attrgetter("dtype")
+_is_cpu = operator.attrgetter("is_cpu")
+_layout = operator.attrgetter("layout")
+
+
+def check_bucket_bytes(bucket_bytes) -> int:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+        raise TypeError(f"bucket_bytes must be an int, got {type(bucket_bytes).__name__}")
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    return bucket_bytes
+
+
+def all_reduce_coalesced(comm, tensors, op, bucket_bytes, async_op):
+    bufs = BufferList(tensors)
+    code = op_code(op)
+    if code == 1:
+        for i, dt in enumerate(bufs.dtypes):
+            if dt not in FLOATING:
+                raise TypeError(f"op avg needs floating dtypes, but tensors[{i}] is "
+                                f"{getattr(tensors[i], 'dtype', None)}")
+    w = _C.all_reduce_coalesced(comm._core, bufs.ptrs, bufs.counts, bufs.dtypes, code,
+                                check_bucket_bytes(bucket_bytes), FLOAT32, 1.0, async_op)
+    return comm._finish(w, tensors, async_op, keep=(tensors,))
+
+
+def broadcast_coalesced(comm, tensors, src, bucket_bytes, async_op):
+    bufs = BufferList(tensors)
+    src = comm._check_rank(src, "src")
+    w = _C.broadcast_coalesced(comm._core, bufs.ptrs, bufs.counts, bufs.dtypes, src,
+                               check_bucket_bytes(bucket_bytes), async_op)
+    return comm._finish(w, tensors, async_op, keep=(tensors,))
+
+
+def all_gather_coalesced(comm, output_lists, input_tensors, bucket_bytes, async_op):
+    inputs = BufferList(input_tensors, "input_tensors")
+    if not isinstance(output_lists, (list, tuple)) or len(output_lists) != comm.world_size:
+        raise ValueError(f"output_lists must be a list of world_size = {comm.world_size} lists")
+    out_ptrs = []
+    for r, outs in enumerate(output_lists):
+        name = f"output_lists[{r}]"
+        if isinstance(outs, (list, tuple)) and len(outs) != len(inputs):
+            raise ValueError(f"{name} has {len(outs)} tensors, expected {len(inputs)} (one per input)")
+        bufs = BufferList(outs, name)
+        for i in range(len(inputs)):
+            if bufs.dtypes[i] != inputs.dtypes[i]:
+                raise TypeError(f"{name}[{i}] has dtype {outs[i].dtype}, "
+                                f"input_tensors[{i}] has {input_tensors[i].dtype}")
+            if bufs.counts[i] != inputs.counts[i]:
+                raise ValueError(f"{name}[{i}] has {bufs.counts[i]} elements, "
+                                 f"input_tensors[{i}] has {inputs.counts[i]}")
+        out_ptrs.append(bufs.ptrs)
+    w = _C.all_gather_coalesced(comm._core, out_ptrs, inputs.ptrs, inputs.counts, inputs.dtypes,
+                                check_bucket_bytes(bucket_bytes), async_op)
+    return comm._finish(w, output_lists, async_op, keep=(output_lists, input_tensors))

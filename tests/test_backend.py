@@ -1,0 +1,452 @@
+"""The torch.distributed backend "ringcomm": every op against gloo's result, subgroups, mixed
+configs, torchrun, async futures, errors."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from ranks import run_ranks
+from test_init import free_port
+
+
+def init_ringcomm_and_gloo(store, rank, world):
+    """ringcomm as the default group, and a gloo group over the same ranks to compare with."""
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    return dist.new_group(backend="gloo")
+
+
+def values(rank, shape, dtype=torch.float32):
+    n = torch.Size(shape).numel()
+    # integer values: every summation order gives the same bits, so results compare exactly
+    return ((torch.arange(n) % 13 + 3 * rank - 5).to(dtype)).reshape(shape)
+
+
+def assert_same(a, b, where):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), \
+            f"{where}: {a} != {b}"
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a} != {b}"
+
+
+def each_op(store, rank, world):
+    """Runs each op on ringcomm and on gloo and compares; returns the names of the ops run."""
+    gloo = init_ringcomm_and_gloo(store, rank, world)
+    assert dist.get_backend() == "ringcomm" and dist.get_backend(gloo) == "gloo"
+    n, names = world, []
+
+    def both(name, run):
+        assert_same(run(None), run(gloo), f"rank {rank}, {name}")
+        names.append(name)
+
+    def all_reduce(op, dtype):
+        def run(group):
+            t = values(rank, (7, 3), dtype)
+            dist.all_reduce(t, op=op, group=group)
+            return t
+        return run
+
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+        both(f"all_reduce {op}", all_reduce(op, torch.float32))
+    both("all_reduce int64", all_reduce(dist.ReduceOp.SUM, torch.int64))
+
+    def all_reduce_large(group):
+        t = values(rank, (300_000,))  # past the small-message threshold: the ring algorithm
+        dist.all_reduce(t, group=group)
+        return t
+    both("all_reduce large", all_reduce_large)
+
+    def coalesced(group):
+        ts = [values(rank, (5,)), values(rank + 1, (2, 3)), values(rank + 2, (1,))]
+        with dist._coalescing_manager(group=group, async_ops=True) as cm:
+            for t in ts:
+                dist.all_reduce(t, group=group)
+        cm.wait()
+        return ts
+    both("all_reduce coalesced", coalesced)
+
+    def gathers_coalesced(group):
+        ins = [values(rank, (3,)), values(rank, (2, 2), torch.int64)]
+        gathered = [torch.empty(3 * n), torch.empty(2 * n, 2, dtype=torch.int64)]
+        reduced = [torch.empty(2), torch.empty(1, dtype=torch.float64)]
+        rs_ins = [values(rank, (2 * n,)), values(rank, (n,), torch.float64)]
+        lists = [[torch.empty(4) for _ in range(n)], [torch.empty(1) for _ in range(n)]]
+        list_ins = [values(rank, (4,)), values(rank + 1, (1,))]
+        if group is None:  # ringcomm's coalesced forms
+            with dist._coalescing_manager():
+                for out, inp in zip(gathered, ins):
+                    dist.all_gather_single(out, inp)
+            with dist._coalescing_manager():
+                for out, inp in zip(reduced, rs_ins):
+                    dist.reduce_scatter_single(out, inp)
+            dist.all_gather_coalesced(lists, list_ins)
+        else:  # gloo's one by one
+            for out, inp in zip(gathered, ins):
+                dist.all_gather_single(out, inp, group=group)
+            for out, inp in zip(reduced, rs_ins):
+                dist.reduce_scatter_single(out, inp, group=group)
+            for out, inp in zip(lists, list_ins):
+                dist.all_gather(out, inp, group=group)
+        return gathered, reduced, lists
+    both("all_gather and reduce_scatter coalesced", gathers_coalesced)
+
+    def broadcast(group):
+        out = []
+        for root in range(n):
+            t = values(rank, (4, 5), torch.float64)
+            dist.broadcast(t, src=root, group=group)
+            out.append(t)
+        return out
+    both("broadcast", broadcast)
+
+    def reduce(group):
+        out = []
+        for root in range(n):
+            t = values(rank, (9,))
+            dist.reduce(t, dst=root, group=group)
+            out.append(t if rank == root else None)  # gloo uses non-roots' tensors as scratch
+        return out
+    both("reduce", reduce)
+
+    def all_gather(group):
+        pieces = [torch.empty(2, 3, dtype=torch.bfloat16) for _ in range(n)]
+        dist.all_gather(pieces, values(rank, (2, 3), torch.bfloat16), group=group)
+        return pieces
+    both("all_gather list", all_gather)
+
+    def all_gather_into_tensor(group):
+        out = torch.empty(n * 2, 5, dtype=torch.int32)
+        dist.all_gather_single(out, values(rank, (2, 5), torch.int32), group=group)
+        return out
+    both("all_gather_into_tensor", all_gather_into_tensor)
+
+    def reduce_scatter(group):
+        out = torch.empty(3, 2)
+        dist.reduce_scatter(out, [values(rank + q, (3, 2)) for q in range(n)], group=group)
+        return out
+    both("reduce_scatter list", reduce_scatter)
+
+    def reduce_scatter_tensor(group):
+        out = torch.empty(4)
+        dist.reduce_scatter_single(out, values(rank, (4 * n,)), op=dist.ReduceOp.MAX, group=group)
+        return out
+    both("reduce_scatter_tensor", reduce_scatter_tensor)
+
+    def gather(group):
+        out = []
+        for root in range(n):
+            pieces = [torch.empty(6) for _ in range(n)] if rank == root else None
+            dist.gather(values(rank, (6,)), pieces, dst=root, group=group)
+            out.append(pieces)
+        return out
+    both("gather", gather)
+
+    def scatter(group):
+        out = []
+        for root in range(n):
+            t = torch.empty(2, 2, dtype=torch.int64)
+            pieces = [values(q + 10 * rank, (2, 2), torch.int64) for q in range(n)] if rank == root else None
+            dist.scatter(t, pieces, src=root, group=group)
+            out.append(t)
+        return out
+    both("scatter", scatter)
+
+    def all_to_all(group):
+        outs = [torch.empty(3) for q in range(n)]  # gloo needs equal sizes here
+        dist.all_to_all(outs, [values(rank * n + q, (3,)) for q in range(n)], group=group)
+        return outs
+    both("all_to_all", all_to_all)
+
+    def all_to_all_single(group):
+        even_out = torch.empty(2 * n, 3)
+        dist.all_to_all_single(even_out, values(rank, (2 * n, 3)), group=group)
+        in_splits = [(rank + q) % 3 for q in range(n)]  # rows rank sends to q; some empty
+        out_splits = [(q + rank) % 3 for q in range(n)]  # rows q sends to rank
+        uneven_out = torch.empty(sum(out_splits), 3)
+        dist.all_to_all_single(uneven_out, values(rank, (sum(in_splits), 3)), out_splits, in_splits,
+                               group=group)
+        return even_out, uneven_out
+    both("all_to_all_single", all_to_all_single)
+
+    def point_to_point(group):
+        right, left = (rank + 1) % n, (rank - 1) % n
+        got = torch.empty(1000)
+        ops = [dist.P2POp(dist.irecv, got, left, group), dist.P2POp(dist.isend, values(rank, (1000,)), right, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        blocking = torch.zeros(3, dtype=torch.float64)
+        if rank == 0:
+            dist.send(values(7, (3,), torch.float64), 1, group=group)
+        elif rank == 1:
+            dist.recv(blocking, 0, group=group)
+        return got, blocking
+    both("send/recv", point_to_point)
+
+    def objects(group):
+        gathered = [None] * n
+        dist.all_gather_object(gathered, {"rank": rank, "name": "x" * rank}, group=group)
+        sent = [{"from": rank, "payload": list(range(rank + 3))}, "two"]
+        dist.broadcast_object_list(sent, src=n - 1, group=group)
+        received = [None]
+        dist.scatter_object_list(received, [f"to {q}" for q in range(n)] if rank == 0 else None,
+                                 src=0, group=group)
+        return gathered, sent, received
+    both("objects", objects)
+
+    dist.barrier()
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+    return names
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_op_matches_gloo(world):
+    names = run_ranks(world, each_op, make_comm=False, timeout=90)
+    assert len(names[0]) == 20 and names[1] == names[0], names
+
+
+def average(store, rank, world):
+    # AVG has no gloo counterpart: compare with SUM / world.
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
+    t = values(rank, (100,))
+    total = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return torch.equal(t, total / world)
+
+
+def test_average():
+    assert all(run_ranks(3, average, make_comm=False))
+
+
+def subgroups(store, rank, world):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    # every rank creates every group, members or not, in the same order (torch's rule)
+    groups = {tuple(r): dist.new_group(r, backend="ringcomm") for r in ([0, 1], [1, 2], [0, 2], [0, 1, 2])}
+    sums = {}
+    for members, group in groups.items():
+        if rank in members:
+            t = torch.tensor([float(rank + 1)])
+            dist.all_reduce(t, group=group)
+            sums[members] = float(t)
+            assert dist.get_backend(group) == "ringcomm"
+            assert group.size() == len(members) and group.rank() == members.index(rank)
+    # a broadcast inside a subgroup names the source by its global rank
+    if rank in (1, 2):
+        b = torch.tensor([float(rank)])
+        dist.broadcast(b, src=2, group=groups[(1, 2)])
+        sums["broadcast"] = float(b)
+    dist.barrier()
+    dist.destroy_process_group()
+    return sums
+
+
+def test_subgroups():
+    results = run_ranks(3, subgroups, make_comm=False)
+    assert results[0] == {(0, 1): 3.0, (0, 2): 4.0, (0, 1, 2): 6.0}
+    assert results[1] == {(0, 1): 3.0, (1, 2): 5.0, (0, 1, 2): 6.0, "broadcast": 2.0}
+    assert results[2] == {(1, 2): 5.0, (0, 2): 4.0, (0, 1, 2): 6.0, "broadcast": 2.0}
+
+
+def create_fake_backend(store, rank, size, timeout):
+    return torch._C._distributed_c10d.FakeProcessGroup._create_internal(rank, size)
+
+
+def mixed_config(store, rank, world):
+    # CPU-only torch: nccl cannot be created, and need not be until a CUDA tensor shows up.
+    dist.init_process_group("cpu:ringcomm,cuda:nccl", store=store, rank=rank, world_size=world)
+    assert dist.get_backend_config() == "cpu:ringcomm,cuda:nccl"
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    objs = [None] * world
+    dist.all_gather_object(objs, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+    # Tensors on another device go to the backend named for it: here a stand-in backend for
+    # "meta" tensors (torch's FakeProcessGroup, which completes every op without moving data).
+    dist.Backend.register_backend("ringcomm_test_fake", create_fake_backend, devices=["meta"])
+    dist.init_process_group("cpu:ringcomm,meta:ringcomm_test_fake", store=dist.PrefixStore("again", store),
+                            rank=rank, world_size=world)
+    dist.all_reduce(torch.ones(3, device="meta"))
+    dist.all_gather_single(torch.empty(3 * world, device="meta"), torch.ones(3, device="meta"))
+    c = torch.full((4,), 2.0)
+    dist.all_reduce(c)
+    delegated = sorted(dist.group.WORLD._device_groups)
+    dist.destroy_process_group()
+    return float(t[0]), objs, float(c[0]), delegated
+
+
+def test_mixed_backend_config():
+    for result in run_ranks(2, mixed_config, make_comm=False):
+        assert result == (2.0, [0, 1], 4.0, ["meta"])
+
+
+def async_future(store, rank, world):
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
+    t = torch.full((1000,), float(rank))
+    if rank == 1:
+        time.sleep(0.5)  # rank 0's operation cannot finish before this rank joins
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future()
+    pending = not fut.done() and not work.is_completed()
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="timed out after 0.1s"):
+            work.wait(timedelta(seconds=0.1))
+    chained = fut.then(lambda f: f.value()[0] * 2)
+    value = fut.wait()
+    ok = (isinstance(value, list) and value[0] is t and work.is_completed() and work.wait()
+          and torch.equal(chained.wait(), torch.full((1000,), 2.0)))
+    # every kind of op returns a Work with a future
+    out = torch.empty(world)
+    works = [dist.all_gather_single(out, torch.tensor([float(rank)]), async_op=True),
+             dist.broadcast(torch.zeros(2), 0, async_op=True), dist.barrier(async_op=True)]
+    futures_ok = all(isinstance(w.get_future(), torch._C.Future) for w in works)
+    for w in works:
+        w.get_future().wait()
+    dist.destroy_process_group()
+    return pending, ok, futures_ok, out.tolist()
+
+
+def test_work_future_completes_asynchronously():
+    rank0, rank1 = run_ranks(2, async_future, make_comm=False)
+    assert rank0 == (True, True, True, [0.0, 1.0])
+    assert rank1[1:] == (True, True, [0.0, 1.0])
+
+
+def mixed_dtypes_coalesced():
+    with dist._coalescing_manager():
+        dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(2, dtype=torch.float64))
+
+
+def coalescing_by_device():
+    try:
+        with dist._coalescing_manager(device=torch.device("cpu")):
+            dist.all_reduce(torch.ones(2))
+    finally:
+        # torch registers the coalescing state before asking the group, and leaves it behind when
+        # the group refuses: later ops would only be recorded, never run
+        dist.distributed_c10d._world.pg_coalesce_state.pop(dist.group.WORLD, None)
+
+
+def errors(store, rank, world):
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
+    cases = [
+        (lambda: dist.recv(torch.empty(2)), NotImplementedError, "recv_anysource"),
+        (lambda: dist.send(torch.ones(2), (rank + 1) % world, tag=3), ValueError, "send: tag=3"),
+        (lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND), ValueError, "allreduce: unsupported reduce op"),
+        (lambda: dist.all_reduce(torch.ones(4, 4).t()), ValueError, "allreduce: .*contiguous"),
+        (lambda: dist.all_reduce(torch.ones(2, device="meta")), ValueError, "allreduce: ringcomm moves CPU tensors"),
+        (lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3)), ValueError, "all_to_all_single: .*split"),
+        (lambda: dist.all_gather_single(torch.empty(5), torch.ones(2)), ValueError, "all_gather_single"),
+        (mixed_dtypes_coalesced, TypeError, "allreduce_coalesced: all tensors must have the same dtype"),
+        (coalescing_by_device, NotImplementedError, "_start_coalescing"),
+        (lambda: dist.monitored_barrier(), ValueError, "GLOO"),
+    ]
+    messages = []
+    for call, error, text in cases:
+        with pytest.raises(error, match=text) as info:
+            call()
+        messages.append(str(info.value))
+    t = torch.ones(3)
+    dist.all_reduce(t)  # nothing above reached the wire
+    dist.destroy_process_group()
+    return float(t[0]), messages
+
+
+def test_unsupported_and_bad_input_raise_clear_errors():
+    for value, messages in run_ranks(2, errors, make_comm=False):
+        assert value == 2.0, messages
+
+
+def peer_dies(store, rank, world):
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
+    t = torch.ones(1 << 20)
+    dist.all_reduce(t)
+    if rank == 2:
+        os._exit(3)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 2") as info:
+        for _ in range(1000):
+            dist.all_reduce(t)
+    elapsed = time.monotonic() - start
+    with pytest.raises(RuntimeError, match="broken"):  # and the group stays broken
+        dist.all_reduce(t)
+    return str(info.value), elapsed
+
+
+def test_dead_peer_raises_from_wait():
+    results = run_ranks(3, peer_dies, make_comm=False, allow_errors=True, timeout=60)
+    for result in results[:2]:
+        assert result[0] != "error", result
+        message, elapsed = result
+        assert elapsed < 10, message
+
+
+def failed_work(store, rank, world):
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
+    work = dist.all_reduce(torch.ones(10 + rank), async_op=True)  # the sizes disagree
+    with pytest.raises(RuntimeError, match="mismatched operations"):
+        work.wait()
+    with pytest.raises(RuntimeError, match="mismatched operations"):
+        work.get_future().wait()
+    return work.is_completed(), work.is_success(), "mismatched" in str(work.exception())
+
+
+def test_failed_work_reports_its_error():
+    assert run_ranks(2, failed_work, make_comm=False) == [(True, False, True)] * 2
+
+
+def registration_is_idempotent():
+    ringcomm.register_backend()
+    ringcomm.register_backend()
+    return dist.Backend.backend_list.count("ringcomm"), dist.Backend.RINGCOMM
+
+
+def test_registration_is_idempotent():
+    assert registration_is_idempotent() == (1, "ringcomm")
+
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import torch, torch.distributed as dist, ringcomm
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("ringcomm")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [None] * world
+    dist.all_gather_object(names, f"rank{rank}")
+    torch.manual_seed(rank)  # different initial weights: DDP construction broadcasts rank 0's
+    model = DDP(torch.nn.Linear(4, 2))
+    model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    grads = [torch.empty(2, 4) for _ in range(world)]
+    dist.all_gather(grads, model.module.weight.grad)
+    weights = [torch.empty(2, 4) for _ in range(world)]
+    dist.all_gather(weights, model.module.weight.detach())
+    same = all(torch.equal(g, grads[0]) for g in grads) and all(torch.equal(w, weights[0]) for w in weights)
+    print(f"rank {rank} of {world} {dist.get_backend()}: {names} same={same}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_init_and_ddp(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(free_port()), str(script)]
+    out = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(2):
+        assert f"rank {r} of 2 ringcomm: ['rank0', 'rank1'] same=True" in out.stdout, out.stdout

@@ -1,0 +1,467 @@
+"""Coalesced collectives, pack/unpack kernels and GradientAverager.
+
+"Equal" below is bitwise: floats are compared through their integer bit patterns, so -0.0 vs 0.0
+and the last bit of a rounding count. Inputs are finite.
+"""
+import numpy as np
+import pytest
+import torch
+
+import ringcomm
+from ringcomm import _C
+from ringcomm._buffers import TORCH_DTYPES
+from ranks import run_ranks
+
+BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+        torch.bfloat16: torch.int16}
+SCALE_NONE, SCALE_MULTIPLY, SCALE_DIVIDE = 0, 1, 2
+
+
+def bits(t):
+    return t.view(BITS[t.dtype]) if t.dtype in BITS else t
+
+
+def same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+# ---- kernels ------------------------------------------------------------------------------
+
+def ptrs_counts(tensors):
+    return [t.data_ptr() for t in tensors], [t.numel() for t in tensors]
+
+
+def random_list(dtype, sizes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return [torch.randint(0, 2, (n,), generator=gen).bool() for n in sizes]
+    if dtype.is_floating_point:
+        return [(torch.randn(n, generator=gen, dtype=torch.float64) * 1000).to(dtype) for n in sizes]
+    return [torch.randint(-1000, 1000, (n,), generator=gen).to(dtype) for n in sizes]
+
+
+def torch_convert(x, dst, kind, factor):
+    """What the kernels promise: compute in float32 (float64 for float64), scale, round once."""
+    compute = torch.float64 if torch.float64 in (x.dtype, dst) else torch.float32
+    if kind == SCALE_NONE:
+        return x.to(dst)
+    v = x.to(compute)
+    v = v * factor if kind == SCALE_MULTIPLY else v / factor
+    return v.to(dst)
+
+
+FLOAT_CONVERSIONS = [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                     (torch.float32, torch.bfloat16), (torch.float16, torch.float32),
+                     (torch.bfloat16, torch.float32), (torch.float64, torch.float64),
+                     (torch.float16, torch.float16)]
+SCALINGS = [(SCALE_NONE, 1.0), (SCALE_MULTIPLY, 0.37), (SCALE_DIVIDE, 3.0)]
+
+
+@pytest.mark.parametrize("src,dst,kind,factor",
+                         [c + s for c in FLOAT_CONVERSIONS for s in SCALINGS]
+                         + [(t, t, SCALE_NONE, 1.0) for t in (torch.int32, torch.bool, torch.uint8)])
+def test_pack_and_unpack_match_torch(src, dst, kind, factor):
+    sizes = [5, 0, 1, 1000, 0, 37, 4099]
+    tensors = random_list(src, sizes, seed=len(sizes) + kind)
+    flat = torch.cat(tensors)
+    ptrs, counts = ptrs_counts(tensors)
+    for begin, end in [(0, flat.numel()), (3, 1040), (1006, 1006), (1005, 1007), (1043, 5142)]:
+        packed = torch.empty(end - begin, dtype=dst)
+        _C.pack_kernel(TORCH_DTYPES[src], ptrs, counts, begin, end, packed.data_ptr(),
+                       TORCH_DTYPES[dst], kind, factor)
+        assert same(packed, torch_convert(flat[begin:end], dst, kind, factor)), (begin, end)
+        # unpack the other way into a copy of the list: only [begin, end) changes
+        targets = [t.clone() for t in tensors]
+        source = random_list(dst, [end - begin], seed=begin)[0]
+        _C.unpack_kernel(source.data_ptr(), TORCH_DTYPES[dst], TORCH_DTYPES[src], *ptrs_counts(targets),
+                         begin, end, kind, factor)
+        expect = flat.clone()
+        expect[begin:end] = torch_convert(source, src, kind, factor)
+        assert same(torch.cat(targets), expect), (begin, end)
+
+
+def test_fp16_packing_rounds_once_over_all_values():
+    # Every fp16 value, widened, scaled by 1/3 and packed back to fp16, against torch's rounding.
+    h = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    h = h[~h.isnan()]
+    src = h.float()
+    out = torch.empty_like(h)
+    _C.pack_kernel(TORCH_DTYPES[torch.float32], [src.data_ptr()], [src.numel()], 0, src.numel(),
+                   out.data_ptr(), TORCH_DTYPES[torch.float16], SCALE_MULTIPLY, 1 / 3)
+    assert same(out, (src * (1 / 3)).half())
+
+
+def test_kernel_argument_errors():
+    a = torch.zeros(4, dtype=torch.float64)
+    out = torch.empty(4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="cannot convert float64 to float16"):
+        _C.pack_kernel(TORCH_DTYPES[torch.float64], [a.data_ptr()], [4], 0, 4, out.data_ptr(),
+                       TORCH_DTYPES[torch.float16], SCALE_NONE, 1.0)
+    i = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="scaling needs floating"):
+        _C.pack_kernel(TORCH_DTYPES[torch.int32], [i.data_ptr()], [4], 0, 4, i.data_ptr(),
+                       TORCH_DTYPES[torch.int32], SCALE_MULTIPLY, 2.0)
+    with pytest.raises(ValueError, match="outside a list of 4"):
+        _C.pack_kernel(TORCH_DTYPES[torch.int32], [i.data_ptr()], [4], 0, 5, i.data_ptr(),
+                       TORCH_DTYPES[torch.int32], SCALE_NONE, 1.0)
+
+
+# ---- all_reduce_coalesced = per-tensor all_reduce ------------------------------------------
+
+def mixed_tensors(rank, seed):
+    """Mixed dtypes, shapes and sizes (zero-size and 0-d included), with magnitudes spread so that
+    the order of float additions shows in the last bits."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+
+    def floats(shape, dtype, spread=4.0):
+        x = torch.randn(shape, generator=gen, dtype=torch.float64)
+        return (x * torch.exp(torch.randn(shape, generator=gen, dtype=torch.float64) * spread)).to(dtype)
+
+    return [
+        floats((3,), torch.float32), floats((0,), torch.float32), floats((17, 5), torch.float64),
+        floats((9000,), torch.float32),  # 36 KB: ring under the small threshold used below
+        floats((4, 0, 3), torch.float16), floats((), torch.float32),
+        floats((2000,), torch.bfloat16, 1.0), floats((301,), torch.float16, 1.0),
+        torch.randint(-2 ** 31, 2 ** 31 - 1, (1500,), generator=gen, dtype=torch.int64).to(torch.int32),
+        torch.randint(0, 2, (77,), generator=gen).bool(), floats((64, 64), torch.float32),
+        torch.randint(-100, 100, (50,), generator=gen).to(torch.int8),
+    ]
+
+
+def coalesced_equals_per_tensor(comm, ops, bucket_sizes):
+    r = comm.rank
+    checked = 0
+    for seed, op in enumerate(ops):
+        for bucket_bytes in bucket_sizes:
+            tensors = [t for t in mixed_tensors(r, seed) if op != "avg" or t.dtype.is_floating_point]
+            expect = [t.clone() for t in tensors]
+            for t in expect:
+                comm.all_reduce(t, op=op)
+            assert comm.all_reduce_coalesced(tensors, op=op, bucket_bytes=bucket_bytes) is None
+            for i, (got, want) in enumerate(zip(tensors, expect)):
+                assert same(got, want), f"op {op}, bucket_bytes {bucket_bytes}, tensor {i} {got.dtype}"
+                checked += 1
+    # Not vacuous: a fused bucket reduced by one ring all-reduce (not in each tensor's own order)
+    # gives other bits than one all_reduce per tensor.
+    tensors = [t.reshape(-1) for t in mixed_tensors(r, 0) if t.dtype == torch.float32]
+    expect = [t.clone() for t in tensors]
+    for t in expect:
+        comm.all_reduce(t)
+    fused = torch.cat(tensors)
+    comm.all_reduce(fused, algorithm="ring")
+    return checked, same(fused, torch.cat(expect))
+
+
+# Under auto, tensors up to 4 KiB go by recursive doubling and larger ones by ring; tiny slices
+# (256 B) give many slices per bucket and slices that cross bucket edges.
+SMALL = {"RINGCOMM_SMALL_MESSAGE_BYTES": "4096", "RINGCOMM_FUSION_SLICE_BYTES": "256"}
+
+
+# auto at 3 ranks: recursive doubling with a fold, ring; at 4: without a fold. Forced trees at 3
+# and 5 ranks: heaps with one and two levels below the root.
+@pytest.mark.parametrize("world,algo", [(2, "auto"), (3, "auto"), (4, "auto"), (3, "tree"),
+                                        (5, "tree"), (6, "recursive_doubling")])
+def test_all_reduce_coalesced_is_bitwise_per_tensor_all_reduce(world, algo):
+    env = dict(SMALL, RINGCOMM_ALGO=algo)
+    results = run_ranks(world, coalesced_equals_per_tensor, ["sum", "avg", "prod", "max"],
+                        [25 << 20, 1000], env=env, timeout=120)
+    for checked, naive_fusion_equal in results:
+        assert checked == 4 * 2 * 12 - 2 * 3  # avg skips the three integer tensors
+        # with two ranks every order is one addition, so only from three ranks on does it show
+        assert naive_fusion_equal == (world == 2)
+
+
+def coalesced_under_default_knobs(comm):
+    r = comm.rank
+    tensors = mixed_tensors(r, 5)
+    expect = [t.clone() for t in tensors]
+    for t in expect:
+        comm.all_reduce(t)
+    comm.all_reduce_coalesced(tensors)
+    return all(same(a, b) for a, b in zip(tensors, expect))
+
+
+def test_all_reduce_coalesced_default_knobs():
+    assert all(run_ranks(3, coalesced_under_default_knobs))
+
+
+def many_tiny_tensors(comm):
+    sizes = torch.randint(1, 17, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+    gen = torch.Generator().manual_seed(comm.rank)
+    dtypes = [torch.float32, torch.float16, torch.float64, torch.int64]
+    tensors = [(torch.randn(n, generator=gen) * 10).to(dtypes[i % 4]) for i, n in enumerate(sizes)]
+    expect = [t.clone() for t in tensors]
+    for t in expect:
+        comm.all_reduce(t)
+    work = comm.all_reduce_coalesced(tensors, bucket_bytes=4096, async_op=True)
+    assert work.get_future().wait() is tensors
+    return all(same(a, b) for a, b in zip(tensors, expect))
+
+
+def test_1000_tiny_tensors():
+    assert all(run_ranks(3, many_tiny_tensors))
+
+
+# ---- empty lists, async, broadcast, all_gather -------------------------------------------------
+
+def edge_cases(comm):
+    r, n = comm.rank, comm.world_size
+    assert comm.all_reduce_coalesced([]) is None
+    assert comm.broadcast_coalesced((), src=0) is None
+    work = comm.all_reduce_coalesced([], async_op=True)
+    assert work.wait() and work.is_completed() and work.get_future().wait() == []
+    empties = [torch.empty(0), torch.empty(0, 4, dtype=torch.int64)]
+    comm.all_reduce_coalesced(empties)  # buckets with no elements still travel and are checked
+    comm.broadcast_coalesced(empties, src=n - 1)
+    outs = [[torch.empty(0), torch.empty(0, 4, dtype=torch.int64)] for _ in range(n)]
+    comm.all_gather_coalesced(outs, empties)
+    # numpy arrays work too
+    arrays = [np.full(5, r + 1.0), np.arange(3, dtype=np.int32) * (r + 1)]
+    comm.all_reduce_coalesced(arrays, op="max")
+    assert (arrays[0] == n).all() and (arrays[1] == np.arange(3) * n).all()
+    # several async calls of different kinds, queued back to back, finish in order
+    a = [torch.full((10,), float(r))]
+    b = [torch.full((100_000,), float(r + 1))]
+    works = [comm.all_reduce_coalesced(a, op="avg", async_op=True),
+             comm.broadcast_coalesced(b, src=0, async_op=True),
+             comm.all_reduce_coalesced(b, bucket_bytes=1 << 16, async_op=True)]
+    for w in works:
+        w.wait()
+    assert (a[0] == (n - 1) / 2).all() and (b[0] == n).all()
+    return True
+
+
+def test_empty_lists_zero_size_numpy_and_async():
+    assert all(run_ranks(3, edge_cases))
+
+
+def rooted_and_gathered(comm):
+    r, n = comm.rank, comm.world_size
+    assert coalesced_under_default_knobs(comm)  # with one rank too: the tensors stay as they are
+    for root in range(n):
+        for bucket_bytes in (25 << 20, 300):
+            mine = mixed_tensors(r, 7)
+            comm.broadcast_coalesced(mine, src=root, bucket_bytes=bucket_bytes)
+            assert all(same(a, b) for a, b in zip(mine, mixed_tensors(root, 7))), (root, bucket_bytes)
+    big = [torch.full((300_000,), float(r)), torch.arange(70_000) + r]  # chain-shaped broadcast
+    comm.broadcast_coalesced(big, src=n - 1)
+    assert (big[0] == n - 1).all() and torch.equal(big[1], torch.arange(70_000) + n - 1)
+    inputs = mixed_tensors(r, 8)
+    outputs = [[torch.empty_like(t) for t in inputs] for _ in range(n)]
+    comm.all_gather_coalesced(outputs, inputs, bucket_bytes=500)
+    for q in range(n):
+        assert all(same(a, b) for a, b in zip(outputs[q], mixed_tensors(q, 8))), q
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_broadcast_and_all_gather_coalesced(world):
+    assert all(run_ranks(world, rooted_and_gathered, env={"RINGCOMM_FUSION_SLICE_BYTES": "4096"}))
+
+
+# ---- bad arguments: clear errors before anything is sent -----------------------------------
+
+def bad_arguments(comm):
+    t = torch.ones(8)
+    cases = [
+        (TypeError, "list or tuple", lambda: comm.all_reduce_coalesced(t)),
+        (TypeError, r"tensors\[1\] must be a torch.Tensor", lambda: comm.all_reduce_coalesced([t, 3])),
+        (ValueError, r"tensors\[1\] must be contiguous",
+         lambda: comm.all_reduce_coalesced([t, torch.ones(4, 4).t()])),
+        (ValueError, "overlap", lambda: comm.all_reduce_coalesced([t, t])),
+        (ValueError, "overlap", lambda: comm.all_reduce_coalesced([t[:5], t[4:]])),
+        (TypeError, r"op avg needs floating dtypes, but tensors\[1\]",
+         lambda: comm.all_reduce_coalesced([t, torch.ones(2, dtype=torch.int32)], op="avg")),
+        (ValueError, "unsupported reduce op", lambda: comm.all_reduce_coalesced([t], op="xor")),
+        (ValueError, "bucket_bytes must be positive",
+         lambda: comm.all_reduce_coalesced([t], bucket_bytes=0)),
+        (TypeError, "bucket_bytes must be an int",
+         lambda: comm.all_reduce_coalesced([t], bucket_bytes=1.5)),
+        (ValueError, "src 7 out of range", lambda: comm.broadcast_coalesced([t], src=7)),
+        (ValueError, "overlap", lambda: comm.broadcast_coalesced([t, t[2:3]], src=0)),
+        (ValueError, "output_lists must be a list of world_size",
+         lambda: comm.all_gather_coalesced([[t]], [torch.ones(8)])),
+        (ValueError, r"output_lists\[1\]\[0\] has 7 elements",
+         lambda: comm.all_gather_coalesced([[torch.ones(8)], [torch.ones(7)]], [torch.ones(8)])),
+        (TypeError, r"output_lists\[0\]\[0\] has dtype torch.float64",
+         lambda: comm.all_gather_coalesced([[torch.ones(8, dtype=torch.float64)], [torch.ones(8)]],
+                                           [torch.ones(8)])),
+        (ValueError, "overlap", lambda: comm.all_gather_coalesced([[t], [t]], [torch.ones(8)])),
+    ]
+    for error, match, call in cases:
+        with pytest.raises(error, match=match):
+            call()
+    # nothing was sent: the ranks still agree on what comes next
+    x = [torch.ones(3), torch.ones(2, dtype=torch.float64)]
+    comm.all_reduce_coalesced(x)
+    assert (x[0] == comm.world_size).all() and (x[1] == comm.world_size).all()
+    return True
+
+
+def test_bad_arguments_raise_before_sending():
+    assert all(run_ranks(2, bad_arguments))
+
+
+# ---- mismatches are detected, not hung on ---------------------------------------------------
+
+def mismatched(comm, kind):
+    odd = comm.rank == 1
+    if kind == "sizes":  # same total, different split: the layout hash differs
+        call = lambda: comm.all_reduce_coalesced([torch.ones(3 if odd else 5),
+                                                  torch.ones(5 if odd else 3)])
+    elif kind == "more_tensors":  # the first bucket alike, one more bucket on rank 1
+        call = lambda: comm.all_reduce_coalesced(
+            [torch.ones(10)] + ([torch.ones(10, dtype=torch.float64)] if odd else []))
+    elif kind == "plain":
+        call = (lambda: comm.all_reduce(torch.ones(8))) if odd else \
+            (lambda: comm.all_reduce_coalesced([torch.ones(8)]))
+    else:  # bucket_bytes differ
+        call = lambda: comm.all_reduce_coalesced([torch.ones(100)], bucket_bytes=40 if odd else 400)
+    comm.all_reduce_coalesced([torch.ones(5)])
+    try:
+        call()
+    except ringcomm.RingcommError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["sizes", "more_tensors", "plain", "bucket_bytes"])
+def test_mismatched_coalesced_calls_raise_on_every_rank(kind):
+    for rank, message in enumerate(run_ranks(2, mismatched, kind, timeout=60, comm_timeout=20)):
+        assert "mismatched operations" in message, f"rank {rank}: {message}"
+        assert "all_reduce_coalesced(seq=1" in message, message
+
+
+# ---- GradientAverager vs DDP on scikit-learn's digits ---------------------------------------
+
+def averager_vs_ddp(store, rank, world, compression, bucket_bytes):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from sklearn.datasets import load_digits
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    comm = ringcomm.Communicator(dist.PrefixStore("ringcomm", store), rank, world, timeout=30)
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16
+    y = torch.tensor(digits.target)
+    torch.manual_seed(0)
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                   torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+    ours = model()
+    theirs = DDP(model(), bucket_cap_mb=1)
+    local = model()  # this rank's own gradients, for the rounding bound below
+    theirs.module.load_state_dict(ours.state_dict())
+    local.load_state_dict(ours.state_dict())
+    averager = ringcomm.GradientAverager(ours.parameters(), comm, bucket_bytes=bucket_bytes,
+                                         compression=compression)
+    optimizer = torch.optim.SGD(ours.parameters(), lr=0.5)
+    # Rounding bound of a compressed average: each g_r / n is rounded once when packed, each sum
+    # once, so |error| <= 2 u mean_r |g_r| (u: the format's unit roundoff), plus the spacing of
+    # float16's subnormals.
+    u, tiny = {None: (0.0, 0.0), "fp16": (2.0 ** -11, 2.0 ** -24),
+               "bf16": (2.0 ** -8, 0.0)}[compression]
+    worst, launched_in_backward = 0.0, []
+    for step in range(6):
+        batch = slice(step * 128 + rank * 64, step * 128 + rank * 64 + 64)  # each rank its own
+        for net in (ours, theirs, local):
+            net.zero_grad()
+            torch.nn.functional.cross_entropy(net(x[batch]), y[batch]).backward()
+        launched_in_backward.append(averager.launched)
+        averager.step()
+        magnitude = [p.grad.abs() / world for p in local.parameters()]
+        for m in magnitude:
+            comm.all_reduce(m)  # mean over ranks of |g_r|
+        for a, b, m in zip(ours.parameters(), theirs.parameters(), magnitude):
+            if compression is None:
+                assert same(a.grad, b.grad), f"step {step}: gradients differ"
+            bound = 2 * u * m + 2 * tiny + 1e-7 * b.grad.abs()  # DDP's own float32 rounding
+            worst = max(worst, float(((a.grad - b.grad).abs() / bound.clamp_min(1e-30)).max()))
+        optimizer.step()
+        theirs.module.load_state_dict(ours.state_dict())  # compare the next step at equal weights
+        local.load_state_dict(ours.state_dict())
+    comm.close()
+    dist.destroy_process_group()
+    return worst, launched_in_backward, len(averager.buckets)
+
+
+@pytest.mark.parametrize("compression", [None, "fp16", "bf16"])
+def test_gradient_averager_matches_ddp_on_digits(compression):
+    results = run_ranks(2, averager_vs_ddp, compression, 2048, make_comm=False, timeout=120)
+    for worst, launched_in_backward, buckets in results:
+        assert buckets > 2
+        # the hooks started every bucket during backward
+        assert launched_in_backward == [buckets] * len(launched_in_backward)
+        # None: bitwise (asserted inside); compressed: within the rounding bound of DDP's average
+        assert worst <= 1.0, worst
+
+
+def averager_details(comm):
+    lin = torch.nn.Linear(4, 3)
+    extra = torch.nn.Parameter(torch.ones(5))
+    averager = ringcomm.GradientAverager([lin.weight, lin.bias, lin.weight, extra], comm,
+                                         bucket_bytes=16)
+    assert [len(b) for b in averager.buckets] == [1, 1, 1]  # weight listed twice counts once
+    lin(torch.full((2, 4), float(comm.rank))).sum().backward()  # extra gets no gradient
+    averager.step()
+    n = comm.world_size
+    assert torch.equal(extra.grad, torch.zeros(5))
+    assert torch.allclose(lin.weight.grad, torch.full((3, 4), 2.0 * (n - 1) / 2))
+    # gradient accumulation: no_sync, then a last backward outside it
+    for p in lin.parameters():
+        p.grad = None
+    with averager.no_sync():
+        lin(torch.ones(1, 4)).sum().backward()
+    assert averager.launched == 0
+    lin(torch.ones(1, 4)).sum().backward()
+    averager.step()
+    assert torch.allclose(lin.bias.grad, torch.full((3,), 2.0))
+    # a second backward without step() would race with a bucket on the wire
+    lin(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="accumulated twice"):
+        lin(torch.ones(1, 4)).sum().backward()
+    averager.step()
+    averager.remove()
+    return True
+
+
+def test_gradient_averager_details():
+    assert all(run_ranks(2, averager_details))
+
+
+def test_gradient_averager_arguments():
+    lin = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="compression must be None, 'fp16' or 'bf16'"):
+        ringcomm.GradientAverager(lin.parameters(), None, compression="topk")
+    with pytest.raises(ValueError, match="leaf tensor that requires grad"):
+        ringcomm.GradientAverager([lin.weight * 2], None)
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        ringcomm.GradientAverager(lin.parameters(), None, bucket_bytes=-1)
+
+
+# ---- the benchmark's coalesced mode -----------------------------------------------------------
+
+def test_bench_coalesced_mode_checks_results(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out_file = tmp_path / "coalesced.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--coll", "all_reduce_coalesced",
+           "--tensors", "50", "--tensor-bytes", "4-2K", "-n", "2", "-w", "1", "--repeats", "2",
+           "--compare", "gloo", "--json", str(out_file)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = json.loads(out_file.read_text())["rows"]
+    variants = ["ringcomm all_reduce_coalesced", "ringcomm all_reduce per tensor",
+                "gloo all_reduce_coalesced"]
+    for name in variants:
+        assert name in run.stdout
+        assert row[name]["wrong"] == 0 and len(row[name]["samples_us"]) == 2
+    assert row[variants[0]]["ratio"] == 1.0
