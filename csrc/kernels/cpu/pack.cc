@@ -2,15 +2,11 @@
 // kernels/pack_math.h. Plain copies go to memcpy; conversions are compiled twice (AVX2 and
 // baseline x86-64) like the reduction kernels.
 #include "kernels/cpu/pack.h"
+#include "kernels/cpu/multiversion.h"
 
 #include <algorithm>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define RC_MULTIVERSION __attribute__((target_clones("avx2", "default"), flatten))
-#else
-#define RC_MULTIVERSION __attribute__((flatten))
-#endif
 
 namespace ringcomm {
 namespace cpu {

@@ -1,17 +1,12 @@
 // CPU reduction kernels: a dtype x op switch over the shared loops in kernels/reduce_math.h.
-// The entry points are compiled twice (AVX2 and baseline x86-64) and picked at load time, and
-// `flatten` inlines the loops so each clone vectorises them for its own instruction set.
+// Entry points are RC_MULTIVERSION (kernels/cpu/multiversion.h).
 #include "kernels/cpu/reduce.h"
+#include "kernels/cpu/multiversion.h"
 
 #include <cstdint>
 
 #include "kernels/reduce_math.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define RC_MULTIVERSION __attribute__((target_clones("avx2", "default"), flatten))
-#else
-#define RC_MULTIVERSION __attribute__((flatten))
-#endif
 
 namespace ringcomm {
 namespace cpu {

@@ -12,6 +12,7 @@
 // Memory traffic: one read of the input (plus one read and one write of the residual), against
 // torch.topk's heap or sort over the whole tensor.
 #include "kernels/cpu/topk.h"
+#include "kernels/cpu/multiversion.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,11 +20,6 @@
 
 #include "kernels/topk_math.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define RC_MULTIVERSION __attribute__((target_clones("avx2", "default"), flatten))
-#else
-#define RC_MULTIVERSION __attribute__((flatten))
-#endif
 #define RC_TOPK_INLINE inline __attribute__((always_inline))
 
 namespace ringcomm {
