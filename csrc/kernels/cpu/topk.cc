@@ -7,8 +7,8 @@
 // 3. If fewer than k were collected, the estimate was too high: lower t and scan again (rare;
 //    this is what makes the result exact, not probabilistic).
 // 4. Among the candidates, which contain every element of the true top-k whenever there are at
-//    least k of them, select exactly by (key descending, index ascending), then sort the winners
-//    by index.
+//    least k of them, find the k-th by (key descending, index ascending) and keep every candidate
+//    that ranks up to it, in index order.
 // Memory traffic: one read of the input (plus one read and one write of the residual), against
 // torch.topk's heap or sort over the whole tensor.
 #include "kernels/cpu/topk.h"
@@ -77,14 +77,20 @@ RC_TOPK_INLINE void collect_at_least(size_t n, Key t, KeyAt key_at, std::vector<
     if (key_at(i) >= t) out.push_back({key_at(i), uint32_t(i)});
 }
 
-void select_exact(std::vector<Candidate>& cands, size_t k, int32_t* indices) {
+// `cands` are in ascending index order (the scan's). Finds the k-th in selection order on a copy,
+// then keeps, in place and in order, every candidate up to it: the winners come out sorted by
+// index without a sort.
+void select_exact(const std::vector<Candidate>& cands, size_t k, int32_t* indices) {
+  if (k == 0) return;
   auto before = [](const Candidate& a, const Candidate& b) {
     return topk::ranks_before(a.key, a.index, b.key, b.index);
   };
-  if (k < cands.size()) std::nth_element(cands.begin(), cands.begin() + k, cands.end(), before);
-  cands.resize(k);
-  for (size_t i = 0; i < k; ++i) indices[i] = int32_t(cands[i].index);
-  std::sort(indices, indices + k);
+  std::vector<Candidate> order(cands);
+  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), before);
+  const Candidate last = order[k - 1];
+  size_t taken = 0;
+  for (const Candidate& c : cands)
+    if (!before(last, c)) indices[taken++] = int32_t(c.index);
 }
 
 // The shared selection driver. `scan(t, out)` appends every (key, index) with key >= t, for the
