@@ -10,6 +10,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import socket
+import subprocess
+import sys
 import queue as queue_module
 import tempfile
 import time
@@ -92,3 +95,20 @@ def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 
             raise RankFailed(f"rank {r} failed:\n{value}")
         out.append(("error", value) if status == "error" else value)
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(tmp_path, script_text: str, nproc: int, timeout: float = 120) -> str:
+    """Runs `script_text` under real torchrun with `nproc` local ranks; returns its stdout."""
+    script = tmp_path / "job.py"
+    script.write_text(script_text)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout

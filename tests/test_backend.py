@@ -1,8 +1,6 @@
 """The torch.distributed backend "ringcomm": every op against gloo's result, subgroups, mixed
 configs, torchrun, async futures, errors."""
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from datetime import timedelta
@@ -12,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ranks import run_ranks
-from test_init import free_port
+from ranks import run_ranks, run_torchrun
 
 
 def init_ringcomm_and_gloo(store, rank, world):
@@ -442,11 +439,6 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 
 
 def test_torchrun_init_and_ddp(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port()), str(script)]
-    out = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
+    stdout = run_torchrun(tmp_path, TORCHRUN_SCRIPT, 2)
     for r in range(2):
-        assert f"rank {r} of 2 ringcomm: ['rank0', 'rank1'] same=True" in out.stdout, out.stdout
+        assert f"rank {r} of 2 ringcomm: ['rank0', 'rank1'] same=True" in stdout, stdout

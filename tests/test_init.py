@@ -1,8 +1,5 @@
 """ringcomm.init(): env:// variables, an initialised torch.distributed, and torchrun."""
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 from datetime import timedelta
 
@@ -11,13 +8,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ranks import run_ranks
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ranks import free_port, run_ranks, run_torchrun
 
 
 def from_env(store, rank, world, port):
@@ -69,11 +60,6 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_torchrun_launch(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-                "--master-port", str(free_port()), str(script)]
-    out = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
+    stdout = run_torchrun(tmp_path, SCRIPT, 3)
     for r in range(3):
-        assert f"rank {r} of 3: 1.0" in out.stdout
+        assert f"rank {r} of 3: 1.0" in stdout
