@@ -37,15 +37,20 @@ class GradientAverager:
     averages are DDP's: bitwise with two ranks (one addition per element), and to rounding with
     more (the order of the additions differs). `compression` "fp16" or "bf16" sends float32
     gradients in that format (rounded once, after the scaling), and unpacks the sums back to
-    float32; other dtypes travel as they are.
+    float32; other dtypes travel as they are. A `ringcomm.hooks.TopKState` as `compression` sends
+    each bucket's top-k with error feedback, like topk_hook does for DDP (the bucket's gradients
+    are flattened into one tensor for it, and the state's residuals are kept per bucket).
     """
 
     def __init__(self, params, comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression=None):
-        if compression not in COMPRESSION:
-            raise ValueError(f"compression must be None, 'fp16' or 'bf16' (top-k is not available "
-                             f"here), got {compression!r}")
+        from .hooks.topk import TopKState
+
+        self._topk = compression if isinstance(compression, TopKState) else None
+        if self._topk is None and compression not in COMPRESSION:
+            raise ValueError(f"compression must be None, 'fp16', 'bf16' or a "
+                             f"ringcomm.hooks.TopKState, got {compression!r}")
         self._comm = comm
-        self._wire = COMPRESSION[compression]
+        self._wire = FLOAT32 if self._topk is not None else COMPRESSION[compression]
         self._bucket_bytes = check_bucket_bytes(bucket_bytes)
         unique, seen = [], set()
         for i, p in enumerate(params):
@@ -126,11 +131,18 @@ class GradientAverager:
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
             grads.append(p.grad)
+        if self._topk is not None:
+            from .hooks.topk import average_compressed
+
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            work, finished = average_compressed(self._topk, self._comm, flat, b)
+            self._works.append((work, grads, finished))
+            return
         bufs = BufferList(grads, "gradients")
         work = _C.all_reduce_coalesced(self._comm._core, bufs.ptrs, bufs.counts, bufs.dtypes, SUM,
                                        self._bucket_bytes, self._wire, 1.0 / self._comm.world_size,
                                        True)
-        self._works.append((work, grads))  # the gradients stay alive until it is done
+        self._works.append((work, grads, None))  # the gradients stay alive until it is done
 
     def step(self):
         """Starts the buckets backward has not, waits for all, and readies the next step. Every
@@ -138,8 +150,14 @@ class GradientAverager:
         try:
             for b in range(self.launched, len(self._buckets)):
                 self._launch(b)
-            for work, _ in self._works:
+            for work, grads, finished in self._works:
                 work.wait()
+                if finished is not None:  # top-k: the average comes back flat
+                    averaged = finished(work.result())
+                    for g, piece in zip(grads, torch.split(averaged, [g.numel() for g in grads])):
+                        g.copy_(piece.view_as(g))
+            if self._topk is not None and self._works:
+                self._topk.end_step(self._comm)
         finally:
             self._works = []
             self._ready.clear()

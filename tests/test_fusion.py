@@ -437,7 +437,7 @@ def test_gradient_averager_details():
 
 def test_gradient_averager_arguments():
     lin = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="compression must be None, 'fp16' or 'bf16'"):
+    with pytest.raises(ValueError, match="compression must be None, 'fp16', 'bf16' or a ringcomm.hooks.TopKState"):
         ringcomm.GradientAverager(lin.parameters(), None, compression="topk")
     with pytest.raises(ValueError, match="leaf tensor that requires grad"):
         ringcomm.GradientAverager([lin.weight * 2], None)

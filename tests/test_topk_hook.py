@@ -103,3 +103,39 @@ def test_state_validates_its_arguments():
         TopKState(ratio=0)
     with pytest.raises(TypeError, match="value_dtype"):
         TopKState(value_dtype=torch.int8)
+
+
+def averager_with_topk(comm, ratio):
+    import ringcomm
+    torch.manual_seed(0)
+    model = make_model()
+    state = TopKState(ratio=ratio, warmup_steps=1, min_numel=0)
+    averager = ringcomm.GradientAverager(model.parameters(), comm, bucket_bytes=40_000,
+                                         compression=state)
+    grads_seen = []
+    for step, (xb, yb) in enumerate(digits_batches(comm.rank, comm.world_size, 3)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        local = [p.grad.clone() for p in model.parameters()]
+        averager.step()
+        grads_seen.append(([p.grad.clone() for p in model.parameters()], local))
+    averager.remove()
+    return grads_seen, state.step, state.stats.compressed_buckets, len(averager.buckets)
+
+
+def test_gradient_averager_with_topk_state():
+    # ratio 1: after the dense warm-up step, top-k sends everything: the plain average again
+    results = run_ranks(2, averager_with_topk, 1.0)
+    for grads_seen, steps, compressed, n_buckets in results:
+        assert steps == 3 and n_buckets > 1 and compressed == 2 * n_buckets
+    for step in range(3):
+        locals_ = [r[0][step][1] for r in results]
+        expect = [(a + b) / 2 for a, b in zip(*locals_)]
+        for grads_seen, *_ in results:
+            for got, want in zip(grads_seen[step][0], expect):
+                assert torch.allclose(got, want, atol=1e-6)
+    # ratio 5%: every rank ends with the same (compressed) average
+    results = run_ranks(2, averager_with_topk, 0.05)
+    for step in range(3):
+        for a, b in zip(results[0][0][step][0], results[1][0][step][0]):
+            assert torch.equal(a, b)

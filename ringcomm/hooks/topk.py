@@ -124,36 +124,25 @@ class TopKState:
         self.__post_init__()
 
 
-@_ringcomm_named
-def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: sparse top-k exchange with error feedback (dense during warm-up)."""
-    if not isinstance(state, TopKState):
-        raise TypeError(f"topk_hook needs a ringcomm.hooks.TopKState, got {type(state).__name__}")
-    comm = communicator_for(state.comm)
-    grad, slot, is_last = state.slot_of(bucket, comm)
+def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int):
+    """Starts averaging the flat gradient `flat` over the ranks of `comm`: dense during warm-up
+    (or for small buckets and other dtypes), else its top-k with error feedback through the
+    sparse all-reduce. Returns (Work whose result is the flat average, a function to call with
+    that result when it is ready, which does the bookkeeping and returns it). `slot` names the
+    residual/velocity memory. Shared by topk_hook and GradientAverager."""
     stats = state.stats
     if state._step_start_bytes is None:
         state._step_start_bytes = comm.bytes_sent
-    flat = grad.reshape(-1)
     numel = flat.numel()
     stats.dense_bytes += 2 * (comm.world_size - 1) * numel * flat.element_size() // comm.world_size
+    source = flat if flat.is_contiguous() else flat.contiguous()
     started = time.perf_counter()
-
-    def finish(result: torch.Tensor) -> torch.Tensor:
-        stats.exchange_seconds += time.perf_counter() - exchange_started
-        if is_last:
-            state.end_step(comm)
-        return result.view_as(grad)
-
     if state.step < state.warmup_steps or numel < state.min_numel or \
             flat.dtype not in compress.TOPK_DTYPES:
         stats.dense_buckets += 1
-        dense = flat if flat.is_contiguous() else flat.contiguous()
-        exchange_started = time.perf_counter()
-        work = comm.all_reduce(dense, op="avg", async_op=True)
+        work = comm.all_reduce(source, op="avg", async_op=True)
     else:
         k = max(1, int(numel * state.ratio))
-        source = flat if flat.is_contiguous() else flat.contiguous()
         if state.momentum_correction:
             velocity = state.memory(state.velocities, slot, source)
             velocity.mul_(state.momentum).add_(source)
@@ -171,9 +160,32 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
             residual.index_add_(0, indices.long(), values - wire_values.to(values.dtype))
         stats.compressed_buckets += 1
         stats.compress_seconds += time.perf_counter() - started
-        exchange_started = time.perf_counter()
+        started = time.perf_counter()
         out = torch.empty(numel, dtype=flat.dtype)
         work = comm.sparse_all_reduce(indices, wire_values, numel, out=out, op="avg", async_op=True)
+
+    def finished(result: torch.Tensor) -> torch.Tensor:
+        stats.exchange_seconds += time.perf_counter() - started
+        return result
+
+    return work, finished
+
+
+@_ringcomm_named
+def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: sparse top-k exchange with error feedback (dense during warm-up)."""
+    if not isinstance(state, TopKState):
+        raise TypeError(f"topk_hook needs a ringcomm.hooks.TopKState, got {type(state).__name__}")
+    comm = communicator_for(state.comm)
+    grad, slot, is_last = state.slot_of(bucket, comm)
+    work, finished = average_compressed(state, comm, grad.reshape(-1), slot)
+
+    def finish(result: torch.Tensor) -> torch.Tensor:
+        finished(result)
+        if is_last:
+            state.end_step(comm)
+        return result.view_as(grad)
+
     if isinstance(bucket, tuple):  # compiled DDP discards the future: finish in place now
         work.wait()
         return _completed(grad.copy_(finish(work.result())))
