@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "kernels/cpu/reduce_f16c.h"
+#include "kernels/cpu/reduce_half_x86.h"
 #include "kernels/reduce_math.h"
 
 namespace ringcomm {
@@ -36,7 +36,10 @@ void reduce_bool(ReduceOp op, uint8_t* out, const uint8_t* a, const uint8_t* b, 
 
 RC_MULTIVERSION
 void reduce(DType dtype, ReduceOp op, void* out, const void* a, const void* b, size_t n) {
-  if (dtype == DType::kFloat16 && f16c_available()) return reduce_float16_f16c(op, out, a, b, n);
+  if (dtype == DType::kFloat16 && half_x86_available())
+    return reduce_float16_f16c(op, out, a, b, n);
+  if (dtype == DType::kBFloat16 && half_x86_available())
+    return reduce_bfloat16_avx2(op, out, a, b, n);
   switch (dtype) {
 #define RC_CASE(code, T) \
   case code: reduce_typed(op, static_cast<T*>(out), static_cast<const T*>(a), static_cast<const T*>(b), n); return;
