@@ -66,33 +66,36 @@ __attribute__((target("avx2"))) inline void store_bf16(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
-}  // namespace
-
-__attribute__((target("avx2")))
-void reduce_bfloat16_avx2(ReduceOp op, void* out_v, const void* a_v, const void* b_v, size_t n) {
-  auto* out = static_cast<uint16_t*>(out_v);
-  auto* a = static_cast<const uint16_t*>(a_v);
-  auto* b = static_cast<const uint16_t*>(b_v);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) store_bf16(out + i, apply(op, load_bf16(a + i), load_bf16(b + i)));
-  scalar_tail(op, reinterpret_cast<math::BFloat16*>(out), reinterpret_cast<const math::BFloat16*>(a),
-              reinterpret_cast<const math::BFloat16*>(b), i, n);
+__attribute__((target("avx2,f16c"))) inline __m256 load_fp16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+__attribute__((target("avx2,f16c"))) inline void store_fp16(uint16_t* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// 8 lanes at a time through Load/Store (the element type's conversions), the rest one by one.
+template <typename T, __m256 (*Load)(const uint16_t*), void (*Store)(uint16_t*, __m256)>
 __attribute__((target("avx2,f16c")))
-void reduce_float16_f16c(ReduceOp op, void* out_v, const void* a_v, const void* b_v, size_t n) {
+void reduce_lanes(ReduceOp op, void* out_v, const void* a_v, const void* b_v, size_t n) {
   auto* out = static_cast<uint16_t*>(out_v);
   auto* a = static_cast<const uint16_t*>(a_v);
   auto* b = static_cast<const uint16_t*>(b_v);
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
-    __m256 y = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
-                     _mm256_cvtps_ph(apply(op, x, y), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  scalar_tail(op, reinterpret_cast<math::Half*>(out), reinterpret_cast<const math::Half*>(a),
-              reinterpret_cast<const math::Half*>(b), i, n);
+  for (; i + 8 <= n; i += 8) Store(out + i, apply(op, Load(a + i), Load(b + i)));
+  scalar_tail(op, reinterpret_cast<T*>(out), reinterpret_cast<const T*>(a),
+              reinterpret_cast<const T*>(b), i, n);
+}
+
+}  // namespace
+
+void reduce_float16_f16c(ReduceOp op, void* out, const void* a, const void* b, size_t n) {
+  reduce_lanes<math::Half, load_fp16, store_fp16>(op, out, a, b, n);
+}
+
+void reduce_bfloat16_avx2(ReduceOp op, void* out, const void* a, const void* b, size_t n) {
+  reduce_lanes<math::BFloat16, load_bf16, store_bf16>(op, out, a, b, n);
 }
 
 }  // namespace cpu
