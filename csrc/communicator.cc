@@ -435,6 +435,7 @@ void Communicator::close() {
   cv_.notify_all();
   wake();
   if (progress_thread_.joinable()) progress_thread_.join();
+  transport_->close();
 }
 
 }  // namespace ringcomm

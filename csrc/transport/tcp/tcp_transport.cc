@@ -96,10 +96,36 @@ TcpTransport::TcpTransport(int rank, int world_size, TcpOptions options)
   if (world_size > 1) listen_fd_ = listen_on(choose_bind_host(options_.master_addr), &bound_);
 }
 
-TcpTransport::~TcpTransport() {
-  if (listen_fd_ >= 0) close(listen_fd_);
-  for (Channel& ch : channels_)
-    if (ch.fd >= 0) close(ch.fd);
+TcpTransport::~TcpTransport() { close(); }
+
+void TcpTransport::close() {
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  listen_fd_ = -1;
+  // After an abort, peers may still be writing into our sockets until they read our reason.
+  // Closing a socket with unread data resets the connection, and a reset can overtake the reason
+  // on its way, so read until each peer has closed its side or a short deadline passes.
+  if (!abort_reason_.empty()) {
+    auto deadline = Clock::now() + std::chrono::milliseconds(250);
+    std::vector<char> sink(64 << 10);
+    for (Channel& ch : channels_) {
+      if (ch.fd < 0) continue;
+      while (true) {
+        ssize_t n = recv(ch.fd, sink.data(), sink.size(), MSG_DONTWAIT);
+        if (n > 0) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+          pollfd p{ch.fd, POLLIN, 0};
+          auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+          if (left.count() <= 0 || poll(&p, 1, int(left.count())) <= 0) break;
+          continue;
+        }
+        break;  // end of stream or error
+      }
+    }
+  }
+  for (Channel& ch : channels_) {
+    if (ch.fd >= 0) ::close(ch.fd);
+    ch.fd = -1;
+  }
 }
 
 void TcpTransport::connect(const std::vector<std::string>& addresses, const std::string& token,
@@ -119,7 +145,7 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
       if (!write_fully(fd, &hello, sizeof hello, deadline) ||
           !read_fully(fd, &ack, sizeof ack, deadline) || ack.magic != kHelloMagic ||
           !ack.accepted) {
-        close(fd);
+        ::close(fd);
         RC_THROW("rank ", peer, " at ", addresses[peer],
                  " refused or dropped the handshake (different job token or world size?)");
       }
@@ -178,19 +204,19 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
         --missing;
       } else {
         RC_LOG("rank ", rank_, ": refused a connection without a valid handshake");
-        close(p.fd);
+        ::close(p.fd);
       }
       pending.erase(pending.begin() + i);
     }
   }
-  for (auto& p : pending) close(p.fd);
+  for (auto& p : pending) ::close(p.fd);
   if (options_.spin_us < 0) {
     long local_ranks = std::count_if(addresses.begin(), addresses.end(), [&](const std::string& a) {
       return Endpoint::parse(a).host == bound_.host;
     });
     options_.spin_us = local_ranks <= long(std::thread::hardware_concurrency()) ? 30 : 0;
   }
-  if (listen_fd_ >= 0) close(listen_fd_);
+  if (listen_fd_ >= 0) ::close(listen_fd_);
   listen_fd_ = -1;
 }
 
@@ -258,7 +284,9 @@ bool TcpTransport::pump_send(Channel& ch) {
     ssize_t n = sendmsg(ch.fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EAGAIN || errno == EINTR) return moved;
-      RC_THROW("connection to rank ", ch.peer, " lost while sending: ", errno_string(errno));
+      int err = errno;
+      throw_if_peer_aborted(ch);
+      RC_THROW("connection to rank ", ch.peer, " lost while sending: ", errno_string(err));
     }
     moved = true;
     size_t sent = size_t(n);
@@ -279,6 +307,48 @@ bool TcpTransport::pump_send(Channel& ch) {
   if (!read_fully(ch.fd, text.data(), text.size(), Clock::now() + std::chrono::seconds(1)))
     text = "(reason not received)";
   RC_THROW("rank ", ch.peer, " aborted: ", text);
+}
+
+// A peer that aborts closes its sockets after writing its reason; if our data was still unread in
+// its socket, that close resets the connection and our next send fails with EPIPE/ECONNRESET. What
+// the peer sent before the reset stays readable (Linux keeps the receive queue), so read past any
+// messages nobody will receive now and throw the peer's reason if it is there.
+void TcpTransport::throw_if_peer_aborted(Channel& ch) {
+  constexpr uint64_t kMaxSkipped = uint64_t(1) << 30;  // bounds the work on a peer that lies
+  uint64_t skipped = 0;
+  std::vector<char> sink(64 << 10);
+  auto read_now = [&](char* dst, size_t len) {
+    size_t got = 0;
+    while (got < len) {
+      ssize_t n = recv(ch.fd, dst + got, len - got, MSG_DONTWAIT);
+      if (n <= 0) break;
+      got += size_t(n);
+    }
+    return got;
+  };
+  // A receive in progress: the rest of its payload comes first.
+  uint64_t payload_left = 0;
+  if (ch.incoming_got == sizeof(WireHeader) && ch.incoming_matched && !ch.recvs.empty()) {
+    const Part& p = ch.recvs.front();
+    payload_left = p.bytes - p.done;
+  } else if (ch.incoming_got == sizeof(WireHeader)) {
+    payload_left = ch.incoming.kind == kAbort ? 0 : ch.incoming.payload_bytes;
+    if (ch.incoming.kind == kAbort && ch.incoming.magic == kMessageMagic) read_abort_and_throw(ch);
+  }
+  while (skipped <= kMaxSkipped) {
+    while (payload_left > 0) {
+      size_t got = read_now(sink.data(), size_t(std::min<uint64_t>(payload_left, sink.size())));
+      if (got == 0) return;
+      payload_left -= got;
+      skipped += got;
+    }
+    if (ch.incoming_got == sizeof(WireHeader)) ch.incoming_got = 0;
+    ch.incoming_got += read_now(reinterpret_cast<char*>(&ch.incoming) + ch.incoming_got,
+                                sizeof(WireHeader) - ch.incoming_got);
+    if (ch.incoming_got < sizeof(WireHeader) || ch.incoming.magic != kMessageMagic) return;
+    if (ch.incoming.kind == kAbort) read_abort_and_throw(ch);
+    payload_left = ch.incoming.payload_bytes;
+  }
 }
 
 // Called once a whole header has arrived: an abort, a mismatch against the posted receive, or
@@ -389,7 +459,7 @@ bool TcpTransport::block(int wake_fd, Clock::time_point deadline) {
     Channel& ch = *owners[i];
     short ev = fds[i].revents;
     if (!ev) continue;
-    if (ev & POLLOUT) pump_send(ch);
+    // Reads first: a peer's abort frame explains a send that would fail on its reset.
     if (ev & (POLLIN | POLLHUP | POLLERR)) {
       bool header_waiting = ch.incoming_got == sizeof(WireHeader) && ch.recvs.empty();
       if (header_waiting) {
@@ -399,6 +469,7 @@ bool TcpTransport::block(int wake_fd, Clock::time_point deadline) {
         pump_recv(ch, true);
       }
     }
+    if (ev & POLLOUT) pump_send(ch);
   }
   return true;
 }

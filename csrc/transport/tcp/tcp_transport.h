@@ -58,6 +58,10 @@ class TcpTransport final : public Transport {
   void connect(const std::vector<std::string>& addresses, const std::string& token,
                Clock::time_point deadline);
 
+  // Closes every connection (idempotent). After an abort, first reads what peers still send, for
+  // a short while, so that they get our reason rather than a reset.
+  void close();
+
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
   void set_current(const Signature& sig) override;
@@ -101,6 +105,7 @@ class TcpTransport final : public Transport {
   bool pump_recv(Channel& ch, bool eager);
   void check_incoming(Channel& ch);
   [[noreturn]] void read_abort_and_throw(Channel& ch);
+  void throw_if_peer_aborted(Channel& ch);
   void complete_part(int64_t op);
   bool pump_posted();
   // Blocks in ppoll until a channel or wake_fd is ready, or `deadline`; returns false on timeout.
