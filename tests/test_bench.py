@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_compares_with_gloo_and_writes_json(tmp_path):
     out_file = tmp_path / "rows.json"
@@ -27,3 +29,53 @@ def test_bench_other_collectives_check_results(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         for r in json.loads(out_file.read_text())["rows"]:
             assert r["ringcomm"]["wrong"] == 0, (coll, r)
+
+
+def test_bench_floor_row(tmp_path):
+    out_file = tmp_path / "floor.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "8,4K", "-n", "3",
+           "-w", "1", "--repeats", "2", "--floor", "--json", str(out_file)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "floor time(us)" in run.stdout and "floor time ratio" in run.stdout
+    rows = json.loads(out_file.read_text())["rows"]
+    assert [r["size"] for r in rows] == [8, 4096]
+    for r in rows:
+        assert r["floor"]["time_us"] > 0 and len(r["floor"]["samples_us"]) == 2
+        assert r["floor"]["wrong"] is None and r["ringcomm"]["wrong"] == 0
+        ratio = r["ratios"]["floor"]
+        assert abs(ratio["time"] - r["ringcomm"]["time_us"] / r["floor"]["time_us"]) < 1e-9
+        assert abs(ratio["busbw"] * ratio["time"] - 1) < 1e-9  # same bytes: busbw ratio = 1 / time ratio
+
+
+@pytest.mark.parametrize("missing", ["mpi4py", "mpiexec"])
+def test_bench_compare_mpi_without_mpi_says_what_to_install(monkeypatch, missing):
+    import importlib.util
+
+    from ringcomm import bench
+
+    if missing == "mpiexec":
+        monkeypatch.setattr(bench, "find_mpiexec", lambda: None)
+    else:
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name == "mpi4py" else find_spec(name, *a))
+    with pytest.raises(SystemExit, match=r"pip install 'ringcomm\[mpi\]'"):
+        bench.main(["--compare", "gloo,mpi"])
+
+
+def test_bench_compare_mpi(tmp_path):
+    pytest.importorskip("mpi4py")
+    out_file = tmp_path / "mpi.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "8,64K", "-n", "3",
+           "-w", "1", "--repeats", "2", "--compare", "mpi", "--json", str(out_file)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "mpi time(us)" in run.stdout and "mpi time ratio" in run.stdout
+    data = json.loads(out_file.read_text())
+    assert data["mpi"]["library"]
+    assert [r["size"] for r in data["rows"]] == [8, 65536]
+    for r in data["rows"]:
+        assert r["mpi"]["wrong"] == 0 and r["ringcomm"]["wrong"] == 0
+        assert r["mpi"]["time_us"] > 0 and len(r["mpi"]["samples_us"]) == 2
+        assert r["ratios"]["mpi"]["time"] > 0
