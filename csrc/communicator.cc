@@ -87,8 +87,7 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
   RC_CHECK_ARG(rank >= 0 && rank < world_size, "rank ", rank, " out of range for world_size ",
                world_size);
   RC_CHECK_ARG(timeout_s > 0, "timeout must be positive");
-  transport_ = std::make_unique<tcp::TcpTransport>(rank, world_size,
-                                                   tcp::TcpOptions::from_env(master_addr));
+  mesh_ = std::make_unique<Mesh>(rank, world_size, MeshOptions::from_env(master_addr));
   // Read once: a coalesced call asks for every buffer's algorithm.
   const std::string forced = env_string("RINGCOMM_ALGO");
   if (forced == "ring") forced_all_reduce_ = Algorithm::kRing;
@@ -105,7 +104,7 @@ Communicator::~Communicator() {
 }
 
 void Communicator::connect(const std::vector<std::string>& addresses, const std::string& token) {
-  if (world_size_ > 1) transport_->connect(addresses, token, Clock::now() + timeout_);
+  if (world_size_ > 1) mesh_->connect(addresses, token, Clock::now() + timeout_);
   progress_thread_ = std::thread([this] { progress_loop(); });
 }
 
@@ -278,9 +277,9 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
       work->finish(error ? str_cat(message_of(error), " [rank ", rank_, ", peer ", peer, "]") : "");
     };
     if (is_send)
-      transport_->post_send(peer, buf, bytes, sig, done);
+      mesh_->post_send(peer, buf, bytes, sig, done);
     else
-      transport_->post_recv(peer, buf, bytes, sig, done);
+      mesh_->post_recv(peer, buf, bytes, sig, done);
   };
   enqueue(std::move(task), /*inline_ok=*/false);
   if (!async) work->wait(-1);
@@ -342,6 +341,7 @@ void Communicator::enqueue(Task task, bool inline_ok) {
 void Communicator::wake() {
   uint64_t one = 1;
   if (write(wake_fd_, &one, sizeof one) < 0) { /* counter saturated: already awake */ }
+  mesh_->wake();
 }
 
 void Communicator::run(Task& task) {
@@ -350,8 +350,8 @@ void Communicator::run(Task& task) {
       task.post();
       return;
     }
-    transport_->set_current(task.sig);
-    Context ctx(*transport_, task.sig, Clock::now() + timeout_, scratch_);
+    mesh_->set_current(task.sig);
+    Context ctx(*mesh_, task.sig, Clock::now() + timeout_, scratch_);
     task.body(ctx);
     task.work->finish("");
   } catch (const std::exception& e) {
@@ -369,7 +369,7 @@ void Communicator::fail(const std::string& reason, const std::exception_ptr& err
     if (broken_.empty()) broken_ = reason;
     dropped.swap(queue_);
   }
-  transport_->abort(reason, error);
+  mesh_->abort(reason, error);
   for (Task& t : dropped) t.work->finish("communicator is broken: " + reason);
 }
 
@@ -411,7 +411,7 @@ void Communicator::progress_loop() {
     uint64_t drained;
     while (read(wake_fd_, &drained, sizeof drained) > 0) {}
     try {
-      transport_->progress_until_event(wake_fd_, std::min(deadline, Clock::now() + std::chrono::seconds(1)));
+      mesh_->progress_until_event(wake_fd_, std::min(deadline, Clock::now() + std::chrono::seconds(1)));
     } catch (const std::exception& e) {
       std::string reason = str_cat(e.what(), " [rank ", rank_, ", during send/recv]");
       fail(reason, std::current_exception());
@@ -435,7 +435,7 @@ void Communicator::close() {
   cv_.notify_all();
   wake();
   if (progress_thread_.joinable()) progress_thread_.join();
-  transport_->close();
+  mesh_->close();
 }
 
 }  // namespace ringcomm

@@ -1,4 +1,4 @@
-// A communicator: one rank's view of a group of world_size processes. It owns the transport, a
+// A communicator: one rank's view of a group of world_size processes. It owns the transports, a
 // progress thread that runs operations in issue order, sequence numbers, timeouts, and the
 // broken state after an error.
 #pragma once
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "algorithms/algorithms.h"
-#include "transport/tcp/tcp_transport.h"
+#include "transport/mesh.h"
 
 namespace ringcomm {
 
@@ -49,7 +49,9 @@ class Communicator {
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
-  std::string address() const { return transport_->address(); }
+  std::string address() const { return mesh_->address(); }
+  // The transport that carries data to `peer` ("tcp", "shm", "self").
+  const char* transport_of(int peer) const { return mesh_->transport_of(peer); }
   void connect(const std::vector<std::string>& addresses, const std::string& token);
 
   WorkPtr all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, Algorithm algo, bool async);
@@ -97,7 +99,8 @@ class Communicator {
   // The algorithm all_reduce would use (RINGCOMM_ALGO overrides kAuto).
   Algorithm choose_all_reduce(size_t bytes, Algorithm requested) const;
   // Bytes this rank has written to its connections (headers included).
-  uint64_t bytes_sent() const { return transport_->bytes_sent(); }
+  uint64_t bytes_sent() const { return mesh_->bytes_sent(); }
+  uint64_t bytes_sent(const std::string& transport) const { return mesh_->bytes_sent(transport); }
   // Empty unless an error has broken this communicator.
   std::string broken_reason();
   // Finishes queued work, stops the progress thread and closes connections.
@@ -130,7 +133,7 @@ class Communicator {
   const int rank_, world_size_;
   const Clock::duration timeout_;
   Algorithm forced_all_reduce_ = Algorithm::kAuto;  // RINGCOMM_ALGO
-  std::unique_ptr<tcp::TcpTransport> transport_;
+  std::unique_ptr<Mesh> mesh_;
   Scratch scratch_;
 
   std::mutex mu_;                 // guards everything below

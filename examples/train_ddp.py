@@ -10,7 +10,8 @@ DDP's own all-reduce through that backend). --width 2048 gives two hidden layers
 from the same initial weights on the same batches, alternating steps with the run above so both
 see the same machine load, and prints both. Rank 0 prints test accuracy, the mean step time
 (forward, backward with its communication, optimizer step; after --warmup steps) and the bytes
-this rank sent per step over TCP (Linux's per-socket counters, all of the process's connections).
+this rank sent per step: over TCP (Linux's per-socket counters, all of the process's connections)
+plus what ringcomm wrote to shared memory for ranks on this host.
 """
 import argparse
 import os
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ringcomm  # noqa: F401 - registers the "ringcomm" backend
+import ringcomm  # registers the "ringcomm" backend
 from ringcomm import hooks
 
 HOOKS = {"none": None, "allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
@@ -56,8 +57,13 @@ def parse_args():
     return args
 
 
+def bytes_sent() -> int:
+    """Bytes this process has sent: over all its TCP connections (retransmissions included), and
+    through ringcomm's shared memory."""
+    return tcp_bytes_sent() + ringcomm.shm_bytes_sent()
+
+
 def tcp_bytes_sent() -> int:
-    """Bytes this process has sent over all its TCP connections (retransmissions included)."""
     total = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -106,7 +112,7 @@ class Run:
         self.step_times, self.bytes_sent = [], 0
 
     def step(self, x, y, timed: bool):
-        sent_before = tcp_bytes_sent()
+        sent_before = bytes_sent()
         start = time.perf_counter()
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
@@ -115,7 +121,7 @@ class Run:
         elapsed = time.perf_counter() - start
         if timed:
             self.step_times.append(elapsed)
-            self.bytes_sent += tcp_bytes_sent() - sent_before
+            self.bytes_sent += bytes_sent() - sent_before
 
     @torch.no_grad()
     def accuracy(self, x, y) -> float:

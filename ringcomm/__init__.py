@@ -7,13 +7,13 @@
     averager = ringcomm.GradientAverager(model.parameters(), comm)   # then averager.step()
 """
 from ._C import RingcommError
-from .communicator import Communicator, Work, init
+from .communicator import Communicator, Work, init, shm_bytes_sent
 from .averager import GradientAverager
 from .backend import ProcessGroupRingcomm, register_backend
 from . import hooks
 
 register_backend()  # dist.init_process_group("ringcomm") works from here on
 
-__all__ = ["Communicator", "GradientAverager", "ProcessGroupRingcomm", "RingcommError", "Work", "hooks", "init",
+__all__ = ["Communicator", "GradientAverager", "ProcessGroupRingcomm", "RingcommError", "Work", "hooks", "init", "shm_bytes_sent",
            "register_backend"]
 __version__ = "0.1.0"

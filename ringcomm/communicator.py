@@ -248,9 +248,18 @@ class Communicator:
         return out
 
     @property
+    def transports(self) -> list:
+        """The transport carrying data to each rank, by rank: "shm", "tcp" ("self" for this one)."""
+        return [self._core.transport_of(r) for r in range(self.world_size)]
+
+    @property
     def bytes_sent(self) -> int:
         """Bytes this rank has written to its connections so far (message headers included)."""
         return self._core.bytes_sent
+
+    def bytes_sent_by_transport(self) -> dict:
+        """bytes_sent split by transport: {"tcp": ..., "shm": ...}."""
+        return {name: self._core.bytes_sent_over(name) for name in ("tcp", "shm")}
 
     def broadcast(self, tensor, src: int, async_op: bool = False):
         buf = Buffer(tensor)
@@ -361,6 +370,14 @@ def init(store=None, rank: Optional[int] = None, world_size: Optional[int] = Non
     if store is None:
         store = _store_from_env(rank, world_size, timeout)
     return Communicator(store, rank, world_size, timeout, name)
+
+
+def shm_bytes_sent() -> int:
+    """Bytes this process's open communicators have written to shared memory so far (the kernel's
+    socket counters do not see them)."""
+    with _live_lock:
+        live = list(_live)
+    return sum(comm.bytes_sent_by_transport()["shm"] for comm in live)
 
 
 def _close_all():

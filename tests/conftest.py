@@ -1,4 +1,25 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+import ranks  # noqa: E402
+
+# Modules whose tests run once per transport (ranks.TRANSPORTS); the others use the default
+# (RINGCOMM_TRANSPORT=auto: shared memory between the local ranks).
+TRANSPORT_MODULES = {"test_all_reduce", "test_collectives", "test_errors", "test_sparse",
+                     "test_fusion"}
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.module.__name__ in TRANSPORT_MODULES:
+        metafunc.parametrize("transport", sorted(ranks.TRANSPORTS), indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def transport(request):
+    ranks.transport = getattr(request, "param", None)
+    yield ranks.transport
+    ranks.transport = None

@@ -29,6 +29,17 @@ class RankFailed(AssertionError):
     pass
 
 
+# Each rank's environment for a transport. conftest.py runs the transport-sensitive test modules
+# once per entry (and sets `transport`); a test's own `env` wins over these.
+TRANSPORTS = {
+    "shm": lambda rank: {"RINGCOMM_TRANSPORT": "shm"},
+    "tcp": lambda rank: {"RINGCOMM_TRANSPORT": "tcp"},
+    # Two ranks per fake host: shared memory inside a host, TCP between hosts.
+    "mixed": lambda rank: {"RINGCOMM_TRANSPORT": "auto", "RINGCOMM_HOST_ID": f"host{rank // 2}"},
+}
+transport = None
+
+
 def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm, env):
     try:
         os.environ.update(env)
@@ -62,8 +73,13 @@ def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 
     tmp = tempfile.mkdtemp(prefix="ringcomm-test-")
     store_path = os.path.join(tmp, "store")
     queue = CTX.Queue()
+    def rank_env(r):
+        out = TRANSPORTS[transport](r) if transport else {}
+        out.update(env or {})
+        return out
+
     procs = [CTX.Process(target=_child, args=(fn, r, world, store_path, comm_timeout, queue, args,
-                                              make_comm, env or {}), daemon=True)
+                                              make_comm, rank_env(r)), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

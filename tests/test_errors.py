@@ -129,7 +129,8 @@ def stranger_and_two_ranks(store, rank, world):
     prefixed = torch.distributed.PrefixStore("ringcomm/stranger", store)
     if rank == 2:  # the stranger
         prefixed.wait(["addr/0"], timedelta(seconds=20))
-        host, port = prefixed.get("addr/0").decode().rsplit(":", 1)
+        fields = dict(f.split("=", 1) for f in prefixed.get("addr/0").decode().split(";"))
+        host, port = fields["tcp"].rsplit(":", 1)
         # Both strangers connect and speak while rank 0 waits for rank 1, so rank 0's accept
         # loop meets them before (or beside) the real peer.
         wrong_token = socket.create_connection((host, int(port)), timeout=20)

@@ -1,4 +1,4 @@
-// What an algorithm works with: the transport, its operation's signature and deadline, and
+// What an algorithm works with: the mesh of transports, its operation's signature and deadline, and
 // reusable scratch memory. Algorithms post sends/receives here and never see a socket.
 #pragma once
 
@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "transport/transport.h"
+#include "transport/mesh.h"
 
 namespace ringcomm {
 
@@ -39,11 +39,11 @@ class Scratch {
 
 class Context {
  public:
-  Context(Transport& transport, const Signature& sig, Clock::time_point deadline, Scratch& scratch)
-      : transport_(transport), sig_(sig), deadline_(deadline), scratch_(scratch) {}
+  Context(Mesh& mesh, const Signature& sig, Clock::time_point deadline, Scratch& scratch)
+      : mesh_(mesh), sig_(sig), deadline_(deadline), scratch_(scratch) {}
 
-  int rank() const { return transport_.rank(); }
-  int size() const { return transport_.world_size(); }
+  int rank() const { return mesh_.rank(); }
+  int size() const { return mesh_.world_size(); }
   const Signature& signature() const { return sig_; }
 
   // Sends complete in the background; finish() waits for all of them.
@@ -53,21 +53,21 @@ class Context {
   // sequence number) posts each one's messages under that operation's signature, and names the
   // oldest one still in flight as current: messages of later ones may arrive early.
   void send(int peer, const void* data, size_t bytes, const Signature& sig) {
-    sends_.push_back(transport_.post_send(peer, data, bytes, sig));
+    sends_.push_back(mesh_.post_send(peer, data, bytes, sig));
   }
   Request recv(int peer, void* data, size_t bytes, const Signature& sig) {
-    return transport_.post_recv(peer, data, bytes, sig);
+    return mesh_.post_recv(peer, data, bytes, sig);
   }
-  void set_current(const Signature& sig) { transport_.set_current(sig); }
-  void wait(Request r) { transport_.wait(r, deadline_); }
+  void set_current(const Signature& sig) { mesh_.set_current(sig); }
+  void wait(Request r) { mesh_.wait(r, deadline_); }
   void finish() {
-    for (Request r : sends_) transport_.wait(r, deadline_);
+    for (Request r : sends_) mesh_.wait(r, deadline_);
     sends_.clear();
   }
   char* scratch(int slot, size_t bytes) { return scratch_.get(slot, bytes); }
 
  private:
-  Transport& transport_;
+  Mesh& mesh_;
   Signature sig_;
   Clock::time_point deadline_;
   Scratch& scratch_;

@@ -55,6 +55,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def("address", &Communicator::address)
+      .def("transport_of", &Communicator::transport_of, py::arg("peer"))
       .def("connect", &Communicator::connect, G())
       .def("choose_all_reduce",
            [](const Communicator& c, size_t bytes, int algo) {
@@ -101,7 +102,10 @@ PYBIND11_MODULE(_C, m) {
                                         vt, ptr(out), numel, ot, checked_op(op, ot),
                                         Algorithm(algo), async);
            }, G())
-      .def_property_readonly("bytes_sent", &Communicator::bytes_sent)
+      .def_property_readonly("bytes_sent", [](const Communicator& c) { return c.bytes_sent(); })
+      .def("bytes_sent_over", [](const Communicator& c, const std::string& transport) {
+             return c.bytes_sent(transport);
+           }, py::arg("transport"))
       .def("broken_reason", &Communicator::broken_reason)
       .def("close", &Communicator::close, G());
 

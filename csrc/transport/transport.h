@@ -8,11 +8,14 @@
 // description of each, which is how mismatched collectives are reported instead of hanging.
 #pragma once
 
+#include <poll.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "common/dtype.h"
 
@@ -68,42 +71,59 @@ struct Signature {
   std::string describe() const;
 };
 
-// Handle of one posted send or receive.
+// Handle of one posted send or receive (transport/mesh.h).
 struct Request {
   int64_t id = -1;
 };
 
+// Where a transport reports progress: each posted message is split into parts the transport
+// moves on its own (TCP stripes large messages over sockets); an operation completes when all of
+// its parts have.
+class PartSink {
+ public:
+  virtual void part_done(int64_t op) = 0;
+
+ protected:
+  ~PartSink() = default;
+};
+
+// One way of moving bytes between this rank and some of its peers (tcp/, shm/). It knows peers,
+// byte ranges and the signature each message is tagged with; the mesh (transport/mesh.h) gives
+// each peer the transport that can reach it and waits on all of them.
 class Transport {
  public:
   virtual ~Transport() = default;
-  virtual int rank() const = 0;
-  virtual int world_size() const = 0;
+  virtual const char* name() const = 0;
 
   // The collective now running. Messages that arrive for it with another signature are reported
   // as a mismatch even while no receive is posted on their channel.
   virtual void set_current(const Signature& sig) = 0;
-
-  // Post a send/receive of `bytes` bytes. Buffers must stay valid until the request completes.
-  // `on_done` (optional) runs on completion or failure (with the error).
-  using Callback = std::function<void(const std::exception_ptr&)>;
-  virtual Request post_send(int peer, const void* data, size_t bytes, const Signature& sig,
-                            Callback on_done = nullptr) = 0;
-  virtual Request post_recv(int peer, void* data, size_t bytes, const Signature& sig,
-                            Callback on_done = nullptr) = 0;
-
-  // Progress everything until `req` completes; throws ringcomm::Error on a mismatch, a lost peer,
-  // a remote abort or when `deadline` passes.
-  virtual void wait(Request req, Clock::time_point deadline) = 0;
-  virtual bool done(Request req) const = 0;
-  // True while any posted operation is incomplete.
+  // Posts a send or a receive of `bytes` bytes as operation `op`; returns the number of parts,
+  // each reported to the sink once done. Buffers stay valid until then.
+  virtual int post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
+                   int64_t op) = 0;
+  // Moves whatever can move without blocking; true if anything did. Throws ringcomm::Error on a
+  // mismatch, a lost peer or a remote abort.
+  virtual bool progress() = 0;
+  // True while a posted send or receive is unfinished.
   virtual bool busy() const = 0;
-  // Progress posted operations until one completes, `wake_fd` (if >= 0) is readable, or
-  // `deadline` passes; never throws on timeout.
-  virtual void progress_until_event(int wake_fd, Clock::time_point deadline) = 0;
 
-  // After an error: tell every peer why (best effort), stop sending, and fail every posted
-  // operation's callback with `error`.
-  virtual void abort(const std::string& reason, const std::exception_ptr& error) = 0;
+  // Waiting. A transport either has file descriptors to poll (fds/on_poll: TCP) or a doorbell it
+  // sleeps on (can_sleep/sleep/ring: shared memory); the mesh combines them.
+  virtual void add_poll_fds(std::vector<pollfd>& fds) { (void)fds; }
+  virtual void on_poll(const pollfd* fds) { (void)fds; }
+  virtual bool can_sleep() const { return false; }
+  // Sleeps until a peer rings this rank's doorbell, ring_self() is called, or `until`.
+  virtual void sleep(Clock::time_point until) { (void)until; }
+  virtual void ring_self() {}
+
+  // After an error: tell the peers why (best effort), stop sending, drop posted operations.
+  virtual void abort(const std::string& reason) = 0;
+  // Releases connections and memory; idempotent.
+  virtual void close() = 0;
+  virtual uint64_t bytes_sent() const = 0;
+  // Peers with unfinished sends or receives, for timeout messages ("1, 3").
+  virtual std::string describe_waiting() const = 0;
 };
 
 }  // namespace ringcomm

@@ -18,12 +18,7 @@ namespace ringcomm {
 namespace tcp {
 namespace {
 
-constexpr uint32_t kMessageMagic = 0x524d4331;  // "RMC1"
 constexpr uint32_t kHelloMagic = 0x524d4348;    // "RMCH"
-constexpr uint8_t kData = 1;
-constexpr uint8_t kAbort = 2;
-constexpr size_t kMaxAbortText = 4096;
-
 struct Hello {
   uint32_t magic;
   uint32_t byte_order;  // 0x01020304 as written by the sender
@@ -38,37 +33,6 @@ struct Ack {
   int32_t accepted;
 };
 
-WireHeader make_header(const Signature& sig, size_t bytes) {
-  WireHeader h{};
-  h.magic = kMessageMagic;
-  h.kind = kData;
-  h.coll = uint8_t(sig.coll);
-  h.dtype = uint8_t(sig.dtype);
-  h.op = uint8_t(sig.op);
-  h.algo = uint8_t(sig.algo);
-  h.p2p = sig.p2p;
-  h.root = sig.root;
-  h.seq = sig.seq;
-  h.count = sig.count;
-  h.aux = sig.aux;
-  h.payload_bytes = bytes;
-  return h;
-}
-
-Signature header_signature(const WireHeader& h) {
-  Signature s;
-  s.coll = Collective(h.coll);
-  s.dtype = DType(h.dtype);
-  s.op = ReduceOp(h.op);
-  s.algo = Algorithm(h.algo);
-  s.p2p = h.p2p != 0;
-  s.root = h.root;
-  s.seq = h.seq;
-  s.count = h.count;
-  s.aux = h.aux;
-  return s;
-}
-
 void copy_token(char (&dst)[64], const std::string& token) {
   RC_CHECK_ARG(token.size() < sizeof dst, "token longer than 63 bytes");
   memset(dst, 0, sizeof dst);
@@ -82,15 +46,14 @@ TcpOptions TcpOptions::from_env(const std::string& master_addr) {
   o.master_addr = master_addr;
   o.sockets_per_peer = int(env_int("RINGCOMM_SOCKETS_PER_PEER", o.sockets_per_peer));
   o.socket_buffer_bytes = int(env_int("RINGCOMM_SOCKET_BUFFER", o.socket_buffer_bytes));
-  o.spin_us = int(env_int("RINGCOMM_SPIN_US", o.spin_us));
   o.stripe_min_bytes = size_t(env_int("RINGCOMM_STRIPE_MIN_BYTES", int64_t(o.stripe_min_bytes)));
   RC_CHECK_ARG(o.sockets_per_peer >= 1 && o.sockets_per_peer <= 64,
                "RINGCOMM_SOCKETS_PER_PEER must be in [1, 64], got ", o.sockets_per_peer);
   return o;
 }
 
-TcpTransport::TcpTransport(int rank, int world_size, TcpOptions options)
-    : rank_(rank), world_size_(world_size), options_(std::move(options)),
+TcpTransport::TcpTransport(int rank, int world_size, TcpOptions options, PartSink& sink)
+    : rank_(rank), world_size_(world_size), options_(std::move(options)), sink_(sink),
       sockets_(options_.sockets_per_peer) {
   channels_.resize(size_t(world_size) * sockets_);
   if (world_size > 1) listen_fd_ = listen_on(choose_bind_host(options_.master_addr), &bound_);
@@ -210,14 +173,25 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
     }
   }
   for (auto& p : pending) ::close(p.fd);
-  if (options_.spin_us < 0) {
-    long local_ranks = std::count_if(addresses.begin(), addresses.end(), [&](const std::string& a) {
-      return Endpoint::parse(a).host == bound_.host;
-    });
-    options_.spin_us = local_ranks <= long(std::thread::hardware_concurrency()) ? 30 : 0;
-  }
   if (listen_fd_ >= 0) ::close(listen_fd_);
   listen_fd_ = -1;
+}
+
+void TcpTransport::exchange(const std::vector<int>& peers, const std::vector<char>& out,
+                            std::vector<char>& in, Clock::time_point deadline) {
+  in.assign(peers.size(), 0);
+  for (size_t i = 0; i < peers.size(); ++i)
+    if (!write_fully(channel(peers[i], 0).fd, &out[i], 1, deadline))
+      RC_THROW("rank ", rank_, ": connection to rank ", peers[i], " lost while setting up");
+  for (size_t i = 0; i < peers.size(); ++i)
+    if (!read_fully(channel(peers[i], 0).fd, &in[i], 1, deadline))
+      RC_THROW("rank ", rank_, ": connection to rank ", peers[i], " lost while setting up");
+}
+
+bool TcpTransport::peer_closed(int peer) const {
+  for (int s = 0; s < sockets_; ++s)
+    if (channels_[size_t(peer) * sockets_ + s].hung_up) return true;
+  return false;
 }
 
 void TcpTransport::set_current(const Signature& sig) {
@@ -225,47 +199,20 @@ void TcpTransport::set_current(const Signature& sig) {
   has_current_ = true;
 }
 
-void TcpTransport::check_usable() const {
-  if (!abort_reason_.empty()) RC_THROW("transport aborted: ", abort_reason_);
-}
-
-Request TcpTransport::post_send(int peer, const void* data, size_t bytes, const Signature& sig,
-                                Callback on_done) {
-  return post(true, peer, static_cast<char*>(const_cast<void*>(data)), bytes, sig,
-              std::move(on_done));
-}
-
-Request TcpTransport::post_recv(int peer, void* data, size_t bytes, const Signature& sig,
-                                Callback on_done) {
-  return post(false, peer, static_cast<char*>(data), bytes, sig, std::move(on_done));
-}
-
 // Messages of at least stripe_min_bytes are split evenly over the peer's sockets; both sides
 // compute the same split from the byte count, so parts pair up in each socket's FIFO order.
-Request TcpTransport::post(bool is_send, int peer, char* data, size_t bytes,
-                           const Signature& sig, Callback on_done) {
-  check_usable();
-  RC_CHECK_ARG(peer >= 0 && peer < world_size_ && peer != rank_, "invalid peer rank ", peer);
+int TcpTransport::post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
+                       int64_t op) {
   int parts = bytes >= options_.stripe_min_bytes ? sockets_ : 1;
-  int64_t id = next_op_++;
-  ops_.emplace(id, Op{parts, std::move(on_done)});
   size_t offset = 0;
   for (int s = 0; s < parts; ++s) {
     size_t len = bytes / parts + (size_t(s) < bytes % parts ? 1 : 0);
-    Part part{id, data + offset, len, 0, make_header(sig, len), 0};
+    Part part{op, data + offset, len, 0, make_header(sig, len), 0};
     Channel& ch = channel(peer, s);
     (is_send ? ch.sends : ch.recvs).push_back(part);
     offset += len;
   }
-  return Request{id};
-}
-
-void TcpTransport::complete_part(int64_t op) {
-  auto it = ops_.find(op);
-  if (--it->second.parts_left > 0) return;
-  Callback cb = std::move(it->second.on_done);
-  ops_.erase(it);
-  if (cb) cb(nullptr);
+  return parts;
 }
 
 bool TcpTransport::pump_send(Channel& ch) {
@@ -297,7 +244,7 @@ bool TcpTransport::pump_send(Channel& ch) {
     if (p.header_done < sizeof(WireHeader) || p.done < p.bytes) return moved;
     int64_t op = p.op;
     ch.sends.pop_front();
-    complete_part(op);
+    sink_.part_done(op);
   }
   return moved;
 }
@@ -332,8 +279,8 @@ void TcpTransport::throw_if_peer_aborted(Channel& ch) {
     const Part& p = ch.recvs.front();
     payload_left = p.bytes - p.done;
   } else if (ch.incoming_got == sizeof(WireHeader)) {
-    payload_left = ch.incoming.kind == kAbort ? 0 : ch.incoming.payload_bytes;
-    if (ch.incoming.kind == kAbort && ch.incoming.magic == kMessageMagic) read_abort_and_throw(ch);
+    payload_left = ch.incoming.kind == kAbortMessage ? 0 : ch.incoming.payload_bytes;
+    if (ch.incoming.kind == kAbortMessage && ch.incoming.magic == kMessageMagic) read_abort_and_throw(ch);
   }
   while (skipped <= kMaxSkipped) {
     while (payload_left > 0) {
@@ -346,7 +293,7 @@ void TcpTransport::throw_if_peer_aborted(Channel& ch) {
     ch.incoming_got += read_now(reinterpret_cast<char*>(&ch.incoming) + ch.incoming_got,
                                 sizeof(WireHeader) - ch.incoming_got);
     if (ch.incoming_got < sizeof(WireHeader) || ch.incoming.magic != kMessageMagic) return;
-    if (ch.incoming.kind == kAbort) read_abort_and_throw(ch);
+    if (ch.incoming.kind == kAbortMessage) read_abort_and_throw(ch);
     payload_left = ch.incoming.payload_bytes;
   }
 }
@@ -357,7 +304,7 @@ void TcpTransport::check_incoming(Channel& ch) {
   const WireHeader& h = ch.incoming;
   if (h.magic != kMessageMagic)
     RC_THROW("protocol error: garbage from rank ", ch.peer, " (bad message magic)");
-  if (h.kind == kAbort) read_abort_and_throw(ch);
+  if (h.kind == kAbortMessage) read_abort_and_throw(ch);
   Signature theirs = header_signature(h);
   auto mismatch = [&](const Signature& ours) {
     RC_THROW("mismatched operations: rank ", ch.peer, " issued ", theirs.describe(), " but rank ",
@@ -371,8 +318,7 @@ void TcpTransport::check_incoming(Channel& ch) {
       RC_THROW("protocol error: rank ", ch.peer, " sent ", h.payload_bytes, " bytes for ",
                theirs.describe(), ", rank ", rank_, " expected ", p.bytes);
     ch.incoming_matched = true;
-  } else if (has_current_ && !theirs.p2p && !current_.p2p &&
-             (theirs.seq < current_.seq || (theirs.seq == current_.seq && theirs != current_))) {
+  } else if (has_current_ && stray_mismatch(theirs, current_)) {
     mismatch(current_);
   }
 }
@@ -418,12 +364,12 @@ bool TcpTransport::pump_recv(Channel& ch, bool eager) {
     int64_t op = p.op;
     ch.recvs.pop_front();
     ch.incoming_got = 0;
-    complete_part(op);
+    sink_.part_done(op);
     moved = true;
   }
 }
 
-bool TcpTransport::pump_posted() {
+bool TcpTransport::progress() {
   bool moved = false;
   for (Channel& ch : channels_) {
     if (ch.fd < 0) continue;
@@ -433,31 +379,32 @@ bool TcpTransport::pump_posted() {
   return moved;
 }
 
-bool TcpTransport::block(int wake_fd, Clock::time_point deadline) {
-  std::vector<pollfd> fds;
-  std::vector<Channel*> owners;
-  fds.reserve(channels_.size() + 1);
+bool TcpTransport::busy() const {
+  for (const Channel& ch : channels_)
+    if (!ch.sends.empty() || !ch.recvs.empty()) return true;
+  return false;
+}
+
+void TcpTransport::add_poll_fds(std::vector<pollfd>& fds) {
+  polled_.clear();
+  first_fd_ = fds.size();
   for (Channel& ch : channels_) {
     if (ch.fd < 0 || ch.hung_up) continue;
     short events = 0;
     if (!ch.sends.empty()) events |= POLLOUT;
-    // Idle channels are watched too, so a peer's abort or a mismatched header is seen at once.
+    // Idle channels are watched too, so a peer's abort, a mismatched header or a lost peer is
+    // seen at once.
     if (!ch.recvs.empty() || ch.incoming_got < sizeof(WireHeader)) events |= POLLIN;
     if (!events) continue;
     fds.push_back({ch.fd, events, 0});
-    owners.push_back(&ch);
+    polled_.push_back(&ch);
   }
-  if (wake_fd >= 0) fds.push_back({wake_fd, POLLIN, 0});
-  auto left = deadline - Clock::now();
-  if (left <= Clock::duration::zero()) return false;
-  auto cap = std::min<Clock::duration>(left, std::chrono::seconds(1));
-  timespec ts{time_t(std::chrono::duration_cast<std::chrono::seconds>(cap).count()),
-              long(std::chrono::duration_cast<std::chrono::nanoseconds>(cap).count() % 1000000000)};
-  int n = ppoll(fds.data(), fds.size(), &ts, nullptr);
-  if (n < 0 && errno != EINTR) RC_THROW("ppoll failed: ", errno_string(errno));
-  for (size_t i = 0; i < owners.size(); ++i) {
-    Channel& ch = *owners[i];
-    short ev = fds[i].revents;
+}
+
+void TcpTransport::on_poll(const pollfd* fds) {
+  for (size_t i = 0; i < polled_.size(); ++i) {
+    Channel& ch = *polled_[i];
+    short ev = fds[first_fd_ + i].revents;
     if (!ev) continue;
     // Reads first: a peer's abort frame explains a send that would fail on its reset.
     if (ev & (POLLIN | POLLHUP | POLLERR)) {
@@ -471,40 +418,21 @@ bool TcpTransport::block(int wake_fd, Clock::time_point deadline) {
     }
     if (ev & POLLOUT) pump_send(ch);
   }
-  return true;
+  polled_.clear();
 }
 
 std::string TcpTransport::describe_waiting() const {
   std::string peers;
-  for (const Channel& ch : channels_) {
-    if (ch.fd < 0 || (ch.sends.empty() && ch.recvs.empty())) continue;
-    std::string me = str_cat(ch.peer);
-    if (peers.find(me) == std::string::npos) peers += (peers.empty() ? "" : ", ") + me;
+  int last = -1;
+  for (const Channel& ch : channels_) {  // ordered by peer
+    if (ch.fd < 0 || (ch.sends.empty() && ch.recvs.empty()) || ch.peer == last) continue;
+    peers += str_cat(peers.empty() ? "" : ", ", ch.peer);
+    last = ch.peer;
   }
-  return peers.empty() ? "nothing" : "rank(s) " + peers;
+  return peers;
 }
 
-void TcpTransport::wait(Request req, Clock::time_point deadline) {
-  check_usable();
-  auto spin_end = Clock::now() + std::chrono::microseconds(options_.spin_us);
-  while (!done(req)) {
-    if (pump_posted()) continue;
-    if (done(req)) break;
-    if (Clock::now() < spin_end) continue;
-    if (!block(-1, deadline))
-      RC_THROW("timed out during ", has_current_ ? current_.describe() : "an operation",
-               " waiting on ", describe_waiting());
-  }
-}
-
-void TcpTransport::progress_until_event(int wake_fd, Clock::time_point deadline) {
-  check_usable();
-  size_t before = ops_.size();
-  if (pump_posted() && ops_.size() < before) return;
-  block(wake_fd, deadline);
-}
-
-void TcpTransport::abort(const std::string& reason, const std::exception_ptr& error) {
+void TcpTransport::abort(const std::string& reason) {
   if (!abort_reason_.empty()) return;
   abort_reason_ = reason.empty() ? "aborted" : reason;
   std::string text = abort_reason_.substr(0, kMaxAbortText);
@@ -522,25 +450,17 @@ void TcpTransport::abort(const std::string& reason, const std::exception_ptr& er
           write_fully(ch.fd, p.data + p.done, p.bytes - p.done, deadline);
     }
     if (between_messages) {
-      WireHeader h{};
-      h.magic = kMessageMagic;
-      h.kind = kAbort;
-      h.payload_bytes = text.size();
+      WireHeader h = make_abort_header(text.size());
       if (write_fully(ch.fd, &h, sizeof h, deadline)) write_fully(ch.fd, text.data(), text.size(), deadline);
     }
     // Half-close: the peer reads the frame, then end-of-stream. A full close could reset the
     // connection and discard the frame before the peer reads it.
     shutdown(ch.fd, SHUT_WR);
   }
-  std::vector<Callback> callbacks;
-  for (auto& [id, op] : ops_)
-    if (op.on_done) callbacks.push_back(std::move(op.on_done));
-  ops_.clear();
   for (Channel& ch : channels_) {
     ch.sends.clear();
     ch.recvs.clear();
   }
-  for (auto& cb : callbacks) cb(error);
 }
 
 }  // namespace tcp

@@ -1,0 +1,293 @@
+#include "transport/mesh.h"
+
+#include <poll.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "common/env.h"
+#include "common/error.h"
+#include "common/logging.h"
+
+namespace ringcomm {
+namespace {
+
+std::string read_first_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// "host=...;tcp=...;shm=..." -> {"host": ..., "tcp": ..., "shm": ...}
+std::map<std::string, std::string> parse_address(const std::string& text) {
+  std::map<std::string, std::string> fields;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find(';', start);
+    if (end == std::string::npos) end = text.size();
+    std::string item = text.substr(start, end - start);
+    size_t eq = item.find('=');
+    if (eq != std::string::npos) fields[item.substr(0, eq)] = item.substr(eq + 1);
+    start = end + 1;
+  }
+  return fields;
+}
+
+}  // namespace
+
+std::string host_identity() {
+  std::string forced = env_string("RINGCOMM_HOST_ID");
+  if (!forced.empty()) return forced;
+  char name[256] = {0};
+  gethostname(name, sizeof name - 1);
+  char netns[128] = {0};
+  ssize_t n = readlink("/proc/self/ns/net", netns, sizeof netns - 1);
+  std::string id = read_first_line("/proc/sys/kernel/random/boot_id") + "/" + name + "/" +
+                   (n > 0 ? std::string(netns, size_t(n)) : "");
+  uint64_t h = 1469598103934665603ull;  // FNV-1a: the address stays short and free of ';'
+  for (unsigned char c : id) h = (h ^ c) * 1099511628211ull;
+  return str_cat(std::hex, h);
+}
+
+MeshOptions MeshOptions::from_env(const std::string& master_addr) {
+  MeshOptions o;
+  o.master_addr = master_addr;
+  o.transport = env_string("RINGCOMM_TRANSPORT", "auto");
+  RC_CHECK_ARG(o.transport == "auto" || o.transport == "shm" || o.transport == "tcp",
+               "RINGCOMM_TRANSPORT=", o.transport, ": expected auto, shm or tcp");
+  o.spin_us = int(env_int("RINGCOMM_SPIN_US", o.spin_us));
+  return o;
+}
+
+Mesh::Mesh(int rank, int world_size, MeshOptions options)
+    : rank_(rank), world_size_(world_size), options_(std::move(options)), host_(host_identity()),
+      route_(world_size, nullptr) {
+  RC_CHECK_ARG(host_.find(';') == std::string::npos && host_.find('=') == std::string::npos,
+               "RINGCOMM_HOST_ID must not contain ';' or '='");
+  tcp_ = std::make_unique<tcp::TcpTransport>(rank, world_size,
+                                             tcp::TcpOptions::from_env(options_.master_addr), *this);
+  if (options_.transport != "tcp" && world_size > 1)
+    shm_ = std::make_unique<shm::ShmTransport>(rank, world_size, shm::ShmOptions::from_env(), *this);
+}
+
+Mesh::~Mesh() { close(); }
+
+std::string Mesh::address() const {
+  std::string text = str_cat("host=", host_, ";tcp=", tcp_->address());
+  if (shm_) text += ";shm=" + shm_->address();
+  return text;
+}
+
+void Mesh::connect(const std::vector<std::string>& addresses, const std::string& token,
+                   Clock::time_point deadline) {
+  RC_CHECK_ARG(int(addresses.size()) == world_size_, "expected ", world_size_, " addresses");
+  std::vector<std::string> hosts, endpoints, shm_addresses;
+  for (const std::string& a : addresses) {
+    auto fields = parse_address(a);
+    RC_CHECK_ARG(fields.count("host") && fields.count("tcp"), "bad rank address '", a, "'");
+    hosts.push_back(fields["host"]);
+    endpoints.push_back(fields["tcp"]);
+    shm_addresses.push_back(fields.count("shm") ? fields["shm"] : "");
+  }
+  tcp_->connect(endpoints, token, deadline);
+  for (int peer = 0; peer < world_size_; ++peer)
+    if (peer != rank_) route_[peer] = tcp_.get();
+  if (shm_) agree_on_shm(hosts, shm_addresses, deadline);
+
+  long local = std::count(hosts.begin(), hosts.end(), host_);
+  if (options_.spin_us < 0)
+    options_.spin_us = local <= long(std::thread::hardware_concurrency()) ? 30 : 0;
+  if (debug_enabled()) {
+    std::string table;
+    for (int peer = 0; peer < world_size_; ++peer)
+      table += str_cat(peer ? " " : "", peer, ":", transport_of(peer));
+    RC_LOG("rank ", rank_, " transports by peer: ", table);
+  }
+}
+
+// Shared memory needs both sides of a pair: each maps the other's segment. Agreement takes two
+// one-byte exchanges over TCP with every rank of this host: "my segment is ready", then "I mapped
+// yours". A pair that cannot map stays on TCP, unless RINGCOMM_TRANSPORT=shm demands it.
+void Mesh::agree_on_shm(const std::vector<std::string>& hosts,
+                        const std::vector<std::string>& shm_addresses, Clock::time_point deadline) {
+  std::vector<int> local, peers;
+  for (int r = 0; r < world_size_; ++r) {
+    if (hosts[r] != host_) continue;
+    local.push_back(r);
+    if (r != rank_) peers.push_back(r);
+  }
+  if (peers.empty()) return;
+  std::string why;
+  char allocated = shm_->allocate(local, &why) ? 1 : 0;
+  std::vector<char> theirs;
+  tcp_->exchange(peers, std::vector<char>(peers.size(), allocated), theirs, deadline);
+  std::vector<char> mapped(peers.size(), 0);
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (!allocated) break;
+    if (!theirs[i]) {
+      why = str_cat("rank ", peers[i], " could not set up shared memory");
+      continue;
+    }
+    mapped[i] = shm_->map_peer(peers[i], shm_addresses[peers[i]], &why) ? 1 : 0;
+  }
+  tcp_->exchange(peers, mapped, theirs, deadline);
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (mapped[i] && theirs[i]) {
+      shm_->enable(peers[i]);
+      route_[peers[i]] = shm_.get();
+    } else if (options_.transport == "shm") {
+      RC_THROW("RINGCOMM_TRANSPORT=shm but rank ", rank_, " and rank ", peers[i],
+               " (same host) cannot share memory: ", why.empty() ? "the peer failed" : why);
+    } else {
+      RC_LOG("rank ", rank_, ": rank ", peers[i], " stays on TCP: ", why);
+    }
+  }
+}
+
+const char* Mesh::transport_of(int peer) const {
+  return peer == rank_ ? "self" : route_.at(size_t(peer)) ? route_[peer]->name() : "none";
+}
+
+void Mesh::set_current(const Signature& sig) {
+  current_ = sig;
+  has_current_ = true;
+  tcp_->set_current(sig);
+  if (shm_) shm_->set_current(sig);
+}
+
+void Mesh::check_usable() const {
+  if (!abort_reason_.empty()) RC_THROW("transport aborted: ", abort_reason_);
+}
+
+Request Mesh::post_send(int peer, const void* data, size_t bytes, const Signature& sig,
+                        Callback on_done) {
+  return post(true, peer, static_cast<char*>(const_cast<void*>(data)), bytes, sig,
+              std::move(on_done));
+}
+
+Request Mesh::post_recv(int peer, void* data, size_t bytes, const Signature& sig,
+                        Callback on_done) {
+  return post(false, peer, static_cast<char*>(data), bytes, sig, std::move(on_done));
+}
+
+Request Mesh::post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
+                   Callback on_done) {
+  check_usable();
+  RC_CHECK_ARG(peer >= 0 && peer < world_size_ && peer != rank_ && route_[peer],
+               "invalid peer rank ", peer);
+  int64_t id = next_op_++;
+  auto& op = ops_.emplace(id, Op{0, std::move(on_done)}).first->second;
+  op.parts_left = route_[peer]->post(is_send, peer, data, bytes, sig, id);
+  return Request{id};
+}
+
+void Mesh::part_done(int64_t id) {
+  auto it = ops_.find(id);
+  if (--it->second.parts_left > 0) return;
+  Callback cb = std::move(it->second.on_done);
+  ops_.erase(it);
+  if (cb) cb(nullptr);
+}
+
+bool Mesh::progress() {
+  bool moved = tcp_->progress();
+  if (shm_) moved |= shm_->progress();
+  return moved;
+}
+
+bool Mesh::block(int wake_fd, Clock::time_point deadline) {
+  auto now = Clock::now();
+  if (now >= deadline) return false;
+  fds_.clear();
+  tcp_->add_poll_fds(fds_);
+  if (wake_fd >= 0) fds_.push_back({wake_fd, POLLIN, 0});
+  auto poll_for = std::min<Clock::duration>(deadline - now, std::chrono::seconds(1));
+  if (shm_ && shm_->busy()) {
+    // Sleep on the doorbell; sockets (a lost peer, an abort notice, TCP peers' data) are looked
+    // at between naps: often while TCP work is pending too, every 50 ms otherwise.
+    auto nap = tcp_->busy() ? std::chrono::microseconds(500) : std::chrono::microseconds(50000);
+    shm_->sleep(std::min(deadline, now + nap));
+    poll_for = Clock::duration::zero();
+  }
+  auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(poll_for).count();
+  timespec ts{time_t(ns / 1000000000), long(ns % 1000000000)};
+  int n = ppoll(fds_.data(), fds_.size(), &ts, nullptr);
+  if (n < 0 && errno != EINTR) RC_THROW("ppoll failed: ", strerror(errno));
+  tcp_->on_poll(fds_.data());
+  if (shm_) {
+    // A peer reached over shared memory that has exited is seen as its closed TCP connection;
+    // what it wrote before (the data we wait for, or an abort reason) is taken first.
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (route_[peer] != shm_.get() || !shm_->waits_on(peer) || !tcp_->peer_closed(peer)) continue;
+      shm_->progress();
+      if (shm_->waits_on(peer))
+        RC_THROW("connection to rank ", peer, " closed (peer exited or aborted)");
+    }
+  }
+  return true;
+}
+
+std::string Mesh::describe_waiting() const {
+  std::string peers = tcp_->describe_waiting();
+  std::string local = shm_ ? shm_->describe_waiting() : "";
+  if (!local.empty()) peers += (peers.empty() ? "" : ", ") + local;
+  return peers.empty() ? "nothing" : "rank(s) " + peers;
+}
+
+void Mesh::wait(Request req, Clock::time_point deadline) {
+  check_usable();
+  auto spin_end = Clock::now() + std::chrono::microseconds(std::max(options_.spin_us, 0));
+  while (!done(req)) {
+    if (progress()) continue;
+    if (done(req)) break;
+    if (Clock::now() < spin_end) continue;
+    if (!block(-1, deadline))
+      RC_THROW("timed out during ", has_current_ ? current_.describe() : "an operation",
+               " waiting on ", describe_waiting());
+  }
+}
+
+void Mesh::progress_until_event(int wake_fd, Clock::time_point deadline) {
+  check_usable();
+  size_t before = ops_.size();
+  if (progress() && ops_.size() < before) return;
+  block(wake_fd, deadline);
+}
+
+void Mesh::wake() {
+  if (shm_) shm_->ring_self();
+}
+
+void Mesh::abort(const std::string& reason, const std::exception_ptr& error) {
+  if (!abort_reason_.empty()) return;
+  abort_reason_ = reason.empty() ? "aborted" : reason;
+  if (shm_) shm_->abort(abort_reason_);
+  tcp_->abort(abort_reason_);
+  std::vector<Callback> callbacks;
+  for (auto& [id, op] : ops_)
+    if (op.on_done) callbacks.push_back(std::move(op.on_done));
+  ops_.clear();
+  for (auto& cb : callbacks) cb(error);
+}
+
+void Mesh::close() {
+  if (shm_) shm_->close();
+  tcp_->close();
+}
+
+uint64_t Mesh::bytes_sent() const {
+  return tcp_->bytes_sent() + (shm_ ? shm_->bytes_sent() : 0);
+}
+
+uint64_t Mesh::bytes_sent(const std::string& transport) const {
+  if (transport == tcp_->name()) return tcp_->bytes_sent();
+  if (shm_ && transport == shm_->name()) return shm_->bytes_sent();
+  return 0;
+}
+
+}  // namespace ringcomm

@@ -1,0 +1,105 @@
+// The transports of one rank, and which one reaches each peer. TCP connects every pair (it also
+// carries the handshake, abort notices and liveness); shared memory carries the data between
+// ranks of one host when both sides can map each other's segment (RINGCOMM_TRANSPORT). Sends and
+// receives go to the peer's transport; waiting is transport-neutral: spin briefly, then block on
+// sockets and, while shared-memory operations are pending, sleep on this rank's doorbell.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/shm/shm_transport.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace ringcomm {
+
+struct MeshOptions {
+  std::string master_addr;     // picks the TCP bind address (tcp::choose_bind_host)
+  std::string transport;       // RINGCOMM_TRANSPORT: auto (default), shm or tcp
+  // RINGCOMM_SPIN_US: busy-poll this long before blocking. -1 (default): 30 us when this host
+  // has at least as many CPUs as local ranks, else 0 (spinning would steal the CPU the peer
+  // needs to answer).
+  int spin_us = -1;
+  static MeshOptions from_env(const std::string& master_addr);
+};
+
+// This host's identity for choosing shared memory: RINGCOMM_HOST_ID, else a hash of the boot id,
+// the host name and the network namespace (ranks in other containers or namespaces differ).
+std::string host_identity();
+
+class Mesh final : public PartSink {
+ public:
+  Mesh(int rank, int world_size, MeshOptions options);
+  ~Mesh();
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  // What the other ranks need to reach this one ("host=...;tcp=...;shm=..."), to publish before
+  // connect().
+  std::string address() const;
+  // Connects to every peer, then agrees with each local peer on shared memory.
+  void connect(const std::vector<std::string>& addresses, const std::string& token,
+               Clock::time_point deadline);
+  // Name of the transport that carries data to `peer` ("tcp", "shm"; "self" for this rank).
+  const char* transport_of(int peer) const;
+
+  void set_current(const Signature& sig);
+  using Callback = std::function<void(const std::exception_ptr&)>;
+  // Post a send/receive of `bytes` bytes. Buffers must stay valid until the request completes.
+  // `on_done` (optional) runs on completion or failure (with the error).
+  Request post_send(int peer, const void* data, size_t bytes, const Signature& sig,
+                    Callback on_done = nullptr);
+  Request post_recv(int peer, void* data, size_t bytes, const Signature& sig,
+                    Callback on_done = nullptr);
+  // Progress everything until `req` completes; throws ringcomm::Error on a mismatch, a lost peer,
+  // a remote abort or when `deadline` passes.
+  void wait(Request req, Clock::time_point deadline);
+  bool done(Request req) const { return ops_.count(req.id) == 0; }
+  // Progress posted operations until one completes, `wake_fd` (if >= 0) is readable, wake() is
+  // called, or `deadline` passes; never throws on timeout.
+  void progress_until_event(int wake_fd, Clock::time_point deadline);
+  // Interrupts progress_until_event from another thread (with a write to its wake_fd).
+  void wake();
+
+  // After an error: tell every peer why (best effort), stop sending, and fail every posted
+  // operation's callback with `error`.
+  void abort(const std::string& reason, const std::exception_ptr& error);
+  // Closes every transport (idempotent).
+  void close();
+  uint64_t bytes_sent() const;
+  // Bytes written through one transport ("tcp", "shm"), headers included.
+  uint64_t bytes_sent(const std::string& transport) const;
+
+ private:
+  struct Op {
+    int parts_left;
+    Callback on_done;
+  };
+  void part_done(int64_t op) override;
+  Request post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
+               Callback on_done);
+  bool progress();
+  // Blocks until a transport may progress, wake_fd is readable or `deadline`; false on timeout.
+  bool block(int wake_fd, Clock::time_point deadline);
+  void check_usable() const;
+  std::string describe_waiting() const;
+  void agree_on_shm(const std::vector<std::string>& hosts,
+                    const std::vector<std::string>& shm_addresses, Clock::time_point deadline);
+
+  const int rank_, world_size_;
+  MeshOptions options_;
+  std::string host_;
+  std::unique_ptr<tcp::TcpTransport> tcp_;
+  std::unique_ptr<shm::ShmTransport> shm_;
+  std::vector<Transport*> route_;  // by peer; nullptr for this rank
+  std::unordered_map<int64_t, Op> ops_;
+  int64_t next_op_ = 0;
+  Signature current_;
+  bool has_current_ = false;
+  std::string abort_reason_;
+  std::vector<pollfd> fds_;  // reused by block()
+};
+
+}  // namespace ringcomm

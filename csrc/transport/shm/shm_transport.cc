@@ -1,0 +1,369 @@
+#include "transport/shm/shm_transport.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <new>
+#include <random>
+
+#include "common/env.h"
+#include "common/error.h"
+
+namespace ringcomm {
+namespace shm {
+
+constexpr uint64_t kSegmentMagic = 0x52434d53484d3031;  // "RCMSHM01"
+constexpr size_t kLine = 64;
+
+struct Control {
+  uint64_t magic;
+  uint64_t nonce;
+  uint32_t locals;
+  uint32_t slots;
+  uint64_t slot_bytes;
+  alignas(kLine) std::atomic<uint32_t> doorbell;  // futex word: bumped to wake the owner
+  alignas(kLine) std::atomic<uint32_t> sleeping;  // the owner sleeps (or is about to)
+  alignas(kLine) std::atomic<uint32_t> aborted;   // set once `reason` is written
+  char reason[kMaxAbortText];
+};
+
+struct Inbox {
+  alignas(kLine) std::atomic<uint64_t> head;  // slots published by the sender
+  alignas(kLine) std::atomic<uint64_t> tail;  // slots consumed by the receiver
+};
+
+struct SlotHeader {
+  WireHeader header;        // of the whole message; checked on its first slot
+  uint64_t fragment_bytes;  // payload in this slot
+  uint32_t first;           // 1 on a message's first slot
+  uint32_t reserved;
+};
+static_assert(sizeof(SlotHeader) == kLine, "a slot's payload starts on a cache line");
+static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4,
+              "the doorbell must be a plain 32-bit futex word");
+
+namespace {
+
+constexpr size_t kControlBytes = (sizeof(Control) + kLine - 1) / kLine * kLine;
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+// Wakes the owner of `control` if it sleeps. The fence pairs with the one in sleep(): either the
+// sleeper sees what was published before this call, or this call sees it sleeping.
+void ring(Control* control) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (control->sleeping.load(std::memory_order_relaxed)) {
+    control->doorbell.fetch_add(1, std::memory_order_seq_cst);
+    futex(&control->doorbell, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+}
+
+}  // namespace
+
+ShmOptions ShmOptions::from_env() {
+  ShmOptions o;
+  o.slot_bytes = size_t(env_int("RINGCOMM_SHM_SLOT_BYTES", int64_t(o.slot_bytes)));
+  o.slots = int(env_int("RINGCOMM_SHM_SLOTS", o.slots));
+  RC_CHECK_ARG(o.slot_bytes >= 4096 && o.slot_bytes <= (64u << 20) && o.slot_bytes % kLine == 0,
+               "RINGCOMM_SHM_SLOT_BYTES must be a multiple of 64 in [4096, 64 MiB], got ",
+               o.slot_bytes);
+  RC_CHECK_ARG(o.slots >= 2 && o.slots <= 1024, "RINGCOMM_SHM_SLOTS must be in [2, 1024], got ",
+               o.slots);
+  return o;
+}
+
+ShmTransport::ShmTransport(int rank, int world_size, ShmOptions options, PartSink& sink)
+    : rank_(rank), world_size_(world_size), options_(options), sink_(sink), peers_(world_size) {
+  fd_ = int(syscall(SYS_memfd_create, "ringcomm-shm", unsigned(MFD_CLOEXEC)));
+  std::random_device random;
+  nonce_ = (uint64_t(random()) << 32) ^ random();
+}
+
+ShmTransport::~ShmTransport() { close(); }
+
+std::string ShmTransport::address() const {
+  return fd_ < 0 ? "" : str_cat(getpid(), ":", fd_, ":", nonce_);
+}
+
+bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
+  local_ = local;
+  local_index_ = int(std::find(local.begin(), local.end(), rank_) - local.begin());
+  inbox_bytes_ = sizeof(Inbox) + size_t(options_.slots) * (sizeof(SlotHeader) + options_.slot_bytes);
+  size_t total = kControlBytes + local.size() * inbox_bytes_;
+  if (fd_ < 0) {
+    *why = str_cat("memfd_create failed: ", strerror(errno));
+    return false;
+  }
+  // fallocate reserves the pages now: a full tmpfs fails here, not with SIGBUS mid-collective.
+  if (ftruncate(fd_, off_t(total)) != 0 || fallocate(fd_, 0, 0, off_t(total)) != 0) {
+    *why = str_cat("cannot reserve ", total, " bytes of shared memory: ", strerror(errno));
+    return false;
+  }
+  void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (base == MAP_FAILED) {
+    *why = str_cat("mmap of ", total, " bytes failed: ", strerror(errno));
+    return false;
+  }
+  own_ = {static_cast<char*>(base), total};
+  control_ = new (own_.base) Control();
+  control_->magic = kSegmentMagic;
+  control_->nonce = nonce_;
+  control_->locals = uint32_t(local.size());
+  control_->slots = uint32_t(options_.slots);
+  control_->slot_bytes = options_.slot_bytes;
+  for (size_t i = 0; i < local.size(); ++i) new (own_.base + kControlBytes + i * inbox_bytes_) Inbox();
+  return true;
+}
+
+bool ShmTransport::map_peer(int peer, const std::string& address, std::string* why) {
+  long pid = 0, fd = 0;
+  unsigned long long nonce = 0;
+  if (sscanf(address.c_str(), "%ld:%ld:%llu", &pid, &fd, &nonce) != 3) {
+    *why = str_cat("rank ", peer, " has no shared-memory segment");
+    return false;
+  }
+  std::string path = str_cat("/proc/", pid, "/fd/", fd);
+  int peer_fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (peer_fd < 0) {
+    *why = str_cat("cannot open rank ", peer, "'s segment ", path, ": ", strerror(errno));
+    return false;
+  }
+  struct stat st {};
+  void* base = MAP_FAILED;
+  if (fstat(peer_fd, &st) == 0 && size_t(st.st_size) == own_.bytes)
+    base = mmap(nullptr, own_.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, peer_fd, 0);
+  ::close(peer_fd);
+  if (base == MAP_FAILED) {
+    *why = str_cat("cannot map rank ", peer, "'s segment (", st.st_size, " bytes, expected ",
+                   own_.bytes, ")");
+    return false;
+  }
+  auto* control = static_cast<Control*>(base);
+  if (control->magic != kSegmentMagic || control->nonce != nonce ||
+      control->locals != local_.size() || control->slots != uint32_t(options_.slots) ||
+      control->slot_bytes != options_.slot_bytes) {
+    munmap(base, own_.bytes);
+    *why = str_cat("rank ", peer, "'s segment is not the one it announced (another process at pid ",
+                   pid, ", or other RINGCOMM_SHM_* settings)");
+    return false;
+  }
+  int peer_index = int(std::find(local_.begin(), local_.end(), peer) - local_.begin());
+  Peer& p = peers_[peer];
+  p.segment = {static_cast<char*>(base), own_.bytes};
+  p.control = control;
+  p.out = reinterpret_cast<Inbox*>(p.segment.base + kControlBytes + local_index_ * inbox_bytes_);
+  p.in = reinterpret_cast<Inbox*>(own_.base + kControlBytes + peer_index * inbox_bytes_);
+  return true;
+}
+
+void ShmTransport::enable(int peer) {
+  peers_[peer].enabled = true;
+  active_.push_back(peer);
+}
+
+bool ShmTransport::enabled(int peer) const { return peers_[peer].enabled; }
+
+bool ShmTransport::waits_on(int peer) const {
+  return !peers_[peer].sends.empty() || !peers_[peer].recvs.empty();
+}
+
+void ShmTransport::set_current(const Signature& sig) {
+  current_ = sig;
+  has_current_ = true;
+}
+
+char* ShmTransport::slot(Inbox* box, uint64_t index) const {
+  return reinterpret_cast<char*>(box) + sizeof(Inbox) +
+         (index % uint64_t(options_.slots)) * (sizeof(SlotHeader) + options_.slot_bytes);
+}
+
+int ShmTransport::post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
+                       int64_t op) {
+  Peer& p = peers_[peer];
+  (is_send ? p.sends : p.recvs).push_back(Part{op, data, bytes, 0, false, make_header(sig, bytes)});
+  return 1;
+}
+
+bool ShmTransport::pump_send(int peer, Peer& p) {
+  (void)peer;
+  bool moved = false;
+  while (!p.sends.empty()) {
+    Part& part = p.sends.front();
+    if (p.out_head - p.out->tail.load(std::memory_order_acquire) >= uint64_t(options_.slots)) break;
+    char* s = slot(p.out, p.out_head);
+    auto* sh = reinterpret_cast<SlotHeader*>(s);
+    size_t len = std::min(options_.slot_bytes, part.bytes - part.done);
+    sh->header = part.header;
+    sh->fragment_bytes = len;
+    sh->first = part.started ? 0 : 1;
+    memcpy(s + sizeof(SlotHeader), part.data + part.done, len);
+    p.out->head.store(++p.out_head, std::memory_order_release);
+    part.started = true;
+    part.done += len;
+    moved = true;
+    bytes_sent_.fetch_add(len + sizeof(SlotHeader), std::memory_order_relaxed);
+    if (part.done < part.bytes) continue;
+    int64_t op = part.op;
+    p.sends.pop_front();
+    sink_.part_done(op);
+  }
+  if (moved) ring(p.control);
+  return moved;
+}
+
+// Everything in a slot is the peer's word: checked before it is used.
+bool ShmTransport::pump_recv(int peer, Peer& p) {
+  bool moved = false;
+  while (true) {
+    uint64_t head = p.in->head.load(std::memory_order_acquire);
+    if (head == p.in_tail) break;
+    if (head - p.in_tail > uint64_t(options_.slots))
+      RC_THROW("protocol error: rank ", peer, " published ", head - p.in_tail,
+               " slots into an inbox of ", options_.slots);
+    const char* s = slot(p.in, p.in_tail);
+    SlotHeader sh;
+    memcpy(&sh, s, sizeof sh);
+    if (sh.header.magic != kMessageMagic || sh.header.kind != kDataMessage)
+      RC_THROW("protocol error: garbage from rank ", peer, " (bad message magic)");
+    Signature theirs = header_signature(sh.header);
+    if (p.recvs.empty()) {
+      if (sh.first && has_current_ && stray_mismatch(theirs, current_))
+        RC_THROW("mismatched operations: rank ", peer, " issued ", theirs.describe(), " but rank ",
+                 rank_, " issued ", current_.describe());
+      break;  // held until a receive is posted
+    }
+    Part& part = p.recvs.front();
+    if (!part.started) {
+      Signature ours = header_signature(part.header);
+      if (!sh.first || theirs != ours)
+        RC_THROW("mismatched operations: rank ", peer, " issued ", theirs.describe(), " but rank ",
+                 rank_, " issued ", ours.describe());
+      if (sh.header.payload_bytes != part.bytes)
+        RC_THROW("protocol error: rank ", peer, " sent ", sh.header.payload_bytes, " bytes for ",
+                 theirs.describe(), ", rank ", rank_, " expected ", part.bytes);
+    }
+    if ((sh.first != 0) == part.started || sh.fragment_bytes > options_.slot_bytes ||
+        sh.fragment_bytes > part.bytes - part.done ||
+        (sh.fragment_bytes == 0 && part.bytes != 0))
+      RC_THROW("protocol error: rank ", peer, " sent a slot of ", sh.fragment_bytes,
+               " bytes where ", part.bytes - part.done, " were left of ", theirs.describe());
+    memcpy(part.data + part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
+    part.done += sh.fragment_bytes;
+    part.started = true;
+    p.in->tail.store(++p.in_tail, std::memory_order_release);
+    moved = true;
+    if (part.done < part.bytes) continue;
+    int64_t op = part.op;
+    p.recvs.pop_front();
+    sink_.part_done(op);
+  }
+  if (moved) ring(p.control);  // the sender may be waiting for free slots
+  return moved;
+}
+
+[[noreturn]] void ShmTransport::throw_peer_abort(int peer, const Peer& p) const {
+  char text[kMaxAbortText];
+  memcpy(text, p.control->reason, sizeof text);
+  text[sizeof text - 1] = '\0';
+  RC_THROW("rank ", peer, " aborted: ", text);
+}
+
+bool ShmTransport::progress() {
+  bool moved = false;
+  for (int peer : active_) {
+    Peer& p = peers_[peer];
+    if (p.control->aborted.load(std::memory_order_acquire)) throw_peer_abort(peer, p);
+    if (!p.sends.empty()) moved |= pump_send(peer, p);
+    moved |= pump_recv(peer, p);
+  }
+  return moved;
+}
+
+bool ShmTransport::busy() const {
+  for (int peer : active_)
+    if (waits_on(peer)) return true;
+  return false;
+}
+
+bool ShmTransport::ready() const {
+  for (int peer : active_) {
+    const Peer& p = peers_[peer];
+    if (p.control->aborted.load(std::memory_order_acquire)) return true;
+    if (!p.recvs.empty() && p.in->head.load(std::memory_order_acquire) != p.in_tail) return true;
+    if (!p.sends.empty() &&
+        p.out_head - p.out->tail.load(std::memory_order_acquire) < uint64_t(options_.slots))
+      return true;
+  }
+  return false;
+}
+
+void ShmTransport::sleep(Clock::time_point until) {
+  if (!control_) return;
+  uint32_t seen = control_->doorbell.load(std::memory_order_acquire);
+  control_->sleeping.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  auto left = until - Clock::now();
+  if (!ready() && left > Clock::duration::zero()) {
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    timespec ts{time_t(ns / 1000000000), long(ns % 1000000000)};
+    futex(&control_->doorbell, FUTEX_WAIT, seen, &ts);
+  }
+  control_->sleeping.store(0, std::memory_order_relaxed);
+}
+
+void ShmTransport::ring_self() {
+  if (!control_) return;
+  control_->doorbell.fetch_add(1, std::memory_order_seq_cst);
+  futex(&control_->doorbell, FUTEX_WAKE, INT_MAX, nullptr);
+}
+
+void ShmTransport::abort(const std::string& reason) {
+  if (aborted_) return;
+  aborted_ = true;
+  if (control_) {
+    size_t n = std::min(reason.size(), sizeof(control_->reason) - 1);
+    memcpy(control_->reason, reason.data(), n);
+    control_->reason[n] = '\0';
+    control_->aborted.store(1, std::memory_order_release);
+  }
+  for (int peer : active_) {
+    Peer& p = peers_[peer];
+    p.control->doorbell.fetch_add(1, std::memory_order_seq_cst);
+    futex(&p.control->doorbell, FUTEX_WAKE, INT_MAX, nullptr);
+    p.sends.clear();
+    p.recvs.clear();
+  }
+}
+
+void ShmTransport::close() {
+  for (Peer& p : peers_) {
+    if (p.segment.base) munmap(p.segment.base, p.segment.bytes);
+    p = Peer();
+  }
+  active_.clear();
+  if (own_.base) munmap(own_.base, own_.bytes);
+  own_ = Mapping();
+  control_ = nullptr;
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+std::string ShmTransport::describe_waiting() const {
+  std::string peers;
+  for (int peer : active_)
+    if (waits_on(peer)) peers += str_cat(peers.empty() ? "" : ", ", peer);
+  return peers;
+}
+
+}  // namespace shm
+}  // namespace ringcomm

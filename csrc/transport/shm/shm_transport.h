@@ -1,0 +1,116 @@
+// Shared-memory transport between ranks of one host.
+//
+// Each rank owns one segment (a memfd: it never has a name in /dev/shm, so nothing is left
+// behind when a rank is killed). The segment holds the rank's control block (doorbell, abort
+// flag and reason) and one inbox per local peer: a ring of `slots` slots of `slot_bytes` payload
+// each, with a head the sender advances and a tail the receiver advances, each in its own cache
+// line. A message is copied into consecutive slots (the first carries its WireHeader, checked by
+// the receiver before any byte is accepted) and copied out by the receiver: one copy in, one out.
+// Peers map each other's segments through /proc/<pid>/fd/<fd> after a handshake over TCP; a nonce
+// in the segment proves it is the one announced. Waiting: the mesh sleeps on this rank's doorbell
+// (a futex); a rank that publishes a slot, frees one or aborts rings the peer's doorbell when the
+// peer sleeps.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "transport/transport.h"
+#include "transport/wire.h"
+
+namespace ringcomm {
+namespace shm {
+
+struct ShmOptions {
+  size_t slot_bytes = 64 << 10;  // RINGCOMM_SHM_SLOT_BYTES
+  int slots = 8;                 // RINGCOMM_SHM_SLOTS: per inbox
+  static ShmOptions from_env();
+};
+
+struct Control;
+struct Inbox;
+
+class ShmTransport final : public Transport {
+ public:
+  ShmTransport(int rank, int world_size, ShmOptions options, PartSink& sink);
+  ~ShmTransport() override;
+
+  // What a local peer needs to map this rank's segment: "pid:fd:nonce".
+  std::string address() const;
+  // Sizes this rank's segment for `local` (the ranks of this host, this one included, in rank
+  // order; every local rank passes the same list). False, with `why`, if memory is short.
+  bool allocate(const std::vector<int>& local, std::string* why);
+  // Maps `peer`'s segment from its address; false, with `why`, if this host does not allow it.
+  bool map_peer(int peer, const std::string& address, std::string* why);
+  // Data to `peer` goes through shared memory from now on (both sides mapped).
+  void enable(int peer);
+  bool enabled(int peer) const;
+  // True while a send to or receive from `peer` is unfinished.
+  bool waits_on(int peer) const;
+
+  const char* name() const override { return "shm"; }
+  void set_current(const Signature& sig) override;
+  int post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
+           int64_t op) override;
+  bool progress() override;
+  bool busy() const override;
+  bool can_sleep() const override { return true; }
+  void sleep(Clock::time_point until) override;
+  void ring_self() override;
+  void abort(const std::string& reason) override;
+  void close() override;
+  uint64_t bytes_sent() const override { return bytes_sent_.load(std::memory_order_relaxed); }
+  std::string describe_waiting() const override;
+
+ private:
+  struct Part {
+    int64_t op;
+    char* data;
+    size_t bytes;
+    size_t done = 0;
+    bool started = false;  // first slot written (send) or checked (receive)
+    WireHeader header;     // sent, or expected
+  };
+  struct Mapping {
+    char* base = nullptr;
+    size_t bytes = 0;
+  };
+  struct Peer {
+    bool enabled = false;
+    Mapping segment;                  // the peer's segment
+    Control* control = nullptr;       // its control block
+    Inbox* out = nullptr;             // my inbox in its segment: I send here
+    Inbox* in = nullptr;              // its inbox in my segment: I receive here
+    uint64_t out_head = 0, in_tail = 0;  // my copies of the counters only I write
+    std::deque<Part> sends, recvs;
+  };
+
+  bool pump_send(int peer, Peer& p);
+  bool pump_recv(int peer, Peer& p);
+  bool ready() const;  // something for progress() to do
+  [[noreturn]] void throw_peer_abort(int peer, const Peer& p) const;
+  char* slot(Inbox* box, uint64_t index) const;
+
+  const int rank_, world_size_;
+  ShmOptions options_;
+  PartSink& sink_;
+  int fd_ = -1;
+  uint64_t nonce_;
+  Mapping own_;
+  Control* control_ = nullptr;
+  std::vector<int> local_;    // local ranks, in rank order
+  int local_index_ = -1;
+  size_t inbox_bytes_ = 0;
+  std::vector<Peer> peers_;   // by rank
+  std::vector<int> active_;   // enabled peers
+  Signature current_;
+  bool has_current_ = false;
+  bool aborted_ = false;
+  std::atomic<uint64_t> bytes_sent_{0};
+};
+
+}  // namespace shm
+}  // namespace ringcomm
