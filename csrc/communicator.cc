@@ -329,7 +329,9 @@ void Communicator::enqueue(Task task, bool inline_ok) {
     run(task);
     lk.lock();
     executing_ = false;
-    cv_.notify_all();
+    // Only the progress thread waits on cv_; waking it for nothing costs a context switch per
+    // call, on the cores the peers need.
+    if (!queue_.empty() || !p2p_deadlines_.empty() || stopping_) cv_.notify_all();
     return;
   }
   queue_.push_back(std::move(task));

@@ -167,7 +167,7 @@ class Communicator:
         code = self._check_op(op, buf)
         w = self._core.all_reduce(buf.ptr, buf.numel, buf.dtype, code,
                                   algorithm_code(algorithm), async_op)
-        return self._finish(w, tensor, async_op)
+        return Work(w, tensor) if async_op else None
 
     def reduce_scatter(self, output, input, op="sum", async_op: bool = False):
         """Reduces `input` (world_size blocks of output.numel() elements, as one tensor or a list

@@ -61,11 +61,20 @@ PYBIND11_MODULE(_C, m) {
            [](const Communicator& c, size_t bytes, int algo) {
              return std::string(algorithm_name(c.choose_all_reduce(bytes, Algorithm(algo))));
            })
+      // Returns the Work only when async: wrapping it for a call that has finished costs more
+      // than a small all-reduce's exchange.
       .def("all_reduce",
-           [](Communicator& c, uintptr_t buf, size_t n, int dt, int op, int algo, bool async) {
+           [](Communicator& c, uintptr_t buf, size_t n, int dt, int op, int algo,
+              bool async) -> py::object {
              DType t = checked_dtype(dt);
-             return c.all_reduce(ptr(buf), n, t, checked_op(op, t), Algorithm(algo), async);
-           }, G())
+             ReduceOp o = checked_op(op, t);
+             WorkPtr work;
+             {
+               py::gil_scoped_release nogil;
+               work = c.all_reduce(ptr(buf), n, t, o, Algorithm(algo), async);
+             }
+             return async ? py::cast(work) : py::none();
+           })
       .def("reduce_scatter",
            [](Communicator& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, bool async) {
              DType t = checked_dtype(dt);

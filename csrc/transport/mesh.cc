@@ -16,6 +16,15 @@
 namespace ringcomm {
 namespace {
 
+// Spinning without a pause starves a sibling hyperthread, which may be the peer we wait for.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 std::string read_first_line(const char* path) {
   std::ifstream in(path);
   std::string line;
@@ -242,10 +251,17 @@ std::string Mesh::describe_waiting() const {
 void Mesh::wait(Request req, Clock::time_point deadline) {
   check_usable();
   auto spin_end = Clock::now() + std::chrono::microseconds(std::max(options_.spin_us, 0));
+  unsigned idle_polls = 0;
+  bool spinning = options_.spin_us > 0;
   while (!done(req)) {
     if (progress()) continue;
     if (done(req)) break;
-    if (Clock::now() < spin_end) continue;
+    // The clock is read every 32 idle polls: reading it each time cost more than the poll.
+    if (spinning && (++idle_polls % 32 != 0 || Clock::now() < spin_end)) {
+      cpu_relax();
+      continue;
+    }
+    spinning = false;
     if (!block(-1, deadline))
       RC_THROW("timed out during ", has_current_ ? current_.describe() : "an operation",
                " waiting on ", describe_waiting());
