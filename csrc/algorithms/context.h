@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cpu/reduce.h"
 #include "transport/mesh.h"
 
 namespace ringcomm {
@@ -58,8 +59,34 @@ class Context {
   Request recv(int peer, void* data, size_t bytes, const Signature& sig) {
     return mesh_.post_recv(peer, data, bytes, sig);
   }
+  // Receives `count` elements from `peer` and stores local (op) incoming into `dst` (which may
+  // be `local`). Where the peer's transport consumes in place (shared memory) the reduction reads
+  // its slots as they arrive; elsewhere the bytes land in `staging` and are reduced by wait().
+  Request recv_reduce(int peer, char* dst, const char* local, char* staging, size_t count,
+                      DType dtype, ReduceOp op) {
+    if (mesh_.can_consume(peer)) {
+      const size_t e = dtype_size(dtype);
+      return mesh_.post_consume(peer, count * e, sig_,
+                                [=](size_t offset, const char* incoming, size_t bytes) {
+                                  cpu::reduce(dtype, op, dst + offset, local + offset, incoming,
+                                              bytes / e);
+                                });
+    }
+    Request r = recv(peer, staging, count * dtype_size(dtype));
+    staged_.push_back({r.id, dst, local, staging, count, dtype, op});
+    return r;
+  }
   void set_current(const Signature& sig) { mesh_.set_current(sig); }
-  void wait(Request r) { mesh_.wait(r, deadline_); }
+  void wait(Request r) {
+    mesh_.wait(r, deadline_);
+    for (size_t i = 0; i < staged_.size(); ++i) {
+      const Staged& s = staged_[i];
+      if (s.id != r.id) continue;
+      cpu::reduce(s.dtype, s.op, s.dst, s.local, s.staging, s.count);
+      staged_.erase(staged_.begin() + long(i));
+      break;
+    }
+  }
   void finish() {
     for (Request r : sends_) mesh_.wait(r, deadline_);
     sends_.clear();
@@ -72,6 +99,16 @@ class Context {
   Clock::time_point deadline_;
   Scratch& scratch_;
   std::vector<Request> sends_;
+  struct Staged {
+    int64_t id;
+    char* dst;
+    const char* local;
+    const char* staging;
+    size_t count;
+    DType dtype;
+    ReduceOp op;
+  };
+  std::vector<Staged> staged_;  // recv_reduce's receives to reduce once waited for
 };
 
 // Pieces of `count` elements, one per rank: balanced (the first count % n get one more) or

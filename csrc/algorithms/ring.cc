@@ -65,12 +65,12 @@ void reduce_scatter_steps(Context& ctx, const Ring& ring, const char* src, char*
     const char* mine = src + seg.offset(k) * e;
     std::vector<Request> recvs;
     ring.for_slices(seg.count(k), [&](size_t b, size_t c) {
-      recvs.push_back(ctx.recv(ring.prev, incoming + b * e, c * e));
+      recvs.push_back(
+          ctx.recv_reduce(ring.prev, dst + b * e, mine + b * e, incoming + b * e, c, dtype, op));
     });
     size_t j = 0;
     ring.for_slices(seg.count(k), [&](size_t b, size_t c) {
       ctx.wait(recvs[j++]);
-      cpu::reduce(dtype, op, dst + b * e, mine + b * e, incoming + b * e, c);
       if (last)
         on_final(b, c);
       else

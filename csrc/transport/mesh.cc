@@ -195,6 +195,16 @@ Request Mesh::post(bool is_send, int peer, char* data, size_t bytes, const Signa
   return Request{id};
 }
 
+Request Mesh::post_consume(int peer, size_t bytes, const Signature& sig,
+                           Transport::Consumer consume) {
+  check_usable();
+  RC_CHECK_ARG(can_consume(peer), "rank ", peer, "'s transport cannot consume in place");
+  int64_t id = next_op_++;
+  auto& op = ops_.emplace(id, Op{0, nullptr}).first->second;
+  op.parts_left = route_[peer]->post_consume(peer, bytes, sig, id, std::move(consume));
+  return Request{id};
+}
+
 void Mesh::part_done(int64_t id) {
   auto it = ops_.find(id);
   if (--it->second.parts_left > 0) return;

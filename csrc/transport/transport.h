@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -102,6 +103,16 @@ class Transport {
   // each reported to the sink once done. Buffers stay valid until then.
   virtual int post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
                    int64_t op) = 0;
+  // A receive whose bytes are handed to `consume(offset, data, bytes)` where they arrive, in
+  // order, instead of being copied to a buffer: a reduction can read the peer's shared memory in
+  // place. Only transports whose can_consume() is true take these.
+  using Consumer = std::function<void(size_t offset, const char* data, size_t bytes)>;
+  virtual bool can_consume() const { return false; }
+  virtual int post_consume(int peer, size_t bytes, const Signature& sig, int64_t op,
+                           Consumer consume) {
+    (void)peer, (void)bytes, (void)sig, (void)op, (void)consume;
+    throw std::logic_error("this transport cannot consume in place");
+  }
   // Moves whatever can move without blocking; true if anything did. Throws ringcomm::Error on a
   // mismatch, a lost peer or a remote abort.
   virtual bool progress() = 0;

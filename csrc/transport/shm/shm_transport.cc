@@ -190,7 +190,15 @@ char* ShmTransport::slot(Inbox* box, uint64_t index) const {
 int ShmTransport::post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
                        int64_t op) {
   Peer& p = peers_[peer];
-  (is_send ? p.sends : p.recvs).push_back(Part{op, data, bytes, 0, false, make_header(sig, bytes)});
+  (is_send ? p.sends : p.recvs)
+      .push_back(Part{op, data, bytes, 0, false, make_header(sig, bytes), nullptr});
+  return 1;
+}
+
+int ShmTransport::post_consume(int peer, size_t bytes, const Signature& sig, int64_t op,
+                               Consumer consume) {
+  peers_[peer].recvs.push_back(
+      Part{op, nullptr, bytes, 0, false, make_header(sig, bytes), std::move(consume)});
   return 1;
 }
 
@@ -257,7 +265,10 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
         (sh.fragment_bytes == 0 && part.bytes != 0))
       RC_THROW("protocol error: rank ", peer, " sent a slot of ", sh.fragment_bytes,
                " bytes where ", part.bytes - part.done, " were left of ", theirs.describe());
-    memcpy(part.data + part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
+    if (part.consume)
+      part.consume(part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
+    else
+      memcpy(part.data + part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
     part.done += sh.fragment_bytes;
     part.started = true;
     p.in->tail.store(++p.in_tail, std::memory_order_release);

@@ -55,6 +55,9 @@ class ShmTransport final : public Transport {
   void set_current(const Signature& sig) override;
   int post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
            int64_t op) override;
+  bool can_consume() const override { return true; }
+  int post_consume(int peer, size_t bytes, const Signature& sig, int64_t op,
+                   Consumer consume) override;
   bool progress() override;
   bool busy() const override;
   bool can_sleep() const override { return true; }
@@ -73,6 +76,7 @@ class ShmTransport final : public Transport {
     size_t done = 0;
     bool started = false;  // first slot written (send) or checked (receive)
     WireHeader header;     // sent, or expected
+    Consumer consume;      // receives only: takes the bytes instead of `data`
   };
   struct Mapping {
     char* base = nullptr;
