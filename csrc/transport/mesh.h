@@ -22,6 +22,9 @@ struct MeshOptions {
   // has at least as many CPUs as local ranks, else 0 (spinning would steal the CPU the peer
   // needs to answer).
   int spin_us = -1;
+  // RINGCOMM_YIELD_US: then call sched_yield() this long before sleeping. -1 (default): 1000 us
+  // when this host has more local ranks than CPUs, else 0.
+  int yield_us = -1;
   static MeshOptions from_env(const std::string& master_addr);
 };
 
