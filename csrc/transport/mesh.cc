@@ -112,8 +112,8 @@ void Mesh::connect(const std::vector<std::string>& addresses, const std::string&
 
   long local = std::count(hosts.begin(), hosts.end(), host_);
   bool oversubscribed = local > long(std::thread::hardware_concurrency());
-  if (options_.spin_us < 0) options_.spin_us = oversubscribed ? 0 : 30;
-  if (options_.yield_us < 0) options_.yield_us = oversubscribed ? 1000 : 0;
+  if (options_.spin_us < 0) options_.spin_us = oversubscribed ? 0 : 5;
+  if (options_.yield_us < 0) options_.yield_us = 1000;
   if (debug_enabled()) {
     std::string table;
     for (int peer = 0; peer < world_size_; ++peer)
@@ -222,14 +222,16 @@ bool Mesh::progress() {
   return moved;
 }
 
-bool Mesh::block(int wake_fd, Clock::time_point deadline) {
+bool Mesh::block(int wake_fd, Clock::time_point deadline, bool sleep) {
   auto now = Clock::now();
   if (now >= deadline) return false;
   fds_.clear();
   tcp_->add_poll_fds(fds_);
   if (wake_fd >= 0) fds_.push_back({wake_fd, POLLIN, 0});
   auto poll_for = std::min<Clock::duration>(deadline - now, std::chrono::seconds(1));
-  if (shm_ && shm_->busy()) {
+  if (!sleep) {
+    poll_for = Clock::duration::zero();
+  } else if (shm_ && shm_->busy()) {
     // Sleep on the doorbell; sockets (a lost peer, an abort notice, TCP peers' data) are looked
     // at between naps: often while TCP work is pending too, every 50 ms otherwise.
     auto nap = tcp_->busy() ? std::chrono::microseconds(500) : std::chrono::microseconds(50000);
@@ -277,11 +279,17 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
       continue;
     }
     spinning = false;
-    // More local ranks than CPUs: the rank we wait for may need this CPU. Yielding hands it over
-    // at once; a futex sleep costs a wake-up (~10 us here) on each side.
+    // The rank we wait for may need this CPU (more local ranks than CPUs, or the scheduler put
+    // both on one): yielding hands it over at once, while a futex sleep costs a wake-up of
+    // 10-40 us on each side, and one rank waking late makes the other sleep next time.
     if (yield_until == Clock::time_point()) yield_until = Clock::now() + yield_for;
     if (Clock::now() < yield_until) {
-      sched_yield();
+      // Idle sockets are read only when polled: now and then, so that a peer's abort, a stray
+      // mismatched message or a lost peer is seen while everything else completes in this loop.
+      if (++idle_polls % 8 == 0)
+        block(-1, deadline, /*sleep=*/false);
+      else
+        sched_yield();
       continue;
     }
     if (!block(-1, deadline))

@@ -18,12 +18,11 @@ namespace ringcomm {
 struct MeshOptions {
   std::string master_addr;     // picks the TCP bind address (tcp::choose_bind_host)
   std::string transport;       // RINGCOMM_TRANSPORT: auto (default), shm or tcp
-  // RINGCOMM_SPIN_US: busy-poll this long before blocking. -1 (default): 30 us when this host
+  // RINGCOMM_SPIN_US: busy-poll this long before blocking. -1 (default): 5 us when this host
   // has at least as many CPUs as local ranks, else 0 (spinning would steal the CPU the peer
   // needs to answer).
   int spin_us = -1;
-  // RINGCOMM_YIELD_US: then call sched_yield() this long before sleeping. -1 (default): 1000 us
-  // when this host has more local ranks than CPUs, else 0.
+  // RINGCOMM_YIELD_US: then poll with sched_yield() this long before sleeping; -1: 1000 us.
   int yield_us = -1;
   static MeshOptions from_env(const std::string& master_addr);
 };
@@ -88,7 +87,8 @@ class Mesh final : public PartSink {
                Callback on_done);
   bool progress();
   // Blocks until a transport may progress, wake_fd is readable or `deadline`; false on timeout.
-  bool block(int wake_fd, Clock::time_point deadline);
+  // With sleep false, only looks: polls the sockets without waiting.
+  bool block(int wake_fd, Clock::time_point deadline, bool sleep = true);
   void check_usable() const;
   std::string describe_waiting() const;
   void agree_on_shm(const std::vector<std::string>& hosts,
