@@ -9,11 +9,12 @@ SOURCES   := $(shell find csrc ringcomm -name '*.cc' -o -name '*.h' -o -name '*.
 
 .PHONY: install test bench clean
 
-# venv, the torch pin first (so nothing pulls a CUDA build), then the package (editable).
+# venv, the torch pin first (so nothing pulls a CUDA build), then the package (editable) with
+# its test extras and Open MPI (the anchor `--compare mpi` runs; tests/test_bench.py uses it).
 $(VENV)/.installed: $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,mpi]'
 	touch $@
 
 install: $(VENV)/.installed
