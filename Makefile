@@ -22,9 +22,9 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest tests
 
-# The main job: ringcomm vs gloo, $(RANKS) local ranks over TCP loopback, one run.
+# The main job: ringcomm vs gloo and Open MPI, $(RANKS) local ranks, with the memory floor, one run.
 bench: install
-	$(PY) -m ringcomm.bench --ranks $(RANKS) --sizes $(SIZES) --compare gloo
+	$(PY) -m ringcomm.bench --ranks $(RANKS) --sizes $(SIZES) --compare gloo,mpi --floor
 
 clean:
 	rm -rf build *.egg-info ringcomm/_C*.so
