@@ -30,10 +30,18 @@ uint64_t hash_counts(const std::vector<size_t>& counts) {
 
 }  // namespace
 
+namespace {
+// The communicator whose progress thread this is (nullptr elsewhere).
+thread_local const void* progress_thread_owner = nullptr;
+}  // namespace
+
 // ---- Work ----
 
 bool Work::wait(double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
+  if (!finished_ && owner_ && owner_ == progress_thread_owner)
+    RC_THROW("waiting for a ringcomm operation from a completion callback of the same "
+             "communicator would wait forever: the callback runs on the thread that finishes it");
   if (timeout_s < 0) {
     cv_.wait(lk, [&] { return finished_; });
   } else if (!cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return finished_; })) {
@@ -105,7 +113,10 @@ Communicator::~Communicator() {
 
 void Communicator::connect(const std::vector<std::string>& addresses, const std::string& token) {
   if (world_size_ > 1) mesh_->connect(addresses, token, Clock::now() + timeout_);
-  progress_thread_ = std::thread([this] { progress_loop(); });
+  progress_thread_ = std::thread([this] {
+    progress_thread_owner = this;
+    progress_loop();
+  });
 }
 
 void Communicator::check_rank(int r, const char* what) const {
@@ -252,7 +263,8 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
                         is_send ? rank_ : peer);
   sig.p2p = true;
   const size_t bytes = count * dtype_size(dtype);
-  auto work = std::make_shared<Work>();
+  check_may_block(async, is_send ? "send" : "recv");
+  auto work = std::make_shared<Work>(this);
   Task task;
   task.work = work;
   {
@@ -286,6 +298,14 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
   return work;
 }
 
+bool Communicator::on_progress_thread() const { return progress_thread_owner == this; }
+
+void Communicator::check_may_block(bool async, const char* what) const {
+  if (!async && on_progress_thread())
+    RC_THROW("blocking ", what, " called from a completion callback (the progress thread) would "
+             "wait for itself: use async_op=True, or call it from another thread");
+}
+
 void Communicator::check_usable_locked() const {
   if (!broken_.empty()) throw Error("communicator is broken: " + broken_);
   RC_CHECK_ARG(!stopping_, "communicator is closed");
@@ -303,8 +323,9 @@ WorkPtr Communicator::finished_work() {
 
 WorkPtr Communicator::submit(Signature sig, std::function<void(Context&)> body, bool async,
                              uint64_t operations) {
+  check_may_block(async, collective_name(sig.coll));
   Task task;
-  task.work = std::make_shared<Work>();
+  task.work = std::make_shared<Work>(this);
   task.body = std::move(body);
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -429,15 +450,26 @@ std::string Communicator::broken_reason() {
 }
 
 void Communicator::close() {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (stopping_) return;
-    stopping_ = true;
-  }
+  std::unique_lock<std::mutex> lk(mu_);
+  stopping_ = true;
   cv_.notify_all();
+  if (on_progress_thread()) {
+    lk.unlock();
+    wake();
+    return;
+  }
+  if (closing_) {
+    cv_.wait(lk, [&] { return closed_; });
+    return;
+  }
+  closing_ = true;
+  lk.unlock();
   wake();
   if (progress_thread_.joinable()) progress_thread_.join();
   mesh_->close();
+  lk.lock();
+  closed_ = true;
+  cv_.notify_all();
 }
 
 }  // namespace ringcomm

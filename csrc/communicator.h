@@ -21,8 +21,10 @@ namespace ringcomm {
 // Completion handle of one operation.
 class Work {
  public:
+  // `progress_thread_of`: the communicator whose progress thread finishes this operation.
+  explicit Work(const void* progress_thread_of = nullptr) : owner_(progress_thread_of) {}
   // Waits; returns false if `timeout_s` (negative: forever) passes first. Throws ringcomm::Error
-  // if the operation failed.
+  // if the operation failed, or at once if called from the thread that would finish it.
   bool wait(double timeout_s);
   bool is_completed();
   std::string error();  // empty unless failed
@@ -33,6 +35,7 @@ class Work {
   void finish(const std::string& error);
 
  private:
+  const void* owner_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool finished_ = false;
@@ -103,8 +106,12 @@ class Communicator {
   uint64_t bytes_sent(const std::string& transport) const { return mesh_->bytes_sent(transport); }
   // Empty unless an error has broken this communicator.
   std::string broken_reason();
-  // Finishes queued work, stops the progress thread and closes connections.
+  // Finishes queued work, stops the progress thread and closes connections. A second caller
+  // waits for the first. From the progress thread (a completion callback) it only asks the
+  // thread to stop: the thread cannot join itself; a later close() from elsewhere finishes.
   void close();
+  // True on this communicator's progress thread, where completion callbacks run.
+  bool on_progress_thread() const;
 
  private:
   struct Task {
@@ -120,6 +127,8 @@ class Communicator {
   // For calls with nothing to move: a finished Work, or the error a call would raise now.
   WorkPtr finished_work();
   void check_usable_locked() const;  // with mu_ held: throws if broken or closed
+  // A blocking call from the progress thread would wait for the thread that makes it: an error.
+  void check_may_block(bool async, const char* what) const;
   WorkPtr point_to_point(bool is_send, void* buf, size_t count, DType dtype, int peer, bool async);
   void enqueue(Task task, bool inline_ok);
   void run(Task& task);
@@ -141,6 +150,7 @@ class Communicator {
   std::deque<Task> queue_;
   bool executing_ = false;        // a thread is inside the transport
   bool stopping_ = false;
+  bool closing_ = false, closed_ = false;  // a thread outside the progress thread is closing / done
   std::string broken_;
   uint64_t next_seq_ = 0;
   std::map<int, uint64_t> send_seq_, recv_seq_;  // per peer, for send/recv

@@ -330,8 +330,14 @@ class Communicator:
         return self._core.broken_reason() or None
 
     def close(self):
-        """Finishes queued operations and closes connections. Idempotent."""
+        """Finishes queued operations and closes connections. Idempotent; a second caller waits
+        for the first. From a completion callback it only stops the progress thread (which cannot
+        join itself); the connections close at the next close() from another thread, at exit at
+        the latest."""
         if getattr(self, "_closed", True):
+            return
+        if self._core.on_progress_thread():
+            self._core.close()
             return
         self._closed = True
         self._core.close()

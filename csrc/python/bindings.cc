@@ -116,6 +116,7 @@ PYBIND11_MODULE(_C, m) {
              return c.bytes_sent(transport);
            }, py::arg("transport"))
       .def("broken_reason", &Communicator::broken_reason)
+      .def("on_progress_thread", &Communicator::on_progress_thread)
       .def("close", &Communicator::close, G());
 
   // Kernels, exposed for tests and benchmarks.
