@@ -122,7 +122,9 @@ def test_timeout_when_a_peer_never_joins():
 
 # ---- strangers ----------------------------------------------------------------------------
 
-HELLO = struct.Struct("<IIiiii64s")
+HELLO = struct.Struct("<IIIIiiii64s")  # magic, byte order, protocol version, reserved, world, rank, socket, sockets, token
+PROTOCOL_VERSION = 2
+ACK = struct.Struct("<IiI")  # magic, accepted, the acceptor's protocol version
 
 
 def stranger_and_two_ranks(store, rank, world):
@@ -134,7 +136,8 @@ def stranger_and_two_ranks(store, rank, world):
         # Both strangers connect and speak while rank 0 waits for rank 1, so rank 0's accept
         # loop meets them before (or beside) the real peer.
         wrong_token = socket.create_connection((host, int(port)), timeout=20)
-        wrong_token.sendall(HELLO.pack(0x524D4348, 0x01020304, 2, 1, 0, 1, b"not-the-token"))
+        wrong_token.sendall(HELLO.pack(0x524D4348, 0x01020304, PROTOCOL_VERSION, 0, 2, 1, 0, 1,
+                                       b"not-the-token"))
         garbage = socket.create_connection((host, int(port)), timeout=20)
         garbage.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 200)
         store.set("stranger_done", "1")
@@ -169,6 +172,31 @@ def test_stranger_with_wrong_token_is_refused():
     assert stranger_seen[0] in (refused, b""), stranger_seen
     assert stranger_seen[1] == b"", "connection must be closed after refusal"
     assert stranger_seen[2] in (refused, b""), stranger_seen
+
+
+def older_peer(store, rank, world):
+    """Rank 1 of the job is a process speaking another protocol version, with the right token."""
+    prefixed = torch.distributed.PrefixStore("ringcomm/versions", store)
+    if rank == 1:
+        prefixed.wait(["addr/0", "token"], timedelta(seconds=20))
+        fields = dict(f.split("=", 1) for f in prefixed.get("addr/0").decode().split(";"))
+        host, port = fields["tcp"].rsplit(":", 1)
+        token = prefixed.get("token")
+        prefixed.set("addr/1", "host=elsewhere;tcp=127.0.0.1:9")  # never dialled: 1 dials 0
+        conn = socket.create_connection((host, int(port)), timeout=20)
+        conn.sendall(HELLO.pack(0x524D4348, 0x01020304, PROTOCOL_VERSION - 1, 0, 2, 1, 0, 1, token))
+        reply = conn.recv(ACK.size)
+        conn.close()
+        return ACK.unpack(reply) if len(reply) == ACK.size else reply
+    return expect_error(lambda: ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=20),
+                                                      name="versions"))
+
+
+def test_mixed_protocol_versions_fail_clearly():
+    (message, elapsed), ack = run_ranks(2, older_peer, make_comm=False, timeout=60)
+    assert "protocol version" in message and "same ringcomm" in message, message
+    assert elapsed < 10, elapsed
+    assert ack[1] == 0 and ack[2] == PROTOCOL_VERSION, ack  # refused, saying which version it runs
 
 
 # ---- bad arguments ------------------------------------------------------------------------

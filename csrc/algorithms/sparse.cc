@@ -72,6 +72,12 @@ void check_indices(const Pairs& p, size_t begin, size_t end, int from) {
                ", ", end, ")");
 }
 
+// Sizes from peers are checked against what this call allows before any is used to size a
+// buffer or a loop: a buggy or mismatched peer gets a clear error, not an overflow.
+[[noreturn]] void bad_size(int from, const char* what, uint64_t value, const char* limit) {
+  RC_THROW("sparse_all_reduce: rank ", from, " sent ", what, " ", value, ", ", limit);
+}
+
 // Packed form of n pairs: n int32 indices, then n values.
 size_t packed_bytes(size_t n, size_t value_size) { return n * (sizeof(int32_t) + value_size); }
 Pairs unpack(const char* packed, size_t n) {
@@ -184,6 +190,9 @@ void ranges_all_reduce(Context& ctx, const Sizes& s, const Pairs& mine, DType vt
   for (int q = 0; q < n; ++q)
     if (q != me) ctx.send(q, &to[q], sizeof(size_t));
   for (Request r : count_recvs) ctx.wait(r);
+  for (int q = 0; q < n; ++q)
+    if (q != me && from[q] > s.k[q])
+      bad_size(q, "a count of", from[q], "more pairs than it announced");
   from[me] = to[me];
   std::vector<size_t> in_start(n + 1, 0);
   for (int q = 0; q < n; ++q) in_start[q + 1] = in_start[q] + packed_bytes(from[q], s.value_size);
@@ -231,6 +240,11 @@ void ranges_all_reduce(Context& ctx, const Sizes& s, const Pairs& mine, DType vt
 
   // 3. All-gather the pieces; a piece is dense iff its size is the whole range's.
   std::vector<size_t> piece_sizes = gather_words(ctx, &piece_bytes, 1);
+  for (int q = 0; q < n; ++q) {
+    size_t dense = range.count(q) * s.out_size, pair = packed_bytes(1, s.out_size);
+    if (piece_sizes[q] != dense && (piece_sizes[q] >= dense || piece_sizes[q] % pair != 0))
+      bad_size(q, "a piece of", piece_sizes[q], "neither its whole range nor whole pairs within it");
+  }
   const char* all = gather_blocks(ctx, kGathered, piece, piece_sizes);
   for (int q = 0; q < n; ++q) {
     const char* block = all;
@@ -263,8 +277,14 @@ Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const vo
   uint64_t sizes[2] = {k, pack_for_gather(ctx, mine, s.value_size, &packed)};
   std::vector<size_t> words = gather_words(ctx, sizes, 2);
   for (int q = 0; q < s.n; ++q) {
-    s.k.push_back(words[2 * q]);
-    s.packed.push_back(words[2 * q + 1]);
+    // At most 2^31 - 1 pairs (checked locally too), so k * (5 + value size) cannot overflow.
+    size_t k_q = words[2 * q], packed_q = words[2 * q + 1];
+    if (k_q > size_t(INT32_MAX)) bad_size(q, "a pair count of", k_q, "more than 2^31 - 1");
+    size_t values_bytes = k_q * s.value_size;
+    if (packed_q < values_bytes || packed_q - values_bytes > cpu::max_encoded_bytes(k_q))
+      bad_size(q, "a packed size of", packed_q, "impossible for its pair count");
+    s.k.push_back(k_q);
+    s.packed.push_back(packed_q);
   }
   if (algo == Algorithm::kAuto) algo = choose(s);
   switch (algo) {

@@ -19,9 +19,14 @@ namespace tcp {
 namespace {
 
 constexpr uint32_t kHelloMagic = 0x524d4348;    // "RMCH"
+// Bumped whenever the bytes between ranks change meaning (headers, slots, setup exchanges):
+// ranks of different versions refuse each other with a clear error instead of misreading.
+constexpr uint32_t kProtocolVersion = 2;
 struct Hello {
   uint32_t magic;
   uint32_t byte_order;  // 0x01020304 as written by the sender
+  uint32_t version;     // kProtocolVersion
+  uint32_t reserved;
   int32_t world_size;
   int32_t rank;
   int32_t socket;
@@ -31,6 +36,7 @@ struct Hello {
 struct Ack {
   uint32_t magic;
   int32_t accepted;
+  uint32_t version;  // the acceptor's kProtocolVersion
 };
 
 void copy_token(char (&dst)[64], const std::string& token) {
@@ -94,7 +100,7 @@ void TcpTransport::close() {
 void TcpTransport::connect(const std::vector<std::string>& addresses, const std::string& token,
                            Clock::time_point deadline) {
   RC_CHECK_ARG(int(addresses.size()) == world_size_, "expected ", world_size_, " addresses");
-  Hello mine{kHelloMagic, 0x01020304, world_size_, rank_, 0, sockets_, {}};
+  Hello mine{kHelloMagic, 0x01020304, kProtocolVersion, 0, world_size_, rank_, 0, sockets_, {}};
   copy_token(mine.token, token);
 
   // Lower ranks accept, higher ranks connect: rank r dials 0..r-1, then accepts r+1..n-1.
@@ -105,9 +111,14 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
       Hello hello = mine;
       hello.socket = s;
       Ack ack{};
-      if (!write_fully(fd, &hello, sizeof hello, deadline) ||
-          !read_fully(fd, &ack, sizeof ack, deadline) || ack.magic != kHelloMagic ||
-          !ack.accepted) {
+      bool answered = write_fully(fd, &hello, sizeof hello, deadline) &&
+                      read_fully(fd, &ack, sizeof ack, deadline) && ack.magic == kHelloMagic;
+      if (answered && ack.version != kProtocolVersion) {
+        ::close(fd);
+        RC_THROW("rank ", peer, " runs ringcomm protocol version ", ack.version, ", rank ", rank_,
+                 " version ", kProtocolVersion, ": every rank must run the same ringcomm");
+      }
+      if (!answered || !ack.accepted) {
         ::close(fd);
         RC_THROW("rank ", peer, " at ", addresses[peer],
                  " refused or dropped the handshake (different job token or world size?)");
@@ -154,12 +165,21 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
         continue;
       }
       const Hello& h = p.hello;
+      bool ours = complete && h.magic == kHelloMagic &&
+                  memcmp(h.token, mine.token, sizeof h.token) == 0;
+      if (ours && h.version != kProtocolVersion) {
+        Ack refusal{kHelloMagic, 0, kProtocolVersion};
+        write_fully(p.fd, &refusal, sizeof refusal, Clock::now() + handshake_time);
+        for (auto& q : pending) ::close(q.fd);
+        RC_THROW("rank ", h.rank, " runs ringcomm protocol version ", h.version, ", rank ", rank_,
+                 " version ", kProtocolVersion, ": every rank must run the same ringcomm");
+      }
       bool valid = complete && h.magic == kHelloMagic && h.byte_order == 0x01020304 &&
                    h.world_size == world_size_ && h.sockets_per_peer == sockets_ &&
                    h.rank > rank_ && h.rank < world_size_ && h.socket >= 0 &&
                    h.socket < sockets_ && memcmp(h.token, mine.token, sizeof h.token) == 0 &&
                    channel(h.rank, h.socket).fd < 0;
-      Ack ack{kHelloMagic, valid ? 1 : 0};
+      Ack ack{kHelloMagic, valid ? 1 : 0, kProtocolVersion};
       if (valid && write_fully(p.fd, &ack, sizeof ack, Clock::now() + handshake_time)) {
         configure_data_socket(p.fd, options_.socket_buffer_bytes);
         channel(h.rank, h.socket).fd = p.fd;
