@@ -37,9 +37,13 @@ def mismatched(comm, kind, count):
         call = (lambda: comm.broadcast(torch.ones(count), 0)) if odd else (lambda: comm.all_reduce(torch.ones(count)))
     elif kind == "root":
         # Both think they are the root, so both only send: the broadcast itself can complete,
-        # and the mismatch surfaces on the next call, when the stray message is read.
+        # and the mismatch surfaces on the next call, when a stray message is read. With 4
+        # ranks, one that no stray message reaches (rank 1's tree does not send to rank 0) can
+        # finish that call too, before the abort of the rank that read one arrives: it raises
+        # on the call after, with that rank's reason.
         def call():
             comm.broadcast(torch.ones(count), 1 if odd else 0)
+            comm.all_reduce(torch.ones(5))
             comm.all_reduce(torch.ones(5))
     def good_then_bad():
         # A matching call first, so sequence numbers agree. A rank still in it may already hear
