@@ -1,8 +1,10 @@
 #include "communicator.h"
 
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 
 #include "common/env.h"
@@ -33,6 +35,15 @@ uint64_t hash_counts(const std::vector<size_t>& counts) {
 namespace {
 // The communicator whose progress thread this is (nullptr elsewhere).
 thread_local const void* progress_thread_owner = nullptr;
+
+// Set in a child forked after a communicator was made (a DataLoader worker, say). The child
+// shares the parent's sockets and shared memory but not its progress thread: it must neither
+// use them nor shut them down.
+std::atomic<bool> forked_child{false};
+void watch_for_fork() {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { forked_child = true; }); });
+}
 }  // namespace
 
 // ---- Work ----
@@ -104,6 +115,7 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
   RC_CHECK_ARG(forced.empty() || forced == "auto" || forced_all_reduce_ != Algorithm::kAuto,
                "RINGCOMM_ALGO=", forced, ": expected ring, tree, recursive_doubling or auto");
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  watch_for_fork();
 }
 
 Communicator::~Communicator() {
@@ -302,6 +314,9 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
 bool Communicator::on_progress_thread() const { return progress_thread_owner == this; }
 
 void Communicator::check_may_block(bool async, const char* what) const {
+  if (forked_child)
+    RC_THROW(what, " in a process forked from the one that made this communicator (a DataLoader "
+             "worker?): the connections are the parent's; create a communicator in the child");
   if (!async && on_progress_thread())
     RC_THROW("blocking ", what, " called from a completion callback (the progress thread) would "
              "wait for itself: use async_op=True, or call it from another thread");
@@ -313,6 +328,7 @@ void Communicator::check_usable_locked() const {
 }
 
 WorkPtr Communicator::finished_work() {
+  check_may_block(/*async=*/true, "a call");
   {
     std::lock_guard<std::mutex> lk(mu_);
     check_usable_locked();
@@ -451,6 +467,12 @@ std::string Communicator::broken_reason() {
 }
 
 void Communicator::close() {
+  if (forked_child) {
+    // The progress thread did not survive the fork (it cannot be joined), and shutting the
+    // sockets down would cut the parent's connections: leave both alone.
+    if (progress_thread_.joinable()) new std::thread(std::move(progress_thread_));
+    return;
+  }
   std::unique_lock<std::mutex> lk(mu_);
   stopping_ = true;
   cv_.notify_all();

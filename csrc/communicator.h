@@ -127,7 +127,8 @@ class Communicator {
   // For calls with nothing to move: a finished Work, or the error a call would raise now.
   WorkPtr finished_work();
   void check_usable_locked() const;  // with mu_ held: throws if broken or closed
-  // A blocking call from the progress thread would wait for the thread that makes it: an error.
+  // Errors for calls that cannot work: a blocking call from the progress thread (it would wait
+  // for itself), any call from a forked child (the connections are the parent's).
   void check_may_block(bool async, const char* what) const;
   WorkPtr point_to_point(bool is_send, void* buf, size_t count, DType dtype, int peer, bool async);
   void enqueue(Task task, bool inline_ok);

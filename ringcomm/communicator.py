@@ -393,6 +393,18 @@ def _close_all():
         comm.close()
 
 
+def _forget_after_fork():
+    """In a forked child (a DataLoader worker, say): the communicators are the parent's. The
+    child's calls raise (the core checks), and neither close() nor exit touches the parent's
+    connections. The lock is made anew: another thread may have held it at the fork."""
+    global _live_lock
+    _live_lock = threading.Lock()
+    for comm in _live:
+        comm._closed = True
+    _live.clear()
+
+
 import atexit  # noqa: E402
 
 atexit.register(_close_all)
+os.register_at_fork(after_in_child=_forget_after_fork)
