@@ -1,9 +1,10 @@
-// The transport interface: the only way algorithms move bytes.
+// The transport interface: how bytes move between ranks (algorithms see it through the mesh,
+// transport/mesh.h, which gives each peer the transport that reaches it).
 //
-// A transport connects every pair of ranks with an ordered, reliable channel. Algorithms post
-// non-blocking sends and receives of byte ranges and wait for them; the transport progresses every
-// posted operation while any wait is in progress, so sends, receives and the caller's reductions
-// overlap. Every message carries a Signature (which operation, sequence number, dtype, count, ...);
+// A transport gives each of its peers an ordered, reliable channel. Algorithms post non-blocking
+// sends and receives of byte ranges and wait for them; the mesh progresses every posted operation
+// while any wait is in progress, so sends, receives and the caller's reductions overlap. Every
+// message carries a Signature (which operation, sequence number, dtype, count, ...);
 // a receive whose incoming signature differs from the expected one fails on both sides with a
 // description of each, which is how mismatched collectives are reported instead of hanging.
 #pragma once
@@ -120,10 +121,9 @@ class Transport {
   virtual bool busy() const = 0;
 
   // Waiting. A transport either has file descriptors to poll (fds/on_poll: TCP) or a doorbell it
-  // sleeps on (can_sleep/sleep/ring: shared memory); the mesh combines them.
+  // sleeps on (sleep/ring_self: shared memory); the mesh combines them.
   virtual void add_poll_fds(std::vector<pollfd>& fds) { (void)fds; }
   virtual void on_poll(const pollfd* fds) { (void)fds; }
-  virtual bool can_sleep() const { return false; }
   // Sleeps until a peer rings this rank's doorbell, ring_self() is called, or `until`.
   virtual void sleep(Clock::time_point until) { (void)until; }
   virtual void ring_self() {}

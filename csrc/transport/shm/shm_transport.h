@@ -60,7 +60,6 @@ class ShmTransport final : public Transport {
                    Consumer consume) override;
   bool progress() override;
   bool busy() const override;
-  bool can_sleep() const override { return true; }
   void sleep(Clock::time_point until) override;
   void ring_self() override;
   void abort(const std::string& reason) override;
