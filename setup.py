@@ -1,5 +1,6 @@
 """Builds ringcomm: CMake + ninja compile the C++ core and the ringcomm._C extension."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+CORE_LIBRARY = "libringcomm.so"  # CMakeLists.txt's ringcomm_core, which _C links against
 
 
 class CMakeExtension(Extension):
@@ -31,6 +33,15 @@ class CMakeBuild(build_ext):
         ]
         subprocess.check_call(config, cwd=build_dir)
         subprocess.check_call(["cmake", "--build", ".", "--target", "_C"], cwd=build_dir)
+
+    def copy_extensions_to_source(self):
+        # In-place and editable builds: the core library _C links against goes beside it too.
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            inplace_file, built_file = self._get_inplace_equivalent(build_py, ext)
+            core = Path(built_file).parent / CORE_LIBRARY
+            shutil.copy2(core, Path(inplace_file).parent / CORE_LIBRARY)
 
 
 setup(

@@ -16,8 +16,10 @@ NUMPY_DTYPES = {
 }
 FLOATING = {0, 1, 2, 3}
 
-# Values follow torch.distributed.ReduceOp: SUM=0, AVG=1, PRODUCT=2, MIN=3, MAX=4.
-OP_CODES = {"sum": 0, "avg": 1, "mean": 1, "prod": 2, "product": 2, "min": 3, "max": 4}
+# Values follow torch.distributed.ReduceOp: SUM=0, AVG=1, PRODUCT=2, MIN=3, MAX=4, BAND=5, BOR=6,
+# BXOR=7.
+OP_CODES = {"sum": 0, "avg": 1, "mean": 1, "prod": 2, "product": 2, "min": 3, "max": 4,
+            "band": 5, "bor": 6, "bxor": 7}
 ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "recursive_doubling": 3}
 # sparse_all_reduce: "ring" is the dense fallback (scatter locally, then ring all-reduce).
 SPARSE_ALGORITHMS = {"auto": 0, "ring": 1, "sparse_gather": 8, "sparse_ranges": 9}
@@ -64,14 +66,16 @@ def op_code(op) -> int:
     if isinstance(op, str):
         code = OP_CODES.get(op.lower())
         if code is None:
-            raise ValueError(f"unsupported reduce op {op!r}; expected one of sum, avg, prod, min, max")
+            raise ValueError(f"unsupported reduce op {op!r}; expected one of sum, avg, prod, min, "
+                             "max, band, bor, bxor")
         return code
     red_op = getattr(op, "op", op)  # a ReduceOp object wraps a RedOpType in .op
     name = getattr(red_op, "name", None)
     if name is not None:
         code = OP_CODES.get(name.lower())
         if code is None:
-            raise ValueError(f"unsupported reduce op {name}; expected SUM, AVG, PRODUCT, MIN or MAX")
+            raise ValueError(f"unsupported reduce op {name}; expected SUM, AVG, PRODUCT, MIN, MAX, "
+                             "BAND, BOR or BXOR")
         return code
     if isinstance(op, int) and op in OP_CODES.values():
         return op

@@ -145,8 +145,11 @@ class Communicator:
     @staticmethod
     def _check_op(op, buf: Buffer) -> int:
         code = op_code(op)
-        if code == 1 and buf.dtype not in FLOATING:
-            raise TypeError(f"op avg needs a floating dtype, got {buf.obj.dtype}")
+        if code == 1 and buf.dtype == 8:
+            raise TypeError("op avg is undefined on bool")
+        if code >= 5 and buf.dtype in FLOATING:
+            raise TypeError(f"op {('band', 'bor', 'bxor')[code - 5]} needs an integer or bool "
+                            f"dtype, got {buf.obj.dtype}")
         return code
 
     def _check_rank(self, r: int, what: str) -> int:

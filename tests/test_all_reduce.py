@@ -108,3 +108,34 @@ def test_auto_picks_by_size_and_env_forces():
     assert choices == ["recursive_doubling", "recursive_doubling", "ring", "ring"]
     (choices,) = run_ranks(1, auto_choices, env={"RINGCOMM_ALGO": "tree"})
     assert choices == ["tree"] * 4
+
+
+INTEGER_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool]
+
+
+def integer_ops(comm):
+    """The ops only integers have: band/bor/bxor, and avg with NCCL's truncating division."""
+    failures = []
+    n = comm.world_size
+    for count in [0, 7, 4097, 70_001]:
+        for dtype in INTEGER_DTYPES:
+            xs = [rank_input(r, count, dtype, seed=3) for r in range(n)]
+            ops = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+            expects = {op: fn.reduce(np.stack([x.numpy() for x in xs])) for op, fn in ops.items()}
+            if dtype != torch.bool:
+                # the wrapped-around sum, then C's division (toward zero)
+                total = torch.stack(xs).sum(0, dtype=torch.int64).to(dtype).to(torch.int64)
+                expects["avg"] = torch.div(total, n, rounding_mode="trunc").to(dtype).numpy()
+            for op, expect in expects.items():
+                for algo in ALGOS:
+                    t = xs[comm.rank].clone()
+                    comm.all_reduce(t, op=op, algorithm=algo)
+                    if not np.array_equal(t.numpy(), expect):
+                        failures.append(f"count={count} {dtype} {op} {algo}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_bitwise_ops_and_integer_average(world):
+    for rank, failures in enumerate(run_ranks(world, integer_ops, timeout=120)):
+        assert not failures, f"rank {rank}: {failures[:10]}"

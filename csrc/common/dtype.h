@@ -23,9 +23,12 @@ enum class DType : uint8_t {
 };
 constexpr int kNumDTypes = 9;
 
-// Values follow torch.distributed.ReduceOp (SUM=0, AVG=1, PRODUCT=2, MIN=3, MAX=4).
-enum class ReduceOp : uint8_t { kSum = 0, kAvg = 1, kProd = 2, kMin = 3, kMax = 4 };
-constexpr int kNumReduceOps = 5;
+// Values follow torch.distributed.ReduceOp (SUM=0, AVG=1, PRODUCT=2, MIN=3, MAX=4, BAND=5,
+// BOR=6, BXOR=7).
+enum class ReduceOp : uint8_t {
+  kSum = 0, kAvg = 1, kProd = 2, kMin = 3, kMax = 4, kBand = 5, kBor = 6, kBxor = 7
+};
+constexpr int kNumReduceOps = 8;
 
 inline size_t dtype_size(DType t) {
   switch (t) {
@@ -49,7 +52,7 @@ inline const char* dtype_name(DType t) {
 }
 
 inline const char* op_name(ReduceOp op) {
-  static const char* names[] = {"sum", "avg", "prod", "min", "max"};
+  static const char* names[] = {"sum", "avg", "prod", "min", "max", "band", "bor", "bxor"};
   return unsigned(op) < kNumReduceOps ? names[unsigned(op)] : "invalid";
 }
 
@@ -63,13 +66,19 @@ inline DType checked_dtype(int code) {
   return DType(code);
 }
 
-// AVG divides, which only makes sense for floating types; every other op works on every type
-// (on bool: sum/max = or, prod/min = and).
+inline bool is_bitwise(ReduceOp op) {
+  return op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor;
+}
+
+// AVG is the sum divided by the number of ranks: a true division on floating types, C's
+// truncating division on integers (NCCL's ncclAvg), undefined on bool. The bitwise ops need
+// integers or bool. Every other op works on every type (on bool: sum/max = or, prod/min = and).
 inline ReduceOp checked_op(int code, DType t) {
   RC_CHECK_ARG(code >= 0 && code < kNumReduceOps, "unsupported reduce op code ", code);
   ReduceOp op = ReduceOp(code);
-  RC_CHECK_ARG(op != ReduceOp::kAvg || is_floating(t), "op avg needs a floating dtype, got ",
-               dtype_name(t));
+  RC_CHECK_ARG(op != ReduceOp::kAvg || t != DType::kBool, "op avg is undefined on bool");
+  RC_CHECK_ARG(!is_bitwise(op) || !is_floating(t), "op ", op_name(op),
+               " needs an integer or bool dtype, got ", dtype_name(t));
   return op;
 }
 

@@ -95,6 +95,20 @@ struct Max {
   }
 };
 
+// Bitwise operators, for integer types and bool (stored as bytes 0/1, which they keep).
+struct BitAnd {
+  template <typename T>
+  RC_HOST_DEVICE T operator()(T a, T b) const { return T(a & b); }
+};
+struct BitOr {
+  template <typename T>
+  RC_HOST_DEVICE T operator()(T a, T b) const { return T(a | b); }
+};
+struct BitXor {
+  template <typename T>
+  RC_HOST_DEVICE T operator()(T a, T b) const { return T(a ^ b); }
+};
+
 // Storage type <-> compute type for every element type. Half types compute in float.
 template <typename Storage>
 struct Compute {
@@ -127,7 +141,8 @@ RC_HOST_DEVICE void reduce_range(T* out, const T* a, const T* b, size_t begin, s
 }
 
 // x[i] = x[i] / divisor, for AVG's final division (a true division, not a multiply by the
-// reciprocal, so averages match sum / n exactly).
+// reciprocal, so averages match sum / n exactly; on integers C's division, truncating toward zero
+// like NCCL's ncclAvg).
 template <typename T>
 RC_HOST_DEVICE void divide_range(T* x, int divisor, size_t begin, size_t end) {
   using C = Compute<T>;

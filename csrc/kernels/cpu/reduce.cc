@@ -4,6 +4,7 @@
 #include "kernels/cpu/multiversion.h"
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cpu/reduce_half_x86.h"
 #include "kernels/reduce_math.h"
@@ -12,6 +13,7 @@ namespace ringcomm {
 namespace cpu {
 namespace {
 
+// The bitwise ops exist only for integers: checked_op (common/dtype.h) keeps them from floats.
 template <typename T>
 void reduce_typed(ReduceOp op, T* out, const T* a, const T* b, size_t n) {
   switch (op) {
@@ -20,16 +22,39 @@ void reduce_typed(ReduceOp op, T* out, const T* a, const T* b, size_t n) {
     case ReduceOp::kProd: math::reduce_range(out, a, b, 0, n, math::Prod{}); return;
     case ReduceOp::kMin: math::reduce_range(out, a, b, 0, n, math::Min{}); return;
     case ReduceOp::kMax: math::reduce_range(out, a, b, 0, n, math::Max{}); return;
+    default: break;
   }
+  if constexpr (std::is_integral_v<T>) {
+    switch (op) {
+      case ReduceOp::kBand: math::reduce_range(out, a, b, 0, n, math::BitAnd{}); return;
+      case ReduceOp::kBor: math::reduce_range(out, a, b, 0, n, math::BitOr{}); return;
+      case ReduceOp::kBxor: math::reduce_range(out, a, b, 0, n, math::BitXor{}); return;
+      default: break;
+    }
+  }
+  RC_INVALID("op ", op_name(op), " is not defined on this dtype");
 }
 
-// bool: sum/max are logical or, prod/min logical and; bytes are normalised to 0/1.
+// bool: sum/max/bor are logical or, prod/min/band logical and, bxor exclusive or; bytes are
+// normalised to 0/1.
 void reduce_bool(ReduceOp op, uint8_t* out, const uint8_t* a, const uint8_t* b, size_t n) {
-  if (op == ReduceOp::kSum || op == ReduceOp::kMax || op == ReduceOp::kAvg) {
-    for (size_t i = 0; i < n; ++i) out[i] = uint8_t((a[i] | b[i]) != 0);
-  } else {
-    for (size_t i = 0; i < n; ++i) out[i] = uint8_t((a[i] != 0) & (b[i] != 0));
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kMax:
+    case ReduceOp::kBor:
+      for (size_t i = 0; i < n; ++i) out[i] = uint8_t((a[i] | b[i]) != 0);
+      return;
+    case ReduceOp::kProd:
+    case ReduceOp::kMin:
+    case ReduceOp::kBand:
+      for (size_t i = 0; i < n; ++i) out[i] = uint8_t((a[i] != 0) & (b[i] != 0));
+      return;
+    case ReduceOp::kBxor:
+      for (size_t i = 0; i < n; ++i) out[i] = uint8_t((a[i] != 0) != (b[i] != 0));
+      return;
+    case ReduceOp::kAvg: break;
   }
+  RC_INVALID("op ", op_name(op), " is not defined on bool");
 }
 
 }  // namespace
@@ -68,8 +93,13 @@ void divide(DType dtype, void* x, size_t n, int divisor) {
     case DType::kBFloat16:
       math::divide_range(static_cast<math::BFloat16*>(x), divisor, 0, n);
       return;
-    default: RC_INVALID("divide needs a floating dtype, got ", dtype_name(dtype));
+    case DType::kInt8: math::divide_range(static_cast<int8_t*>(x), divisor, 0, n); return;
+    case DType::kUInt8: math::divide_range(static_cast<uint8_t*>(x), divisor, 0, n); return;
+    case DType::kInt32: math::divide_range(static_cast<int32_t*>(x), divisor, 0, n); return;
+    case DType::kInt64: math::divide_range(static_cast<int64_t*>(x), divisor, 0, n); return;
+    case DType::kBool: break;
   }
+  RC_INVALID("divide is undefined on ", dtype_name(dtype));
 }
 
 }  // namespace cpu

@@ -12,7 +12,7 @@ namespace cpu {
 // algorithms divide once at the end with divide()).
 void reduce(DType dtype, ReduceOp op, void* out, const void* a, const void* b, size_t n);
 
-// x[i] /= divisor for n elements of a floating dtype.
+// x[i] /= divisor for n elements (truncating on integers; not defined on bool).
 void divide(DType dtype, void* x, size_t n, int divisor);
 
 }  // namespace cpu

@@ -44,6 +44,7 @@ void scalar_tail(ReduceOp op, T* out, const T* a, const T* b, size_t begin, size
     case ReduceOp::kProd: return math::reduce_range(out, a, b, begin, n, math::Prod{});
     case ReduceOp::kMin: return math::reduce_range(out, a, b, begin, n, math::Min{});
     case ReduceOp::kMax: return math::reduce_range(out, a, b, begin, n, math::Max{});
+    default: RC_INVALID("op ", op_name(op), " is not defined on floating types");
   }
 }
 
