@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <random>
 
 #include "common/env.h"
 #include "common/logging.h"
@@ -131,6 +132,20 @@ void Communicator::connect(const std::vector<std::string>& addresses, const std:
   });
 }
 
+void Communicator::rendezvous(const KeyValueStore& store) {
+  store.set(str_cat("addr/", rank_), address());
+  if (rank_ == 0) {
+    std::random_device random;
+    std::string token;
+    for (int i = 0; i < 4; ++i) token += str_cat(std::hex, random());
+    store.set("token", token);
+  }
+  const std::string token = store.get("token");
+  std::vector<std::string> addresses;
+  for (int r = 0; r < world_size_; ++r) addresses.push_back(store.get(str_cat("addr/", r)));
+  connect(addresses, token);
+}
+
 void Communicator::check_rank(int r, const char* what) const {
   RC_CHECK_ARG(r >= 0 && r < world_size_, what, " ", r, " out of range for world_size ",
                world_size_);
@@ -206,6 +221,49 @@ WorkPtr Communicator::all_gatherv(void* out, const void* in, const std::vector<s
   }, async);
 }
 
+WorkPtr Communicator::gather(const void* in, const std::vector<void*>& outputs, size_t count,
+                             DType dtype, int root, bool async) {
+  check_rank(root, "gather dst");
+  RC_CHECK_ARG(rank_ != root || int(outputs.size()) == world_size_, "gather needs ", world_size_,
+               " outputs on the root, got ", outputs.size());
+  auto sig = collective(Collective::kGather, dtype, ReduceOp::kSum, Algorithm::kDirect, count, root);
+  const size_t bytes = count * dtype_size(dtype);
+  return submit(sig, [=](Context& ctx) { direct_gather(ctx, in, outputs, bytes, root); }, async);
+}
+
+WorkPtr Communicator::scatter(const std::vector<const void*>& inputs, void* out, size_t count,
+                              DType dtype, int root, bool async) {
+  check_rank(root, "scatter src");
+  RC_CHECK_ARG(rank_ != root || int(inputs.size()) == world_size_, "scatter needs ", world_size_,
+               " inputs on the root, got ", inputs.size());
+  auto sig = collective(Collective::kScatter, dtype, ReduceOp::kSum, Algorithm::kDirect, count, root);
+  const size_t bytes = count * dtype_size(dtype);
+  return submit(sig, [=](Context& ctx) { direct_scatter(ctx, inputs, out, bytes, root); }, async);
+}
+
+// The signature cannot carry per-pair sizes (each rank knows only its own), so it carries none:
+// each message's size is checked against its receive instead.
+WorkPtr Communicator::all_to_all(const std::vector<const void*>& inputs,
+                                 const std::vector<size_t>& in_counts,
+                                 const std::vector<void*>& outputs,
+                                 const std::vector<size_t>& out_counts, DType dtype, bool async) {
+  RC_CHECK_ARG(int(inputs.size()) == world_size_ && int(in_counts.size()) == world_size_ &&
+                   int(outputs.size()) == world_size_ && int(out_counts.size()) == world_size_,
+               "all_to_all needs ", world_size_, " inputs, outputs and counts of each");
+  auto sig = collective(Collective::kAllToAll, dtype, ReduceOp::kSum, Algorithm::kDirect, 0);
+  const size_t e = dtype_size(dtype);
+  std::vector<size_t> in_bytes(world_size_), out_bytes(world_size_);
+  for (int q = 0; q < world_size_; ++q) {
+    in_bytes[q] = in_counts[q] * e;
+    out_bytes[q] = out_counts[q] * e;
+  }
+  RC_CHECK_ARG(in_bytes[rank_] == out_bytes[rank_], "all_to_all: rank ", rank_, " sends itself ",
+               in_counts[rank_], " elements but expects ", out_counts[rank_]);
+  return submit(sig, [=](Context& ctx) {
+    pairwise_all_to_all(ctx, inputs, in_bytes, outputs, out_bytes);
+  }, async);
+}
+
 WorkPtr Communicator::broadcast(void* buf, size_t count, DType dtype, int root, bool async) {
   check_rank(root, "broadcast src");
   size_t bytes = count * dtype_size(dtype);
@@ -258,22 +316,24 @@ WorkPtr Communicator::sparse_all_reduce(const int32_t* indices, const void* valu
   }, async);
 }
 
-WorkPtr Communicator::send(const void* buf, size_t count, DType dtype, int peer, bool async) {
-  return point_to_point(true, const_cast<void*>(buf), count, dtype, peer, async);
+WorkPtr Communicator::send(const void* buf, size_t count, DType dtype, int peer, bool async,
+                           uint32_t tag) {
+  return point_to_point(true, const_cast<void*>(buf), count, dtype, peer, async, tag);
 }
 
-WorkPtr Communicator::recv(void* buf, size_t count, DType dtype, int peer, bool async) {
-  return point_to_point(false, buf, count, dtype, peer, async);
+WorkPtr Communicator::recv(void* buf, size_t count, DType dtype, int peer, bool async,
+                           uint32_t tag) {
+  return point_to_point(false, buf, count, dtype, peer, async, tag);
 }
 
 // The k-th send from a to b pairs with the k-th receive at b from a: their signatures carry that
 // k (per direction and peer) and the sender's rank, so sizes and types are checked on arrival.
 WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DType dtype, int peer,
-                                     bool async) {
+                                     bool async, uint32_t tag) {
   check_rank(peer, is_send ? "send dst" : "recv src");
   RC_CHECK_ARG(peer != rank_, "send/recv with self (rank ", rank_, ") is not supported");
   auto sig = collective(Collective::kSendRecv, dtype, ReduceOp::kSum, Algorithm::kDirect, count,
-                        is_send ? rank_ : peer);
+                        is_send ? rank_ : peer, tag);
   sig.p2p = true;
   const size_t bytes = count * dtype_size(dtype);
   check_may_block(async, is_send ? "send" : "recv");

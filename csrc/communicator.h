@@ -44,6 +44,9 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
+// Name of the PyCapsule that carries a std::shared_ptr<Communicator>* between the extensions.
+constexpr const char* kCommunicatorCapsule = "ringcomm.Communicator";
+
 class Communicator {
  public:
   // Listens at once; the address must be published to the other ranks before connect().
@@ -56,6 +59,14 @@ class Communicator {
   // The transport that carries data to `peer` ("tcp", "shm", "self").
   const char* transport_of(int peer) const { return mesh_->transport_of(peer); }
   void connect(const std::vector<std::string>& addresses, const std::string& token);
+  // connect() through a key-value store shared by the ranks (torch's Store, behind a prefix
+  // private to this communicator): each rank publishes its address under "addr/<rank>", rank 0
+  // a random token under "token"; `get` waits until its key exists, or throws.
+  struct KeyValueStore {
+    std::function<void(const std::string& key, const std::string& value)> set;
+    std::function<std::string(const std::string& key)> get;
+  };
+  void rendezvous(const KeyValueStore& store);
 
   WorkPtr all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, Algorithm algo, bool async);
   WorkPtr reduce_scatter(void* out, const void* in, size_t count, DType dtype, ReduceOp op,
@@ -66,12 +77,24 @@ class Communicator {
   WorkPtr broadcast(void* buf, size_t count, DType dtype, int root, bool async);
   WorkPtr reduce(void* buf, size_t count, DType dtype, ReduceOp op, int root, bool async);
   WorkPtr barrier(bool async);
+  // Rooted exchanges of `count` elements per rank; `outputs` (gather) and `inputs` (scatter) hold
+  // one buffer per rank and are used only on the root.
+  WorkPtr gather(const void* in, const std::vector<void*>& outputs, size_t count, DType dtype,
+                 int root, bool async);
+  WorkPtr scatter(const std::vector<const void*>& inputs, void* out, size_t count, DType dtype,
+                  int root, bool async);
+  // inputs[q] (in_counts[q] elements) goes to rank q; outputs[q] receives rank q's block.
+  WorkPtr all_to_all(const std::vector<const void*>& inputs, const std::vector<size_t>& in_counts,
+                     const std::vector<void*>& outputs, const std::vector<size_t>& out_counts,
+                     DType dtype, bool async);
   // Dense sum/average of every rank's k (index, value) pairs into `out` (algorithms/sparse.cc).
   WorkPtr sparse_all_reduce(const int32_t* indices, const void* values, size_t k,
                             DType value_dtype, void* out, size_t numel, DType out_dtype,
                             ReduceOp op, Algorithm algo, bool async);
-  WorkPtr send(const void* buf, size_t count, DType dtype, int peer, bool async);
-  WorkPtr recv(void* buf, size_t count, DType dtype, int peer, bool async);
+  // The k-th send from a to b pairs with the k-th receive at b from a; `tag` travels in the
+  // signature, so a pair whose tags differ fails with both described (tags order nothing).
+  WorkPtr send(const void* buf, size_t count, DType dtype, int peer, bool async, uint32_t tag = 0);
+  WorkPtr recv(void* buf, size_t count, DType dtype, int peer, bool async, uint32_t tag = 0);
 
   // Coalesced collectives (communicator_coalesced.cc, algorithms/coalesced.cc): the buffers are
   // grouped by dtype (in order of first appearance), laid back to back, cut into buckets of at
@@ -130,7 +153,8 @@ class Communicator {
   // Errors for calls that cannot work: a blocking call from the progress thread (it would wait
   // for itself), any call from a forked child (the connections are the parent's).
   void check_may_block(bool async, const char* what) const;
-  WorkPtr point_to_point(bool is_send, void* buf, size_t count, DType dtype, int peer, bool async);
+  WorkPtr point_to_point(bool is_send, void* buf, size_t count, DType dtype, int peer, bool async,
+                         uint32_t tag);
   void enqueue(Task task, bool inline_ok);
   void run(Task& task);
   void fail(const std::string& reason, const std::exception_ptr& error);

@@ -9,11 +9,11 @@
 from ._C import RingcommError
 from .communicator import Communicator, Work, init, shm_bytes_sent
 from .averager import GradientAverager
-from .backend import ProcessGroupRingcomm, register_backend
+from .backend import communicator_of, register_backend
 from . import hooks
 
 register_backend()  # dist.init_process_group("ringcomm") works from here on
 
-__all__ = ["Communicator", "GradientAverager", "ProcessGroupRingcomm", "RingcommError", "Work", "hooks", "init", "shm_bytes_sent",
-           "register_backend"]
+__all__ = ["Communicator", "GradientAverager", "RingcommError", "Work", "communicator_of", "hooks",
+           "init", "register_backend", "shm_bytes_sent"]
 __version__ = "0.1.0"

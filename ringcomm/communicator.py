@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import secrets
 import threading
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -121,17 +120,25 @@ class Communicator:
         store = dist.PrefixStore(f"ringcomm/{name}", store)
         self._core = _C.Communicator(self.rank, self.world_size, timeout.total_seconds(),
                                      os.environ.get("MASTER_ADDR", ""))
-        store.set(f"addr/{self.rank}", self._core.address())
-        if self.rank == 0:
-            store.set("token", secrets.token_hex(16))
-        keys = ["token"] + [f"addr/{r}" for r in range(self.world_size)]
-        store.wait(keys, timeout)
-        token = store.get("token").decode()
-        addresses = [store.get(f"addr/{r}").decode() for r in range(self.world_size)]
-        self._core.connect(addresses, token)
+
+        def get(key):
+            store.wait([key], timeout)
+            return store.get(key).decode()
+
+        self._core.rendezvous(lambda key, value: store.set(key, value), get)
         self._closed = False
         with _live_lock:
             _live.add(self)
+
+    @classmethod
+    def _borrow(cls, core, timeout: timedelta) -> "Communicator":
+        """A Communicator over a core communicator someone else owns (a torch process group's
+        ringcomm backend): close() leaves it to its owner."""
+        self = cls.__new__(cls)
+        self._core = core
+        self.rank, self.world_size, self.timeout = core.rank, core.world_size, timeout
+        self._closed = True
+        return self
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -278,6 +285,49 @@ class Communicator:
 
     def barrier(self, async_op: bool = False):
         return self._finish(self._core.barrier(async_op), None, async_op)
+
+    def gather(self, input, outputs, dst: int, async_op: bool = False):
+        """Every rank's `input` lands in outputs[rank] on rank `dst` (a list of world_size tensors
+        like input there; ignored elsewhere)."""
+        inp = Buffer(input, "input")
+        dst = self._check_rank(dst, "dst")
+        bufs = self._blocks(outputs, inp, "outputs") if self.rank == dst else []
+        w = self._core.gather(inp.ptr, [b.ptr for b in bufs], inp.numel, inp.dtype, dst, async_op)
+        return self._finish(w, outputs, async_op, keep=(input, outputs))
+
+    def scatter(self, inputs, output, src: int, async_op: bool = False):
+        """inputs[q] on rank `src` (world_size tensors like output; ignored elsewhere) lands in
+        rank q's `output`."""
+        out = Buffer(output, "output")
+        src = self._check_rank(src, "src")
+        bufs = self._blocks(inputs, out, "inputs") if self.rank == src else []
+        w = self._core.scatter([b.ptr for b in bufs], out.ptr, out.numel, out.dtype, src, async_op)
+        return self._finish(w, output, async_op, keep=(inputs, output))
+
+    def all_to_all(self, outputs, inputs, async_op: bool = False):
+        """inputs[q] goes to rank q, where it lands in outputs[rank]: world_size tensors of one
+        dtype on each side, of any sizes as long as each pair agrees."""
+        ins = [Buffer(t, f"inputs[{q}]") for q, t in enumerate(self._per_rank(inputs, "inputs"))]
+        outs = [Buffer(t, f"outputs[{q}]") for q, t in enumerate(self._per_rank(outputs, "outputs"))]
+        for b in ins[1:] + outs:
+            self._same_dtype(ins[0], b)
+        w = self._core.all_to_all([b.ptr for b in ins], [b.numel for b in ins],
+                                  [b.ptr for b in outs], [b.numel for b in outs], ins[0].dtype,
+                                  async_op)
+        return self._finish(w, outputs, async_op, keep=(inputs, outputs))
+
+    def _per_rank(self, tensors, what):
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != self.world_size:
+            raise ValueError(f"{what} must be a list of {self.world_size} tensors (one per rank)")
+        return tensors
+
+    def _blocks(self, tensors, like: Buffer, what):
+        bufs = [Buffer(t, f"{what}[{q}]") for q, t in enumerate(self._per_rank(tensors, what))]
+        for q, b in enumerate(bufs):
+            self._same_dtype(like, b)
+            if b.numel != like.numel:
+                raise ValueError(f"{what}[{q}] has {b.numel} elements, expected {like.numel}")
+        return bufs
 
     def send(self, tensor, dst: int, async_op: bool = False):
         buf = Buffer(tensor)

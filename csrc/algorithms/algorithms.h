@@ -1,6 +1,6 @@
 // Collective algorithms over a Context. Buffers are raw bytes of `count` elements of `dtype`.
 // Files: ring.cc, tree.cc (pipelined trees: double binary tree all-reduce, binomial and chain
-// broadcast/reduce), recursive_doubling.cc, barrier.cc.
+// broadcast/reduce), recursive_doubling.cc, barrier.cc, gather.cc, scatter.cc, alltoall.cc.
 #pragma once
 
 #include <vector>
@@ -46,6 +46,17 @@ void tree_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op
                  Algorithm shape);
 
 void dissemination_barrier(Context& ctx);
+
+// Rooted exchanges of equal blocks of `bytes`: `outputs`/`inputs` have one pointer per rank and
+// are read only at the root.
+void direct_gather(Context& ctx, const void* in, const std::vector<void*>& outputs, size_t bytes,
+                   int root);
+void direct_scatter(Context& ctx, const std::vector<const void*>& inputs, void* out, size_t bytes,
+                    int root);
+// One block per (sender, receiver) pair, of any size (alltoall.cc).
+void pairwise_all_to_all(Context& ctx, const std::vector<const void*>& inputs,
+                         const std::vector<size_t>& in_bytes, const std::vector<void*>& outputs,
+                         const std::vector<size_t>& out_bytes);
 
 // Dense sum (or average) into `out` (numel elements of out_dtype, float types) of every rank's k
 // (index, value) pairs (sparse.cc). `algo`: kSparseGather, kSparseRanges, kRing (dense) or kAuto

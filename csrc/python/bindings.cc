@@ -49,14 +49,25 @@ PYBIND11_MODULE(_C, m) {
            [](Work& w, py::function fn) { w.on_finished(gil_safe_callback(std::move(fn))); });
 
   using G = py::call_guard<py::gil_scoped_release>;
-  py::class_<Communicator>(m, "Communicator")
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
       .def(py::init<int, int, double, const std::string&>(), py::arg("rank"),
            py::arg("world_size"), py::arg("timeout_s"), py::arg("master_addr") = "")
+      // The communicator of a torch process group's ringcomm backend (csrc/torch/), handed over
+      // as a capsule: the two extensions are built against different pybind11s.
+      .def_static("from_capsule", [](py::capsule c) {
+        RC_CHECK_ARG(std::string(c.name() ? c.name() : "") == kCommunicatorCapsule,
+                     "not a ringcomm communicator capsule");
+        return *static_cast<std::shared_ptr<Communicator>*>(c.get_pointer());
+      })
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def("address", &Communicator::address)
       .def("transport_of", &Communicator::transport_of, py::arg("peer"))
       .def("connect", &Communicator::connect, G())
+      .def("rendezvous",
+           [](Communicator& c, std::function<void(const std::string&, const std::string&)> set,
+              std::function<std::string(const std::string&)> get) { c.rendezvous({set, get}); },
+           py::arg("set"), py::arg("get"), G())
       .def("choose_all_reduce",
            [](const Communicator& c, size_t bytes, int algo) {
              return std::string(algorithm_name(c.choose_all_reduce(bytes, Algorithm(algo))));
@@ -95,6 +106,30 @@ PYBIND11_MODULE(_C, m) {
              return c.reduce(ptr(buf), n, t, checked_op(op, t), root, async);
            }, G())
       .def("barrier", &Communicator::barrier, G())
+      .def("gather",
+           [](Communicator& c, uintptr_t in, const std::vector<uintptr_t>& outs, size_t n, int dt,
+              int root, bool async) {
+             std::vector<void*> outputs;
+             for (uintptr_t o : outs) outputs.push_back(ptr(o));
+             return c.gather(ptr(in), outputs, n, checked_dtype(dt), root, async);
+           }, G())
+      .def("scatter",
+           [](Communicator& c, const std::vector<uintptr_t>& ins, uintptr_t out, size_t n, int dt,
+              int root, bool async) {
+             std::vector<const void*> inputs;
+             for (uintptr_t i : ins) inputs.push_back(ptr(i));
+             return c.scatter(inputs, ptr(out), n, checked_dtype(dt), root, async);
+           }, G())
+      .def("all_to_all",
+           [](Communicator& c, const std::vector<uintptr_t>& ins, const std::vector<size_t>& in_n,
+              const std::vector<uintptr_t>& outs, const std::vector<size_t>& out_n, int dt,
+              bool async) {
+             std::vector<const void*> inputs;
+             std::vector<void*> outputs;
+             for (uintptr_t i : ins) inputs.push_back(ptr(i));
+             for (uintptr_t o : outs) outputs.push_back(ptr(o));
+             return c.all_to_all(inputs, in_n, outputs, out_n, checked_dtype(dt), async);
+           }, G())
       .def("send",
            [](Communicator& c, uintptr_t buf, size_t n, int dt, int peer, bool async) {
              return c.send(ptr(buf), n, checked_dtype(dt), peer, async);

@@ -18,6 +18,9 @@ const char* collective_name(Collective c) {
     case Collective::kAllReduceCoalesced: return "all_reduce_coalesced";
     case Collective::kBroadcastCoalesced: return "broadcast_coalesced";
     case Collective::kAllGatherCoalesced: return "all_gather_coalesced";
+    case Collective::kGather: return "gather";
+    case Collective::kScatter: return "scatter";
+    case Collective::kAllToAll: return "all_to_all";
   }
   return "unknown-collective";
 }
@@ -52,6 +55,7 @@ std::string Signature::describe() const {
     s += str_cat(", op=", op_name(op));
   if (root >= 0) s += str_cat(", root=", root);
   if (coll == Collective::kAllGatherV) s += str_cat(", counts hash=", aux);
+  if (coll == Collective::kSendRecv && aux != 0) s += str_cat(", tag=", aux);
   if (coll == Collective::kAllReduceCoalesced || coll == Collective::kBroadcastCoalesced ||
       coll == Collective::kAllGatherCoalesced)
     s += str_cat(", layout hash=", aux);

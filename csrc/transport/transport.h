@@ -39,6 +39,9 @@ enum class Collective : uint8_t {
   kAllReduceCoalesced = 10,
   kBroadcastCoalesced = 11,
   kAllGatherCoalesced = 12,
+  kGather = 13,
+  kScatter = 14,
+  kAllToAll = 15,
 };
 const char* collective_name(Collective c);
 
@@ -66,7 +69,7 @@ struct Signature {
   int32_t root = -1;    // src/dst of rooted collectives, -1 otherwise
   uint64_t seq = 0;
   uint64_t count = 0;   // elements
-  uint64_t aux = 0;     // e.g. a hash of all_gatherv's per-rank counts
+  uint64_t aux = 0;     // all_gatherv: a hash of the per-rank counts; send/recv: the tag
 
   bool operator==(const Signature& o) const;
   bool operator!=(const Signature& o) const { return !(*this == o); }

@@ -3,7 +3,7 @@ import threading
 
 import torch.distributed as dist
 
-from ..backend import ProcessGroupRingcomm
+from ..backend import communicator_of
 from ..communicator import Communicator, init
 
 _default_lock = threading.Lock()
@@ -34,7 +34,7 @@ def communicator_for(state) -> Communicator:
         return default_communicator()
     if isinstance(state, Communicator):
         return state
-    if isinstance(state, ProcessGroupRingcomm):
-        return state.communicator
+    if isinstance(state, dist.ProcessGroup):
+        return communicator_of(state)
     raise TypeError(f"ringcomm hook state must be None, a ringcomm.Communicator or a ringcomm "
                     f"process group, got {type(state).__name__}")

@@ -1,0 +1,720 @@
+// The c10d::Backend "ringcomm" (ringcomm._C_torch): the only code that sees libtorch. torch wraps
+// it in a named ProcessGroup like gloo's, so groups, DeviceMesh, FSDP2, DTensor and functional
+// collectives reach it through torch's own dispatch.
+//
+// It translates and nothing else: tensors to (pointer, count, dtype) of the torch-free core
+// (libringcomm.so, shared with ringcomm._C), options to arguments, core Works to c10d Works with
+// futures. Every collective is the core's; a non-contiguous tensor is staged through a contiguous
+// copy that is copied back once the operation has finished.
+//
+// Built against the installed torch on first use (ringcomm/torch_backend.py).
+#include <Python.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/extension.h>
+
+#include <pybind11/chrono.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <numeric>
+
+#include "communicator.h"
+
+namespace rc = ringcomm;
+
+namespace {
+
+constexpr const char* kName = "ringcomm";
+
+[[noreturn]] void fail(const std::string& message) { C10_THROW_ERROR(DistBackendError, message); }
+
+std::exception_ptr error_of(const std::string& message) {
+  try {
+    fail(message);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+rc::DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return rc::DType::kFloat32;
+    case at::kDouble: return rc::DType::kFloat64;
+    case at::kHalf: return rc::DType::kFloat16;
+    case at::kBFloat16: return rc::DType::kBFloat16;
+    case at::kChar: return rc::DType::kInt8;
+    case at::kByte: return rc::DType::kUInt8;
+    case at::kInt: return rc::DType::kInt32;
+    case at::kLong: return rc::DType::kInt64;
+    case at::kBool: return rc::DType::kBool;
+    default:
+      TORCH_CHECK_TYPE(false, "ringcomm: unsupported dtype ", t.scalar_type(), " (supported: "
+                       "float32, float64, float16, bfloat16, int8, uint8, int32, int64, bool)");
+  }
+}
+
+void check_tensor(const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "ringcomm moves CPU tensors, got one on ", t.device(),
+                    "; name a backend for that device, e.g. init_process_group("
+                    "\"cpu:ringcomm,cuda:nccl\")");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ringcomm: tensors must be dense, got ",
+                    t.layout());
+  dtype_of(t);
+}
+
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "ringcomm ", what, ": dtypes differ (",
+                   a.scalar_type(), " vs ", b.scalar_type(), ")");
+}
+
+const at::Tensor& one(const std::vector<at::Tensor>& tensors, const char* what) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "ringcomm ", what, ": expected one tensor (one device "
+                    "per process), got ", tensors.size());
+  return tensors[0];
+}
+
+// ReduceOp -> the core's; PREMUL_SUM is a sum of inputs scaled here first (`scaled`).
+rc::ReduceOp op_of(const c10d::ReduceOp& op, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(op.op_ != c10d::ReduceOp::PREMUL_SUM && op.op_ < c10d::ReduceOp::UNUSED,
+                    "ringcomm: unsupported reduce op ", int(op.op_));
+  try {
+    return rc::checked_op(int(op.op_), dtype_of(t));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_TYPE(false, "ringcomm: ", e.what());
+  }
+}
+
+// A completion handle: done once every core operation it tracks has finished and the copies out
+// of staging buffers have run. Its future's value is the output tensors (what DDP reads).
+class RingcommWork : public c10d::Work {
+ public:
+  RingcommWork(int rank, c10d::OpType type, std::shared_ptr<rc::Communicator> comm,
+               std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type), comm_(std::move(comm)), outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {}
+
+  // Tracks `ops`; `finish` runs (on the thread that finishes the last one) if all succeeded.
+  // `keep`: tensors the operations read or write, alive until then.
+  void track(std::vector<rc::WorkPtr> ops, std::function<void()> finish,
+             std::vector<at::Tensor> keep) {
+    auto state = std::make_shared<Pending>();
+    state->remaining = ops.size();
+    state->finish = std::move(finish);
+    state->keep = std::move(keep);
+    if (ops.empty()) return complete(*state);
+    c10::intrusive_ptr<RingcommWork> self = c10::intrusive_ptr<RingcommWork>::reclaim_copy(this);
+    for (auto& op : ops) {
+      op->on_finished([self, state, op] {
+        std::string error = op->error();
+        std::lock_guard<std::mutex> lk(state->mu);
+        if (!error.empty() && state->error.empty()) state->error = error;
+        if (--state->remaining == 0) self->complete(*state);
+      });
+    }
+  }
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lk(mutex_);
+    return completed_;
+  }
+  bool isSuccess() const override {
+    std::lock_guard<std::mutex> lk(mutex_);
+    return completed_ && !exception_;
+  }
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lk(mutex_);
+    return exception_;
+  }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  int sourceRank() const override { return source_rank_; }
+  void set_source_rank(int r) { source_rank_ = r; }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lk(mutex_);
+    if (!completed_ && comm_->on_progress_thread())
+      fail("ringcomm: waiting for an operation from a completion callback (the progress thread) "
+           "would wait for itself; chain with future.then() instead");
+    if (timeout == kNoTimeout) {
+      cv_.wait(lk, [&] { return completed_; });
+    } else if (!cv_.wait_for(lk, timeout, [&] { return completed_; })) {
+      fail(c10::str("ringcomm: timed out after ", timeout.count(), " ms waiting for ",
+                    c10d::opTypeToString(retrieveOpType())));
+    }
+    if (exception_) std::rethrow_exception(exception_);
+    return true;
+  }
+
+ private:
+  struct Pending {
+    std::mutex mu;
+    size_t remaining = 0;
+    std::string error;
+    std::function<void()> finish;
+    std::vector<at::Tensor> keep;
+  };
+
+  void complete(Pending& state) {
+    std::exception_ptr error;
+    if (state.error.empty() && state.finish) {
+      try {
+        state.finish();
+      } catch (const std::exception& e) {
+        state.error = e.what();
+      }
+    }
+    if (!state.error.empty()) error = error_of(state.error);
+    state.keep.clear();
+    finish(error);  // c10d::Work: completed_, wakes wait()
+    if (error)
+      future_->setError(error);
+    else
+      future_->markCompleted(c10::IValue(outputs_));
+  }
+
+  std::shared_ptr<rc::Communicator> comm_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::atomic<int> source_rank_{-1};
+};
+
+// A tensor as the core sees it: contiguous. `dense` is the tensor itself when it already is.
+struct Staged {
+  at::Tensor user, dense;
+  explicit Staged(const at::Tensor& t) : user(t), dense(t.is_contiguous() ? t : t.contiguous()) {
+    check_tensor(t);
+  }
+  bool copied() const { return !dense.is_same(user); }
+  void* data() const { return dense.data_ptr(); }
+  size_t count() const { return size_t(dense.numel()); }
+  rc::DType dtype() const { return dtype_of(dense); }
+};
+
+// Copies staged outputs back into the user's tensors.
+std::function<void()> copy_back(std::vector<Staged> outputs) {
+  outputs.erase(std::remove_if(outputs.begin(), outputs.end(),
+                               [](const Staged& s) { return !s.copied(); }),
+                outputs.end());
+  if (outputs.empty()) return nullptr;
+  return [outputs] {
+    for (const Staged& s : outputs) s.user.copy_(s.dense);
+  };
+}
+
+std::vector<at::Tensor> denses(const std::vector<Staged>& staged) {
+  std::vector<at::Tensor> out;
+  for (const Staged& s : staged) out.push_back(s.dense);
+  return out;
+}
+
+class RingcommBackend : public c10d::Backend {
+ public:
+  RingcommBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                  std::chrono::milliseconds timeout)
+      : c10d::Backend(rank, size), timeout_(timeout) {
+    const char* master = std::getenv("MASTER_ADDR");
+    comm_ = std::make_shared<rc::Communicator>(rank, size, timeout.count() / 1000.0,
+                                               master ? master : "");
+    // torch already made `store` private to this group and device; the prefix keeps ringcomm's
+    // keys apart from anything else torch puts there.
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("ringcomm/backend", store);
+    comm_->rendezvous({
+        [prefixed](const std::string& key, const std::string& value) {
+          prefixed->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+        },
+        [prefixed, timeout](const std::string& key) {
+          prefixed->wait({key}, timeout);
+          auto bytes = prefixed->get(key);
+          return std::string(bytes.begin(), bytes.end());
+        },
+    });
+  }
+
+  ~RingcommBackend() override { comm_->close(); }
+
+  const std::string getBackendName() const override { return kName; }
+  std::shared_ptr<rc::Communicator> communicator() const { return comm_; }
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    Staged t(one(tensors, "broadcast"));
+    return run(c10d::OpType::BROADCAST, tensors, {t}, [&] {
+      return std::vector<rc::WorkPtr>{
+          comm_->broadcast(t.data(), t.count(), t.dtype(), int(opts.rootRank), true)};
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    Staged t(one(tensors, "allreduce"));
+    rc::ReduceOp op = premultiply(opts.reduceOp, t);
+    return run(c10d::OpType::ALLREDUCE, tensors, {t}, [&] {
+      return std::vector<rc::WorkPtr>{
+          comm_->all_reduce(t.data(), t.count(), t.dtype(), op, rc::Algorithm::kAuto, true)};
+    });
+  }
+
+  // Through the fused bucket path: bitwise what one allreduce per tensor gives.
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    std::vector<Staged> staged;
+    std::vector<rc::Communicator::BufferRef> refs;
+    rc::ReduceOp op = rc::ReduceOp::kSum;
+    for (auto& t : tensors) {
+      staged.emplace_back(t);
+      op = premultiply(opts.reduceOp, staged.back());
+      refs.push_back({staged.back().data(), staged.back().count(), staged.back().dtype()});
+    }
+    return run(c10d::OpType::ALLREDUCE_COALESCED, tensors, staged, [&] {
+      return std::vector<rc::WorkPtr>{
+          comm_->all_reduce_coalesced(refs, op, kBucketBytes, {}, true)};
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override {
+    Staged t(one(tensors, "reduce"));
+    rc::ReduceOp op = premultiply(opts.reduceOp, t);
+    return run(c10d::OpType::REDUCE, tensors, {t}, [&] {
+      return std::vector<rc::WorkPtr>{
+          comm_->reduce(t.data(), t.count(), t.dtype(), op, int(opts.rootRank), true)};
+    });
+  }
+
+  // outputs[0][q] receives rank q's input: the coalesced all-gather writes each in place.
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions&) override {
+    TORCH_CHECK_VALUE(outputs.size() == 1, "ringcomm allgather: expected one output list, got ",
+                      outputs.size());
+    return gather_lists(c10d::OpType::ALLGATHER, outputs, {one(inputs, "allgather")},
+                        outputs[0]);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions&) override {
+    std::vector<at::Tensor> flat;
+    for (auto& list : outputs) flat.insert(flat.end(), list.begin(), list.end());
+    return gather_lists(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs, flat);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions&) override {
+    std::vector<at::Tensor> outputs{output}, inputs{input};
+    return allgather_into_tensor(c10d::OpType::_ALLGATHER_BASE, outputs, inputs);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions&) override {
+    return allgather_into_tensor(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs);
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    Staged in(one(inputs, "gather"));
+    const int root = checked_root(opts.rootRank);
+    std::vector<Staged> outs;
+    std::vector<void*> pointers;
+    std::vector<at::Tensor> results;
+    if (getRank() == root) {
+      TORCH_CHECK_VALUE(outputs.size() == 1, "ringcomm gather: expected one output list");
+      per_rank(outputs[0], in, "gather output");
+      for (auto& o : outputs[0]) {
+        outs.emplace_back(o);
+        pointers.push_back(outs.back().data());
+      }
+      results = outputs[0];
+    }
+    return run(c10d::OpType::GATHER, results, outs, [&] {
+      return std::vector<rc::WorkPtr>{
+          comm_->gather(in.data(), pointers, in.count(), in.dtype(), root, true)};
+    }, {in.dense});
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    Staged out(one(outputs, "scatter"));
+    const int root = checked_root(opts.rootRank);
+    std::vector<const void*> pointers;
+    std::vector<at::Tensor> keep;
+    if (getRank() == root) {
+      TORCH_CHECK_VALUE(inputs.size() == 1, "ringcomm scatter: expected one input list");
+      per_rank(inputs[0], out, "scatter input");
+      for (auto& i : inputs[0]) {
+        keep.push_back(i.contiguous());
+        pointers.push_back(keep.back().data_ptr());
+      }
+    }
+    return run(c10d::OpType::SCATTER, outputs, {out}, [&] {
+      return std::vector<rc::WorkPtr>{
+          comm_->scatter(pointers, out.data(), out.count(), out.dtype(), root, true)};
+    }, keep);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    TORCH_CHECK_VALUE(inputs.size() == 1, "ringcomm reduce_scatter: expected one input list");
+    Staged out(one(outputs, "reduce_scatter"));
+    per_rank(inputs[0], out, "reduce_scatter input");
+    at::Tensor flat = at::cat(flatten_all(inputs[0]));
+    return reduce_scatter_into(c10d::OpType::REDUCE_SCATTER, outputs, {out}, {flat},
+                               opts.reduceOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    std::vector<at::Tensor> outputs{output};
+    return reduce_scatter_into(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, {Staged(output)},
+                               {input}, opts.reduceOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override {
+    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ringcomm reduce_scatter_tensor_coalesced: ",
+                      outputs.size(), " outputs for ", inputs.size(), " inputs");
+    std::vector<Staged> outs(outputs.begin(), outputs.end());
+    return reduce_scatter_into(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, outputs, outs,
+                               inputs, opts.reduceOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions&) override {
+    check_same(output, input, "alltoall_base");
+    Staged out(output), in(input);
+    const auto out_rows = rows(out.dense, output_splits, "output");
+    const auto in_rows = rows(in.dense, input_splits, "input");
+    const size_t out_row = row_elements(out.dense), in_row = row_elements(in.dense);
+    const size_t e = out.dense.element_size();
+    std::vector<void*> outs;
+    std::vector<const void*> ins;
+    std::vector<size_t> out_counts, in_counts;
+    size_t out_at = 0, in_at = 0;
+    for (int q = 0; q < getSize(); ++q) {
+      outs.push_back(static_cast<char*>(out.data()) + out_at * out_row * e);
+      ins.push_back(static_cast<char*>(in.data()) + in_at * in_row * e);
+      out_counts.push_back(out_rows[q] * out_row);
+      in_counts.push_back(in_rows[q] * in_row);
+      out_at += out_rows[q];
+      in_at += in_rows[q];
+    }
+    std::vector<at::Tensor> outputs{output};
+    return run(c10d::OpType::ALLTOALL_BASE, outputs, {out}, [&] {
+      return std::vector<rc::WorkPtr>{
+          comm_->all_to_all(ins, in_counts, outs, out_counts, out.dtype(), true)};
+    }, {in.dense});
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions&) override {
+    TORCH_CHECK_VALUE(int(outputs.size()) == getSize() && int(inputs.size()) == getSize(),
+                      "ringcomm alltoall: needs ", getSize(), " outputs and inputs, got ",
+                      outputs.size(), " and ", inputs.size());
+    std::vector<Staged> outs(outputs.begin(), outputs.end());
+    std::vector<at::Tensor> keep;
+    std::vector<void*> out_ptrs;
+    std::vector<const void*> in_ptrs;
+    std::vector<size_t> out_counts, in_counts;
+    for (int q = 0; q < getSize(); ++q) {
+      check_same(outputs[q], inputs[0], "alltoall");
+      check_same(inputs[q], inputs[0], "alltoall");
+      check_tensor(inputs[q]);
+      keep.push_back(inputs[q].contiguous());
+      in_ptrs.push_back(keep.back().data_ptr());
+      in_counts.push_back(size_t(keep.back().numel()));
+      out_ptrs.push_back(outs[q].data());
+      out_counts.push_back(outs[q].count());
+    }
+    return run(c10d::OpType::ALLTOALL, outputs, outs, [&] {
+      return std::vector<rc::WorkPtr>{comm_->all_to_all(in_ptrs, in_counts, out_ptrs, out_counts,
+                                                        dtype_of(inputs[0]), true)};
+    }, keep);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    std::vector<at::Tensor> none;
+    return run(c10d::OpType::BARRIER, none, {}, [&] {
+      return std::vector<rc::WorkPtr>{comm_->barrier(true)};
+    });
+  }
+
+  // Rank 0 hears from every rank within the timeout, then releases them; a rank that does not
+  // report in time is named (all of them with wait_all_ranks).
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_ : opts.timeout;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    uint8_t byte = 0;
+    if (getRank() != 0) {
+      comm_->send(&byte, 1, rc::DType::kUInt8, 0, true);
+      auto release = comm_->recv(&byte, 1, rc::DType::kUInt8, 0, true);
+      if (!release->wait(seconds_until(deadline)))
+        fail(c10::str("ringcomm monitoredBarrier: rank ", getRank(), " was not released by rank 0 "
+                      "within ", timeout.count(), " ms"));
+      return;
+    }
+    std::vector<uint8_t> bytes(getSize());
+    std::vector<int> missing;
+    for (int q = 1; q < getSize(); ++q) {
+      auto arrived = comm_->recv(&bytes[q], 1, rc::DType::kUInt8, q, true);
+      if (!arrived->wait(seconds_until(deadline))) {
+        missing.push_back(q);
+        if (!wait_all_ranks) break;
+      }
+    }
+    if (!missing.empty()) {
+      std::string ranks;
+      for (int q : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
+      fail(c10::str("ringcomm monitoredBarrier: rank", missing.size() > 1 ? "s " : " ", ranks,
+                    " failed to pass monitoredBarrier in ", timeout.count(), " ms"));
+    }
+    for (int q = 1; q < getSize(); ++q) comm_->send(&byte, 1, rc::DType::kUInt8, q, true);
+  }
+
+  // Tags are not matched out of order: the k-th send from a to b pairs with the k-th receive at b
+  // from a, and the signature carries the tag so a pair whose tags differ fails with both named.
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
+                                      int tag) override {
+    Staged t(one(tensors, "send"));
+    return run(c10d::OpType::SEND, tensors, {}, [&] {
+      return std::vector<rc::WorkPtr>{
+          comm_->send(t.data(), t.count(), t.dtype(), dst, true, uint32_t(tag))};
+    }, {t.dense});
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
+                                      int tag) override {
+    Staged t(one(tensors, "recv"));
+    auto work = run(c10d::OpType::RECV, tensors, {t}, [&] {
+      return std::vector<rc::WorkPtr>{
+          comm_->recv(t.data(), t.count(), t.dtype(), src, true, uint32_t(tag))};
+    });
+    work->set_source_rank(src);
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
+    fail("ringcomm: receives need a source rank (recv from any source is not supported)");
+  }
+
+  void shutdown() override { comm_->close(); }
+  void abort() override { comm_->close(); }
+
+ private:
+  // What DDP's buckets are: one fused operation per 25 MiB.
+  static constexpr size_t kBucketBytes = size_t(25) << 20;
+
+  static double seconds_until(std::chrono::steady_clock::time_point deadline) {
+    return std::max(0.0, std::chrono::duration<double>(deadline -
+                                                       std::chrono::steady_clock::now()).count());
+  }
+
+  int checked_root(int64_t root) const {
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "ringcomm: root ", root,
+                      " out of range for a group of ", getSize());
+    return int(root);
+  }
+
+  void per_rank(const std::vector<at::Tensor>& list, const Staged& like, const char* what) const {
+    TORCH_CHECK_VALUE(int(list.size()) == getSize(), "ringcomm ", what, ": needs ", getSize(),
+                      " tensors (one per rank), got ", list.size());
+    for (const auto& t : list) {
+      check_tensor(t);
+      check_same(t, like.dense, what);
+      TORCH_CHECK_VALUE(t.numel() == like.dense.numel(), "ringcomm ", what, ": tensors of ",
+                        t.numel(), " elements where ", like.dense.numel(), " are expected");
+    }
+  }
+
+  static std::vector<at::Tensor> flatten_all(const std::vector<at::Tensor>& ts) {
+    std::vector<at::Tensor> flat;
+    for (const auto& t : ts) flat.push_back(t.reshape(-1));
+    return flat;
+  }
+
+  static size_t row_elements(const at::Tensor& t) {
+    return t.dim() == 0 ? 1 : size_t(t.numel() / std::max<int64_t>(t.size(0), 1));
+  }
+
+  std::vector<size_t> rows(const at::Tensor& t, const std::vector<int64_t>& splits,
+                           const char* what) const {
+    const int n = getSize();
+    const int64_t total = t.dim() == 0 ? 1 : t.size(0);
+    std::vector<size_t> out(n);
+    if (splits.empty()) {
+      TORCH_CHECK_VALUE(total % n == 0, "ringcomm alltoall_base: ", what, " of ", total,
+                        " rows does not split evenly over ", n, " ranks; pass split sizes");
+      std::fill(out.begin(), out.end(), size_t(total / n));
+      return out;
+    }
+    TORCH_CHECK_VALUE(int(splits.size()) == n, "ringcomm alltoall_base: ", what, " split sizes "
+                      "need ", n, " entries, got ", splits.size());
+    int64_t sum = 0;
+    for (int q = 0; q < n; ++q) {
+      TORCH_CHECK_VALUE(splits[q] >= 0, "ringcomm alltoall_base: negative split size");
+      out[q] = size_t(splits[q]);
+      sum += splits[q];
+    }
+    TORCH_CHECK_VALUE(sum == total, "ringcomm alltoall_base: ", what, " split sizes add up to ",
+                      sum, " rows, the tensor has ", total);
+    return out;
+  }
+
+  // PREMUL_SUM scales the input by its factor here, then sums; other ops map directly.
+  rc::ReduceOp premultiply(const c10d::ReduceOp& op, const Staged& t) {
+    if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return op_of(op, t.dense);
+    auto* factor = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+    TORCH_CHECK_VALUE(factor != nullptr, "ringcomm: PREMUL_SUM without a factor");
+    TORCH_CHECK_TYPE(t.dense.is_floating_point(), "ringcomm: PREMUL_SUM needs a floating dtype");
+    if (factor->tensor_factor.defined())
+      t.dense.mul_(factor->tensor_factor.to(t.dense.device()));
+    else
+      t.dense.mul_(factor->double_factor);
+    return rc::ReduceOp::kSum;
+  }
+
+  c10::intrusive_ptr<RingcommWork> run(c10d::OpType type, const std::vector<at::Tensor>& results,
+                                       const std::vector<Staged>& outputs,
+                                       const std::function<std::vector<rc::WorkPtr>()>& issue,
+                                       std::vector<at::Tensor> keep = {}) {
+    auto work = c10::make_intrusive<RingcommWork>(getRank(), type, comm_, results);
+    std::vector<rc::WorkPtr> ops;
+    try {
+      ops = issue();
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK_VALUE(false, "ringcomm ", c10d::opTypeToString(type), ": ", e.what());
+    } catch (const rc::Error& e) {
+      fail(c10::str("ringcomm ", c10d::opTypeToString(type), ": ", e.what()));
+    }
+    for (const Staged& s : outputs) keep.push_back(s.dense);
+    work->track(std::move(ops), copy_back(outputs), std::move(keep));
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather_lists(c10d::OpType type,
+                                              std::vector<std::vector<at::Tensor>>& outputs,
+                                              const std::vector<at::Tensor>& inputs,
+                                              std::vector<at::Tensor> results) {
+    // allgather: outputs[0][q] is rank q's block; allgather_coalesced: outputs[q][i] is rank q's
+    // inputs[i].
+    const bool coalesced = type == c10d::OpType::ALLGATHER_COALESCED;
+    TORCH_CHECK_VALUE((coalesced ? outputs.size() : outputs[0].size()) == size_t(getSize()),
+                      "ringcomm allgather: needs one output ", coalesced ? "list" : "tensor",
+                      " per rank (", getSize(), "), got ",
+                      coalesced ? outputs.size() : outputs[0].size());
+    std::vector<Staged> ins(inputs.begin(), inputs.end()), staged;
+    std::vector<rc::Communicator::BufferRef> in_refs;
+    std::vector<std::vector<rc::Communicator::BufferRef>> out_refs(getSize());
+    for (const Staged& i : ins) in_refs.push_back({i.data(), i.count(), i.dtype()});
+    for (int q = 0; q < getSize(); ++q) {
+      const std::vector<at::Tensor>& list =
+          coalesced ? outputs.at(q) : std::vector<at::Tensor>{outputs[0].at(q)};
+      TORCH_CHECK_VALUE(list.size() == ins.size(), "ringcomm allgather: rank ", q, "'s outputs "
+                        "hold ", list.size(), " tensors for ", ins.size(), " inputs");
+      for (size_t i = 0; i < list.size(); ++i) {
+        staged.emplace_back(list[i]);
+        check_same(list[i], ins[i].dense, "allgather");
+        TORCH_CHECK_VALUE(list[i].numel() == ins[i].dense.numel(), "ringcomm allgather: an "
+                          "output of ", list[i].numel(), " elements for an input of ",
+                          ins[i].dense.numel());
+        out_refs[q].push_back({staged.back().data(), staged.back().count(),
+                               staged.back().dtype()});
+      }
+    }
+    return run(type, results, staged, [&] {
+      return std::vector<rc::WorkPtr>{
+          comm_->all_gather_coalesced(out_refs, in_refs, kBucketBytes, true)};
+    }, denses(ins));
+  }
+
+  // outputs[i] holds every rank's inputs[i], back to back.
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor(c10d::OpType type,
+                                                       std::vector<at::Tensor>& outputs,
+                                                       std::vector<at::Tensor>& inputs) {
+    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ringcomm allgather: ", outputs.size(),
+                      " outputs for ", inputs.size(), " inputs");
+    std::vector<Staged> outs(outputs.begin(), outputs.end()), ins(inputs.begin(), inputs.end());
+    for (size_t i = 0; i < outs.size(); ++i) {
+      check_same(outputs[i], inputs[i], "allgather_into_tensor");
+      TORCH_CHECK_VALUE(outs[i].count() == ins[i].count() * size_t(getSize()), "ringcomm "
+                        "allgather_into_tensor: output has ", outs[i].count(), " elements, "
+                        "expected world size x input = ", ins[i].count() * getSize());
+    }
+    return run(type, outputs, outs, [&] {
+      std::vector<rc::WorkPtr> ops;
+      for (size_t i = 0; i < outs.size(); ++i)
+        ops.push_back(comm_->all_gather(outs[i].data(), ins[i].data(), ins[i].count(),
+                                        ins[i].dtype(), true));
+      return ops;
+    }, denses(ins));
+  }
+
+  // outputs[i] receives this rank's block of inputs[i] reduced over all ranks.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::OpType type,
+                                                     std::vector<at::Tensor>& results,
+                                                     std::vector<Staged> outs,
+                                                     const std::vector<at::Tensor>& inputs,
+                                                     const c10d::ReduceOp& reduce_op) {
+    std::vector<Staged> ins(inputs.begin(), inputs.end());
+    std::vector<rc::ReduceOp> ops;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      check_same(outs[i].dense, ins[i].dense, "reduce_scatter");
+      TORCH_CHECK_VALUE(ins[i].count() == outs[i].count() * size_t(getSize()), "ringcomm "
+                        "reduce_scatter: input has ", ins[i].count(), " elements, expected "
+                        "world size x output = ", outs[i].count() * getSize());
+      // PREMUL_SUM scales a copy: the input is not the caller's to change.
+      if (reduce_op.op_ == c10d::ReduceOp::PREMUL_SUM) ins[i].dense = ins[i].dense.clone();
+      ops.push_back(premultiply(reduce_op, ins[i]));
+    }
+    return run(type, results, outs, [&] {
+      std::vector<rc::WorkPtr> works;
+      for (size_t i = 0; i < outs.size(); ++i)
+        works.push_back(comm_->reduce_scatter(outs[i].data(), ins[i].data(), outs[i].count(),
+                                              outs[i].dtype(), ops[i], true));
+      return works;
+    }, denses(ins));
+  }
+
+  std::shared_ptr<rc::Communicator> comm_;
+  std::chrono::milliseconds timeout_;
+};
+
+void release_capsule(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<rc::Communicator>*>(
+      PyCapsule_GetPointer(capsule, rc::kCommunicatorCapsule));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ringcomm's c10d::Backend, built against the installed torch";
+  py::class_<RingcommBackend, c10d::Backend, c10::intrusive_ptr<RingcommBackend>>(
+      m, "RingcommBackend")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout) {
+             return c10::make_intrusive<RingcommBackend>(store, rank, size, timeout);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>())
+      // The core communicator, for ringcomm.Communicator.from_capsule (the DDP hooks).
+      .def("communicator_capsule", [](const RingcommBackend& b) {
+        auto* held = new std::shared_ptr<rc::Communicator>(b.communicator());
+        PyObject* capsule = PyCapsule_New(held, rc::kCommunicatorCapsule, release_capsule);
+        if (capsule == nullptr) {
+          delete held;
+          throw py::error_already_set();
+        }
+        return py::reinterpret_steal<py::object>(capsule);
+      });
+}
