@@ -10,11 +10,13 @@ SOURCES   := $(shell find csrc ringcomm -name '*.cc' -o -name '*.h' -o -name '*.
 .PHONY: install test bench clean
 
 # venv, the torch pin first (so nothing pulls a CUDA build), then the package (editable) with
-# its test extras and Open MPI (the anchor `--compare mpi` runs; tests/test_bench.py uses it).
+# its test extras and Open MPI (the anchor `--compare mpi` runs; tests/test_bench.py uses it),
+# then the torch backend's first build (ringcomm/backend.py), so no test waits for it.
 $(VENV)/.installed: $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[test,mpi]'
+	$(PY) -c 'import ringcomm.backend as b; b.load()'  # the torch backend, built once, cached
 	touch $@
 
 install: $(VENV)/.installed

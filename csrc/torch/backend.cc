@@ -289,18 +289,18 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions&) override {
+    one(inputs, "allgather");
     TORCH_CHECK_VALUE(outputs.size() == 1, "ringcomm allgather: expected one output list, got ",
                       outputs.size());
-    return gather_lists(c10d::OpType::ALLGATHER, outputs, {one(inputs, "allgather")},
-                        outputs[0]);
+    return gather_lists(c10d::OpType::ALLGATHER, outputs, inputs, outputs[0]);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
       std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions&) override {
-    std::vector<at::Tensor> flat;
-    for (auto& list : outputs) flat.insert(flat.end(), list.begin(), list.end());
-    return gather_lists(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs, flat);
+    std::vector<at::Tensor> results;
+    for (auto& list : outputs) results.insert(results.end(), list.begin(), list.end());
+    return gather_lists(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs, results);
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
@@ -602,32 +602,22 @@ class RingcommBackend : public c10d::Backend {
     return work;
   }
 
+  // outputs[i][q] receives rank q's inputs[i] (allgather: one input): the coalesced all-gather
+  // writes each in place.
   c10::intrusive_ptr<c10d::Work> gather_lists(c10d::OpType type,
                                               std::vector<std::vector<at::Tensor>>& outputs,
                                               const std::vector<at::Tensor>& inputs,
                                               std::vector<at::Tensor> results) {
-    // allgather: outputs[0][q] is rank q's block; allgather_coalesced: outputs[q][i] is rank q's
-    // inputs[i].
-    const bool coalesced = type == c10d::OpType::ALLGATHER_COALESCED;
-    TORCH_CHECK_VALUE((coalesced ? outputs.size() : outputs[0].size()) == size_t(getSize()),
-                      "ringcomm allgather: needs one output ", coalesced ? "list" : "tensor",
-                      " per rank (", getSize(), "), got ",
-                      coalesced ? outputs.size() : outputs[0].size());
+    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ringcomm allgather: ", outputs.size(),
+                      " output lists for ", inputs.size(), " inputs");
     std::vector<Staged> ins(inputs.begin(), inputs.end()), staged;
     std::vector<rc::Communicator::BufferRef> in_refs;
     std::vector<std::vector<rc::Communicator::BufferRef>> out_refs(getSize());
-    for (const Staged& i : ins) in_refs.push_back({i.data(), i.count(), i.dtype()});
-    for (int q = 0; q < getSize(); ++q) {
-      const std::vector<at::Tensor>& list =
-          coalesced ? outputs.at(q) : std::vector<at::Tensor>{outputs[0].at(q)};
-      TORCH_CHECK_VALUE(list.size() == ins.size(), "ringcomm allgather: rank ", q, "'s outputs "
-                        "hold ", list.size(), " tensors for ", ins.size(), " inputs");
-      for (size_t i = 0; i < list.size(); ++i) {
-        staged.emplace_back(list[i]);
-        check_same(list[i], ins[i].dense, "allgather");
-        TORCH_CHECK_VALUE(list[i].numel() == ins[i].dense.numel(), "ringcomm allgather: an "
-                          "output of ", list[i].numel(), " elements for an input of ",
-                          ins[i].dense.numel());
+    for (size_t i = 0; i < ins.size(); ++i) {
+      in_refs.push_back({ins[i].data(), ins[i].count(), ins[i].dtype()});
+      per_rank(outputs[i], ins[i], "allgather output");
+      for (int q = 0; q < getSize(); ++q) {
+        staged.emplace_back(outputs[i][q]);
         out_refs[q].push_back({staged.back().data(), staged.back().count(),
                                staged.back().dtype()});
       }
