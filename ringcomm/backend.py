@@ -75,7 +75,7 @@ def load():
                 name="ringcomm_C_torch",
                 sources=[str(csrc / "torch" / "backend.cc")],
                 extra_include_paths=[str(csrc)],
-                extra_cflags=["-O2", "-std=c++17"],
+                extra_cflags=["-O2"],
                 extra_ldflags=[f"-L{_PACKAGE}", "-lringcomm", f"-Wl,-rpath,{_PACKAGE}"],
                 build_directory=str(build_dir),
                 verbose=bool(os.environ.get("RINGCOMM_DEBUG")),

@@ -233,7 +233,14 @@ class RingcommBackend : public c10d::Backend {
     });
   }
 
-  ~RingcommBackend() override { comm_->close(); }
+  // The last reference to a group may go on the progress thread (a future callback's garbage
+  // collection), which cannot join itself: a short-lived thread closes the communicator then.
+  ~RingcommBackend() override {
+    if (comm_->on_progress_thread())
+      std::thread([comm = std::move(comm_)] { comm->close(); }).detach();
+    else
+      comm_->close();
+  }
 
   const std::string getBackendName() const override { return kName; }
   std::shared_ptr<rc::Communicator> communicator() const { return comm_; }
