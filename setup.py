@@ -33,6 +33,14 @@ class CMakeBuild(build_ext):
         ]
         subprocess.check_call(config, cwd=build_dir)
         subprocess.check_call(["cmake", "--build", ".", "--target", "_C"], cwd=build_dir)
+        # What the torch backend is compiled from on first use (ringcomm/backend.py): the core's
+        # headers and csrc/torch. Editable installs read the checkout's csrc instead.
+        sources = out_dir / "_csrc"
+        shutil.rmtree(sources, ignore_errors=True)
+        for path in list((ROOT / "csrc").rglob("*.h")) + list((ROOT / "csrc" / "torch").glob("*.cc")):
+            target = sources / path.relative_to(ROOT / "csrc")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
 
     def copy_extensions_to_source(self):
         # In-place and editable builds: the core library _C links against goes beside it too.
