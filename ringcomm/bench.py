@@ -14,6 +14,10 @@ back-to-back operations (rank 0's clock, after a barrier). algbw = size / time; 
 Anchors, measured in the same run with the same sizes, iterations and repeats, their samples
 interleaved with ringcomm's so that machine noise hits all alike; ratios are ringcomm / anchor:
   --compare gloo   torch's gloo backend, in the same processes.
+  --compare backend
+                   the same ringcomm core through torch.distributed: dist.all_reduce etc. on a
+                   process group with the "ringcomm" backend; its ratio is the cost of torch's
+                   dispatch, Work and future over calling the core directly.
   --compare mpi    Open MPI's MPI_Allreduce (in place), in as many processes of its own on rank 0's
                    host, started by rank 0 under mpiexec (ringcomm/bench_mpi.py) and driven one
                    sample at a time; all_reduce only; pip install 'ringcomm[mpi]'.
@@ -51,9 +55,9 @@ DTYPES = {"float": torch.float32, "float32": torch.float32, "double": torch.floa
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "exchange",
                "all_reduce_coalesced")
 OPS = ("sum", "avg", "prod", "min", "max")
-GLOO_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
-            "max": dist.ReduceOp.MAX}
-COMPARE = ("gloo", "mpi")  # --compare: a comma-separated list of these, or "none"
+DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+            "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
+COMPARE = ("gloo", "backend", "mpi")  # --compare: a comma-separated list of these, or "none"
 MPI_DTYPES = ("float", "float32", "double", "float64", "int", "int32", "int64", "int8", "uint8")
 MPI_INSTALL = "pip install 'ringcomm[mpi]'"
 
@@ -89,8 +93,9 @@ def default_iters(nbytes: int) -> int:
 class Case:
     """Buffers and a run() for one collective at one size, for one library."""
 
-    def __init__(self, lib, comm, coll, nbytes, dtype, op, algo, rank, world):
+    def __init__(self, lib, comm, coll, nbytes, dtype, op, algo, rank, world, group=None):
         self.lib, self.comm, self.coll, self.op, self.algo = lib, comm, coll, op, algo
+        self.group = group  # gloo's and the ringcomm backend's process group
         self.rank, self.world, self.dtype = rank, world, dtype
         elem = torch.tensor([], dtype=dtype).element_size()
         count = max(1, nbytes // elem)
@@ -140,20 +145,21 @@ class Case:
             else:
                 c.reduce(t, 0, op=self.op)
         else:
-            op = GLOO_OPS[self.op]
+            op, g = DIST_OPS[self.op], self.group
             if self.coll == "all_reduce":
-                dist.all_reduce(t, op=op)
+                dist.all_reduce(t, op=op, group=g)
             elif self.coll == "reduce_scatter":
-                dist.reduce_scatter_tensor(self.out, t, op=op)
+                dist.reduce_scatter_tensor(self.out, t, op=op, group=g)
             elif self.coll == "all_gather":
-                dist.all_gather_into_tensor(self.out, t)
+                dist.all_gather_into_tensor(self.out, t, group=g)
             elif self.coll == "broadcast":
-                dist.broadcast(t, 0)
+                dist.broadcast(t, 0, group=g)
             elif self.coll == "exchange":
-                for w in [dist.irecv(self.out, self.peer), dist.isend(t, self.peer)]:
+                for w in [dist.irecv(self.out, self.peer, group=g),
+                          dist.isend(t, self.peer, group=g)]:
                     w.wait()
             else:
-                dist.reduce(t, 0, op=op)
+                dist.reduce(t, 0, op=op, group=g)
 
     def wrong(self) -> int:
         """Runs once on fresh inputs and counts elements that differ from the reference."""
@@ -353,7 +359,7 @@ def coalesced_row(args, comm, rank: int, world: int, libs) -> dict:
     if "gloo" in libs:
         warnings.filterwarnings("ignore", message=".*all_reduce_coalesced.*deprecated")
         variants["gloo all_reduce_coalesced"] = lambda: dist.all_reduce_coalesced(
-            tensors, op=GLOO_OPS[args.op])
+            tensors, op=DIST_OPS[args.op])
     variants["ringcomm all_reduce, one flat tensor"] = lambda: comm.all_reduce(flat, op=args.op)
     iters = args.iters or 20
     for run in variants.values():
@@ -421,24 +427,30 @@ def worker(args):
                           is_master=(rank == 0 and not agent_store), timeout=timedelta(minutes=5))
     comm = ringcomm.Communicator(dist.PrefixStore("bench", store), rank, world,
                                  timeout=timedelta(minutes=5), name="bench")
-    if "gloo" in anchors:
-        dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank,
+    groups = {}
+    if "gloo" in anchors or "backend" in anchors:
+        dist.init_process_group("gloo" if "gloo" in anchors else "ringcomm",
+                                store=dist.PrefixStore("dist", store), rank=rank,
                                 world_size=world, timeout=timedelta(minutes=5))
+        groups["gloo"] = dist.group.WORLD
+        groups["backend"] = (dist.new_group(backend="ringcomm") if "gloo" in anchors
+                             else dist.group.WORLD)
     mpi = None
     try:
         if "mpi" in anchors and rank == 0:
             mpi = MpiAnchor(world, args.datatype, args.op)
         run_rows(args, comm, rank, world, ["ringcomm", *anchors] + (["floor"] if args.floor else []),
-                 mpi)
+                 mpi, groups)
     finally:
         if mpi is not None:
             mpi.close()
-    if "gloo" in anchors:
+    if groups:
         dist.destroy_process_group()
     comm.close()
 
 
-def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor | None):
+def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor | None,
+             groups: dict):
     """One row per size: every library's samples interleaved, then medians, #wrong and ratios
     (ringcomm / each of the other columns)."""
     dtype = DTYPES[args.datatype]
@@ -468,7 +480,7 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
     for nbytes in [] if coalesced else sizes_from(args):
         cases = [MpiCase(mpi, nbytes, dtype, args.warmup_iters) if lib == "mpi" else
                  Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype,
-                      args.op, args.algo, rank, world) for lib in libs]
+                      args.op, args.algo, rank, world, groups.get(lib)) for lib in libs]
         iters = args.iters or default_iters(cases[0].nbytes)
         for case in cases:
             for _ in range(args.warmup_iters):

@@ -97,6 +97,9 @@ def hooks_on_gloo(store, rank, world):
     }
     # the same ringcomm communicator given explicitly as state
     runs["allreduce, communicator state"] = train(rank, hooks.allreduce_hook, hooks.default_communicator())
+    # a process group with the ringcomm backend as state: its own core communicator
+    ringcomm_group = dist.new_group(backend="ringcomm")
+    runs["allreduce, ringcomm group state"] = train(rank, hooks.allreduce_hook, ringcomm_group)
     variants = {
         "gradient_as_bucket_view": dict(gradient_as_bucket_view=True),
         "static_graph": dict(static_graph=True),
@@ -136,6 +139,7 @@ def test_hooks_match_gloo_default(world):
 
     differs("allreduce", gloo_default, FP32)
     differs("allreduce, communicator state", gloo_default, FP32)
+    differs("allreduce, ringcomm group state", gloo_default, FP32)
     differs("fp16", gloo_default, FP16_FROM_FP32)
     differs("fp16", runs["torch fp16 on gloo"], FP16_FROM_TORCH_FP16)
     differs("fp16 wrapper of torch's", runs["fp16"], FP16_FROM_TORCH_FP16)

@@ -76,10 +76,13 @@ def test_divide_is_true_division(dtype):
     assert torch.equal(out, (x.float() / 3).to(dtype) if dtype != torch.float64 else x / 3)
 
 
-def test_divide_rejects_integers():
-    x = torch.arange(4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="floating"):
-        _C.divide_kernel(TORCH_DTYPES[torch.int32], x.data_ptr(), 4, 2)
+def test_divide_truncates_integers_and_rejects_bool():
+    x = torch.tensor([-7, -4, 3, 7], dtype=torch.int32)
+    _C.divide_kernel(TORCH_DTYPES[torch.int32], x.data_ptr(), 4, 2)
+    assert x.tolist() == [-3, -2, 1, 3]  # toward zero, as C and NCCL's avg
+    b = torch.ones(4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="bool"):
+        _C.divide_kernel(TORCH_DTYPES[torch.bool], b.data_ptr(), 4, 2)
 
 
 @pytest.mark.parametrize("op,fn", [(0, lambda x, y: x + y), (2, lambda x, y: x * y),
