@@ -49,13 +49,12 @@ KNOWN_DIFFERENCES = {
                                  "DDP's logging data, where the test expects dist.get_backend()",
 }
 
-# What CI runs (tests/test_torch_suite.py): one or two of each kind, a minute on two cores.
+# What CI runs (tests/test_torch_suite.py): one of each kind, 40 s on two cores.
 CI_SELECTION = [
-    "test_all_reduce_sum", "test_all_reduce_coalesced_sum", "test_all_gather",
-    "test_all_gather_coalesced_simple", "test_broadcast", "test_reduce_sum", "test_scatter",
-    "test_gather", "test_barrier", "test_send_recv_with_tag", "test_isend",
+    "test_all_reduce_sum", "test_all_reduce_coalesced_sum", "test_all_gather_coalesced_simple",
+    "test_broadcast", "test_scatter", "test_gather", "test_send_recv_with_tag",
     "test_batch_isend_irecv_gloo_tags", "test_all_gather_object_default_pg",
-    "test_scatter_object_list", "test_DistributedDataParallelCPU",
+    "test_DistributedDataParallelCPU",
 ]
 
 
