@@ -249,20 +249,20 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
     Staged t(one(tensors, "broadcast"));
-    return run(c10d::OpType::BROADCAST, tensors, {t}, [&] {
+    return run(c10d::OpType::BROADCAST, tensors, {t}, [&](bool async) {
       return std::vector<rc::WorkPtr>{
-          comm_->broadcast(t.data(), t.count(), t.dtype(), int(opts.rootRank), true)};
-    });
+          comm_->broadcast(t.data(), t.count(), t.dtype(), int(opts.rootRank), async)};
+    }, {}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
     Staged t(one(tensors, "allreduce"));
     rc::ReduceOp op = premultiply(opts.reduceOp, t);
-    return run(c10d::OpType::ALLREDUCE, tensors, {t}, [&] {
+    return run(c10d::OpType::ALLREDUCE, tensors, {t}, [&](bool async) {
       return std::vector<rc::WorkPtr>{
-          comm_->all_reduce(t.data(), t.count(), t.dtype(), op, rc::Algorithm::kAuto, true)};
-    });
+          comm_->all_reduce(t.data(), t.count(), t.dtype(), op, rc::Algorithm::kAuto, async)};
+    }, {}, opts.asyncOp);
   }
 
   // Through the fused bucket path: bitwise what one allreduce per tensor gives.
@@ -276,52 +276,52 @@ class RingcommBackend : public c10d::Backend {
       op = premultiply(opts.reduceOp, staged.back());
       refs.push_back({staged.back().data(), staged.back().count(), staged.back().dtype()});
     }
-    return run(c10d::OpType::ALLREDUCE_COALESCED, tensors, staged, [&] {
+    return run(c10d::OpType::ALLREDUCE_COALESCED, tensors, staged, [&](bool async) {
       return std::vector<rc::WorkPtr>{
-          comm_->all_reduce_coalesced(refs, op, kBucketBytes, {}, true)};
-    });
+          comm_->all_reduce_coalesced(refs, op, kBucketBytes, {}, async)};
+    }, {}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
                                         const c10d::ReduceOptions& opts) override {
     Staged t(one(tensors, "reduce"));
     rc::ReduceOp op = premultiply(opts.reduceOp, t);
-    return run(c10d::OpType::REDUCE, tensors, {t}, [&] {
+    return run(c10d::OpType::REDUCE, tensors, {t}, [&](bool async) {
       return std::vector<rc::WorkPtr>{
-          comm_->reduce(t.data(), t.count(), t.dtype(), op, int(opts.rootRank), true)};
-    });
+          comm_->reduce(t.data(), t.count(), t.dtype(), op, int(opts.rootRank), async)};
+    }, {}, opts.asyncOp);
   }
 
   // outputs[0][q] receives rank q's input.
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
-                                           const c10d::AllgatherOptions&) override {
+                                           const c10d::AllgatherOptions& opts) override {
     one(inputs, "allgather");
     TORCH_CHECK_VALUE(outputs.size() == 1, "ringcomm allgather: expected one output list, got ",
                       outputs.size());
     std::vector<std::vector<at::Tensor>> per_rank;
     for (const auto& t : outputs[0]) per_rank.push_back({t});
-    return gather_lists(c10d::OpType::ALLGATHER, per_rank, inputs, outputs[0]);
+    return gather_lists(c10d::OpType::ALLGATHER, per_rank, inputs, outputs[0], opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
       std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions&) override {
+      const c10d::AllgatherOptions& opts) override {
     std::vector<at::Tensor> results;
     for (auto& list : outputs) results.insert(results.end(), list.begin(), list.end());
-    return gather_lists(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs, results);
+    return gather_lists(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs, results, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions&) override {
+                                                 const c10d::AllgatherOptions& opts) override {
     std::vector<at::Tensor> outputs{output}, inputs{input};
-    return allgather_into_tensor(c10d::OpType::_ALLGATHER_BASE, outputs, inputs);
+    return allgather_into_tensor(c10d::OpType::_ALLGATHER_BASE, outputs, inputs, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions&) override {
-    return allgather_into_tensor(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs);
+      const c10d::AllgatherOptions& opts) override {
+    return allgather_into_tensor(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -341,10 +341,10 @@ class RingcommBackend : public c10d::Backend {
       }
       results = outputs[0];
     }
-    return run(c10d::OpType::GATHER, results, outs, [&] {
+    return run(c10d::OpType::GATHER, results, outs, [&](bool async) {
       return std::vector<rc::WorkPtr>{
-          comm_->gather(in.data(), pointers, in.count(), in.dtype(), root, true)};
-    }, {in.dense});
+          comm_->gather(in.data(), pointers, in.count(), in.dtype(), root, async)};
+    }, {in.dense}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
@@ -362,10 +362,10 @@ class RingcommBackend : public c10d::Backend {
         pointers.push_back(keep.back().data_ptr());
       }
     }
-    return run(c10d::OpType::SCATTER, outputs, {out}, [&] {
+    return run(c10d::OpType::SCATTER, outputs, {out}, [&](bool async) {
       return std::vector<rc::WorkPtr>{
-          comm_->scatter(pointers, out.data(), out.count(), out.dtype(), root, true)};
-    }, keep);
+          comm_->scatter(pointers, out.data(), out.count(), out.dtype(), root, async)};
+    }, keep, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -376,14 +376,14 @@ class RingcommBackend : public c10d::Backend {
     per_rank(inputs[0], out, "reduce_scatter input");
     at::Tensor flat = at::cat(flatten_all(inputs[0]));
     return reduce_scatter_into(c10d::OpType::REDUCE_SCATTER, outputs, {out}, {flat},
-                               opts.reduceOp);
+                               opts.reduceOp, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
     std::vector<at::Tensor> outputs{output};
     return reduce_scatter_into(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, {Staged(output)},
-                               {input}, opts.reduceOp);
+                               {input}, opts.reduceOp, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
@@ -393,13 +393,13 @@ class RingcommBackend : public c10d::Backend {
                       outputs.size(), " outputs for ", inputs.size(), " inputs");
     std::vector<Staged> outs(outputs.begin(), outputs.end());
     return reduce_scatter_into(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, outputs, outs,
-                               inputs, opts.reduceOp);
+                               inputs, opts.reduceOp, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
                                                std::vector<int64_t>& output_splits,
                                                std::vector<int64_t>& input_splits,
-                                               const c10d::AllToAllOptions&) override {
+                                               const c10d::AllToAllOptions& opts) override {
     check_same(output, input, "alltoall_base");
     Staged out(output), in(input);
     const auto out_rows = rows(out.dense, output_splits, "output");
@@ -419,15 +419,15 @@ class RingcommBackend : public c10d::Backend {
       in_at += in_rows[q];
     }
     std::vector<at::Tensor> outputs{output};
-    return run(c10d::OpType::ALLTOALL_BASE, outputs, {out}, [&] {
+    return run(c10d::OpType::ALLTOALL_BASE, outputs, {out}, [&](bool async) {
       return std::vector<rc::WorkPtr>{
-          comm_->all_to_all(ins, in_counts, outs, out_counts, out.dtype(), true)};
-    }, {in.dense});
+          comm_->all_to_all(ins, in_counts, outs, out_counts, out.dtype(), async)};
+    }, {in.dense}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
                                           std::vector<at::Tensor>& inputs,
-                                          const c10d::AllToAllOptions&) override {
+                                          const c10d::AllToAllOptions& opts) override {
     TORCH_CHECK_VALUE(int(outputs.size()) == getSize() && int(inputs.size()) == getSize(),
                       "ringcomm alltoall: needs ", getSize(), " outputs and inputs, got ",
                       outputs.size(), " and ", inputs.size());
@@ -446,17 +446,17 @@ class RingcommBackend : public c10d::Backend {
       out_ptrs.push_back(outs[q].data());
       out_counts.push_back(outs[q].count());
     }
-    return run(c10d::OpType::ALLTOALL, outputs, outs, [&] {
+    return run(c10d::OpType::ALLTOALL, outputs, outs, [&](bool async) {
       return std::vector<rc::WorkPtr>{comm_->all_to_all(in_ptrs, in_counts, out_ptrs, out_counts,
-                                                        dtype_of(inputs[0]), true)};
-    }, keep);
+                                                        dtype_of(inputs[0]), async)};
+    }, keep, opts.asyncOp);
   }
 
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
     std::vector<at::Tensor> none;
-    return run(c10d::OpType::BARRIER, none, {}, [&] {
-      return std::vector<rc::WorkPtr>{comm_->barrier(true)};
-    });
+    return run(c10d::OpType::BARRIER, none, {}, [&](bool async) {
+      return std::vector<rc::WorkPtr>{comm_->barrier(async)};
+    }, {}, opts.asyncOp);
   }
 
   // Rank 0 hears from every rank within the timeout, then releases them; a rank that does not
@@ -496,7 +496,7 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
                                       int tag) override {
     Staged t(one(tensors, "send"));
-    return run(c10d::OpType::SEND, tensors, {}, [&] {
+    return run(c10d::OpType::SEND, tensors, {}, [&](bool) {
       return std::vector<rc::WorkPtr>{
           comm_->send(t.data(), t.count(), t.dtype(), dst, true, uint32_t(tag))};
     }, {t.dense});
@@ -505,7 +505,7 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
                                       int tag) override {
     Staged t(one(tensors, "recv"));
-    auto work = run(c10d::OpType::RECV, tensors, {t}, [&] {
+    auto work = run(c10d::OpType::RECV, tensors, {t}, [&](bool) {
       return std::vector<rc::WorkPtr>{
           comm_->recv(t.data(), t.count(), t.dtype(), src, true, uint32_t(tag))};
     });
@@ -593,14 +593,17 @@ class RingcommBackend : public c10d::Backend {
     return rc::ReduceOp::kSum;
   }
 
+  // Issues the core operations of one torch op. `async` false (torch's async_op=False, which
+  // waits right after) runs them on the caller's thread when nothing is queued, as a blocking
+  // core call does: no hand-off to the progress thread and back.
   c10::intrusive_ptr<RingcommWork> run(c10d::OpType type, const std::vector<at::Tensor>& results,
                                        const std::vector<Staged>& outputs,
-                                       const std::function<std::vector<rc::WorkPtr>()>& issue,
-                                       std::vector<at::Tensor> keep = {}) {
+                                       const std::function<std::vector<rc::WorkPtr>(bool)>& issue,
+                                       std::vector<at::Tensor> keep = {}, bool async = true) {
     auto work = c10::make_intrusive<RingcommWork>(getRank(), type, comm_, results);
     std::vector<rc::WorkPtr> ops;
     try {
-      ops = issue();
+      ops = issue(async || comm_->on_progress_thread());
     } catch (const std::invalid_argument& e) {
       TORCH_CHECK_VALUE(false, "ringcomm ", c10d::opTypeToString(type), ": ", e.what());
     } catch (const rc::Error& e) {
@@ -615,7 +618,7 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> gather_lists(c10d::OpType type,
                                               const std::vector<std::vector<at::Tensor>>& per_rank,
                                               const std::vector<at::Tensor>& inputs,
-                                              std::vector<at::Tensor> results) {
+                                              std::vector<at::Tensor> results, bool async) {
     TORCH_CHECK_VALUE(int(per_rank.size()) == getSize(), "ringcomm allgather: needs one output "
                       "list per rank (", getSize(), "), got ", per_rank.size());
     std::vector<Staged> ins(inputs.begin(), inputs.end()), staged;
@@ -636,16 +639,17 @@ class RingcommBackend : public c10d::Backend {
                                staged.back().dtype()});
       }
     }
-    return run(type, results, staged, [&] {
+    return run(type, results, staged, [&](bool async) {
       return std::vector<rc::WorkPtr>{
-          comm_->all_gather_coalesced(out_refs, in_refs, kBucketBytes, true)};
-    }, denses(ins));
+          comm_->all_gather_coalesced(out_refs, in_refs, kBucketBytes, async)};
+    }, denses(ins), async);
   }
 
   // outputs[i] holds every rank's inputs[i], back to back.
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor(c10d::OpType type,
                                                        std::vector<at::Tensor>& outputs,
-                                                       std::vector<at::Tensor>& inputs) {
+                                                       std::vector<at::Tensor>& inputs,
+                                                       bool async) {
     TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ringcomm allgather: ", outputs.size(),
                       " outputs for ", inputs.size(), " inputs");
     std::vector<Staged> outs(outputs.begin(), outputs.end()), ins(inputs.begin(), inputs.end());
@@ -655,13 +659,13 @@ class RingcommBackend : public c10d::Backend {
                         "allgather_into_tensor: output has ", outs[i].count(), " elements, "
                         "expected world size x input = ", ins[i].count() * getSize());
     }
-    return run(type, outputs, outs, [&] {
+    return run(type, outputs, outs, [&](bool async) {
       std::vector<rc::WorkPtr> ops;
       for (size_t i = 0; i < outs.size(); ++i)
         ops.push_back(comm_->all_gather(outs[i].data(), ins[i].data(), ins[i].count(),
-                                        ins[i].dtype(), true));
+                                        ins[i].dtype(), async));
       return ops;
-    }, denses(ins));
+    }, denses(ins), async);
   }
 
   // outputs[i] receives this rank's block of inputs[i] reduced over all ranks.
@@ -669,7 +673,8 @@ class RingcommBackend : public c10d::Backend {
                                                      std::vector<at::Tensor>& results,
                                                      std::vector<Staged> outs,
                                                      const std::vector<at::Tensor>& inputs,
-                                                     const c10d::ReduceOp& reduce_op) {
+                                                     const c10d::ReduceOp& reduce_op,
+                                                     bool async) {
     std::vector<Staged> ins(inputs.begin(), inputs.end());
     std::vector<rc::ReduceOp> ops;
     for (size_t i = 0; i < outs.size(); ++i) {
@@ -681,13 +686,13 @@ class RingcommBackend : public c10d::Backend {
       if (reduce_op.op_ == c10d::ReduceOp::PREMUL_SUM) ins[i].dense = ins[i].dense.clone();
       ops.push_back(premultiply(reduce_op, ins[i]));
     }
-    return run(type, results, outs, [&] {
+    return run(type, results, outs, [&](bool async) {
       std::vector<rc::WorkPtr> works;
       for (size_t i = 0; i < outs.size(); ++i)
         works.push_back(comm_->reduce_scatter(outs[i].data(), ins[i].data(), outs[i].count(),
-                                              outs[i].dtype(), ops[i], true));
+                                              outs[i].dtype(), ops[i], async));
       return works;
-    }, denses(ins));
+    }, denses(ins), async);
   }
 
   std::shared_ptr<rc::Communicator> comm_;
