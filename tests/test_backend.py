@@ -436,6 +436,28 @@ def test_failed_work_reports_its_error():
     assert run_ranks(2, failed_work, make_comm=False) == [(True, False, True)] * 2
 
 
+def monitored(store, rank, world):
+    # torch's dist.monitored_barrier is gloo-only by name; the group's own method reaches ringcomm
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=3))
+    group = dist.group.WORLD
+    group.monitored_barrier(timedelta(seconds=5), wait_all_ranks=True)  # everyone arrives
+    if rank == 2:
+        time.sleep(1.5)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        group.monitored_barrier(timedelta(seconds=0.5), wait_all_ranks=True)
+    return str(info.value), time.monotonic() - start
+
+
+def test_monitored_barrier_names_the_rank_that_did_not_arrive():
+    results = run_ranks(3, monitored, make_comm=False, timeout=60)
+    message, elapsed = results[0]
+    assert "rank 2 failed to pass monitoredBarrier in 500 ms" in message, message
+    assert elapsed < 1.5, elapsed
+    assert "was not released by rank 0" in results[1][0], results[1]
+
+
 def tags_disagree(store, rank, world):
     dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
     with pytest.raises(RuntimeError, match="mismatched operations") as info:

@@ -1,4 +1,5 @@
-"""reduce_scatter, all_gather(v), broadcast, reduce, barrier, send/recv, async handles."""
+"""reduce_scatter, all_gather(v), broadcast, reduce, gather, scatter, all_to_all, barrier,
+send/recv, async handles."""
 import numpy as np
 import pytest
 import torch
@@ -51,6 +52,24 @@ def rooted_and_gathers(comm, counts):
                 assert torch.equal(red, sum(values(q, count) for q in range(n))), "reduce"
             else:
                 assert torch.equal(red, values(r, count)), "reduce must leave non-root input alone"
+
+            outs = [torch.empty(count, dtype=torch.float64) for _ in range(n)] if r == root else None
+            comm.gather(values(r, count, torch.float64), outs, dst=root)
+            if r == root:
+                for q in range(n):
+                    assert torch.equal(outs[q], values(q, count, torch.float64)), "gather"
+            piece = torch.empty(count, dtype=torch.int8)
+            ins = [values(q + root, count, torch.int8) for q in range(n)] if r == root else None
+            comm.scatter(ins, piece, src=root)
+            assert torch.equal(piece, values(r + root, count, torch.int8)), "scatter"
+
+        # all_to_all with uneven blocks: rank a sends (a + b + count) % 4 * count // 3 elements to b
+        size = lambda a, b: (a + b + count) % 4 * count // 3  # noqa: E731
+        sent = [values(10 * r + q, size(r, q)) for q in range(n)]
+        got = [torch.empty(size(q, r)) for q in range(n)]
+        comm.all_to_all(got, sent)
+        for q in range(n):
+            assert torch.equal(got[q], values(10 * q + r, size(q, r))), f"all_to_all from {q}"
         comm.barrier()
     return True
 

@@ -80,6 +80,22 @@ def test_mismatch_message_names_both_counts():
         assert "count=7" in message and "count=9" in message, message
 
 
+def gather_vs_send(comm):
+    # the gather's messages have their own signature: a plain send into it is a mismatch
+    if comm.rank == 0:
+        call = lambda: comm.gather(torch.ones(6), [torch.empty(6), torch.empty(6)], dst=0)
+    else:
+        def call():
+            comm.send(torch.ones(6), 0)
+            comm.all_reduce(torch.ones(2))  # the send may complete before rank 0 reads it
+    return expect_error(call)[0]
+
+
+def test_gather_against_a_send_is_a_mismatch():
+    for message in run_ranks(2, gather_vs_send):
+        assert "mismatched" in message and "gather" in message, message
+
+
 def empty_vs_nonempty(comm):
     return expect_error(lambda: comm.all_reduce(torch.ones(0 if comm.rank == 0 else 5)))[0]
 
