@@ -76,7 +76,10 @@ def load():
                 sources=[str(csrc / "torch" / "backend.cc")],
                 extra_include_paths=[str(csrc)],
                 extra_cflags=["-O2"],
-                extra_ldflags=[f"-L{_PACKAGE}", "-lringcomm", f"-Wl,-rpath,{_PACKAGE}"],
+                # No rpath: _C (imported above) has loaded libringcomm.so already, and the loader
+                # binds this module to it by its soname, so a cached build serves any
+                # installation of the same sources and the process has one core.
+                extra_ldflags=[f"-L{_PACKAGE}", "-lringcomm"],
                 build_directory=str(build_dir),
                 verbose=bool(os.environ.get("RINGCOMM_DEBUG")),
             )
