@@ -469,16 +469,52 @@ void Communicator::fail(const std::string& reason, const std::exception_ptr& err
     if (broken_.empty()) broken_ = reason;
     dropped.swap(queue_);
   }
+  cv_.notify_all();  // abort() waits for broken_
   mesh_->abort(reason, error);
   for (Task& t : dropped) t.work->finish("communicator is broken: " + reason);
+}
+
+void Communicator::abort(const std::string& reason) {
+  const std::string why = reason.empty() ? "aborted" : reason;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!broken_.empty() || closed_) return;
+    abort_reason_ = why;
+  }
+  mesh_->interrupt(why);  // the thread inside an operation throws out of its wait
+  wake();
+  cv_.notify_all();
+  std::unique_lock<std::mutex> lk(mu_);
+  if (on_progress_thread() || !progress_thread_.joinable()) {
+    // No thread to hand it to (a callback, or never connected): fail here, outside the mesh
+    // only if nobody is inside it.
+    if (!executing_ && broken_.empty()) {
+      lk.unlock();
+      fail("aborted: " + why, std::make_exception_ptr(Error("aborted: " + why)));
+    }
+    return;
+  }
+  cv_.wait_for(lk, std::chrono::seconds(1), [&] { return !broken_.empty(); });
 }
 
 void Communicator::progress_loop() {
   std::unique_lock<std::mutex> lk(mu_);
   while (true) {
     cv_.wait(lk, [&] {
-      return !executing_ && (stopping_ || !queue_.empty() || !p2p_deadlines_.empty());
+      return !executing_ && (stopping_ || !queue_.empty() || !p2p_deadlines_.empty() ||
+                             (!abort_reason_.empty() && broken_.empty()));
     });
+    if (!abort_reason_.empty() && broken_.empty()) {
+      // Nothing was running to notice the interrupt: tell the peers and fail what is queued.
+      std::string reason = str_cat("aborted: ", abort_reason_, " [rank ", rank_, "]");
+      executing_ = true;
+      lk.unlock();
+      fail(reason, std::make_exception_ptr(Error(reason)));
+      lk.lock();
+      executing_ = false;
+      cv_.notify_all();
+      continue;
+    }
     if (!queue_.empty()) {
       Task task = std::move(queue_.front());
       queue_.pop_front();

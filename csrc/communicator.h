@@ -129,6 +129,11 @@ class Communicator {
   uint64_t bytes_sent(const std::string& transport) const { return mesh_->bytes_sent(transport); }
   // Empty unless an error has broken this communicator.
   std::string broken_reason();
+  // Fails the operation in progress and every queued one at once with "aborted: <reason>",
+  // tells the peers (their operations with this rank fail with the reason too) and leaves this
+  // communicator broken. From any thread; returns once that is done (a second of grace for the
+  // thread running an operation to notice). close() afterwards does not wait for anything.
+  void abort(const std::string& reason);
   // Finishes queued work, stops the progress thread and closes connections. A second caller
   // waits for the first. From the progress thread (a completion callback) it only asks the
   // thread to stop: the thread cannot join itself; a later close() from elsewhere finishes.
@@ -175,6 +180,7 @@ class Communicator {
   std::deque<Task> queue_;
   bool executing_ = false;        // a thread is inside the transport
   bool stopping_ = false;
+  std::string abort_reason_;      // abort() asked; the progress thread fails what is left
   bool closing_ = false, closed_ = false;  // a thread outside the progress thread is closing / done
   std::string broken_;
   uint64_t next_seq_ = 0;

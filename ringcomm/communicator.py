@@ -382,6 +382,13 @@ class Communicator:
         """Why this communicator is broken, or None."""
         return self._core.broken_reason() or None
 
+    def abort(self, reason: str = "aborted"):
+        """Fails the running and every queued operation at once with "aborted: <reason>" and
+        tells the peers, whose operations with this rank fail with the reason too; the
+        communicator is broken after (close() then waits for nothing). From any thread, a
+        signal handler or a completion callback."""
+        self._core.abort(str(reason))
+
     def close(self):
         """Finishes queued operations and closes connections. Idempotent; a second caller waits
         for the first. From a completion callback it only stops the progress thread (which cannot

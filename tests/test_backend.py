@@ -458,6 +458,31 @@ def test_monitored_barrier_names_the_rank_that_did_not_arrive():
     assert "was not released by rank 0" in results[1][0], results[1]
 
 
+def group_abort(store, rank, world):
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    if rank == 1:
+        time.sleep(1.5)  # joins after rank 0 has given up
+        with pytest.raises(RuntimeError, match="ProcessGroup.abort") as info:
+            dist.all_reduce(torch.ones(1 << 20))
+        return str(info.value)
+    work = dist.all_reduce(torch.ones(1 << 20), async_op=True)
+    time.sleep(0.3)
+    start = time.monotonic()
+    dist.group.WORLD.abort()  # fails the pending op at once, not after the 30 s timeout
+    with pytest.raises(RuntimeError, match="aborted: ProcessGroup.abort"):
+        work.wait()
+    elapsed = time.monotonic() - start
+    time.sleep(1.5)  # alive while rank 1 joins and reads the reason
+    return elapsed
+
+
+def test_process_group_abort_fails_pending_work_at_once():
+    elapsed, peer = run_ranks(2, group_abort, make_comm=False, timeout=60)
+    assert elapsed < 2, elapsed
+    assert "ProcessGroup.abort() called" in peer, peer
+
+
 def tags_disagree(store, rank, world):
     dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
     with pytest.raises(RuntimeError, match="mismatched operations") as info:

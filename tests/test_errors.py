@@ -1,5 +1,6 @@
 """Bad input, mismatched collectives, dead peers, strangers and timeouts: clear errors, no hangs."""
 import os
+import signal
 import socket
 import struct
 import threading
@@ -250,3 +251,80 @@ def bad_arguments(comm):
 
 def test_bad_arguments_raise_before_sending():
     assert all(run_ranks(2, bad_arguments))
+
+
+# ---- abort and signals --------------------------------------------------------------------
+
+def abort_pending(comm):
+    """Rank 1 joins the first all_reduce late. Rank 0 aborts while it waits: its operation, and
+    one queued behind it, fail at once; rank 1, joining, hears the reason."""
+    if comm.rank == 1:
+        time.sleep(1.0)
+        return expect_error(lambda: comm.all_reduce(torch.ones(1 << 20)))[0]
+    running = comm.all_reduce(torch.ones(1 << 20), async_op=True)
+    queued = comm.all_reduce(torch.ones(4), async_op=True)
+    time.sleep(0.3)
+    start = time.monotonic()
+    threading.Thread(target=comm.abort, args=("preempted",)).start()  # from another thread
+    first = expect_error(running.wait)[0]
+    second = expect_error(queued.wait)[0]
+    elapsed = time.monotonic() - start
+    after = expect_error(lambda: comm.all_reduce(torch.ones(4)))[0]
+    time.sleep(1.2)  # alive while rank 1 joins (gone, it would read a reset, not the reason)
+    start = time.monotonic()
+    comm.close()  # returns at once: nothing left to finish
+    return first, second, after, elapsed, time.monotonic() - start
+
+
+def test_abort_fails_pending_operations_at_once_and_tells_peers():
+    (first, second, after, elapsed, closed), peer = run_ranks(2, abort_pending, timeout=60,
+                                                               comm_timeout=30)
+    assert "aborted: preempted" in first and "aborted: preempted" in second, (first, second)
+    assert "broken" in after
+    assert elapsed < 2 and closed < 1, (elapsed, closed)  # not the 30 s timeout
+    assert "preempted" in peer, peer
+
+
+def abort_blocking_call(comm):
+    """A blocking call runs on the caller's thread; abort from a timer thread interrupts it."""
+    if comm.rank == 1:
+        time.sleep(1.5)
+        return None
+    threading.Timer(0.3, comm.abort, args=("stop",)).start()
+    start = time.monotonic()
+    message = expect_error(lambda: comm.all_reduce(torch.ones(8)))[0]
+    return message, time.monotonic() - start
+
+
+def test_abort_interrupts_a_blocking_call_on_another_thread():
+    (message, elapsed), _ = run_ranks(2, abort_blocking_call, timeout=60, comm_timeout=30)
+    assert "aborted: stop" in message and elapsed < 2, (message, elapsed)
+
+
+class Preempted(Exception):
+    pass
+
+
+def signal_during_wait(comm):
+    """A signal handler runs while Work.wait() waits for an operation a peer never joins."""
+    if comm.rank == 1:
+        time.sleep(2.0)
+        return None
+
+    def handler(signum, frame):
+        raise Preempted()
+
+    signal.signal(signal.SIGALRM, handler)
+    work = comm.all_reduce(torch.ones(4), async_op=True)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    start = time.monotonic()
+    try:
+        work.wait()
+    except Preempted:
+        return time.monotonic() - start
+    return "wait returned without the handler running"
+
+
+def test_work_wait_lets_signal_handlers_run():
+    elapsed, _ = run_ranks(2, signal_during_wait, timeout=60, comm_timeout=30, allow_errors=True)
+    assert isinstance(elapsed, float) and elapsed < 1.0, elapsed

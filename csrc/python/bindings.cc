@@ -1,5 +1,7 @@
 // pybind11 bindings: ringcomm._C. Buffers cross as (address, element count, dtype code); the
 // Python layer turns tensors and arrays into those and keeps them alive while in use.
+#include <chrono>
+
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -42,7 +44,29 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<Error>(m, "RingcommError", PyExc_RuntimeError);
 
   py::class_<Work, WorkPtr>(m, "Work")
-      .def("wait", &Work::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
+      // Waits in slices of 100 ms with Python's signal handlers run between them: a SIGINT or a
+      // preemption SIGTERM handler runs (and may raise) while an operation is pending.
+      .def("wait",
+           [](Work& w, double timeout_s) {
+             const auto start = std::chrono::steady_clock::now();
+             while (true) {
+               double slice = 0.1;
+               if (timeout_s >= 0) {
+                 double left = timeout_s - std::chrono::duration<double>(
+                                               std::chrono::steady_clock::now() - start).count();
+                 slice = std::max(0.0, std::min(slice, left));
+               }
+               bool done;
+               {
+                 py::gil_scoped_release nogil;
+                 done = w.wait(slice);
+               }
+               if (done) return true;
+               if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+               if (timeout_s >= 0 && slice < 0.1) return false;
+             }
+           },
+           py::arg("timeout_s") = -1.0)
       .def("is_completed", &Work::is_completed)
       .def("error", &Work::error)
       .def("add_done_callback",
@@ -152,6 +176,7 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("transport"))
       .def("broken_reason", &Communicator::broken_reason)
       .def("on_progress_thread", &Communicator::on_progress_thread)
+      .def("abort", &Communicator::abort, py::arg("reason") = "", G())
       .def("close", &Communicator::close, G());
 
   // Kernels, exposed for tests and benchmarks.

@@ -517,8 +517,12 @@ class RingcommBackend : public c10d::Backend {
     fail("ringcomm: receives need a source rank (recv from any source is not supported)");
   }
 
+  // shutdown() lets queued operations finish; abort() fails them at once and tells the peers.
   void shutdown() override { comm_->close(); }
-  void abort() override { comm_->close(); }
+  void abort() override {
+    comm_->abort("ProcessGroup.abort() called");
+    comm_->close();
+  }
 
  private:
   // What DDP's buckets are: one fused operation per 25 MiB.

@@ -1,6 +1,7 @@
 #include "transport/mesh.h"
 
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sched.h>
 #include <string.h>
 #include <unistd.h>
@@ -84,9 +85,32 @@ Mesh::Mesh(int rank, int world_size, MeshOptions options)
                                              tcp::TcpOptions::from_env(options_.master_addr), *this);
   if (options_.transport != "tcp" && world_size > 1)
     shm_ = std::make_unique<shm::ShmTransport>(rank, world_size, shm::ShmOptions::from_env(), *this);
+  interrupt_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (interrupt_fd_ < 0) RC_THROW("eventfd failed: ", strerror(errno));
 }
 
-Mesh::~Mesh() { close(); }
+Mesh::~Mesh() {
+  close();
+  ::close(interrupt_fd_);
+}
+
+void Mesh::interrupt(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lk(interrupt_mu_);
+    if (interrupted_) return;
+    interrupt_reason_ = reason.empty() ? "aborted" : reason;
+    interrupted_ = true;
+  }
+  uint64_t one = 1;
+  if (write(interrupt_fd_, &one, sizeof one) < 0) { /* counter saturated: already readable */ }
+  if (shm_) shm_->ring_self();
+}
+
+void Mesh::throw_if_interrupted() const {
+  if (!interrupted_.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lk(interrupt_mu_);
+  RC_THROW("aborted: ", interrupt_reason_);
+}
 
 std::string Mesh::address() const {
   std::string text = str_cat("host=", host_, ";tcp=", tcp_->address());
@@ -228,6 +252,7 @@ bool Mesh::block(int wake_fd, Clock::time_point deadline, bool sleep) {
   fds_.clear();
   tcp_->add_poll_fds(fds_);
   if (wake_fd >= 0) fds_.push_back({wake_fd, POLLIN, 0});
+  fds_.push_back({interrupt_fd_, POLLIN, 0});
   auto poll_for = std::min<Clock::duration>(deadline - now, std::chrono::seconds(1));
   if (!sleep) {
     poll_for = Clock::duration::zero();
@@ -271,6 +296,7 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
   const auto yield_for = std::chrono::microseconds(std::max(options_.yield_us, 0));
   Clock::time_point yield_until;
   while (!done(req)) {
+    throw_if_interrupted();
     if (progress()) continue;
     if (done(req)) break;
     // The clock is read every 32 idle polls: reading it each time cost more than the poll.
@@ -300,6 +326,7 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
 
 void Mesh::progress_until_event(int wake_fd, Clock::time_point deadline) {
   check_usable();
+  throw_if_interrupted();
   size_t before = ops_.size();
   if (progress() && ops_.size() < before) return;
   block(wake_fd, deadline);

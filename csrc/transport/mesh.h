@@ -5,7 +5,9 @@
 // sockets and, while shared-memory operations are pending, sleep on this rank's doorbell.
 #pragma once
 
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -67,6 +69,10 @@ class Mesh final : public PartSink {
   void progress_until_event(int wake_fd, Clock::time_point deadline);
   // Interrupts progress_until_event from another thread (with a write to its wake_fd).
   void wake();
+  // From any thread: every wait, now or later, throws ringcomm::Error("aborted: <reason>") at
+  // once, so that the thread running an operation fails it (and calls abort()) without waiting
+  // for a peer or the timeout.
+  void interrupt(const std::string& reason);
 
   // After an error: tell every peer why (best effort), stop sending, and fail every posted
   // operation's callback with `error`.
@@ -90,6 +96,7 @@ class Mesh final : public PartSink {
   // With sleep false, only looks: polls the sockets without waiting.
   bool block(int wake_fd, Clock::time_point deadline, bool sleep = true);
   void check_usable() const;
+  void throw_if_interrupted() const;
   std::string describe_waiting() const;
   void agree_on_shm(const std::vector<std::string>& hosts,
                     const std::vector<std::string>& shm_addresses, Clock::time_point deadline);
@@ -106,6 +113,12 @@ class Mesh final : public PartSink {
   bool has_current_ = false;
   std::string abort_reason_;
   std::vector<pollfd> fds_;  // reused by block()
+  // interrupt(): the flag is read in every wait loop; the eventfd wakes a ppoll, the shared
+  // memory doorbell a futex sleep.
+  std::atomic<bool> interrupted_{false};
+  mutable std::mutex interrupt_mu_;
+  std::string interrupt_reason_;
+  int interrupt_fd_ = -1;
 };
 
 }  // namespace ringcomm
