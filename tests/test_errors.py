@@ -195,6 +195,53 @@ def test_stranger_with_wrong_token_is_refused():
     assert stranger_seen[2] in (refused, b""), stranger_seen
 
 
+def silent_crowd(store, rank, world):
+    """Rank 0 waits for a rank 1 that never comes while 80 connections that never say hello pile
+    up: it keeps at most 65 of them waiting (its one expected peer plus 64), closing the oldest."""
+    prefixed = torch.distributed.PrefixStore("ringcomm/crowd", store)
+    if rank == 1:
+        prefixed.wait(["addr/0", "token"], timedelta(seconds=20))
+        prefixed.set("addr/1", "host=elsewhere;tcp=127.0.0.1:9")  # never dialled: 1 dials 0
+        fields = dict(f.split("=", 1) for f in prefixed.get("addr/0").decode().split(";"))
+        host, port = fields["tcp"].rsplit(":", 1)
+        time.sleep(0.3)  # rank 0 is in its accept loop
+        crowd = [socket.create_connection((host, int(port)), timeout=20) for _ in range(80)]
+        time.sleep(1.0)  # well within the 5 s each is allowed for its hello
+        dropped = 0
+        for conn in crowd:
+            conn.setblocking(False)
+            try:
+                dropped += conn.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except ConnectionResetError:
+                dropped += 1
+            conn.close()
+        return dropped
+    return expect_error(lambda: ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=3),
+                                                      name="crowd"))[0]
+
+
+def test_connections_without_a_handshake_are_capped():
+    message, dropped = run_ranks(2, silent_crowd, make_comm=False, timeout=60)
+    assert dropped >= 80 - 65, dropped
+    assert "timed out waiting for 1 connection" in message, message
+
+
+def too_few_descriptors(store, rank, world):
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
+    return expect_error(lambda: ringcomm.Communicator(store, rank, world,
+                                                      timeout=timedelta(seconds=20), name="fds"))[0]
+
+
+def test_a_descriptor_limit_too_low_for_the_mesh_is_a_clear_error():
+    messages = run_ranks(2, too_few_descriptors, make_comm=False, timeout=60,
+                         env={"RINGCOMM_SOCKETS_PER_PEER": "64", "RINGCOMM_TRANSPORT": "tcp"})
+    for message in messages:
+        assert "the mesh needs 64 sockets" in message and "ulimit -n" in message, message
+
+
 def older_peer(store, rank, world):
     """Rank 1 of the job is a process speaking another protocol version, with the right token."""
     prefixed = torch.distributed.PrefixStore("ringcomm/versions", store)

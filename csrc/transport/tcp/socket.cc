@@ -130,15 +130,39 @@ int listen_on(const std::string& host, Endpoint* bound) {
   RC_THROW("cannot listen on ", host, ": ", errno_string(errno));
 }
 
+// Non-blocking connects, each bounded by the deadline: a blocking connect to a host that drops
+// SYNs would wait for the kernel's own timeout (minutes).
 int connect_with_retry(const Endpoint& to, Clock::time_point deadline) {
   auto backoff = std::chrono::milliseconds(5);
   int last_error = 0;
   while (true) {
     AddrInfo info(to.host, to.port, AI_NUMERICSERV);
     for (addrinfo* ai = info.list; ai; ai = ai->ai_next) {
-      int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (fd < 0) continue;
-      if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) return fd;
+      int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      if (fd < 0) {
+        last_error = errno;
+        if (errno == EMFILE || errno == ENFILE)
+          RC_THROW("cannot connect to ", to.str(), ": out of file descriptors (",
+                   errno_string(errno), "); raise the limit (ulimit -n)");
+        continue;
+      }
+      int rc = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
+      if (rc != 0 && errno == EINPROGRESS) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+        pollfd p{fd, POLLOUT, 0};
+        int ready = poll(&p, 1, int(std::max<int64_t>(0, std::min<int64_t>(left.count(), 1000))));
+        int error = 0;
+        socklen_t len = sizeof error;
+        if (ready > 0 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0)
+          rc = 0;
+        else
+          errno = ready > 0 ? error : ETIMEDOUT;
+      }
+      if (rc == 0) {
+        int flags = fcntl(fd, F_GETFL);
+        fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);  // callers set the mode they want
+        return fd;
+      }
       last_error = errno;
       close(fd);
     }

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -100,6 +101,7 @@ void TcpTransport::close() {
 void TcpTransport::connect(const std::vector<std::string>& addresses, const std::string& token,
                            Clock::time_point deadline) {
   RC_CHECK_ARG(int(addresses.size()) == world_size_, "expected ", world_size_, " addresses");
+  ensure_descriptors(size_t(world_size_ - 1) * size_t(sockets_));
   Hello mine{kHelloMagic, 0x01020304, kProtocolVersion, 0, world_size_, rank_, 0, sockets_, {}};
   copy_token(mine.token, token);
 
@@ -140,6 +142,10 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
   };
   std::vector<Pending> pending;
   const auto handshake_time = std::chrono::seconds(5);
+  // Connections still to present a Hello, at most: room for every expected one and some
+  // strangers; beyond that the oldest stranger-to-be is dropped, so a port scan cannot take
+  // every descriptor.
+  const size_t max_pending = size_t(missing) + 64;
   while (missing > 0) {
     auto now = Clock::now();
     if (now >= deadline)
@@ -150,8 +156,21 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
     poll(fds.data(), fds.size(), 100);
     if (fds[0].revents & POLLIN) {
       int fd;
-      while ((fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0)
+      while ((fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0) {
+        if (pending.size() >= max_pending) {
+          RC_LOG("rank ", rank_, ": ", pending.size(), " connections without a handshake; "
+                 "dropping the oldest");
+          ::close(pending.front().fd);
+          pending.erase(pending.begin());
+        }
         pending.push_back({fd, Clock::now() + handshake_time, {}, 0});
+      }
+      if (errno == EMFILE || errno == ENFILE) {
+        for (auto& p : pending) ::close(p.fd);
+        RC_THROW("rank ", rank_, ": out of file descriptors accepting connections (",
+                 errno_string(errno), "); raise the limit (ulimit -n), the mesh needs ",
+                 (world_size_ - 1) * sockets_, " sockets");
+      }
     }
     for (size_t i = 0; i < pending.size();) {
       Pending& p = pending[i];
@@ -195,6 +214,25 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
   for (auto& p : pending) ::close(p.fd);
   if (listen_fd_ >= 0) ::close(listen_fd_);
   listen_fd_ = -1;
+}
+
+// A full mesh needs a descriptor per (peer, socket): raise the soft limit to the hard one if
+// that is short, and say so plainly if even that is not enough.
+void TcpTransport::ensure_descriptors(size_t sockets) {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  const rlim_t needed = rlim_t(sockets) + 64;  // the mesh, plus what a process has open anyway
+  if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < needed &&
+      (limit.rlim_max == RLIM_INFINITY || limit.rlim_max > limit.rlim_cur)) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max == RLIM_INFINITY ? needed : std::min(limit.rlim_max, needed * 2);
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;
+  }
+  if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < needed)
+    RC_THROW("rank ", rank_, ": the mesh needs ", sockets, " sockets (", world_size_ - 1,
+             " peers x ", sockets_, ") but this process may open only ", limit.rlim_cur,
+             " files (hard limit ", limit.rlim_max, "): raise it (ulimit -n) or lower "
+             "RINGCOMM_SOCKETS_PER_PEER");
 }
 
 void TcpTransport::exchange(const std::vector<int>& peers, const std::vector<char>& out,

@@ -77,6 +77,7 @@ class TcpTransport final : public Transport {
   };
 
   Channel& channel(int peer, int socket) { return channels_[size_t(peer) * sockets_ + socket]; }
+  void ensure_descriptors(size_t sockets);
   bool pump_send(Channel& ch);
   bool pump_recv(Channel& ch, bool eager);
   void check_incoming(Channel& ch);
