@@ -338,6 +338,7 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
   const size_t bytes = count * dtype_size(dtype);
   check_may_block(async, is_send ? "send" : "recv");
   auto work = std::make_shared<Work>(this);
+  if (!is_send) work->set_source(peer);
   Task task;
   task.work = work;
   {
@@ -369,6 +370,70 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
   enqueue(std::move(task), /*inline_ok=*/false);
   if (!async) work->wait(-1);
   return work;
+}
+
+WorkPtr Communicator::recv_any(void* buf, size_t count, DType dtype, bool async, uint32_t tag) {
+  RC_CHECK_ARG(world_size_ > 1, "a receive from any source needs another rank");
+  check_may_block(async, "recv from any source");
+  auto work = std::make_shared<Work>(this);
+  Task task;
+  task.work = work;
+  task.sig = collective(Collective::kSendRecv, dtype, ReduceOp::kSum, Algorithm::kDirect, count,
+                        -1, tag);
+  task.sig.p2p = true;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    check_usable_locked();
+  }
+  task.post = [this, buf, count, dtype, tag, work] {
+    std::lock_guard<std::mutex> lk(mu_);
+    int64_t id = next_p2p_id_++;
+    p2p_deadlines_[id] = {Clock::now() + timeout_, "recv from any source"};
+    any_source_.push_back({buf, count, dtype, tag, work, id});
+  };
+  enqueue(std::move(task), /*inline_ok=*/false);
+  if (!async) work->wait(-1);
+  return work;
+}
+
+// A peer qualifies when the next message waiting from it is its next send to this rank; the
+// receive posted for it then checks size, dtype and tag like any receive.
+void Communicator::match_any_source() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!any_source_.empty()) {
+    int found = -1;
+    for (int step = 1; step <= world_size_ && found < 0; ++step) {
+      int q = (last_any_source_ + step) % world_size_;
+      Signature theirs;
+      if (q != rank_ && mesh_->peek(q, &theirs) && theirs.p2p &&
+          theirs.coll == Collective::kSendRecv && theirs.root == q && theirs.seq == recv_seq_[q])
+        found = q;
+    }
+    if (found < 0) return;
+    last_any_source_ = found;
+    AnySource a = std::move(any_source_.front());
+    any_source_.pop_front();
+    auto sig = collective(Collective::kSendRecv, a.dtype, ReduceOp::kSum, Algorithm::kDirect,
+                          a.count, found, a.tag);
+    sig.p2p = true;
+    sig.seq = recv_seq_[found]++;
+    p2p_deadlines_[a.id].second = sig.describe();
+    lk.unlock();
+    WorkPtr work = a.work;
+    int64_t id = a.id;
+    work->set_source(found);
+    mesh_->post_recv(found, a.buf, a.count * dtype_size(a.dtype), sig,
+                     [this, id, work, found](const std::exception_ptr& error) {
+                       {
+                         std::lock_guard<std::mutex> guard(mu_);
+                         p2p_deadlines_.erase(id);
+                       }
+                       work->finish(error ? str_cat(message_of(error), " [rank ", rank_,
+                                                    ", peer ", found, "]")
+                                          : "");
+                     });
+    lk.lock();
+  }
 }
 
 bool Communicator::on_progress_thread() const { return progress_thread_owner == this; }
@@ -464,14 +529,18 @@ void Communicator::run(Task& task) {
 
 void Communicator::fail(const std::string& reason, const std::exception_ptr& error) {
   std::deque<Task> dropped;
+  std::deque<AnySource> unmatched;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (broken_.empty()) broken_ = reason;
     dropped.swap(queue_);
+    unmatched.swap(any_source_);
+    for (const AnySource& a : unmatched) p2p_deadlines_.erase(a.id);
   }
   cv_.notify_all();  // abort() waits for broken_
   mesh_->abort(reason, error);
   for (Task& t : dropped) t.work->finish("communicator is broken: " + reason);
+  for (AnySource& a : unmatched) a.work->finish(reason);
 }
 
 void Communicator::abort(const std::string& reason) {
@@ -542,12 +611,18 @@ void Communicator::progress_loop() {
       lk.lock();
       continue;
     }
+    // A receive from any source looks at its peers every millisecond: a shared-memory peer's
+    // message does not wake a thread that is not sleeping on the doorbell for a posted receive.
+    const auto nap = any_source_.empty() ? Clock::duration(std::chrono::seconds(1))
+                                         : Clock::duration(std::chrono::milliseconds(1));
     executing_ = true;
     lk.unlock();
     uint64_t drained;
     while (read(wake_fd_, &drained, sizeof drained) > 0) {}
     try {
-      mesh_->progress_until_event(wake_fd_, std::min(deadline, Clock::now() + std::chrono::seconds(1)));
+      match_any_source();
+      mesh_->progress_until_event(wake_fd_, std::min(deadline, Clock::now() + nap));
+      match_any_source();
     } catch (const std::exception& e) {
       std::string reason = str_cat(e.what(), " [rank ", rank_, ", during send/recv]");
       fail(reason, std::current_exception());

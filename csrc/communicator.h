@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -31,6 +32,9 @@ class Work {
   // Runs `fn` once the operation has finished (at once if it already has), on whichever thread
   // finishes it.
   void on_finished(std::function<void()> fn);
+  // The rank a receive from any source took its message from (-1 before, or for other work).
+  int source() const { return source_; }
+  void set_source(int rank) { source_ = rank; }
 
   void finish(const std::string& error);
 
@@ -39,6 +43,7 @@ class Work {
   std::mutex mu_;
   std::condition_variable cv_;
   bool finished_ = false;
+  std::atomic<int> source_{-1};
   std::string error_;
   std::vector<std::function<void()>> callbacks_;
 };
@@ -95,6 +100,11 @@ class Communicator {
   // signature, so a pair whose tags differ fails with both described (tags order nothing).
   WorkPtr send(const void* buf, size_t count, DType dtype, int peer, bool async, uint32_t tag = 0);
   WorkPtr recv(void* buf, size_t count, DType dtype, int peer, bool async, uint32_t tag = 0);
+  // A receive from whichever peer's next message arrives first (Work::source() names it): the
+  // first peer whose next send to this rank has arrived, looked at in turn after the last one
+  // chosen. It takes that peer's next message in order, like a receive naming it would; a
+  // receive naming a peer, issued while this one waits, takes that peer's next message first.
+  WorkPtr recv_any(void* buf, size_t count, DType dtype, bool async, uint32_t tag = 0);
 
   // Coalesced collectives (communicator_coalesced.cc, algorithms/coalesced.cc): the buffers are
   // grouped by dtype (in order of first appearance), laid back to back, cut into buckets of at
@@ -161,6 +171,8 @@ class Communicator {
   WorkPtr point_to_point(bool is_send, void* buf, size_t count, DType dtype, int peer, bool async,
                          uint32_t tag);
   void enqueue(Task task, bool inline_ok);
+  // On the progress thread: gives waiting receives from any source the messages that arrived.
+  void match_any_source();
   void run(Task& task);
   void fail(const std::string& reason, const std::exception_ptr& error);
   void progress_loop();
@@ -188,6 +200,16 @@ class Communicator {
   // Posted sends/receives not yet finished: deadline and description, by id.
   std::map<int64_t, std::pair<Clock::time_point, std::string>> p2p_deadlines_;
   int64_t next_p2p_id_ = 0;
+  struct AnySource {
+    void* buf;
+    size_t count;
+    DType dtype;
+    uint32_t tag;
+    WorkPtr work;
+    int64_t id;  // its entry in p2p_deadlines_
+  };
+  std::deque<AnySource> any_source_;  // receives from any source not yet given a peer
+  int last_any_source_ = 0;           // the peer the last one took its message from
   int wake_fd_ = -1;
   std::thread progress_thread_;
 };

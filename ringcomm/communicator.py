@@ -60,6 +60,11 @@ class Work:
     def is_completed(self) -> bool:
         return self._finished.is_set()
 
+    def source(self) -> int:
+        """The rank a receive took its message from (-1 for other operations, or before a
+        receive from any source has one)."""
+        return self._core.source()
+
     def is_success(self) -> bool:
         return self._finished.is_set() and not self._core.error()
 
@@ -338,6 +343,16 @@ class Communicator:
         buf = Buffer(tensor)
         w = self._core.recv(buf.ptr, buf.numel, buf.dtype, self._check_peer(src, "src"), async_op)
         return self._finish(w, tensor, async_op)
+
+    def recv_any(self, tensor, async_op: bool = False):
+        """Receives the next message from whichever rank's arrives first; returns that rank
+        (async_op=True: a Work, whose source() says it once done). Each peer's messages still
+        come in the order it sent them."""
+        buf = Buffer(tensor)
+        w = self._core.recv_any(buf.ptr, buf.numel, buf.dtype, async_op)
+        if async_op:
+            return Work(w, tensor, keep=(tensor,))
+        return w.source()
 
     def isend(self, tensor, dst: int) -> Work:
         return self.send(tensor, dst, async_op=True)

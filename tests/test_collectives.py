@@ -110,6 +110,27 @@ def point_to_point(comm):
             t = torch.empty(i + 1)
             comm.recv(t, 0)
             assert (t == i).all()
+    # receives from any source: every other rank sends rank 0 two messages, in order, with a
+    # large one (striped over sockets, many shared-memory slots) in between
+    if r == 0:
+        sources = []
+        for _ in range(2 * (n - 1)):
+            t = torch.empty(300_000)
+            src = comm.recv_any(t)
+            sources.append(src)
+            first = sources.count(src) == 1
+            assert (t == (src if first else -src)).all(), (src, t[:3])
+        assert sorted(sources) == sorted(list(range(1, n)) * 2)
+        work = comm.recv_any(torch.empty(3), async_op=True)  # posted before the message exists
+        comm.barrier()
+        work.wait()
+        assert work.source() == n - 1
+    else:
+        comm.send(torch.full((300_000,), float(r)), 0)
+        comm.send(torch.full((300_000,), float(-r)), 0)
+        comm.barrier()
+        if r == n - 1:
+            comm.send(torch.ones(3), 0)
     # point-to-point and collectives interleave
     t = torch.ones(10)
     comm.all_reduce(t)

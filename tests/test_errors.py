@@ -92,6 +92,21 @@ def gather_vs_send(comm):
     return expect_error(call)[0]
 
 
+def any_source_wrong_size(comm):
+    if comm.rank == 0:
+        call = lambda: comm.recv_any(torch.empty(4))
+    else:
+        def call():
+            comm.send(torch.ones(5), 0)
+            comm.all_reduce(torch.ones(2))  # the send may complete before rank 0 reads it
+    return expect_error(call)[0]
+
+
+def test_a_receive_from_any_source_checks_what_it_takes():
+    for message in run_ranks(2, any_source_wrong_size):
+        assert "mismatched" in message and "count=5" in message and "count=4" in message, message
+
+
 def test_gather_against_a_send_is_a_mismatch():
     for message in run_ranks(2, gather_vs_send):
         assert "mismatched" in message and "gather" in message, message

@@ -69,6 +69,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("timeout_s") = -1.0)
       .def("is_completed", &Work::is_completed)
       .def("error", &Work::error)
+      .def("source", &Work::source)
       .def("add_done_callback",
            [](Work& w, py::function fn) { w.on_finished(gil_safe_callback(std::move(fn))); });
 
@@ -161,6 +162,10 @@ PYBIND11_MODULE(_C, m) {
       .def("recv",
            [](Communicator& c, uintptr_t buf, size_t n, int dt, int peer, bool async) {
              return c.recv(ptr(buf), n, checked_dtype(dt), peer, async);
+           }, G())
+      .def("recv_any",
+           [](Communicator& c, uintptr_t buf, size_t n, int dt, bool async) {
+             return c.recv_any(ptr(buf), n, checked_dtype(dt), async);
            }, G())
       .def("sparse_all_reduce",
            [](Communicator& c, uintptr_t indices, uintptr_t values, size_t k, int value_dt,

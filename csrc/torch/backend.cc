@@ -105,6 +105,7 @@ class RingcommWork : public c10d::Work {
     state->finish = std::move(finish);
     state->keep = std::move(keep);
     if (ops.empty()) return complete(*state);
+    source_ = ops.front();
     c10::intrusive_ptr<RingcommWork> self = c10::intrusive_ptr<RingcommWork>::reclaim_copy(this);
     for (auto& op : ops) {
       op->on_finished([self, state, op] {
@@ -130,8 +131,8 @@ class RingcommWork : public c10d::Work {
   }
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-  int sourceRank() const override { return source_rank_; }
-  void set_source_rank(int r) { source_rank_ = r; }
+  // The peer a receive took its message from (a receive from any source decides it late).
+  int sourceRank() const override { return source_ ? source_->source() : -1; }
 
   bool wait(std::chrono::milliseconds timeout) override {
     std::unique_lock<std::mutex> lk(mutex_);
@@ -178,7 +179,7 @@ class RingcommWork : public c10d::Work {
   std::shared_ptr<rc::Communicator> comm_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::atomic<int> source_rank_{-1};
+  rc::WorkPtr source_;  // the first core operation, whose source() a receive sets
 };
 
 // A tensor as the core sees it: contiguous. `dense` is the tensor itself when it already is.
@@ -505,16 +506,19 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
                                       int tag) override {
     Staged t(one(tensors, "recv"));
-    auto work = run(c10d::OpType::RECV, tensors, {t}, [&](bool) {
+    return run(c10d::OpType::RECV, tensors, {t}, [&](bool) {
       return std::vector<rc::WorkPtr>{
           comm_->recv(t.data(), t.count(), t.dtype(), src, true, uint32_t(tag))};
     });
-    work->set_source_rank(src);
-    return work;
   }
 
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
-    fail("ringcomm: receives need a source rank (recv from any source is not supported)");
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override {
+    Staged t(one(tensors, "recv"));
+    return run(c10d::OpType::RECVANYSOURCE, tensors, {t}, [&](bool) {
+      return std::vector<rc::WorkPtr>{
+          comm_->recv_any(t.data(), t.count(), t.dtype(), true, uint32_t(tag))};
+    });
   }
 
   // shutdown() lets queued operations finish; abort() fails them at once and tells the peers.

@@ -64,6 +64,10 @@ class Mesh final : public PartSink {
   // a remote abort or when `deadline` passes.
   void wait(Request req, Clock::time_point deadline);
   bool done(Request req) const { return ops_.count(req.id) == 0; }
+  // Transport::peek for `peer`'s transport.
+  bool peek(int peer, Signature* sig) const {
+    return route_.at(size_t(peer)) && route_[peer]->peek(peer, sig);
+  }
   // Progress posted operations until one completes, `wake_fd` (if >= 0) is readable, wake() is
   // called, or `deadline` passes; never throws on timeout.
   void progress_until_event(int wake_fd, Clock::time_point deadline);

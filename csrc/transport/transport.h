@@ -117,6 +117,12 @@ class Transport {
     (void)peer, (void)bytes, (void)sig, (void)op, (void)consume;
     throw std::logic_error("this transport cannot consume in place");
   }
+  // The signature of the next message from `peer` if its header has arrived and no receive is
+  // posted for it (a receive from any source picks its peer by this).
+  virtual bool peek(int peer, Signature* sig) const {
+    (void)peer, (void)sig;
+    return false;
+  }
   // Moves whatever can move without blocking; true if anything did. Throws ringcomm::Error on a
   // mismatch, a lost peer or a remote abort.
   virtual bool progress() = 0;

@@ -282,6 +282,18 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
   return moved;
 }
 
+bool ShmTransport::peek(int peer, Signature* sig) const {
+  const Peer& p = peers_[peer];
+  if (!p.in || !p.recvs.empty() || p.in->head.load(std::memory_order_acquire) == p.in_tail)
+    return false;
+  SlotHeader sh;
+  memcpy(&sh, slot(p.in, p.in_tail), sizeof sh);
+  if (!sh.first || sh.header.magic != kMessageMagic || sh.header.kind != kDataMessage)
+    return false;  // pump_recv reports it once a receive is posted
+  *sig = header_signature(sh.header);
+  return true;
+}
+
 [[noreturn]] void ShmTransport::throw_peer_abort(int peer, const Peer& p) const {
   char text[kMaxAbortText];
   memcpy(text, p.control->reason, sizeof text);

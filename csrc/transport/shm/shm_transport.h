@@ -59,6 +59,7 @@ class ShmTransport final : public Transport {
   int post_consume(int peer, size_t bytes, const Signature& sig, int64_t op,
                    Consumer consume) override;
   bool progress() override;
+  bool peek(int peer, Signature* sig) const override;
   bool busy() const override;
   void sleep(Clock::time_point until) override;
   void ring_self() override;

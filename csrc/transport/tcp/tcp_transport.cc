@@ -443,6 +443,17 @@ bool TcpTransport::busy() const {
   return false;
 }
 
+// A message's first part travels on socket 0; its header is read (and held) as soon as it
+// arrives, the idle channel being polled.
+bool TcpTransport::peek(int peer, Signature* sig) const {
+  const Channel& ch = channels_[size_t(peer) * sockets_];
+  if (!ch.recvs.empty() || ch.incoming_got < sizeof(WireHeader) ||
+      ch.incoming.magic != kMessageMagic || ch.incoming.kind != kDataMessage)
+    return false;
+  *sig = header_signature(ch.incoming);
+  return true;
+}
+
 void TcpTransport::add_poll_fds(std::vector<pollfd>& fds) {
   polled_.clear();
   first_fd_ = fds.size();

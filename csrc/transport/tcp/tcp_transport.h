@@ -47,6 +47,7 @@ class TcpTransport final : public Transport {
   int post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
            int64_t op) override;
   bool progress() override;
+  bool peek(int peer, Signature* sig) const override;
   bool busy() const override;
   void add_poll_fds(std::vector<pollfd>& fds) override;
   void on_poll(const pollfd* fds) override;
