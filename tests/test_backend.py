@@ -1,6 +1,7 @@
 """The torch.distributed backend "ringcomm": every op against gloo's result, subgroups, mixed
 configs, torchrun, async futures, errors."""
 import os
+import signal
 import textwrap
 import time
 from datetime import timedelta
@@ -480,6 +481,37 @@ def test_process_group_abort_fails_pending_work_at_once():
     elapsed, peer = run_ranks(2, group_abort, make_comm=False, timeout=60)
     assert elapsed < 2, elapsed
     assert "ProcessGroup.abort() called" in peer, peer
+
+
+class Preempted(Exception):
+    pass
+
+
+def signal_during_wait(store, rank, world):
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    if rank == 1:
+        time.sleep(2.0)
+        dist.all_reduce(torch.ones(4))  # joins late: rank 0's handler has run by then
+        return None
+
+    def handler(signum, frame):
+        raise Preempted()
+
+    signal.signal(signal.SIGALRM, handler)
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    start = time.monotonic()
+    with pytest.raises(Preempted):
+        work.wait()
+    elapsed = time.monotonic() - start
+    work.wait()  # the operation itself goes on, and completes once rank 1 joins
+    return elapsed
+
+
+def test_work_wait_runs_signal_handlers():
+    elapsed, _ = run_ranks(2, signal_during_wait, make_comm=False, timeout=60)
+    assert elapsed < 1.0, elapsed
 
 
 def tags_disagree(store, rank, world):

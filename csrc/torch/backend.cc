@@ -86,6 +86,18 @@ rc::ReduceOp op_of(const c10d::ReduceOp& op, const at::Tensor& t) {
   }
 }
 
+// Runs Python's pending signal handlers; an exception one raises propagates as a Python error.
+void run_signal_handlers() {
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing();
+#else
+  const bool finalizing = _Py_IsFinalizing();
+#endif
+  if (!Py_IsInitialized() || finalizing) return;
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
 // A completion handle: done once every core operation it tracks has finished and the copies out
 // of staging buffers have run. Its future's value is the output tensors (what DDP reads).
 class RingcommWork : public c10d::Work {
@@ -139,11 +151,24 @@ class RingcommWork : public c10d::Work {
     if (!completed_ && comm_->on_progress_thread())
       fail("ringcomm: waiting for an operation from a completion callback (the progress thread) "
            "would wait for itself; chain with future.then() instead");
-    if (timeout == kNoTimeout) {
-      cv_.wait(lk, [&] { return completed_; });
-    } else if (!cv_.wait_for(lk, timeout, [&] { return completed_; })) {
-      fail(c10::str("ringcomm: timed out after ", timeout.count(), " ms waiting for ",
-                    c10d::opTypeToString(retrieveOpType())));
+    // In slices, with Python's signal handlers run in between (on the main thread, where
+    // CPython runs them): a SIGINT or preemption SIGTERM handler runs, and may raise, while an
+    // operation is pending.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!completed_) {
+      auto slice = std::chrono::milliseconds(100);
+      if (timeout != kNoTimeout) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0)
+          fail(c10::str("ringcomm: timed out after ", timeout.count(), " ms waiting for ",
+                        c10d::opTypeToString(retrieveOpType())));
+        slice = std::min(slice, left);
+      }
+      if (cv_.wait_for(lk, slice, [&] { return completed_; })) break;
+      lk.unlock();
+      run_signal_handlers();
+      lk.lock();
     }
     if (exception_) std::rethrow_exception(exception_);
     return true;
