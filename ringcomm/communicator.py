@@ -454,11 +454,9 @@ def init(store=None, rank: Optional[int] = None, world_size: Optional[int] = Non
 
 
 def shm_bytes_sent() -> int:
-    """Bytes this process's open communicators have written to shared memory so far (the kernel's
-    socket counters do not see them)."""
-    with _live_lock:
-        live = list(_live)
-    return sum(comm.bytes_sent_by_transport()["shm"] for comm in live)
+    """Bytes this process has written to shared memory so far, through every communicator (the
+    torch backend's and closed ones included; the kernel's socket counters do not see them)."""
+    return _C.shm_bytes_sent()
 
 
 def _close_all():

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "communicator.h"
+#include "transport/shm/shm_transport.h"
 #include "kernels/cpu/reduce.h"
 
 namespace py = pybind11;
@@ -183,6 +184,8 @@ PYBIND11_MODULE(_C, m) {
       .def("on_progress_thread", &Communicator::on_progress_thread)
       .def("abort", &Communicator::abort, py::arg("reason") = "", G())
       .def("close", &Communicator::close, G());
+
+  m.def("shm_bytes_sent", &shm::ShmTransport::bytes_sent_by_process);
 
   // Kernels, exposed for tests and benchmarks.
   m.def("reduce_kernel",

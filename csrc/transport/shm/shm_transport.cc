@@ -52,6 +52,8 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<u
 
 namespace {
 
+std::atomic<uint64_t> process_bytes_sent{0};
+
 constexpr size_t kControlBytes = (sizeof(Control) + kLine - 1) / kLine * kLine;
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
@@ -220,6 +222,7 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
     part.done += len;
     moved = true;
     bytes_sent_.fetch_add(len + sizeof(SlotHeader), std::memory_order_relaxed);
+    process_bytes_sent.fetch_add(len + sizeof(SlotHeader), std::memory_order_relaxed);
     if (part.done < part.bytes) continue;
     int64_t op = part.op;
     p.sends.pop_front();
@@ -280,6 +283,10 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
   }
   if (moved) ring(p.control);  // the sender may be waiting for free slots
   return moved;
+}
+
+uint64_t ShmTransport::bytes_sent_by_process() {
+  return process_bytes_sent.load(std::memory_order_relaxed);
 }
 
 bool ShmTransport::peek(int peer, Signature* sig) const {

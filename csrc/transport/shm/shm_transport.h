@@ -66,6 +66,9 @@ class ShmTransport final : public Transport {
   void abort(const std::string& reason) override;
   void close() override;
   uint64_t bytes_sent() const override { return bytes_sent_.load(std::memory_order_relaxed); }
+  // Bytes every shared-memory transport of this process has written so far (the kernel's socket
+  // counters do not see them): communicators of torch process groups and closed ones included.
+  static uint64_t bytes_sent_by_process();
   std::string describe_waiting() const override;
 
  private:
