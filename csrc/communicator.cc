@@ -132,17 +132,22 @@ void Communicator::connect(const std::vector<std::string>& addresses, const std:
   });
 }
 
+// Under torchrun, a group restarted after a failure meets in the same agent store, where the
+// previous attempt's keys remain: the attempt number keeps them apart.
 void Communicator::rendezvous(const KeyValueStore& store) {
-  store.set(str_cat("addr/", rank_), address());
+  const std::string restart = env_string("TORCHELASTIC_RESTART_COUNT");
+  const std::string prefix = restart.empty() ? "" : str_cat("attempt", restart, "/");
+  store.set(str_cat(prefix, "addr/", rank_), address());
   if (rank_ == 0) {
     std::random_device random;
     std::string token;
     for (int i = 0; i < 4; ++i) token += str_cat(std::hex, random());
-    store.set("token", token);
+    store.set(prefix + "token", token);
   }
-  const std::string token = store.get("token");
+  const std::string token = store.get(prefix + "token");
   std::vector<std::string> addresses;
-  for (int r = 0; r < world_size_; ++r) addresses.push_back(store.get(str_cat("addr/", r)));
+  for (int r = 0; r < world_size_; ++r)
+    addresses.push_back(store.get(str_cat(prefix, "addr/", r)));
   connect(addresses, token);
 }
 

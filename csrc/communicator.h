@@ -66,7 +66,8 @@ class Communicator {
   void connect(const std::vector<std::string>& addresses, const std::string& token);
   // connect() through a key-value store shared by the ranks (torch's Store, behind a prefix
   // private to this communicator): each rank publishes its address under "addr/<rank>", rank 0
-  // a random token under "token"; `get` waits until its key exists, or throws.
+  // a random token under "token" (both under "attempt<N>/" when TORCHELASTIC_RESTART_COUNT is
+  // N); `get` waits until its key exists, or throws.
   struct KeyValueStore {
     std::function<void(const std::string& key, const std::string& value)> set;
     std::function<std::string(const std::string& key)> get;

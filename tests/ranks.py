@@ -119,12 +119,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(tmp_path, script_text: str, nproc: int, timeout: float = 120, args=()) -> str:
-    """Runs `script_text` under real torchrun with `nproc` local ranks; returns its stdout."""
+def run_torchrun(tmp_path, script_text: str, nproc: int, timeout: float = 120, args=(),
+                 extra=()) -> str:
+    """Runs `script_text` under real torchrun with `nproc` local ranks (and torchrun's `extra`
+    options); returns its stdout."""
     script = tmp_path / "job.py"
     script.write_text(script_text)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(script), *args]
+           "--master-port", str(free_port()), *extra, str(script), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout

@@ -567,3 +567,31 @@ def test_torchrun_init_and_ddp(tmp_path):
     stdout = run_torchrun(tmp_path, TORCHRUN_SCRIPT, 2)
     for r in range(2):
         assert f"rank {r} of 2 ringcomm: ['rank0', 'rank1'] same=True" in stdout, stdout
+
+
+ELASTIC_SCRIPT = textwrap.dedent("""
+    import os
+    import torch, torch.distributed as dist, ringcomm
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("ringcomm")
+    rank = dist.get_rank()
+    comm = ringcomm.init()  # a plain communicator too, over the same store
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    comm.all_reduce(t)
+    if attempt == 0 and rank == 1:
+        os._exit(3)  # a lost rank: torchrun restarts the whole group
+    model = DDP(torch.nn.Linear(4, 2))
+    model(torch.randn(8, 4)).sum().backward()
+    print(f"rank {rank} attempt {attempt} sum {float(t[0])}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_restarts_the_group_after_a_rank_dies(tmp_path):
+    # the survivor of attempt 0 fails fast (its peer is gone), and attempt 1 rendezvouses anew
+    stdout = run_torchrun(tmp_path, ELASTIC_SCRIPT, 2, timeout=180,
+                          extra=["--max-restarts", "1"])
+    for r in range(2):
+        assert f"rank {r} attempt 1 sum 4.0" in stdout, stdout
