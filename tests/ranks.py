@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -117,6 +118,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Preempted(Exception):
+    """What seconds_until_handler_runs's SIGALRM handler raises."""
+
+
+def seconds_until_handler_runs(work, after: float = 0.3):
+    """Waits on `work` (pending on a peer that has not joined) with a SIGALRM handler that raises
+    Preempted due `after` seconds in: returns how long the wait took to give way to it, or a
+    message if wait() returned without the handler running."""
+    def handler(signum, frame):
+        raise Preempted()
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, after)
+    start = time.monotonic()
+    try:
+        work.wait()
+    except Preempted:
+        return time.monotonic() - start
+    return "wait returned without the handler running"
 
 
 def run_torchrun(tmp_path, script_text: str, nproc: int, timeout: float = 120, args=(),
