@@ -16,9 +16,7 @@
 
 #include <pybind11/chrono.h>
 
-#include <atomic>
 #include <cstdlib>
-#include <numeric>
 
 #include "communicator.h"
 
