@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import os
 import threading
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -108,11 +109,24 @@ def backend_of(group=None):
     return backend if isinstance(backend, load().RingcommBackend) else None
 
 
+# The borrowed Communicator of each group: hooks ask for it on every bucket.
+_borrowed = weakref.WeakKeyDictionary()
+_borrowed_lock = threading.Lock()
+
+
 def communicator_of(group=None) -> Communicator:
     """A ringcomm.Communicator over the same core communicator as `group`'s ringcomm backend:
     operations issued through either run in one order. The group owns it (close() does nothing)."""
-    backend = backend_of(group)
-    if backend is None:
-        raise ValueError(f"{group!r} is not a process group with a ringcomm backend for CPU tensors")
-    core = _C.Communicator.from_capsule(backend.communicator_capsule())
-    return Communicator._borrow(core, timedelta(minutes=10))
+    group = group if group is not None else dist.group.WORLD
+    with _borrowed_lock:
+        comm = _borrowed.get(group) if isinstance(group, dist.ProcessGroup) else None
+        if comm is not None:
+            return comm
+        backend = backend_of(group)
+        if backend is None:
+            raise ValueError(f"{group!r} is not a process group with a ringcomm backend for CPU "
+                             "tensors")
+        core = _C.Communicator.from_capsule(backend.communicator_capsule())
+        comm = Communicator._borrow(core, timedelta(minutes=10))
+        _borrowed[group] = comm
+        return comm

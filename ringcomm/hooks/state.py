@@ -3,7 +3,7 @@ import threading
 
 import torch.distributed as dist
 
-from ..backend import backend_of, communicator_of
+from ..backend import communicator_of
 from ..communicator import Communicator, init
 
 _default_lock = threading.Lock()
@@ -34,7 +34,10 @@ def communicator_for(state) -> Communicator:
         return default_communicator()
     if isinstance(state, Communicator):
         return state
-    if isinstance(state, dist.ProcessGroup) and backend_of(state) is not None:
-        return communicator_of(state)
+    if isinstance(state, dist.ProcessGroup):
+        try:
+            return communicator_of(state)
+        except ValueError:
+            pass
     raise TypeError(f"ringcomm hook state must be None, a ringcomm.Communicator or a process group "
                     f"with the ringcomm backend, got {state!r}")
