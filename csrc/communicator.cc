@@ -6,8 +6,12 @@
 
 #include <atomic>
 #include <cstring>
-#include <random>
+#include <fstream>
+#include <iomanip>
+#include <iterator>
+#include <sstream>
 
+#include "common/crypto.h"
 #include "common/env.h"
 #include "common/logging.h"
 
@@ -132,19 +136,39 @@ void Communicator::connect(const std::vector<std::string>& addresses, const std:
   });
 }
 
+namespace {
+
+// RINGCOMM_TOKEN_FILE: the job token, shared by every rank out of band, so that reading the
+// Store is not enough to join the job (docs/security.md). Trailing whitespace is not part of it.
+std::string token_from_file(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  RC_CHECK_ARG(file.good(), "RINGCOMM_TOKEN_FILE: cannot read '", path, "'");
+  std::string token((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  token.erase(token.find_last_not_of(" \t\r\n") + 1);
+  RC_CHECK_ARG(!token.empty(), "RINGCOMM_TOKEN_FILE: '", path, "' holds no token");
+  return token;
+}
+
+}  // namespace
+
 // Under torchrun, a group restarted after a failure meets in the same agent store, where the
 // previous attempt's keys remain: the attempt number keeps them apart.
 void Communicator::rendezvous(const KeyValueStore& store) {
   const std::string restart = env_string("TORCHELASTIC_RESTART_COUNT");
   const std::string prefix = restart.empty() ? "" : str_cat("attempt", restart, "/");
+  const std::string token_file = env_string("RINGCOMM_TOKEN_FILE");
+  std::string token = token_file.empty() ? "" : token_from_file(token_file);
   store.set(str_cat(prefix, "addr/", rank_), address());
-  if (rank_ == 0) {
-    std::random_device random;
-    std::string token;
-    for (int i = 0; i < 4; ++i) token += str_cat(std::hex, random());
-    store.set(prefix + "token", token);
+  if (token.empty()) {
+    if (rank_ == 0) {
+      uint8_t secret[32];
+      random_bytes(secret, sizeof secret);
+      std::ostringstream hex;
+      for (uint8_t b : secret) hex << std::hex << std::setw(2) << std::setfill('0') << int(b);
+      store.set(prefix + "token", hex.str());
+    }
+    token = store.get(prefix + "token");
   }
-  const std::string token = store.get(prefix + "token");
   std::vector<std::string> addresses;
   for (int r = 0; r < world_size_; ++r)
     addresses.push_back(store.get(str_cat(prefix, "addr/", r)));

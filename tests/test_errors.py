@@ -1,7 +1,5 @@
 """Bad input, mismatched collectives, dead peers, strangers and timeouts: clear errors, no hangs."""
 import os
-import socket
-import struct
 import threading
 import time
 from datetime import timedelta
@@ -155,92 +153,7 @@ def test_timeout_when_a_peer_never_joins():
     assert 1.0 < elapsed < 4.0
 
 
-# ---- strangers ----------------------------------------------------------------------------
-
-HELLO = struct.Struct("<IIIIiiii64s")  # magic, byte order, protocol version, reserved, world, rank, socket, sockets, token
-PROTOCOL_VERSION = 2
-ACK = struct.Struct("<IiI")  # magic, accepted, the acceptor's protocol version
-
-
-def stranger_and_two_ranks(store, rank, world):
-    prefixed = torch.distributed.PrefixStore("ringcomm/stranger", store)
-    if rank == 2:  # the stranger
-        prefixed.wait(["addr/0"], timedelta(seconds=20))
-        fields = dict(f.split("=", 1) for f in prefixed.get("addr/0").decode().split(";"))
-        host, port = fields["tcp"].rsplit(":", 1)
-        # Both strangers connect and speak while rank 0 waits for rank 1, so rank 0's accept
-        # loop meets them before (or beside) the real peer.
-        wrong_token = socket.create_connection((host, int(port)), timeout=20)
-        wrong_token.sendall(HELLO.pack(0x524D4348, 0x01020304, PROTOCOL_VERSION, 0, 2, 1, 0, 1,
-                                       b"not-the-token"))
-        garbage = socket.create_connection((host, int(port)), timeout=20)
-        garbage.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 200)
-        store.set("stranger_done", "1")
-        def read(conn):  # a refusal is an Ack with accepted=0, then end of stream (or a reset)
-            try:
-                return conn.recv(64)
-            except ConnectionResetError:
-                return b""
-
-        seen = []
-        reply = read(wrong_token)
-        seen.append(reply[4:8] if reply else b"")
-        seen.append(read(wrong_token))
-        data = read(garbage)
-        seen.append(data[4:8] if data else b"")
-        wrong_token.close()
-        garbage.close()
-        return seen
-    if rank == 1:
-        store.wait(["stranger_done"], timedelta(seconds=20))
-    comm = ringcomm.Communicator(store, rank, 2, timeout=timedelta(seconds=20), name="stranger")
-    t = torch.full((1000,), float(rank + 1))
-    comm.all_reduce(t)
-    comm.close()
-    return bool((t == 3).all())
-
-
-def test_stranger_with_wrong_token_is_refused():
-    ok0, ok1, stranger_seen = run_ranks(3, stranger_and_two_ranks, make_comm=False, timeout=60)
-    assert ok0 and ok1
-    refused = struct.pack("<i", 0)
-    assert stranger_seen[0] in (refused, b""), stranger_seen
-    assert stranger_seen[1] == b"", "connection must be closed after refusal"
-    assert stranger_seen[2] in (refused, b""), stranger_seen
-
-
-def silent_crowd(store, rank, world):
-    """Rank 0 waits for a rank 1 that never comes while 80 connections that never say hello pile
-    up: it keeps at most 65 of them waiting (its one expected peer plus 64), closing the oldest."""
-    prefixed = torch.distributed.PrefixStore("ringcomm/crowd", store)
-    if rank == 1:
-        prefixed.wait(["addr/0", "token"], timedelta(seconds=20))
-        prefixed.set("addr/1", "host=elsewhere;tcp=127.0.0.1:9")  # never dialled: 1 dials 0
-        fields = dict(f.split("=", 1) for f in prefixed.get("addr/0").decode().split(";"))
-        host, port = fields["tcp"].rsplit(":", 1)
-        time.sleep(0.3)  # rank 0 is in its accept loop
-        crowd = [socket.create_connection((host, int(port)), timeout=20) for _ in range(80)]
-        time.sleep(1.0)  # well within the 5 s each is allowed for its hello
-        dropped = 0
-        for conn in crowd:
-            conn.setblocking(False)
-            try:
-                dropped += conn.recv(1) == b""
-            except BlockingIOError:
-                pass
-            except ConnectionResetError:
-                dropped += 1
-            conn.close()
-        return dropped
-    return expect_error(lambda: ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=3),
-                                                      name="crowd"))[0]
-
-
-def test_connections_without_a_handshake_are_capped():
-    message, dropped = run_ranks(2, silent_crowd, make_comm=False, timeout=60)
-    assert dropped >= 80 - 65, dropped
-    assert "timed out waiting for 1 connection" in message, message
-
+# ---- limits (strangers, wrong tokens and other versions: test_handshake.py) ----------------
 
 def too_few_descriptors(store, rank, world):
     import resource
@@ -254,31 +167,6 @@ def test_a_descriptor_limit_too_low_for_the_mesh_is_a_clear_error():
                          env={"RINGCOMM_SOCKETS_PER_PEER": "64", "RINGCOMM_TRANSPORT": "tcp"})
     for message in messages:
         assert "the mesh needs 64 sockets" in message and "ulimit -n" in message, message
-
-
-def older_peer(store, rank, world):
-    """Rank 1 of the job is a process speaking another protocol version, with the right token."""
-    prefixed = torch.distributed.PrefixStore("ringcomm/versions", store)
-    if rank == 1:
-        prefixed.wait(["addr/0", "token"], timedelta(seconds=20))
-        fields = dict(f.split("=", 1) for f in prefixed.get("addr/0").decode().split(";"))
-        host, port = fields["tcp"].rsplit(":", 1)
-        token = prefixed.get("token")
-        prefixed.set("addr/1", "host=elsewhere;tcp=127.0.0.1:9")  # never dialled: 1 dials 0
-        conn = socket.create_connection((host, int(port)), timeout=20)
-        conn.sendall(HELLO.pack(0x524D4348, 0x01020304, PROTOCOL_VERSION - 1, 0, 2, 1, 0, 1, token))
-        reply = conn.recv(ACK.size)
-        conn.close()
-        return ACK.unpack(reply) if len(reply) == ACK.size else reply
-    return expect_error(lambda: ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=20),
-                                                      name="versions"))
-
-
-def test_mixed_protocol_versions_fail_clearly():
-    (message, elapsed), ack = run_ranks(2, older_peer, make_comm=False, timeout=60)
-    assert "protocol version" in message and "same ringcomm" in message, message
-    assert elapsed < 10, elapsed
-    assert ack[1] == 0 and ack[2] == PROTOCOL_VERSION, ack  # refused, saying which version it runs
 
 
 # ---- bad arguments ------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "common/crypto.h"
 #include "communicator.h"
 #include "transport/shm/shm_transport.h"
 #include "kernels/cpu/reduce.h"
@@ -186,6 +187,12 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &Communicator::close, G());
 
   m.def("shm_bytes_sent", &shm::ShmTransport::bytes_sent_by_process);
+  // The handshake's HMAC, for tests that check it against Python's hmac module.
+  m.def("_hmac_sha256", [](const std::string& key, const py::bytes& message) {
+    std::string text = message;
+    Digest d = hmac_sha256(key, {{text.data(), text.size()}});
+    return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+  });
 
   // Kernels, exposed for tests and benchmarks.
   m.def("reduce_kernel",

@@ -14,37 +14,11 @@
 #include "common/env.h"
 #include "common/error.h"
 #include "common/logging.h"
+#include "transport/tcp/handshake.h"
 
 namespace ringcomm {
 namespace tcp {
 namespace {
-
-constexpr uint32_t kHelloMagic = 0x524d4348;    // "RMCH"
-// Bumped whenever the bytes between ranks change meaning (headers, slots, setup exchanges):
-// ranks of different versions refuse each other with a clear error instead of misreading.
-constexpr uint32_t kProtocolVersion = 2;
-struct Hello {
-  uint32_t magic;
-  uint32_t byte_order;  // 0x01020304 as written by the sender
-  uint32_t version;     // kProtocolVersion
-  uint32_t reserved;
-  int32_t world_size;
-  int32_t rank;
-  int32_t socket;
-  int32_t sockets_per_peer;
-  char token[64];
-};
-struct Ack {
-  uint32_t magic;
-  int32_t accepted;
-  uint32_t version;  // the acceptor's kProtocolVersion
-};
-
-void copy_token(char (&dst)[64], const std::string& token) {
-  RC_CHECK_ARG(token.size() < sizeof dst, "token longer than 63 bytes");
-  memset(dst, 0, sizeof dst);
-  memcpy(dst, token.data(), token.size());
-}
 
 }  // namespace
 
@@ -101,56 +75,99 @@ void TcpTransport::close() {
 void TcpTransport::connect(const std::vector<std::string>& addresses, const std::string& token,
                            Clock::time_point deadline) {
   RC_CHECK_ARG(int(addresses.size()) == world_size_, "expected ", world_size_, " addresses");
+  RC_CHECK_ARG(!token.empty(), "the job token is empty");
   ensure_descriptors(size_t(world_size_ - 1) * size_t(sockets_));
-  Hello mine{kHelloMagic, 0x01020304, kProtocolVersion, 0, world_size_, rank_, 0, sockets_, {}};
-  copy_token(mine.token, token);
 
   // Lower ranks accept, higher ranks connect: rank r dials 0..r-1, then accepts r+1..n-1.
   for (int peer = 0; peer < rank_; ++peer) {
     for (int s = 0; s < sockets_; ++s) {
       int fd = connect_with_retry(Endpoint::parse(addresses[peer]), deadline);
       set_nonblocking(fd);
-      Hello hello = mine;
-      hello.socket = s;
-      Ack ack{};
-      bool answered = write_fully(fd, &hello, sizeof hello, deadline) &&
-                      read_fully(fd, &ack, sizeof ack, deadline) && ack.magic == kHelloMagic;
-      if (answered && ack.version != kProtocolVersion) {
+      try {
+        introduce(fd, peer, s, addresses[peer], token, deadline);
+      } catch (...) {
         ::close(fd);
-        RC_THROW("rank ", peer, " runs ringcomm protocol version ", ack.version, ", rank ", rank_,
-                 " version ", kProtocolVersion, ": every rank must run the same ringcomm");
-      }
-      if (!answered || !ack.accepted) {
-        ::close(fd);
-        RC_THROW("rank ", peer, " at ", addresses[peer],
-                 " refused or dropped the handshake (different job token or world size?)");
+        throw;
       }
       configure_data_socket(fd, options_.socket_buffer_bytes);
       channel(peer, s).fd = fd;
       channel(peer, s).peer = peer;
     }
   }
+  accept_higher_ranks(token, deadline);
+}
 
-  // Accept until every (higher rank, socket) slot is filled. Each pending connection gets a few
-  // seconds to present a valid Hello; strangers and wrong tokens are closed without effect.
+// The connector's side of the handshake (transport/tcp/handshake.h) on a fresh connection to
+// `peer`; throws with the reason when the peer refuses or is not who it should be.
+void TcpTransport::introduce(int fd, int peer, int socket, const std::string& address,
+                             const std::string& token, Clock::time_point deadline) {
+  const Hello hello = make_hello(world_size_, rank_, socket, sockets_);
+  Challenge challenge{};
+  bool answered = write_fully(fd, &hello, sizeof hello, deadline) &&
+                  read_fully(fd, &challenge.reply, sizeof challenge.reply, deadline) &&
+                  challenge.reply.magic == kHandshakeMagic;
+  if (!answered)
+    RC_THROW("rank ", peer, " at ", address, " dropped the handshake (not a ringcomm rank of ",
+             "this job at that address?)");
+  if (challenge.reply.version != kProtocolVersion)
+    RC_THROW("rank ", peer, " runs ringcomm protocol version ", challenge.reply.version,
+             ", rank ", rank_, " version ", kProtocolVersion, ": every rank must run the same ringcomm");
+  if (!challenge.reply.accepted)
+    RC_THROW("rank ", peer, " at ", address, " refused the connection (different world size or "
+             "RINGCOMM_SOCKETS_PER_PEER? its log says why)");
+  const size_t rest = sizeof challenge - sizeof challenge.reply;
+  if (!read_fully(fd, reinterpret_cast<char*>(&challenge) + sizeof challenge.reply, rest, deadline))
+    RC_THROW("rank ", peer, " at ", address, " dropped the handshake");
+  if (!challenge_valid(token, hello, challenge, peer)) {
+    // A proof of nothing, so that a real rank of another job logs why it was turned down.
+    const Proof none{};
+    write_fully(fd, &none, sizeof none, deadline);
+    RC_THROW("the process at ", address, " is not rank ", peer, " of this job: it cannot prove ",
+             "that it knows the job token");
+  }
+  const Proof proof = make_proof(token, hello, challenge);
+  Reply verdict{};
+  if (!write_fully(fd, &proof, sizeof proof, deadline) ||
+      !read_fully(fd, &verdict, sizeof verdict, deadline) || !verdict.accepted)
+    RC_THROW("rank ", peer, " at ", address, " refused this rank's proof of the job token ",
+             "(started with another token? RINGCOMM_TOKEN_FILE differs?)");
+}
+
+// The acceptor's side: until every (higher rank, socket) slot is filled. Each pending connection
+// gets a few seconds to complete the handshake; strangers, wrong tokens and wrong fields are
+// refused and closed without effect, and the last reason is in the error if the deadline passes.
+void TcpTransport::accept_higher_ranks(const std::string& token, Clock::time_point deadline) {
   int missing = (world_size_ - 1 - rank_) * sockets_;
   struct Pending {
     int fd;
     Clock::time_point deadline;
+    bool challenged;  // the Hello was read and answered; the Proof is being read
     Hello hello;
+    Challenge challenge;
+    Proof proof;
     size_t got;
   };
   std::vector<Pending> pending;
+  std::string last_refusal;
   const auto handshake_time = std::chrono::seconds(5);
-  // Connections still to present a Hello, at most: room for every expected one and some
-  // strangers; beyond that the oldest stranger-to-be is dropped, so a port scan cannot take
-  // every descriptor.
+  auto refuse = [&](const Pending& p, const std::string& why) {
+    Reply refusal{kHandshakeMagic, 0, kProtocolVersion};
+    write_fully(p.fd, &refusal, sizeof refusal, Clock::now() + std::chrono::milliseconds(100));
+    RC_LOG("rank ", rank_, ": refused a connection: ", why);
+    last_refusal = why;
+    ::close(p.fd);
+  };
+  // Connections still in their handshake, at most: room for every expected one and some
+  // strangers; beyond that the oldest is dropped, so a port scan cannot take every descriptor.
   const size_t max_pending = size_t(missing) + 64;
   while (missing > 0) {
     auto now = Clock::now();
-    if (now >= deadline)
+    if (now >= deadline) {
+      for (auto& p : pending) ::close(p.fd);
       RC_THROW("rank ", rank_, ": timed out waiting for ", missing,
-               " connection(s) from higher ranks");
+               " connection(s) from higher ranks",
+               last_refusal.empty() ? "" : "; the last one refused: ", last_refusal);
+    }
     std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}};
     for (auto& p : pending) fds.push_back({p.fd, POLLIN, 0});
     poll(fds.data(), fds.size(), 100);
@@ -158,12 +175,12 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
       int fd;
       while ((fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0) {
         if (pending.size() >= max_pending) {
-          RC_LOG("rank ", rank_, ": ", pending.size(), " connections without a handshake; "
+          RC_LOG("rank ", rank_, ": ", pending.size(), " connections in their handshake; "
                  "dropping the oldest");
           ::close(pending.front().fd);
           pending.erase(pending.begin());
         }
-        pending.push_back({fd, Clock::now() + handshake_time, {}, 0});
+        pending.push_back({fd, Clock::now() + handshake_time, false, {}, {}, {}, 0});
       }
       if (errno == EMFILE || errno == ENFILE) {
         for (auto& p : pending) ::close(p.fd);
@@ -174,41 +191,51 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, const std:
     }
     for (size_t i = 0; i < pending.size();) {
       Pending& p = pending[i];
-      ssize_t n = recv(p.fd, reinterpret_cast<char*>(&p.hello) + p.got, sizeof(Hello) - p.got,
-                       MSG_DONTWAIT);
+      char* into = p.challenged ? reinterpret_cast<char*>(&p.proof) : reinterpret_cast<char*>(&p.hello);
+      const size_t wanted = p.challenged ? sizeof p.proof : sizeof p.hello;
+      ssize_t n = recv(p.fd, into + p.got, wanted - p.got, MSG_DONTWAIT);
       if (n > 0) p.got += size_t(n);
       bool closed = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
-      bool complete = p.got == sizeof(Hello);
-      if (!complete && !closed && Clock::now() < p.deadline) {
-        ++i;
+      if (p.got < wanted) {
+        if (closed || Clock::now() >= p.deadline) {
+          refuse(p, closed ? "closed during the handshake" : "handshake not completed in time");
+          pending.erase(pending.begin() + long(i));
+        } else {
+          ++i;
+        }
         continue;
       }
       const Hello& h = p.hello;
-      bool ours = complete && h.magic == kHelloMagic &&
-                  memcmp(h.token, mine.token, sizeof h.token) == 0;
-      if (ours && h.version != kProtocolVersion) {
-        Ack refusal{kHelloMagic, 0, kProtocolVersion};
-        write_fully(p.fd, &refusal, sizeof refusal, Clock::now() + handshake_time);
-        for (auto& q : pending) ::close(q.fd);
-        RC_THROW("rank ", h.rank, " runs ringcomm protocol version ", h.version, ", rank ", rank_,
-                 " version ", kProtocolVersion, ": every rank must run the same ringcomm");
-      }
-      bool valid = complete && h.magic == kHelloMagic && h.byte_order == 0x01020304 &&
-                   h.world_size == world_size_ && h.sockets_per_peer == sockets_ &&
-                   h.rank > rank_ && h.rank < world_size_ && h.socket >= 0 &&
-                   h.socket < sockets_ && memcmp(h.token, mine.token, sizeof h.token) == 0 &&
-                   channel(h.rank, h.socket).fd < 0;
-      Ack ack{kHelloMagic, valid ? 1 : 0, kProtocolVersion};
-      if (valid && write_fully(p.fd, &ack, sizeof ack, Clock::now() + handshake_time)) {
-        configure_data_socket(p.fd, options_.socket_buffer_bytes);
-        channel(h.rank, h.socket).fd = p.fd;
-        channel(h.rank, h.socket).peer = h.rank;
-        --missing;
+      if (!p.challenged) {
+        std::string problem = hello_problem(h, world_size_, rank_, sockets_);
+        if (problem.empty() && channel(h.rank, h.socket).fd >= 0)
+          problem = str_cat("rank ", h.rank, " socket ", h.socket, " connected twice");
+        if (problem.empty()) {
+          p.challenge = make_challenge(token, h, rank_);
+          p.challenged = true;
+          p.got = 0;
+          if (write_fully(p.fd, &p.challenge, sizeof p.challenge, p.deadline)) {
+            ++i;
+            continue;
+          }
+          problem = "closed during the handshake";
+        }
+        refuse(p, problem);
+      } else if (!proof_valid(token, h, p.challenge, p.proof)) {
+        refuse(p, str_cat("a connection claiming rank ", h.rank,
+                          " has no proof of the job token (another job, or another token)"));
       } else {
-        RC_LOG("rank ", rank_, ": refused a connection without a valid handshake");
-        ::close(p.fd);
+        Reply accepted{kHandshakeMagic, 1, kProtocolVersion};
+        if (write_fully(p.fd, &accepted, sizeof accepted, p.deadline)) {
+          configure_data_socket(p.fd, options_.socket_buffer_bytes);
+          channel(h.rank, h.socket).fd = p.fd;
+          channel(h.rank, h.socket).peer = h.rank;
+          --missing;
+        } else {
+          refuse(p, "closed during the handshake");
+        }
       }
-      pending.erase(pending.begin() + i);
+      pending.erase(pending.begin() + long(i));
     }
   }
   for (auto& p : pending) ::close(p.fd);
@@ -363,6 +390,8 @@ void TcpTransport::check_incoming(Channel& ch) {
   if (h.magic != kMessageMagic)
     RC_THROW("protocol error: garbage from rank ", ch.peer, " (bad message magic)");
   if (h.kind == kAbortMessage) read_abort_and_throw(ch);
+  if (h.kind != kDataMessage)
+    RC_THROW("protocol error: rank ", ch.peer, " sent a message of unknown kind ", int(h.kind));
   Signature theirs = header_signature(h);
   auto mismatch = [&](const Signature& ours) {
     RC_THROW("mismatched operations: rank ", ch.peer, " issued ", theirs.describe(), " but rank ",

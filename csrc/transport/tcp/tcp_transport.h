@@ -31,8 +31,9 @@ class TcpTransport final : public Transport {
   ~TcpTransport() override;
 
   std::string address() const { return bound_.str(); }
-  // Builds the mesh: connects to lower ranks, accepts higher ranks. Connections that do not
-  // present `token` and a valid rank are refused and closed.
+  // Builds the mesh: connects to lower ranks, accepts higher ranks. Connections that cannot
+  // prove they know `token` (transport/tcp/handshake.h) or claim a wrong rank are refused and
+  // closed.
   void connect(const std::vector<std::string>& addresses, const std::string& token,
                Clock::time_point deadline);
   // Before any message: writes one byte to every peer in `peers` and reads one from each
@@ -79,6 +80,9 @@ class TcpTransport final : public Transport {
 
   Channel& channel(int peer, int socket) { return channels_[size_t(peer) * sockets_ + socket]; }
   void ensure_descriptors(size_t sockets);
+  void introduce(int fd, int peer, int socket, const std::string& address, const std::string& token,
+                 Clock::time_point deadline);
+  void accept_higher_ranks(const std::string& token, Clock::time_point deadline);
   bool pump_send(Channel& ch);
   bool pump_recv(Channel& ch, bool eager);
   void check_incoming(Channel& ch);
