@@ -547,6 +547,7 @@ void Communicator::run(Task& task) {
     mesh_->set_current(task.sig);
     Context ctx(*mesh_, task.sig, Clock::now() + timeout_, scratch_);
     task.body(ctx);
+    scratch_.operation_done();
     task.work->finish("");
   } catch (const std::exception& e) {
     std::string reason = str_cat(e.what(), " [rank ", rank_, ", during ", task.sig.describe(), "]");

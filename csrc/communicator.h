@@ -137,6 +137,7 @@ class Communicator {
   Algorithm choose_all_reduce(size_t bytes, Algorithm requested) const;
   // Bytes this rank has written to its connections (headers included).
   uint64_t bytes_sent() const { return mesh_->bytes_sent(); }
+  size_t scratch_bytes() const { return scratch_.bytes(); }
   uint64_t bytes_sent(const std::string& transport) const { return mesh_->bytes_sent(transport); }
   // Empty unless an error has broken this communicator.
   std::string broken_reason();

@@ -272,6 +272,12 @@ class Communicator:
         """Bytes this rank has written to its connections so far (message headers included)."""
         return self._core.bytes_sent
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Scratch memory the algorithms hold between calls; buffers more than twice what the last
+        64 operations needed are given back."""
+        return self._core.scratch_bytes
+
     def bytes_sent_by_transport(self) -> dict:
         """bytes_sent split by transport: {"tcp": ..., "shm": ...}."""
         return {name: self._core.bytes_sent_over(name) for name in ("tcp", "shm")}

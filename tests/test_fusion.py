@@ -465,3 +465,22 @@ def test_bench_coalesced_mode_checks_results(tmp_path):
         assert name in run.stdout
         assert row[name]["wrong"] == 0 and len(row[name]["samples_us"]) == 2
     assert row[variants[0]]["ratio"] == 1.0
+
+
+def scratch_held(comm):
+    comm.all_reduce_coalesced([torch.ones(10) for _ in range(20)])
+    after_tiny = comm.scratch_bytes
+    comm.all_reduce(torch.ones(4 << 20), algorithm="ring")
+    after_big = comm.scratch_bytes
+    for _ in range(2 * 64):  # two trim periods of small calls
+        comm.all_reduce(torch.ones(10))
+    return after_tiny, after_big, comm.scratch_bytes
+
+
+def test_scratch_memory_follows_what_calls_need():
+    """Tiny buckets reserve tiny buffers (not a 3-deep pipeline of 128 KiB slices: 1.5 MiB at 2
+    ranks), and what one 16 MiB call needed is given back once later calls need less."""
+    for tiny, big, trimmed in run_ranks(2, scratch_held):
+        assert tiny < 32 << 10, tiny  # the reduction-order replay's 16 KiB block, and the slice
+        assert big >= 4 << 20, big
+        assert trimmed < 64 << 10, trimmed

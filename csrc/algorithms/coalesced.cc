@@ -41,9 +41,12 @@ struct Slice {
   size_t count() const { return end - begin; }
 };
 
-// Elements of `dtype` in one message of at most RINGCOMM_FUSION_SLICE_BYTES (at least one).
-size_t slice_elems(DType dtype) {
-  return std::max<size_t>(1, AlgorithmTuning::get().fusion_slice_bytes / dtype_size(dtype));
+// Elements of bucket `b` in one message: at most RINGCOMM_FUSION_SLICE_BYTES, and no more than
+// `pieces` messages need to carry the whole bucket (so small buckets reserve small buffers).
+size_t message_elems(const FusedBucket& b, size_t pieces) {
+  const size_t per_slice = std::max<size_t>(1, AlgorithmTuning::get().fusion_slice_bytes /
+                                                   dtype_size(b.sig.dtype));
+  return std::max<size_t>(1, std::min(per_slice, (b.buffers.count() + pieces - 1) / pieces));
 }
 
 // Slices of at most `per_bucket(bucket)` elements, at least one per bucket so that an empty
@@ -121,7 +124,8 @@ void reduce_in_order(const CoalescedAllReduce& plan, const FusedBucket& b, size_
 void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
   const int n = ctx.size(), me = ctx.rank();
   if (n == 1 || plan.buckets.empty()) return;
-  const auto part_elems = [](const FusedBucket& b) { return slice_elems(b.sig.dtype); };
+  // A slice is n parts, one per rank.
+  const auto part_elems = [&](const FusedBucket& b) { return message_elems(b, size_t(n)); };
   const auto slices =
       slices_of(plan.buckets, [&](const FusedBucket& b) { return part_elems(b) * size_t(n); });
   const auto sigs = signatures(ctx, plan.buckets);
@@ -136,7 +140,7 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
     char* incoming;  // the other ranks' contributions to my part, (n-1) x part_bytes
     std::vector<Request> contributions, results;  // by peer
   } slots[depth];
-  for (size_t s = 0; s < depth; ++s) {
+  for (size_t s = 0; s < std::min(depth, slices.size()); ++s) {
     slots[s].buffer = ctx.scratch(kSliceBuffers + int(s), part_bytes * size_t(n));
     slots[s].incoming = ctx.scratch(kIncoming + int(s), part_bytes * size_t(n - 1));
     slots[s].contributions.resize(size_t(n));
@@ -200,7 +204,7 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
 void coalesced_broadcast(Context& ctx, const std::vector<FusedBucket>& buckets, int root) {
   const int n = ctx.size(), me = ctx.rank();
   if (n == 1 || buckets.empty()) return;
-  const auto elems = [](const FusedBucket& b) { return slice_elems(b.sig.dtype); };
+  const auto elems = [](const FusedBucket& b) { return message_elems(b, 1); };
   const auto slices = slices_of(buckets, elems);
   const auto sigs = signatures(ctx, buckets);
   std::vector<TreeLinks> links;
@@ -209,7 +213,8 @@ void coalesced_broadcast(Context& ctx, const std::vector<FusedBucket>& buckets, 
   constexpr size_t depth = 2;
   char* buffers[depth];
   Request from_parent[depth];
-  for (size_t s = 0; s < depth; ++s) buffers[s] = ctx.scratch(kSliceBuffers + int(s), bytes);
+  for (size_t s = 0; s < std::min(depth, slices.size()); ++s)
+    buffers[s] = ctx.scratch(kSliceBuffers + int(s), bytes);
 
   run_pipeline(ctx, slices, sigs, depth, [&](size_t stage, size_t c) {
     const Slice& slice = slices[c];
@@ -236,14 +241,14 @@ void coalesced_broadcast(Context& ctx, const std::vector<FusedBucket>& buckets, 
 void coalesced_all_gather(Context& ctx, const std::vector<FusedBucket>& buckets) {
   const int n = ctx.size(), me = ctx.rank();
   if (buckets.empty()) return;
-  const auto elems = [](const FusedBucket& b) { return slice_elems(b.sig.dtype); };
+  const auto elems = [](const FusedBucket& b) { return message_elems(b, 1); };
   const auto slices = slices_of(buckets, elems);
   const auto sigs = signatures(ctx, buckets);
   const size_t part_bytes = max_message_bytes(buckets, elems);
   constexpr size_t depth = 2;
   char* buffers[depth];
   std::vector<Request> from_peer[depth];
-  for (size_t s = 0; s < depth; ++s) {
+  for (size_t s = 0; s < std::min(depth, slices.size()); ++s) {
     buffers[s] = ctx.scratch(kSliceBuffers + int(s), part_bytes * size_t(n));
     from_peer[s].resize(size_t(n));
   }

@@ -2,6 +2,8 @@
 // reusable scratch memory. Algorithms post sends/receives here and never see a socket.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <vector>
@@ -12,20 +14,42 @@
 
 namespace ringcomm {
 
-// Grow-only, 64-byte aligned scratch buffers owned by a communicator, indexed by slot.
+// 64-byte aligned scratch buffers owned by a communicator, indexed by slot. A buffer grows to
+// what an operation asks of it and is kept for the next; so that one large call does not hold its
+// memory for the rest of the job, every kTrimPeriod operations a buffer more than twice the
+// largest size asked of it in that period (or not used at all) is freed, and reallocated at the
+// size the next operation asks for.
 class Scratch {
  public:
+  static constexpr int kTrimPeriod = 64;
+
   char* get(int slot, size_t bytes) {
     if (slot >= int(buffers_.size())) buffers_.resize(slot + 1);
     Buffer& b = buffers_[slot];
+    b.peak = std::max(b.peak, bytes);
     if (b.bytes < bytes) {
+      release(b);  // before the new one: the old and the new never coexist
       void* p = nullptr;
       if (posix_memalign(&p, 64, bytes) != 0) throw std::bad_alloc();
       b.data.reset(static_cast<char*>(p));
       b.bytes = bytes;
+      held_ += bytes;
     }
     return b.data.get();
   }
+
+  // After every operation.
+  void operation_done() {
+    if (++operations_ < kTrimPeriod) return;
+    operations_ = 0;
+    for (Buffer& b : buffers_) {
+      if (b.bytes > 2 * b.peak) release(b);
+      b.peak = 0;
+    }
+  }
+
+  // Bytes held now; from any thread (statistics).
+  size_t bytes() const { return held_.load(std::memory_order_relaxed); }
 
  private:
   struct Free {
@@ -34,8 +58,16 @@ class Scratch {
   struct Buffer {
     std::unique_ptr<char, Free> data;
     size_t bytes = 0;
+    size_t peak = 0;  // the most asked of it since the last trim
   };
+  void release(Buffer& b) {
+    held_ -= b.bytes;
+    b.data.reset();
+    b.bytes = 0;
+  }
   std::vector<Buffer> buffers_;
+  int operations_ = 0;
+  std::atomic<size_t> held_{0};
 };
 
 class Context {

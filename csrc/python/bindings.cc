@@ -178,6 +178,7 @@ PYBIND11_MODULE(_C, m) {
                                         Algorithm(algo), async);
            }, G())
       .def_property_readonly("bytes_sent", [](const Communicator& c) { return c.bytes_sent(); })
+      .def_property_readonly("scratch_bytes", &Communicator::scratch_bytes)
       .def("bytes_sent_over", [](const Communicator& c, const std::string& transport) {
              return c.bytes_sent(transport);
            }, py::arg("transport"))
