@@ -14,7 +14,21 @@
 
 namespace ringcomm {
 
-// 64-byte aligned scratch buffers owned by a communicator, indexed by slot. A buffer grows to
+// A receive whose bytes land in `staging` and are reduced into `dst` once it completes
+// (Context::recv_reduce).
+struct StagedReduce {
+  int64_t id;
+  char* dst;
+  const char* local;
+  const char* staging;
+  size_t count;
+  DType dtype;
+  ReduceOp op;
+};
+
+// What a communicator's operations reuse from one to the next: the lists of requests a Context
+// keeps (so that posting a message allocates nothing once they have grown), and 64-byte aligned
+// scratch buffers, indexed by slot. A buffer grows to
 // what an operation asks of it and is kept for the next; so that one large call does not hold its
 // memory for the rest of the job, every kTrimPeriod operations a buffer more than twice the
 // largest size asked of it in that period (or not used at all) is freed, and reallocated at the
@@ -48,7 +62,10 @@ class Scratch {
     }
   }
 
-  // Bytes held now; from any thread (statistics).
+  std::vector<Request> sends;  // a Context's sends not yet waited for
+  std::vector<StagedReduce> staged;
+
+  // Bytes of buffers held now; from any thread (statistics).
   size_t bytes() const { return held_.load(std::memory_order_relaxed); }
 
  private:
@@ -73,7 +90,11 @@ class Scratch {
 class Context {
  public:
   Context(Mesh& mesh, const Signature& sig, Clock::time_point deadline, Scratch& scratch)
-      : mesh_(mesh), sig_(sig), deadline_(deadline), scratch_(scratch) {}
+      : mesh_(mesh), sig_(sig), deadline_(deadline), scratch_(scratch), sends_(scratch.sends),
+        staged_(scratch.staged) {
+    sends_.clear();  // what a failed operation left
+    staged_.clear();
+  }
 
   int rank() const { return mesh_.rank(); }
   int size() const { return mesh_.world_size(); }
@@ -112,7 +133,7 @@ class Context {
   void wait(Request r) {
     mesh_.wait(r, deadline_);
     for (size_t i = 0; i < staged_.size(); ++i) {
-      const Staged& s = staged_[i];
+      const StagedReduce& s = staged_[i];
       if (s.id != r.id) continue;
       cpu::reduce(s.dtype, s.op, s.dst, s.local, s.staging, s.count);
       staged_.erase(staged_.begin() + long(i));
@@ -130,17 +151,8 @@ class Context {
   Signature sig_;
   Clock::time_point deadline_;
   Scratch& scratch_;
-  std::vector<Request> sends_;
-  struct Staged {
-    int64_t id;
-    char* dst;
-    const char* local;
-    const char* staging;
-    size_t count;
-    DType dtype;
-    ReduceOp op;
-  };
-  std::vector<Staged> staged_;  // recv_reduce's receives to reduce once waited for
+  std::vector<Request>& sends_;
+  std::vector<StagedReduce>& staged_;  // recv_reduce's receives to reduce once waited for
 };
 
 // Pieces of `count` elements, one per rank: balanced (the first count % n get one more) or

@@ -26,6 +26,10 @@
 namespace ringcomm {
 namespace {
 
+// Scratch slots used here: received slices before they are reduced, the all-reduce's work copy,
+// and the receive requests of one step (kept in scratch so that a step allocates nothing).
+enum Slot { kIncoming = 0, kWork = 1, kRequests = 10 };
+
 struct Ring {
   int n, rank, next, prev;
   size_t elem, slice;  // element size, slice length in elements
@@ -34,6 +38,11 @@ struct Ring {
         elem(dtype_size(dtype)),
         slice(std::max<size_t>(1, AlgorithmTuning::get().ring_slice_bytes / elem)) {}
 
+  // Room for the receive requests of one segment's slices.
+  Request* requests(Context& ctx, const Segments& seg) const {
+    return reinterpret_cast<Request*>(
+        ctx.scratch(kRequests, piece_count(seg.max_count(), slice) * sizeof(Request)));
+  }
   // Calls fn(first element, element count) for every slice of a segment of `count` elements.
   template <typename Fn>
   void for_slices(size_t count, Fn fn) const {
@@ -53,7 +62,8 @@ void reduce_scatter_steps(Context& ctx, const Ring& ring, const char* src, char*
                           char* final_out, const Segments& seg, DType dtype, ReduceOp op,
                           const std::function<void(size_t, size_t)>& on_final) {
   const size_t e = ring.elem;
-  char* incoming = ctx.scratch(0, std::max<size_t>(1, seg.max_count() * e));
+  char* incoming = ctx.scratch(kIncoming, std::max<size_t>(1, seg.max_count() * e));
+  Request* recvs = ring.requests(ctx, seg);
   int first = mod(ring.rank - 1, ring.n);
   ring.for_slices(seg.count(first), [&](size_t b, size_t c) {
     ctx.send(ring.next, src + (seg.offset(first) + b) * e, c * e);
@@ -63,12 +73,12 @@ void reduce_scatter_steps(Context& ctx, const Ring& ring, const char* src, char*
     bool last = s == ring.n - 2;
     char* dst = last ? final_out : work + seg.offset(k) * e;
     const char* mine = src + seg.offset(k) * e;
-    std::vector<Request> recvs;
-    ring.for_slices(seg.count(k), [&](size_t b, size_t c) {
-      recvs.push_back(
-          ctx.recv_reduce(ring.prev, dst + b * e, mine + b * e, incoming + b * e, c, dtype, op));
-    });
     size_t j = 0;
+    ring.for_slices(seg.count(k), [&](size_t b, size_t c) {
+      recvs[j++] =
+          ctx.recv_reduce(ring.prev, dst + b * e, mine + b * e, incoming + b * e, c, dtype, op);
+    });
+    j = 0;
     ring.for_slices(seg.count(k), [&](size_t b, size_t c) {
       ctx.wait(recvs[j++]);
       if (last)
@@ -83,6 +93,7 @@ void reduce_scatter_steps(Context& ctx, const Ring& ring, const char* src, char*
 // segment) were already sent by the caller.
 void all_gather_steps(Context& ctx, const Ring& ring, char* buf, const Segments& seg, bool own_sent) {
   const size_t e = ring.elem;
+  Request* recvs = ring.requests(ctx, seg);
   if (!own_sent)
     ring.for_slices(seg.count(ring.rank), [&](size_t b, size_t c) {
       ctx.send(ring.next, buf + (seg.offset(ring.rank) + b) * e, c * e);
@@ -90,11 +101,9 @@ void all_gather_steps(Context& ctx, const Ring& ring, char* buf, const Segments&
   for (int s = 0; s <= ring.n - 2; ++s) {
     int k = mod(ring.rank - s - 1, ring.n);
     char* dst = buf + seg.offset(k) * e;
-    std::vector<Request> recvs;
-    ring.for_slices(seg.count(k), [&](size_t b, size_t c) {
-      recvs.push_back(ctx.recv(ring.prev, dst + b * e, c * e));
-    });
     size_t j = 0;
+    ring.for_slices(seg.count(k), [&](size_t b, size_t c) { recvs[j++] = ctx.recv(ring.prev, dst + b * e, c * e); });
+    j = 0;
     ring.for_slices(seg.count(k), [&](size_t b, size_t c) {
       ctx.wait(recvs[j++]);
       if (s < ring.n - 2) ctx.send(ring.next, dst + b * e, c * e);
@@ -127,7 +136,7 @@ void ring_reduce_scatter(Context& ctx, const void* in, void* out, size_t count, 
   }
   Segments seg(count * ring.n, ring.n);
   // Partial sums of other ranks' blocks are kept until sent, so they need their own space.
-  char* work = ctx.scratch(1, std::max<size_t>(1, count * ring.n * ring.elem));
+  char* work = ctx.scratch(kWork, std::max<size_t>(1, count * ring.n * ring.elem));
   char* result = static_cast<char*>(out);
   reduce_scatter_steps(ctx, ring, static_cast<const char*>(in), work, result, seg, dtype, op,
                        [&](size_t b, size_t c) {

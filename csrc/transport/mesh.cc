@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <thread>
+#include <utility>
 
 #include "common/env.h"
 #include "common/error.h"
@@ -216,9 +217,9 @@ Request Mesh::post(bool is_send, int peer, char* data, size_t bytes, const Signa
   check_usable();
   RC_CHECK_ARG(peer >= 0 && peer < world_size_ && peer != rank_ && route_[peer],
                "invalid peer rank ", peer);
-  int64_t id = next_op_++;
-  auto& op = ops_.emplace(id, Op{0, std::move(on_done)}).first->second;
-  op.parts_left = route_[peer]->post(is_send, peer, data, bytes, sig, id);
+  int64_t id = add_op(std::move(on_done));
+  int parts = route_[peer]->post(is_send, peer, data, bytes, sig, id);
+  find(id)->parts_left = parts;
   return Request{id};
 }
 
@@ -226,17 +227,50 @@ Request Mesh::post_consume(int peer, size_t bytes, const Signature& sig,
                            Transport::Consumer consume) {
   check_usable();
   RC_CHECK_ARG(can_consume(peer), "rank ", peer, "'s transport cannot consume in place");
-  int64_t id = next_op_++;
-  auto& op = ops_.emplace(id, Op{0, nullptr}).first->second;
-  op.parts_left = route_[peer]->post_consume(peer, bytes, sig, id, std::move(consume));
+  int64_t id = add_op(nullptr);
+  int parts = route_[peer]->post_consume(peer, bytes, sig, id, std::move(consume));
+  find(id)->parts_left = parts;
   return Request{id};
 }
 
+int64_t Mesh::add_op(Callback on_done) {
+  uint32_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    RC_CHECK_ARG(ops_.size() < (size_t(1) << kSlotBits), "more than ", size_t(1) << kSlotBits,
+                 " messages in flight");
+    slot = uint32_t(ops_.size());
+    ops_.emplace_back();
+  }
+  Op& op = ops_[slot];
+  op.id = (next_serial_++ << kSlotBits) | slot;
+  op.parts_left = 0;
+  op.on_done = std::move(on_done);
+  ++live_ops_;
+  return op.id;
+}
+
+const Mesh::Op* Mesh::find(int64_t id) const {
+  size_t slot = size_t(id) & ((size_t(1) << kSlotBits) - 1);
+  return id >= 0 && slot < ops_.size() && ops_[slot].id == id ? &ops_[slot] : nullptr;
+}
+
+Mesh::Op* Mesh::find(int64_t id) { return const_cast<Op*>(std::as_const(*this).find(id)); }
+
+void Mesh::remove(Op& op) {
+  op.id = -1;
+  op.on_done = nullptr;
+  free_slots_.push_back(uint32_t(&op - ops_.data()));
+  --live_ops_;
+}
+
 void Mesh::part_done(int64_t id) {
-  auto it = ops_.find(id);
-  if (--it->second.parts_left > 0) return;
-  Callback cb = std::move(it->second.on_done);
-  ops_.erase(it);
+  Op* op = find(id);
+  if (--op->parts_left > 0) return;
+  Callback cb = std::move(op->on_done);
+  remove(*op);
   if (cb) cb(nullptr);
 }
 
@@ -327,8 +361,8 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
 void Mesh::progress_until_event(int wake_fd, Clock::time_point deadline) {
   check_usable();
   throw_if_interrupted();
-  size_t before = ops_.size();
-  if (progress() && ops_.size() < before) return;
+  size_t before = live_ops_;
+  if (progress() && live_ops_ < before) return;
   block(wake_fd, deadline);
 }
 
@@ -342,9 +376,11 @@ void Mesh::abort(const std::string& reason, const std::exception_ptr& error) {
   if (shm_) shm_->abort(abort_reason_);
   tcp_->abort(abort_reason_);
   std::vector<Callback> callbacks;
-  for (auto& [id, op] : ops_)
+  for (Op& op : ops_) {
+    if (op.id < 0) continue;
     if (op.on_done) callbacks.push_back(std::move(op.on_done));
-  ops_.clear();
+    remove(op);
+  }
   for (auto& cb : callbacks) cb(error);
 }
 

@@ -6,10 +6,10 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "transport/shm/shm_transport.h"
@@ -63,7 +63,7 @@ class Mesh final : public PartSink {
   // Progress everything until `req` completes; throws ringcomm::Error on a mismatch, a lost peer,
   // a remote abort or when `deadline` passes.
   void wait(Request req, Clock::time_point deadline);
-  bool done(Request req) const { return ops_.count(req.id) == 0; }
+  bool done(Request req) const { return find(req.id) == nullptr; }
   // Transport::peek for `peer`'s transport.
   bool peek(int peer, Signature* sig) const {
     return route_.at(size_t(peer)) && route_[peer]->peek(peer, sig);
@@ -88,10 +88,19 @@ class Mesh final : public PartSink {
   uint64_t bytes_sent(const std::string& transport) const;
 
  private:
+  // Posted operations live in a table of slots reused as they complete (no allocation per
+  // message once it has grown); an id is the slot plus a serial number, so a finished
+  // operation's id never matches the slot's next occupant.
   struct Op {
-    int parts_left;
+    int64_t id = -1;  // -1: free slot
+    int parts_left = 0;
     Callback on_done;
   };
+  static constexpr int kSlotBits = 24;
+  int64_t add_op(Callback on_done);
+  Op* find(int64_t id);
+  const Op* find(int64_t id) const;
+  void remove(Op& op);
   void part_done(int64_t op) override;
   Request post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
                Callback on_done);
@@ -111,8 +120,10 @@ class Mesh final : public PartSink {
   std::unique_ptr<tcp::TcpTransport> tcp_;
   std::unique_ptr<shm::ShmTransport> shm_;
   std::vector<Transport*> route_;  // by peer; nullptr for this rank
-  std::unordered_map<int64_t, Op> ops_;
-  int64_t next_op_ = 0;
+  std::vector<Op> ops_;
+  std::vector<uint32_t> free_slots_;
+  size_t live_ops_ = 0;
+  int64_t next_serial_ = 0;
   Signature current_;
   bool has_current_ = false;
   std::string abort_reason_;

@@ -14,12 +14,12 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/inplace_function.h"
 
 namespace ringcomm {
 
@@ -110,7 +110,7 @@ class Transport {
   // A receive whose bytes are handed to `consume(offset, data, bytes)` where they arrive, in
   // order, instead of being copied to a buffer: a reduction can read the peer's shared memory in
   // place. Only transports whose can_consume() is true take these.
-  using Consumer = std::function<void(size_t offset, const char* data, size_t bytes)>;
+  using Consumer = InplaceFunction<void(size_t offset, const char* data, size_t bytes)>;
   virtual bool can_consume() const { return false; }
   virtual int post_consume(int peer, size_t bytes, const Signature& sig, int64_t op,
                            Consumer consume) {

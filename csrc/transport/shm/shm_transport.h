@@ -14,10 +14,10 @@
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <string>
 #include <vector>
 
+#include "common/fifo.h"
 #include "transport/transport.h"
 #include "transport/wire.h"
 
@@ -92,7 +92,7 @@ class ShmTransport final : public Transport {
     Inbox* out = nullptr;             // my inbox in its segment: I send here
     Inbox* in = nullptr;              // its inbox in my segment: I receive here
     uint64_t out_head = 0, in_tail = 0;  // my copies of the counters only I write
-    std::deque<Part> sends, recvs;
+    Fifo<Part> sends, recvs;
   };
 
   bool pump_send(int peer, Peer& p);

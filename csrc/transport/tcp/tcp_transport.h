@@ -4,11 +4,11 @@
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <poll.h>
 #include <string>
 #include <vector>
 
+#include "common/fifo.h"
 #include "transport/tcp/socket.h"
 #include "transport/transport.h"
 #include "transport/wire.h"
@@ -71,7 +71,7 @@ class TcpTransport final : public Transport {
   struct Channel {
     int fd = -1;
     int peer = -1;
-    std::deque<Part> sends, recvs;
+    Fifo<Part> sends, recvs;
     WireHeader incoming{};
     size_t incoming_got = 0;   // header bytes read so far
     bool incoming_matched = false;  // header checked against recvs.front()

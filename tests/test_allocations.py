@@ -1,0 +1,38 @@
+"""Posting a message allocates nothing: heap allocations per call do not grow with the number of
+messages a call sends (tests/native/count_allocations.cc, real ranks, C++ only)."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import ringcomm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory):
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    library = os.path.dirname(ringcomm.__file__)
+    binary = str(tmp_path_factory.mktemp("native") / "count_allocations")
+    subprocess.run([compiler, "-std=c++17", "-O1", f"-I{ROOT}/csrc",
+                    f"{HERE}/native/count_allocations.cc", f"-L{library}", "-lringcomm",
+                    f"-Wl,-rpath,{library}", "-pthread", "-o", binary], check=True)
+    return binary
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_allocations_per_call_do_not_grow_with_messages(counter, tmp_path, transport, world):
+    run = subprocess.run([counter, str(world), str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "RINGCOMM_TRANSPORT": transport})
+    assert run.returncode == 0, run.stderr
+    rows = [line.rsplit(" ", 2) for line in run.stdout.splitlines()]
+    assert len(rows) == 4, run.stdout
+    for name, small, large in rows:
+        # A 4 MiB call sends tens of messages per step, an 8-byte one a single message.
+        assert float(large) <= float(small), f"{name}: {small} allocations per small call, {large} per large"
