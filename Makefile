@@ -7,7 +7,7 @@ SIZES     ?= 8,4K,64K,1M,16M,64M
 PY        := $(VENV)/bin/python
 SOURCES   := $(shell find csrc ringcomm -name '*.cc' -o -name '*.h' -o -name '*.py') setup.py pyproject.toml CMakeLists.txt
 
-.PHONY: install test bench clean
+.PHONY: install test bench fuzz clean
 
 # venv, the torch pin first (so nothing pulls a CUDA build), then the package (editable) with
 # its test extras and Open MPI (the anchor `--compare mpi` runs; tests/test_bench.py uses it),
@@ -27,6 +27,31 @@ test: install
 # The main job: ringcomm vs gloo and Open MPI, $(RANKS) local ranks, with the memory floor, one run.
 bench: install
 	$(PY) -m ringcomm.bench --ranks $(RANKS) --sizes $(SIZES) --compare gloo,mpi --floor
+
+# Fuzzing (docs/reliability.md): every fuzz/<target>.cc, built by clang under ASan + UBSan in
+# $(FUZZ_BUILD) (not the package), runs $(FUZZ_RUNS) inputs from its seeds in fuzz/corpus/<target>/;
+# what it finds new goes to $(FUZZ_BUILD)/corpus/<target>/, a crashing input to
+# $(FUZZ_BUILD)/<target>-crash-*, its output to $(FUZZ_BUILD)/<target>.log. Fails if any crashed.
+FUZZ_BUILD   ?= build/fuzz
+FUZZ_RUNS    ?= 1000000
+FUZZ_CC      ?= clang-14
+FUZZ_CXX     ?= clang++-14
+FUZZ_FLAGS   ?= -rss_limit_mb=2048 -malloc_limit_mb=2048
+FUZZ_TARGETS ?= $(basename $(notdir $(wildcard fuzz/*.cc)))
+
+fuzz:
+	CC=$(FUZZ_CC) CXX=$(FUZZ_CXX) cmake -S . -B $(FUZZ_BUILD) -DRINGCOMM_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build $(FUZZ_BUILD) -j 2 --target $(FUZZ_TARGETS)
+	@failed=0; for t in $(FUZZ_TARGETS); do \
+	  log=$(FUZZ_BUILD)/$$t.log; mkdir -p $(FUZZ_BUILD)/corpus/$$t; \
+	  $(FUZZ_BUILD)/$$t -runs=$(FUZZ_RUNS) $(FUZZ_FLAGS) -print_final_stats=1 \
+	    -artifact_prefix=$(FUZZ_BUILD)/$$t- $(FUZZ_BUILD)/corpus/$$t \
+	    $$(test -d fuzz/corpus/$$t && echo fuzz/corpus/$$t) >$$log 2>&1 || failed=1; \
+	  echo "$$t: $$(sed -n 's/^stat::number_of_executed_units: *//p' $$log) inputs," \
+	    "$$(grep -c 'Test unit written to' $$log) crashes," \
+	    "$$(sed -n 's/^stat::average_exec_per_sec: *//p' $$log) exec/s," \
+	    "$$(grep -o 'cov: [0-9]*' $$log | tail -1) (log: $$log)"; \
+	done; exit $$failed
 
 clean:
 	rm -rf build *.egg-info ringcomm/_C*.so

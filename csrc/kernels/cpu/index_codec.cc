@@ -25,8 +25,10 @@ size_t decode_indices(const uint8_t* in, size_t in_bytes, size_t n, int32_t* ind
   int64_t previous = 0;
   for (size_t i = 0; i < n; ++i) {
     uint64_t zigzag = 0;
+    // At most 5 bytes, what encode_indices writes for any difference of two int32s (34 bits):
+    // longer is malformed, and the sum below stays far from overflowing int64.
     for (int shift = 0;; shift += 7) {
-      if (p == end || shift > 63) return 0;
+      if (p == end || shift > 28) return 0;
       uint8_t byte = *p++;
       zigzag |= uint64_t(byte & 0x7f) << shift;
       if (!(byte & 0x80)) break;

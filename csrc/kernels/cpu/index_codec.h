@@ -9,14 +9,14 @@
 namespace ringcomm {
 namespace cpu {
 
-// Upper bound of encode_indices' output for n indices.
+// Upper bound of encode_indices' output for n indices; each takes 1 to 5 bytes.
 inline size_t max_encoded_bytes(size_t n) { return n * 5; }
 
 // Writes the encoding of `indices[0..n)` to `out`; returns its length in bytes.
 size_t encode_indices(const int32_t* indices, size_t n, uint8_t* out);
 
 // Decodes n indices from `in` (at most `in_bytes` long) into `indices`; returns the bytes
-// consumed, or 0 if the input is truncated or malformed.
+// consumed, or 0 if the input is truncated or malformed (so for n > 0, 0 is never a success).
 size_t decode_indices(const uint8_t* in, size_t in_bytes, size_t n, int32_t* indices);
 
 }  // namespace cpu

@@ -1,0 +1,147 @@
+// The sparse all-reduce's checks and decoding of what peers sent (sparse_decode.h). Sizes from
+// peers are checked against what this call allows before any is used to size a buffer or a loop,
+// and indices before any is used to address `out`: a buggy or mismatched peer gets a clear error,
+// not an overflow.
+#include "algorithms/sparse_decode.h"
+
+#include <cstring>
+
+#include "common/error.h"
+#include "kernels/cpu/index_codec.h"
+#include "kernels/reduce_math.h"
+
+namespace ringcomm {
+namespace {
+
+template <typename V, typename O>
+void scatter_add_typed(O* out, const SparsePairs& p) {
+  for (size_t i = 0; i < p.count; ++i) {
+    V v;
+    std::memcpy(&v, p.value + i * sizeof(V), sizeof(V));
+    O& dst = out[p.index_at(i)];
+    dst = math::Compute<O>::store(math::Compute<O>::load(dst) + float(math::Compute<V>::load(v)));
+  }
+}
+
+template <typename O>
+void scatter_add_out(DType value_dtype, O* out, const SparsePairs& p) {
+  switch (value_dtype) {
+    case DType::kFloat32: return scatter_add_typed<float, O>(out, p);
+    case DType::kFloat16: return scatter_add_typed<math::Half, O>(out, p);
+    default: return scatter_add_typed<math::BFloat16, O>(out, p);
+  }
+}
+
+[[noreturn]] void bad_size(int from, const char* what, uint64_t value, const char* limit) {
+  RC_THROW("sparse_all_reduce: rank ", from, " sent ", what, " ", value, ", ", limit);
+}
+
+}  // namespace
+
+void scatter_add(DType value_dtype, DType out_dtype, void* out, const SparsePairs& p) {
+  switch (out_dtype) {
+    case DType::kFloat32: return scatter_add_out(value_dtype, static_cast<float*>(out), p);
+    case DType::kFloat16: return scatter_add_out(value_dtype, static_cast<math::Half*>(out), p);
+    default: return scatter_add_out(value_dtype, static_cast<math::BFloat16*>(out), p);
+  }
+}
+
+void check_indices(const SparsePairs& p, size_t begin, size_t end, int from) {
+  for (size_t i = 0; i < p.count; ++i)
+    if (p.index_at(i) < int64_t(begin) || p.index_at(i) >= int64_t(end))
+      RC_THROW("sparse_all_reduce: rank ", from, " sent index ", p.index_at(i), " outside [", begin,
+               ", ", end, ")");
+}
+
+void check_peer_sizes(SparseSizes& s, const std::vector<size_t>& words) {
+  for (int q = 0; q < s.n; ++q) {
+    // At most 2^31 - 1 pairs (checked locally too), so k * (5 + value size) cannot overflow.
+    size_t k_q = words[2 * q], packed_q = words[2 * q + 1];
+    if (k_q > size_t(INT32_MAX)) bad_size(q, "a pair count of", k_q, "more than 2^31 - 1");
+    // Its indices take 1 to 5 bytes each. (With fewer than k, and k > 0, the index bytes could
+    // be 0, which is also what decode_indices returns on failure.)
+    size_t values_bytes = k_q * s.value_size;
+    if (packed_q < values_bytes || packed_q - values_bytes < k_q ||
+        packed_q - values_bytes > cpu::max_encoded_bytes(k_q))
+      bad_size(q, "a packed size of", packed_q, "impossible for its pair count");
+    s.k.push_back(k_q);
+    s.packed.push_back(packed_q);
+  }
+}
+
+void add_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded, void* out) {
+  // (An empty `out` may be null, which not even a memset of 0 bytes may be given.)
+  if (s.numel > 0) std::memset(out, 0, s.numel * s.out_size);
+  for (int q = 0; q < s.n; ++q) {
+    size_t index_bytes = s.packed[q] - s.k[q] * s.value_size;
+    // decode_indices returns 0 on failure: with k > 0 that is never a success, or the decode
+    // scratch's stale indices (another rank's) would be added as this rank's.
+    size_t used = cpu::decode_indices(reinterpret_cast<const uint8_t*>(blocks), index_bytes,
+                                      s.k[q], decoded);
+    if (used != index_bytes || (s.k[q] > 0 && used == 0))
+      RC_THROW("sparse_all_reduce: malformed index encoding from rank ", q);
+    SparsePairs p{reinterpret_cast<const char*>(decoded), blocks + index_bytes, s.k[q]};
+    blocks += s.packed[q];
+    check_indices(p, 0, s.numel, q);
+    scatter_add(s.value_dtype, s.out_dtype, out, p);
+  }
+}
+
+void check_owner_counts(const SparseSizes& s, const std::vector<size_t>& from) {
+  for (int q = 0; q < s.n; ++q)
+    if (q != s.rank && from[q] > s.k[q])
+      bad_size(q, "a count of", from[q], "more pairs than it announced");
+}
+
+size_t add_owned_pairs(const SparseSizes& s, const char* incoming, const std::vector<size_t>& from,
+                       void* out, uint8_t* touched) {
+  const size_t begin = s.range_begin(s.rank), len = s.range_count(s.rank);
+  if (len > 0) std::memset(static_cast<char*>(out) + begin * s.out_size, 0, len * s.out_size);
+  size_t n_touched = 0;
+  for (int q = 0; q < s.n; ++q) {
+    SparsePairs p = unpack_pairs(incoming, from[q]);
+    incoming += packed_bytes(from[q], s.value_size);
+    check_indices(p, begin, begin + len, q);
+    scatter_add(s.value_dtype, s.out_dtype, out, p);
+    for (size_t i = 0; i < p.count; ++i) {
+      uint8_t& t = touched[p.index_at(i) - begin];
+      n_touched += !t;
+      t = 1;
+    }
+  }
+  return n_touched;
+}
+
+void check_piece_sizes(const SparseSizes& s, const std::vector<size_t>& piece_sizes) {
+  for (int q = 0; q < s.n; ++q) {
+    size_t dense = s.range_count(q) * s.out_size, pair = packed_bytes(1, s.out_size);
+    if (piece_sizes[q] != dense && (piece_sizes[q] >= dense || piece_sizes[q] % pair != 0))
+      bad_size(q, "a piece of", piece_sizes[q], "neither its whole range nor whole pairs within it");
+  }
+}
+
+void place_pieces(const SparseSizes& s, const char* pieces, const std::vector<size_t>& piece_sizes,
+                  void* out) {
+  char* out_bytes = static_cast<char*>(out);
+  for (int q = 0; q < s.n; ++q) {
+    const char* block = pieces;
+    pieces += piece_sizes[q];
+    if (q == s.rank) continue;
+    char* dst = out_bytes + s.range_begin(q) * s.out_size;
+    size_t qlen = s.range_count(q);
+    if (qlen == 0) continue;  // its piece is empty (check_piece_sizes); `out` may be null
+    // Sparse pieces are strictly smaller than the range, so the size alone tells the form.
+    if (piece_sizes[q] == qlen * s.out_size) {
+      std::memcpy(dst, block, piece_sizes[q]);
+      continue;
+    }
+    size_t m = piece_sizes[q] / packed_bytes(1, s.out_size);
+    SparsePairs p = unpack_pairs(block, m);
+    check_indices(p, s.range_begin(q), s.range_begin(q) + qlen, q);
+    std::memset(dst, 0, qlen * s.out_size);
+    for (size_t i = 0; i < m; ++i)
+      std::memcpy(out_bytes + size_t(p.index_at(i)) * s.out_size, p.value + i * s.out_size, s.out_size);
+  }
+}
+
+}  // namespace ringcomm
