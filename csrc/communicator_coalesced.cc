@@ -173,6 +173,7 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
   for (const BufferRef& b : buffers) {
     RC_CHECK_ARG(op != ReduceOp::kAvg || is_floating(b.dtype), "op avg needs floating dtypes, got ",
                  dtype_name(b.dtype));
+    checked_op(int(op), b.dtype);  // bitwise ops on integers and bool only
     cpu::check_conversion(b.dtype, wire_of(b.dtype), plan->pack_scaling);
     cpu::check_conversion(wire_of(b.dtype), b.dtype, plan->unpack_scaling);
   }

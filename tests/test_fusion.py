@@ -484,3 +484,20 @@ def test_scratch_memory_follows_what_calls_need():
         assert tiny < 32 << 10, tiny  # the reduction-order replay's 16 KiB block, and the slice
         assert big >= 4 << 20, big
         assert trimmed < 64 << 10, trimmed
+
+
+def bitwise_coalesced(comm):
+    ts = [torch.tensor([5, 3 + comm.rank], dtype=torch.int32), torch.tensor([True, comm.rank == 0]),
+          torch.arange(4, dtype=torch.uint8) * (comm.rank + 1)]
+    comm.all_reduce_coalesced(ts, op="bxor")
+    try:
+        comm.all_reduce_coalesced([torch.ones(2, dtype=torch.int64), torch.ones(2)], op="bor")
+    except ValueError as e:
+        return [t.tolist() for t in ts], str(e)
+    return [t.tolist() for t in ts], "no error"
+
+
+def test_bitwise_ops_coalesced():
+    for reduced, error in run_ranks(2, bitwise_coalesced):
+        assert reduced == [[0, 3 ^ 4], [False, True], [0, 1 ^ 2, 2 ^ 4, 3 ^ 6]]
+        assert "needs an integer or bool dtype, got float32" in error

@@ -47,7 +47,8 @@ void bind_fusion(py::module_& m) {
            const std::vector<int>& dtypes, int op, size_t bucket_bytes, int float32_wire,
            double prescale, bool async) {
           // The op code alone here; whether each buffer's dtype allows it is checked per buffer.
-          ReduceOp rop = checked_op(op, DType::kFloat32);
+          RC_CHECK_ARG(op >= 0 && op < kNumReduceOps, "unsupported reduce op code ", op);
+          ReduceOp rop = ReduceOp(op);
           return c.all_reduce_coalesced(buffer_refs(ptrs, counts, dtypes), rop, bucket_bytes,
                                         {checked_dtype(float32_wire), prescale}, async);
         }, G());
