@@ -7,7 +7,7 @@ SIZES     ?= 8,4K,64K,1M,16M,64M
 PY        := $(VENV)/bin/python
 SOURCES   := $(shell find csrc ringcomm -name '*.cc' -o -name '*.h' -o -name '*.py') setup.py pyproject.toml CMakeLists.txt
 
-.PHONY: install test bench fuzz clean
+.PHONY: install test bench fuzz sanitize clean
 
 # venv, the torch pin first (so nothing pulls a CUDA build), then the package (editable) with
 # its test extras and Open MPI (the anchor `--compare mpi` runs; tests/test_bench.py uses it),
@@ -52,6 +52,42 @@ fuzz:
 	    "$$(sed -n 's/^stat::average_exec_per_sec: *//p' $$log) exec/s," \
 	    "$$(grep -o 'cov: [0-9]*' $$log | tail -1) (log: $$log)"; \
 	done; exit $$failed
+
+# Sanitizers (docs/reliability.md): the core and ringcomm._C built with ASan+UBSan, then TSan,
+# each into $(SANITIZE_BUILD)-<kind>/ringcomm beside a copy of the Python package, and the
+# multi-process tests run against it (python -P: the copy, not the source tree, is imported) with
+# the sanitizer's runtime preloaded into Python (which is not instrumented: leaks are not checked,
+# and TSan ignores what uninstrumented code does).
+# A report fails the rank that hit it, and so the test.
+SANITIZE_BUILD ?= build/sanitize
+SANITIZE_KINDS ?= address thread
+SANITIZE_TESTS ?= tests/test_collectives.py tests/test_all_reduce.py tests/test_errors.py \
+                  tests/test_shm.py tests/test_sparse.py tests/test_fusion.py \
+                  tests/test_handshake.py tests/test_callbacks.py tests/test_soak.py
+SANITIZE_address = address,undefined
+SANITIZE_thread  = thread
+# With libstdc++ preloaded too: Python does not link it, and the sanitizer must find its
+# __cxa_throw when it starts.
+RUNTIME_address  = "$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libstdc++.so)"
+RUNTIME_thread   = "$$(g++ -print-file-name=libtsan.so) $$(g++ -print-file-name=libstdc++.so)"
+SANITIZE_ENV     = ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+                   TSAN_OPTIONS=halt_on_error=1:abort_on_error=1:ignore_noninstrumented_modules=1:report_signal_unsafe=0
+
+sanitize: install
+	$(PY) -m pip install -q "$$(sed -n 's/.*"\(pybind11[^"]*\)".*/\1/p' pyproject.toml | head -1)"
+	@set -e; for kind in $(SANITIZE_KINDS); do \
+	  dir=$(SANITIZE_BUILD)-$$kind; mkdir -p $$dir/ringcomm; \
+	  case $$kind in address) flags="$(SANITIZE_address)"; runtime=$(RUNTIME_address);; \
+	                 thread) flags="$(SANITIZE_thread)"; runtime=$(RUNTIME_thread);; esac; \
+	  cmake -S . -B $$dir/cmake -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRINGCOMM_SANITIZE=$$flags \
+	    -DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -c 'import pybind11; print(pybind11.get_cmake_dir())') \
+	    -DCMAKE_LIBRARY_OUTPUT_DIRECTORY=$(abspath $(SANITIZE_BUILD))-$$kind/ringcomm >/dev/null; \
+	  cmake --build $$dir/cmake --target _C; \
+	  cp -r ringcomm/*.py ringcomm/hooks $$dir/ringcomm/; \
+	  echo "== $$kind: $(SANITIZE_TESTS)"; \
+	  PYTHONPATH=$(abspath $(SANITIZE_BUILD))-$$kind LD_PRELOAD="$$runtime" $(SANITIZE_ENV) \
+	    $(PY) -P -m pytest -p no:cacheprovider $(SANITIZE_TESTS); \
+	done
 
 clean:
 	rm -rf build *.egg-info ringcomm/_C*.so

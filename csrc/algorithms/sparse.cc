@@ -152,7 +152,7 @@ void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mi
         ++j;
       }
   } else {
-    std::memcpy(piece, out_bytes + begin * s.out_size, len * s.out_size);
+    if (len) std::memcpy(piece, out_bytes + begin * s.out_size, len * s.out_size);
   }
 
   // 3. All-gather the pieces; a piece is dense iff its size is the whole range's.

@@ -216,7 +216,7 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
     sh->header = part.header;
     sh->fragment_bytes = len;
     sh->first = part.started ? 0 : 1;
-    memcpy(s + sizeof(SlotHeader), part.data + part.done, len);
+    if (len) memcpy(s + sizeof(SlotHeader), part.data + part.done, len);  // null if empty
     p.out->head.store(++p.out_head, std::memory_order_release);
     part.started = true;
     part.done += len;
@@ -270,7 +270,7 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
                " bytes where ", part.bytes - part.done, " were left of ", theirs.describe());
     if (part.consume)
       part.consume(part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
-    else
+    else if (sh.fragment_bytes)  // an empty message's buffer may be null
       memcpy(part.data + part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
     part.done += sh.fragment_bytes;
     part.started = true;
