@@ -62,13 +62,14 @@ std::vector<Slice> slices_of(const std::vector<FusedBucket>& buckets, PerBucket 
   return slices;
 }
 
-// The largest per-message buffer any bucket needs, in bytes.
+// The largest per-message buffer any bucket needs, in bytes, rounded up to a cache line: buffers
+// are laid back to back, one per rank, and each must be aligned for every dtype.
 template <typename PerBucket>
 size_t max_message_bytes(const std::vector<FusedBucket>& buckets, PerBucket per_bucket) {
   size_t bytes = 1;
   for (const FusedBucket& b : buckets)
     bytes = std::max(bytes, per_bucket(b) * dtype_size(b.sig.dtype));
-  return bytes;
+  return (bytes + 63) / 64 * 64;
 }
 
 // Bucket i's signature carries the call's first sequence number + i.
