@@ -141,6 +141,18 @@ def seconds_until_handler_runs(work, after: float = 0.3):
     return "wait returned without the handler running"
 
 
+def expect_error(fn):
+    """Calls fn, which must raise ringcomm.RingcommError: (its message, seconds it took)."""
+    import ringcomm
+
+    start = time.monotonic()
+    try:
+        fn()
+    except ringcomm.RingcommError as e:
+        return str(e), time.monotonic() - start
+    raise AssertionError("expected RingcommError")
+
+
 def run_torchrun(tmp_path, script_text: str, nproc: int, timeout: float = 120, args=(),
                  extra=()) -> str:
     """Runs `script_text` under real torchrun with `nproc` local ranks (and torchrun's `extra`

@@ -8,16 +8,7 @@ import pytest
 import torch
 
 import ringcomm
-from ranks import run_ranks, seconds_until_handler_runs
-
-
-def expect_error(fn):
-    start = time.monotonic()
-    try:
-        fn()
-    except ringcomm.RingcommError as e:
-        return str(e), time.monotonic() - start
-    raise AssertionError("expected RingcommError")
+from ranks import expect_error, run_ranks, seconds_until_handler_runs
 
 
 # ---- mismatched collectives ---------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ringcomm
-from ranks import run_ranks
+from ranks import expect_error, run_ranks
 
 MAGIC = 0x524D4348
 BYTE_ORDER = 0x01020304
@@ -33,15 +33,6 @@ def header(kind=1, coll=1, count=4, payload=16):
 
 def mac(token, label, *parts):
     return hmac.new(token, label + b"\0" + b"".join(parts), hashlib.sha256).digest()
-
-
-def expect_error(fn):
-    start = time.monotonic()
-    try:
-        fn()
-    except ringcomm.RingcommError as e:
-        return str(e), time.monotonic() - start
-    raise AssertionError("expected RingcommError")
 
 
 def read_exactly(conn, n):
