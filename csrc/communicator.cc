@@ -382,7 +382,8 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
     {
       std::lock_guard<std::mutex> lk(mu_);
       id = next_p2p_id_++;
-      p2p_deadlines_[id] = {deadline, sig.describe()};
+      // The peer in words: the abort carries this text to ranks that know nothing of the pair.
+      p2p_deadlines_[id] = {deadline, str_cat(sig.describe(), is_send ? " to rank " : " from rank ", peer)};
     }
     auto done = [this, id, work, peer](const std::exception_ptr& error) {
       {
@@ -446,7 +447,7 @@ void Communicator::match_any_source() {
                           a.count, found, a.tag);
     sig.p2p = true;
     sig.seq = recv_seq_[found]++;
-    p2p_deadlines_[a.id].second = sig.describe();
+    p2p_deadlines_[a.id].second = str_cat(sig.describe(), " from rank ", found);
     lk.unlock();
     WorkPtr work = a.work;
     int64_t id = a.id;

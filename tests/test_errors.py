@@ -144,6 +144,28 @@ def test_timeout_when_a_peer_never_joins():
     assert 1.0 < elapsed < 4.0
 
 
+def one_rank_stuck(comm):
+    """Ring of 3: rank 1 never joins; rank 2 joins late, so rank 0 (waiting on its ring
+    neighbour 2, itself waiting on 1) times out first."""
+    if comm.rank == 1:
+        time.sleep(5.0)
+        return expect_error(lambda: comm.all_reduce(torch.ones(1 << 18)))[0]
+    if comm.rank == 2:
+        time.sleep(0.5)
+    return expect_error(lambda: comm.all_reduce(torch.ones(1 << 18), algorithm="ring"))[0]
+
+
+def test_a_timeout_names_the_rank_that_holds_everything_up():
+    """Every rank's error names rank 1, not only the rank each one waited on directly: waiting
+    ranks tell their peers on whom they wait, and the rank that times out follows the chain."""
+    first, late_joiner, stuck = run_ranks(3, one_rank_stuck, comm_timeout=2.0, timeout=60)
+    # Rank 0 waits on rank 2 (and over shared memory also on rank 1, its send not taken).
+    assert "rank 2 waits on rank 1" in first, first
+    assert "nothing from rank(s) 1: stuck or slow" in first, first
+    assert "nothing from rank(s) 1: stuck or slow" in late_joiner, late_joiner
+    assert "rank 1" in stuck, stuck
+
+
 # ---- limits (strangers, wrong tokens and other versions: test_handshake.py) ----------------
 
 def too_few_descriptors(store, rank, world):

@@ -17,7 +17,7 @@ from ranks import expect_error, run_ranks
 
 MAGIC = 0x524D4348
 BYTE_ORDER = 0x01020304
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 HELLO = struct.Struct("<IIIIiiii32s")  # magic, byte order, version, reserved, world, rank, socket, sockets, nonce
 REPLY = struct.Struct("<IiI")  # magic, accepted, the acceptor's protocol version
 CHALLENGE = struct.Struct("<IiIi32s32s")  # a Reply, the acceptor's rank, its nonce, its MAC

@@ -315,11 +315,65 @@ bool Mesh::block(int wake_fd, Clock::time_point deadline, bool sleep) {
   return true;
 }
 
+std::vector<int> Mesh::waiting_on() const {
+  std::vector<int> peers;
+  tcp_->waiting_on(peers);
+  if (shm_) shm_->waiting_on(peers);
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  return peers;
+}
+
 std::string Mesh::describe_waiting() const {
-  std::string peers = tcp_->describe_waiting();
-  std::string local = shm_ ? shm_->describe_waiting() : "";
-  if (!local.empty()) peers += (peers.empty() ? "" : ", ") + local;
-  return peers.empty() ? "nothing" : "rank(s) " + peers;
+  std::string text;
+  for (int peer : waiting_on()) text += str_cat(text.empty() ? "rank(s) " : ", ", peer);
+  return text.empty() ? "nothing" : text;
+}
+
+// Why a wait timed out. A rank waited on may itself be waiting on another (a ring neighbour of
+// the rank that is stuck): its waiting notices say on whom, and so on down each chain to ranks that
+// say nothing. Those are named, so that every rank's error (the others read this one in its
+// abort) names the same culprit, not only the rank each waited on directly.
+std::string Mesh::describe_timeout(Clock::duration notice_every) {
+  std::string why = str_cat("timed out during ", has_current_ ? current_.describe() : "an operation",
+                            " waiting on ", describe_waiting());
+  const std::vector<int> waited = waiting_on();
+  const Clock::time_point fresh = Clock::now() - 3 * notice_every;
+  std::string chain, quiet;
+  bool cycle = false;
+  // Follows every chain from the ranks waited on; `quiet` lists where they end in silence.
+  auto follow = [&] {
+    std::vector<bool> seen(size_t(world_size_), false), silent(size_t(world_size_), false);
+    seen[size_t(rank_)] = true;
+    chain.clear();
+    quiet.clear();
+    cycle = false;
+    for (int start : waited) {
+      if (seen[size_t(start)]) continue;
+      seen[size_t(start)] = true;
+      int at = start;
+      for (int next; (next = tcp_->reported_wait(at, fresh)) >= 0; at = next) {
+        chain += str_cat("; rank ", at, " waits on rank ", next);
+        if (seen[size_t(next)]) {
+          cycle |= next == rank_ || next == start;
+          break;
+        }
+        seen[size_t(next)] = true;
+      }
+      if (tcp_->reported_wait(at, fresh) < 0) silent[size_t(at)] = true;
+    }
+    for (int r = 0; r < world_size_; ++r)
+      if (silent[size_t(r)]) quiet += str_cat(quiet.empty() ? "" : ", ", r);
+  };
+  // A rank that has only just started waiting has not said so yet: the silent ones get a little
+  // longer (two notice periods, at most a second) before they are named.
+  const auto until = Clock::now() + std::min<Clock::duration>(2 * notice_every, std::chrono::seconds(1));
+  for (follow(); !waited.empty() && !quiet.empty() && Clock::now() < until; follow())
+    block(-1, std::min(until, Clock::now() + std::chrono::milliseconds(10)));
+  if (chain.empty()) return why;  // the ranks waited on are the ones that say nothing
+  why += chain;
+  if (!quiet.empty()) why += "; nothing from rank(s) " + quiet + ": stuck or slow";
+  return cycle ? why + " (a cycle: they wait on each other)" : why;
 }
 
 void Mesh::wait(Request req, Clock::time_point deadline) {
@@ -329,6 +383,10 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
   bool spinning = options_.spin_us > 0;
   const auto yield_for = std::chrono::microseconds(std::max(options_.yield_us, 0));
   Clock::time_point yield_until;
+  // Waiting notices: every 1/20 of the time left (100 ms to 10 s), from one period in.
+  const Clock::duration notice_every = std::clamp<Clock::duration>(
+      (deadline - Clock::now()) / 20, std::chrono::milliseconds(100), std::chrono::seconds(10));
+  Clock::time_point next_notice = Clock::now() + notice_every;
   while (!done(req)) {
     throw_if_interrupted();
     if (progress()) continue;
@@ -352,9 +410,15 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
         sched_yield();
       continue;
     }
-    if (!block(-1, deadline))
-      RC_THROW("timed out during ", has_current_ ? current_.describe() : "an operation",
-               " waiting on ", describe_waiting());
+    // Blocked for a while: tell every peer on whom, so that a peer that times out waiting on
+    // this rank can name the rank that holds everything up.
+    if (Clock::now() >= next_notice) {
+      std::vector<int> waited = waiting_on();
+      if (!waited.empty()) tcp_->announce_waiting(waited[0]);
+      next_notice = Clock::now() + notice_every;
+    }
+    block(-1, std::min(deadline, next_notice));
+    if (Clock::now() >= deadline) RC_THROW(describe_timeout(notice_every));
   }
 }
 

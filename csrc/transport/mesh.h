@@ -110,7 +110,9 @@ class Mesh final : public PartSink {
   bool block(int wake_fd, Clock::time_point deadline, bool sleep = true);
   void check_usable() const;
   void throw_if_interrupted() const;
+  std::vector<int> waiting_on() const;
   std::string describe_waiting() const;
+  std::string describe_timeout(Clock::duration notice_every);
   void agree_on_shm(const std::vector<std::string>& hosts,
                     const std::vector<std::string>& shm_addresses, Clock::time_point deadline);
 

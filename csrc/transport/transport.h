@@ -142,8 +142,8 @@ class Transport {
   // Releases connections and memory; idempotent.
   virtual void close() = 0;
   virtual uint64_t bytes_sent() const = 0;
-  // Peers with unfinished sends or receives, for timeout messages ("1, 3").
-  virtual std::string describe_waiting() const = 0;
+  // Appends the peers with unfinished sends or receives (each once, in rank order).
+  virtual void waiting_on(std::vector<int>& peers) const = 0;
 };
 
 }  // namespace ringcomm

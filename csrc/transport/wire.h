@@ -12,6 +12,10 @@ namespace ringcomm {
 constexpr uint32_t kMessageMagic = 0x524d4331;  // "RMC1"
 constexpr uint8_t kDataMessage = 1;
 constexpr uint8_t kAbortMessage = 2;  // payload: the reason, as text
+// No payload; `root`: a rank the sender has been waiting on for a while. Sent to every peer while
+// blocked (transport/mesh.cc), so that a rank that times out can follow who waits on whom to the
+// rank that is stuck.
+constexpr uint8_t kWaitingMessage = 3;
 constexpr size_t kMaxAbortText = 4096;
 
 struct WireHeader {
@@ -53,6 +57,14 @@ inline WireHeader make_abort_header(uint64_t text_bytes) {
   h.magic = kMessageMagic;
   h.kind = kAbortMessage;
   h.payload_bytes = text_bytes;
+  return h;
+}
+
+inline WireHeader make_waiting_header(int on) {
+  WireHeader h{};
+  h.magic = kMessageMagic;
+  h.kind = kWaitingMessage;
+  h.root = on;
   return h;
 }
 

@@ -388,11 +388,9 @@ void ShmTransport::close() {
   fd_ = -1;
 }
 
-std::string ShmTransport::describe_waiting() const {
-  std::string peers;
+void ShmTransport::waiting_on(std::vector<int>& peers) const {
   for (int peer : active_)
-    if (waits_on(peer)) peers += str_cat(peers.empty() ? "" : ", ", peer);
-  return peers;
+    if (waits_on(peer)) peers.push_back(peer);
 }
 
 }  // namespace shm

@@ -69,7 +69,7 @@ class ShmTransport final : public Transport {
   // Bytes every shared-memory transport of this process has written so far (the kernel's socket
   // counters do not see them): communicators of torch process groups and closed ones included.
   static uint64_t bytes_sent_by_process();
-  std::string describe_waiting() const override;
+  void waiting_on(std::vector<int>& peers) const override;
 
  private:
   struct Part {

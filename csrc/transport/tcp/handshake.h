@@ -25,7 +25,7 @@ namespace tcp {
 constexpr uint32_t kHandshakeMagic = 0x524d4348;  // "RMCH"
 // Bumped whenever the bytes between ranks change meaning (handshake, headers, slots, setup
 // exchanges).
-constexpr uint32_t kProtocolVersion = 3;
+constexpr uint32_t kProtocolVersion = 4;
 constexpr uint32_t kByteOrder = 0x01020304;  // as written by the sender
 
 struct Hello {

@@ -301,8 +301,12 @@ int TcpTransport::post(bool is_send, int peer, char* data, size_t bytes, const S
 }
 
 bool TcpTransport::pump_send(Channel& ch) {
-  bool moved = false;
+  bool moved = pump_notice(ch);
   while (!ch.sends.empty()) {
+    if (ch.notice_pending) {
+      moved |= pump_notice(ch);
+      if (ch.notice_pending && ch.notice_done > 0) return moved;  // the notice's rest first
+    }
     Part& p = ch.sends.front();
     iovec iov[2];
     int n_iov = 0;
@@ -431,6 +435,15 @@ bool TcpTransport::pump_recv(Channel& ch, bool eager) {
       moved = true;
       ch.incoming_got += size_t(n);
       if (ch.incoming_got < sizeof(WireHeader)) continue;
+      if (ch.incoming.magic == kMessageMagic && ch.incoming.kind == kWaitingMessage) {
+        if (ch.incoming.root < 0 || ch.incoming.root >= world_size_)
+          RC_THROW("protocol error: rank ", ch.peer, " says it waits on rank ", ch.incoming.root);
+        ch.heard_waiting_on = ch.incoming.root;
+        ch.heard_at = Clock::now();
+        ch.incoming_got = 0;
+        continue;
+      }
+      ch.heard_waiting_on = -1;  // it moved on: what it said no longer holds
       ch.incoming_matched = false;
       check_incoming(ch);
     }
@@ -460,7 +473,7 @@ bool TcpTransport::progress() {
   bool moved = false;
   for (Channel& ch : channels_) {
     if (ch.fd < 0) continue;
-    if (!ch.sends.empty()) moved |= pump_send(ch);
+    if (!ch.sends.empty() || ch.notice_pending) moved |= pump_send(ch);
     if (!ch.recvs.empty()) moved |= pump_recv(ch, false);
   }
   return moved;
@@ -489,7 +502,7 @@ void TcpTransport::add_poll_fds(std::vector<pollfd>& fds) {
   for (Channel& ch : channels_) {
     if (ch.fd < 0 || ch.hung_up) continue;
     short events = 0;
-    if (!ch.sends.empty()) events |= POLLOUT;
+    if (!ch.sends.empty() || ch.notice_pending) events |= POLLOUT;
     // Idle channels are watched too, so a peer's abort, a mismatched header or a lost peer is
     // seen at once.
     if (!ch.recvs.empty() || ch.incoming_got < sizeof(WireHeader)) events |= POLLIN;
@@ -519,15 +532,45 @@ void TcpTransport::on_poll(const pollfd* fds) {
   polled_.clear();
 }
 
-std::string TcpTransport::describe_waiting() const {
-  std::string peers;
+void TcpTransport::waiting_on(std::vector<int>& peers) const {
   int last = -1;
   for (const Channel& ch : channels_) {  // ordered by peer
     if (ch.fd < 0 || (ch.sends.empty() && ch.recvs.empty()) || ch.peer == last) continue;
-    peers += str_cat(peers.empty() ? "" : ", ", ch.peer);
+    peers.push_back(ch.peer);
     last = ch.peer;
   }
-  return peers;
+}
+
+void TcpTransport::announce_waiting(int on) {
+  const WireHeader notice = make_waiting_header(on);
+  for (int peer = 0; peer < world_size_; ++peer) {
+    Channel& ch = channel(peer, 0);
+    if (ch.fd < 0 || ch.notice_done > 0) continue;  // one being written goes out whole first
+    ch.notice = notice;
+    ch.notice_pending = true;
+  }
+}
+
+int TcpTransport::reported_wait(int peer, Clock::time_point since) const {
+  const Channel& ch = channel(peer, 0);
+  return ch.heard_at >= since ? ch.heard_waiting_on : -1;
+}
+
+// A notice goes out between messages: after the part being written, before the next.
+bool TcpTransport::pump_notice(Channel& ch) {
+  if (!ch.notice_pending) return false;
+  if (!ch.sends.empty() && (ch.sends.front().header_done > 0 || ch.sends.front().done > 0))
+    return false;
+  ssize_t n = send(ch.fd, reinterpret_cast<char*>(&ch.notice) + ch.notice_done,
+                   sizeof(WireHeader) - ch.notice_done, MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (n <= 0) return false;  // full, or the connection is lost: the data path reports that
+  bytes_sent_.fetch_add(size_t(n), std::memory_order_relaxed);
+  ch.notice_done += size_t(n);
+  if (ch.notice_done == sizeof(WireHeader)) {
+    ch.notice_pending = false;
+    ch.notice_done = 0;
+  }
+  return true;
 }
 
 void TcpTransport::abort(const std::string& reason) {

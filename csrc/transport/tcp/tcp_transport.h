@@ -42,6 +42,11 @@ class TcpTransport final : public Transport {
                 Clock::time_point deadline);
   // True once the peer has closed its connection (it exited or aborted).
   bool peer_closed(int peer) const;
+  // Tells every peer that this rank is waiting on rank `on` (a kWaitingMessage, sent between
+  // messages).
+  void announce_waiting(int on);
+  // The rank `peer` last said it waits on, if it said so at or after `since`; else -1.
+  int reported_wait(int peer, Clock::time_point since) const;
 
   const char* name() const override { return "tcp"; }
   void set_current(const Signature& sig) override;
@@ -57,7 +62,7 @@ class TcpTransport final : public Transport {
   // reason rather than a reset.
   void close() override;
   uint64_t bytes_sent() const override { return bytes_sent_.load(std::memory_order_relaxed); }
-  std::string describe_waiting() const override;
+  void waiting_on(std::vector<int>& peers) const override;
 
  private:
   struct Part {
@@ -76,9 +81,18 @@ class TcpTransport final : public Transport {
     size_t incoming_got = 0;   // header bytes read so far
     bool incoming_matched = false;  // header checked against recvs.front()
     bool hung_up = false;      // peer closed; reported once a receive needs data
+    WireHeader notice{};       // a waiting notice to send (socket 0 only)
+    bool notice_pending = false;
+    size_t notice_done = 0;
+    int heard_waiting_on = -1;  // the peer's last waiting notice, and when it came
+    Clock::time_point heard_at{};
   };
 
   Channel& channel(int peer, int socket) { return channels_[size_t(peer) * sockets_ + socket]; }
+  const Channel& channel(int peer, int socket) const {
+    return channels_[size_t(peer) * sockets_ + socket];
+  }
+  bool pump_notice(Channel& ch);
   void ensure_descriptors(size_t sockets);
   void introduce(int fd, int peer, int socket, const std::string& address, const std::string& token,
                  Clock::time_point deadline);
