@@ -34,5 +34,7 @@ def test_allocations_per_call_do_not_grow_with_messages(counter, tmp_path, trans
     rows = [line.rsplit(" ", 2) for line in run.stdout.splitlines()]
     assert len(rows) == 4, run.stdout
     for name, small, large in rows:
-        # A 4 MiB call sends tens of messages per step, an 8-byte one a single message.
-        assert float(large) <= float(small), f"{name}: {small} allocations per small call, {large} per large"
+        # A 4 MiB call sends tens of messages per step, an 8-byte one a single message: one
+        # allocation per message would add tens per call. A queue or table that grows to a new
+        # high-water mark now and then (more in flight on a loaded machine) adds a fraction.
+        assert float(large) <= float(small) + 1, f"{name}: {small} allocations per small call, {large} per large"

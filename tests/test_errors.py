@@ -166,6 +166,25 @@ def test_a_timeout_names_the_rank_that_holds_everything_up():
     assert "rank 1" in stuck, stuck
 
 
+def leaf_leaves_early(comm):
+    """Rank 0 reduces from ranks 1 and 2; rank 2 comes late, so rank 0 waits long enough to send
+    its peers waiting notices; rank 1, done, closes and exits with those notices unread (its
+    close is then a reset)."""
+    if comm.rank == 2:
+        time.sleep(1.0)
+    t = torch.full((1000,), float(comm.rank + 1))
+    comm.reduce(t, 0)
+    if comm.rank == 1:
+        time.sleep(0.5)  # rank 0's notices arrive, unread
+        comm.close()  # and its process ends, while rank 0 still waits for rank 2
+    return t[0].item() if comm.rank == 0 else None
+
+
+def test_a_rank_that_finishes_and_exits_while_others_wait_is_no_error():
+    # A 3 s timeout: notices every 150 ms.
+    assert run_ranks(3, leaf_leaves_early, comm_timeout=3, timeout=60)[0] == 6.0
+
+
 # ---- limits (strangers, wrong tokens and other versions: test_handshake.py) ----------------
 
 def too_few_descriptors(store, rank, world):

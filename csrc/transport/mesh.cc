@@ -245,7 +245,8 @@ int64_t Mesh::add_op(Callback on_done) {
     ops_.emplace_back();
   }
   Op& op = ops_[slot];
-  op.id = (next_serial_++ << kSlotBits) | slot;
+  // 39 bits of serial (wrapping after 5e11 messages; a stale Request never lives that long).
+  op.id = int64_t(((next_serial_++ & ((uint64_t(1) << 39) - 1)) << kSlotBits) | slot);
   op.parts_left = 0;
   op.on_done = std::move(on_done);
   ++live_ops_;
@@ -418,7 +419,8 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
       next_notice = Clock::now() + notice_every;
     }
     block(-1, std::min(deadline, next_notice));
-    if (Clock::now() >= deadline) RC_THROW(describe_timeout(notice_every));
+    if (Clock::now() >= deadline && !done(req) && !progress() && !done(req))
+      RC_THROW(describe_timeout(notice_every));
   }
 }
 

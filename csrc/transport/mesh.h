@@ -125,7 +125,7 @@ class Mesh final : public PartSink {
   std::vector<Op> ops_;
   std::vector<uint32_t> free_slots_;
   size_t live_ops_ = 0;
-  int64_t next_serial_ = 0;
+  uint64_t next_serial_ = 0;
   Signature current_;
   bool has_current_ = false;
   std::string abort_reason_;

@@ -66,6 +66,9 @@ void TcpTransport::close() {
       }
     }
   }
+  // Not read here otherwise: a process forked from this one shares the sockets, and its close
+  // must not take the parent's bytes. A peer's unread waiting notices make this close a reset;
+  // the peer takes a reset on a connection it needs nothing from as an end (pump_recv).
   for (Channel& ch : channels_) {
     if (ch.fd >= 0) ::close(ch.fd);
     ch.fd = -1;
@@ -224,6 +227,8 @@ void TcpTransport::accept_higher_ranks(const std::string& token, Clock::time_poi
       } else if (!proof_valid(token, h, p.challenge, p.proof)) {
         refuse(p, str_cat("a connection claiming rank ", h.rank,
                           " has no proof of the job token (another job, or another token)"));
+      } else if (channel(h.rank, h.socket).fd >= 0) {
+        refuse(p, str_cat("rank ", h.rank, " socket ", h.socket, " connected twice"));
       } else {
         Reply accepted{kHandshakeMagic, 1, kProtocolVersion};
         if (write_fully(p.fd, &accepted, sizeof accepted, p.deadline)) {
@@ -426,6 +431,12 @@ bool TcpTransport::pump_recv(Channel& ch, bool eager) {
         ch.hung_up = true;
         return moved;
       }
+      if (n < 0 && (errno == ECONNRESET || errno == EPIPE) && ch.recvs.empty() &&
+          ch.incoming_got == 0) {
+        // The same, closed with bytes of ours unread (our waiting notices): a reset, not an end.
+        ch.hung_up = true;
+        return moved;
+      }
       if (n == 0)
         RC_THROW("connection to rank ", ch.peer, " closed (peer exited or aborted)");
       if (n < 0) {
@@ -545,7 +556,7 @@ void TcpTransport::announce_waiting(int on) {
   const WireHeader notice = make_waiting_header(on);
   for (int peer = 0; peer < world_size_; ++peer) {
     Channel& ch = channel(peer, 0);
-    if (ch.fd < 0 || ch.notice_done > 0) continue;  // one being written goes out whole first
+    if (ch.fd < 0 || ch.hung_up || ch.notice_done > 0) continue;  // a half-sent one goes first
     ch.notice = notice;
     ch.notice_pending = true;
   }
@@ -563,7 +574,12 @@ bool TcpTransport::pump_notice(Channel& ch) {
     return false;
   ssize_t n = send(ch.fd, reinterpret_cast<char*>(&ch.notice) + ch.notice_done,
                    sizeof(WireHeader) - ch.notice_done, MSG_DONTWAIT | MSG_NOSIGNAL);
-  if (n <= 0) return false;  // full, or the connection is lost: the data path reports that
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return false;
+  if (n <= 0) {  // the connection is lost: the data path reports that, if it needs the peer
+    ch.notice_pending = false;
+    ch.notice_done = 0;
+    return false;
+  }
   bytes_sent_.fetch_add(size_t(n), std::memory_order_relaxed);
   ch.notice_done += size_t(n);
   if (ch.notice_done == sizeof(WireHeader)) {
@@ -582,6 +598,10 @@ void TcpTransport::abort(const std::string& reason) {
     if (ch.fd < 0) continue;
     // A frame can only be written between messages: finish a half-sent one first (usually one
     // slice, which fits in the socket buffer), so the peer reads the reason, not just a close.
+    if (ch.notice_done > 0)
+      write_fully(ch.fd, reinterpret_cast<char*>(&ch.notice) + ch.notice_done,
+                  sizeof(WireHeader) - ch.notice_done, deadline);
+    ch.notice_pending = false;
     bool between_messages = ch.sends.empty() || ch.sends.front().header_done == 0;
     if (!between_messages) {
       Part& p = ch.sends.front();
