@@ -45,10 +45,10 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the mean step time")
     p.add_argument("--ratio", type=float, default=0.01, help="--hook topk: fraction of entries sent")
-    p.add_argument("--topk-warmup", type=int, default=10,
-                   help="--hook topk: dense steps before compression starts")
-    p.add_argument("--topk-values", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="--hook topk: wire type of the values sent")
+    p.add_argument("--topk-warmup", type=int,
+                   help="--hook topk: steps of sparsity warm-up (default: TopKState's)")
+    p.add_argument("--topk-values", choices=["float32", "float16", "bfloat16"],
+                   help="--hook topk: wire type of the values sent (default: TopKState's)")
     p.add_argument("--compare-gloo", action="store_true",
                    help="also train gloo's default DDP, alternating steps, and print both")
     args = p.parse_args()
@@ -101,13 +101,19 @@ class Run:
 
     def __init__(self, name, args, process_group=None, hook=None):
         self.name = name
+        self.topk = None
         self.model = DDP(mlp(args.width, args.seed), process_group=process_group)
         if hook is not None:
             state = None
             if hook is hooks.topk_hook:
-                state = hooks.TopKState(ratio=args.ratio, warmup_steps=args.topk_warmup,
-                                        value_dtype=getattr(torch, args.topk_values))
+                settings = dict(ratio=args.ratio)
+                if args.topk_warmup is not None:
+                    settings["warmup_steps"] = args.topk_warmup
+                if args.topk_values is not None:
+                    settings["value_dtype"] = getattr(torch, args.topk_values)
+                state = hooks.TopKState(**settings)
             self.model.register_comm_hook(state, hook)
+        self.topk = state if hook is hooks.topk_hook else None
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.step_times, self.bytes_sent = [], 0
 
@@ -174,6 +180,13 @@ def main():
         if len(runs) == 2:
             ratio = sum(runs[1].step_times) / sum(runs[0].step_times)
             print(f"steps/s, {runs[0].name} over {runs[1].name}: {ratio:.2f}x")
+        for run in runs:
+            if run.topk is not None:
+                s = run.topk.stats
+                print(f"top-k on rank 0, all {s.steps} steps: {s.compressed_buckets} buckets "
+                      f"compressed, {s.dense_buckets} dense; per step {1e3 * s.compress_seconds / s.steps:.1f} "
+                      f"ms selecting, {1e3 * s.exchange_seconds / s.steps:.1f} ms from sparse "
+                      f"exchange start to result; {s.compression_ratio:.1f}x fewer bytes than dense")
     # Models first, while torch still holds their groups; then a barrier on each group; then the
     # groups. torch 2.13's gloo destructor joins its worker threads holding the GIL, and a worker
     # still freeing an all-reduce issued during backward needs the GIL (the work carries

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, fusion
+from .compress import TOPK_DTYPES
 from ._buffers import FLOATING, SPARSE_ALGORITHMS, TORCH_DTYPES, Buffer, algorithm_code, op_code
 
 RingcommError = _C.RingcommError
@@ -261,6 +262,18 @@ class Communicator:
         if async_op:
             return Work(w, out, keep=(indices, values))
         return out
+
+    def compression_costs(self, numel: int, k: int, value_dtype=torch.float32,
+                          out_dtype=torch.float32) -> tuple:
+        """Estimated (sparse, dense) costs of averaging a vector of `numel` elements over the
+        ranks, as its top k (index, value) pairs through sparse_all_reduce or whole through
+        all_reduce: bytes this rank sends plus 64 KiB per round of messages (docs/algorithms.md).
+        The same on every rank for the same arguments."""
+        for name, dtype in (("value_dtype", value_dtype), ("out_dtype", out_dtype)):
+            if dtype not in TOPK_DTYPES:
+                raise TypeError(f"{name} must be float32, float16 or bfloat16, got {dtype}")
+        return self._core.compression_costs(int(numel), int(k), TORCH_DTYPES[value_dtype],
+                                            TORCH_DTYPES[out_dtype])
 
     @property
     def transports(self) -> list:

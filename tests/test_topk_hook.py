@@ -29,7 +29,7 @@ def digits_batches(rank, world, steps, batch=32):
 def train(store, rank, world, hook_kind, steps):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     model = DDP(make_model(), bucket_cap_mb=0.05)  # several buckets
-    state = TopKState(ratio=0.05, warmup_steps=2, min_numel=100)
+    state = TopKState(ratio=0.05, dense_steps=2, warmup_steps=4, adaptive=False)
     if hook_kind == "topk":
         model.register_comm_hook(state, topk_hook)
     elif hook_kind == "fp16_topk":
@@ -71,7 +71,7 @@ def ratio_one_matches_dense(store, rank, world):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(rank)
     grads = [torch.randn(5000), torch.randn(300)]
-    state = TopKState(ratio=1.0, warmup_steps=0, min_numel=0, error_feedback=True)
+    state = TopKState(ratio=1.0, dense_steps=0, adaptive=False, value_dtype=torch.float32)
 
     class Bucket:  # what DDP passes: buffer(), index(), is_last()
         def __init__(self, t, i, last):
@@ -103,13 +103,59 @@ def test_state_validates_its_arguments():
         TopKState(ratio=0)
     with pytest.raises(TypeError, match="value_dtype"):
         TopKState(value_dtype=torch.int8)
+    with pytest.raises(ValueError, match="warmup_density"):
+        TopKState(warmup_density=1.5)
+    with pytest.raises(ValueError, match="clip_norm"):
+        TopKState(clip_norm=0)
+
+
+def test_sparsity_warmup_divides_the_density_by_four_per_stage():
+    # Deep Gradient Compression's schedule: 75%, 93.75%, 98.4%, 99.6%, then the target
+    state = TopKState(ratio=0.001, dense_steps=1, warmup_steps=8)
+    assert [state.density(s) for s in range(11)] == \
+        [1.0, 0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.00390625, 0.00390625, 0.001, 0.001]
+    assert [TopKState(ratio=0.3, dense_steps=0, warmup_steps=5).density(s) for s in (0, 4, 5)] == \
+        [0.3, 0.3, 0.3]  # a target above the first stage: no ramp
+    assert TopKState(warmup_steps=0, dense_steps=0).density(0) == 0.01
+
+
+def test_take_momentum_moves_sgd_momentum_into_the_state():
+    params = [nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.8)
+    state = TopKState()
+    state.take_momentum(opt)
+    assert state.momentum_correction and state.momentum == 0.8
+    assert opt.param_groups[0]["momentum"] == 0
+    for bad in (dict(momentum=0.9, nesterov=True), dict(momentum=0.9, weight_decay=1e-4),
+                dict(momentum=0)):
+        with pytest.raises(ValueError, match="momentum"):
+            TopKState().take_momentum(torch.optim.SGD(params, lr=0.1, **bad))
+
+
+def costs_on_every_rank(comm):
+    sizes = [(100, 1), (16_000, 160), (4_000_000, 40_000), (4_000_000, 1_000_000),
+             (4_000_000, 4_000_000)]
+    return [comm.compression_costs(n, k, torch.bfloat16) for n, k in sizes]
+
+
+def test_compression_costs_choose_dense_for_small_or_dense_buckets():
+    results = run_ranks(4, costs_on_every_rank)
+    assert all(r == results[0] for r in results)  # every rank makes the same choice
+    (tiny_sparse, tiny_dense), (small_sparse, small_dense), (big_sparse, big_dense), \
+        (quarter_sparse, quarter_dense), (all_sparse, all_dense) = results[0]
+    assert tiny_dense < tiny_sparse  # one recursive-doubling all-reduce beats two exchanges
+    assert small_dense < small_sparse  # 64 KB: recursive doubling, latency-bound either way
+    assert big_sparse < big_dense / 20  # 1%: a small fraction of the ring's bytes
+    assert quarter_sparse < quarter_dense  # 25% with bf16 values and varint indices still pays
+    assert all_dense < all_sparse
 
 
 def averager_with_topk(comm, ratio):
     import ringcomm
     torch.manual_seed(0)
     model = make_model()
-    state = TopKState(ratio=ratio, warmup_steps=1, min_numel=0)
+    state = TopKState(ratio=ratio, dense_steps=1, warmup_steps=0, adaptive=False,
+                      value_dtype=torch.float32)
     averager = ringcomm.GradientAverager(model.parameters(), comm, bucket_bytes=40_000,
                                          compression=state)
     grads_seen = []

@@ -2,8 +2,8 @@
 // every rank gets the dense sum (or average) of all of them.
 //
 // Step 0 (always): all-gather each rank's pair count k_r and packed size, so every rank makes the
-// same choice below. Then, by the cheapest estimate (bytes on the wire per rank, plus 64 KiB per
-// message round):
+// same choice below. Then, by the cheapest estimate (select.h: bytes on the wire per rank, plus
+// 64 KiB per message round):
 //   gather:  all-gather every rank's packed pairs (ring); scatter-add them all, in rank order.
 //            Packed: indices as zigzag-varint deltas (about 1.3 bytes each for ascending top-k
 //            indices at 1% density, kernels/cpu/index_codec.h), then the values.
@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "algorithms/algorithms.h"
+#include "algorithms/select.h"
 #include "algorithms/sparse_decode.h"
 #include "kernels/cpu/index_codec.h"
 #include "kernels/cpu/reduce.h"
@@ -59,22 +60,9 @@ char* gather_blocks(Context& ctx, int slot, const void* mine, const std::vector<
 }
 
 Algorithm choose(const SparseSizes& s) {
-  const double n = s.n, round = 64 << 10;
-  double total = 0, none_hit = 1;
-  for (size_t k : s.k) {
-    total += double(k);
-    none_hit *= 1.0 - double(k) / double(std::max<size_t>(1, s.numel));
-  }
-  const double pair = 4.0 + double(s.value_size);
-  double packed_total = 0;
-  for (size_t b : s.packed) packed_total += double(b);
-  double gather = (packed_total - packed_total / n) + (n - 1) * round;
-  double expected_union = double(s.numel) * (1.0 - none_hit);
-  double piece = std::min(expected_union * (4.0 + s.out_size), double(s.numel) * s.out_size);
-  double ranges = total / n * (n - 1) / n * pair + piece * (n - 1) / n + (n + 1) * round;
-  double dense = 2 * (n - 1) / n * double(s.numel) * s.out_size + 2 * (n - 1) * round;
-  if (dense <= gather && dense <= ranges) return Algorithm::kRing;
-  return gather <= ranges ? Algorithm::kSparseGather : Algorithm::kSparseRanges;
+  SparseCosts c = sparse_costs(s);
+  if (c.dense <= c.gather && c.dense <= c.ranges) return Algorithm::kRing;
+  return c.gather <= c.ranges ? Algorithm::kSparseGather : Algorithm::kSparseRanges;
 }
 
 // Packs my pairs for gather: encoded indices, then values. Returns the packed size.

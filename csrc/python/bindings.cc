@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "common/crypto.h"
+#include "algorithms/select.h"
 #include "communicator.h"
 #include "transport/shm/shm_transport.h"
 #include "kernels/cpu/reduce.h"
@@ -177,6 +178,14 @@ PYBIND11_MODULE(_C, m) {
                                         vt, ptr(out), numel, ot, checked_op(op, ot),
                                         Algorithm(algo), async);
            }, G())
+      .def("compression_costs",
+           [](const Communicator& c, size_t numel, size_t k, int value_dt, int out_dt) {
+             DType vt = checked_dtype(value_dt), ot = checked_dtype(out_dt);
+             Algorithm dense = c.choose_all_reduce(numel * dtype_size(ot), Algorithm::kAuto);
+             CompressionCosts costs = compression_costs(c.world_size(), numel, k, dtype_size(vt),
+                                                        dtype_size(ot), dense);
+             return std::make_pair(costs.sparse, costs.dense);
+           })
       .def_property_readonly("bytes_sent", [](const Communicator& c) { return c.bytes_sent(); })
       .def_property_readonly("scratch_bytes", &Communicator::scratch_bytes)
       .def("bytes_sent_over", [](const Communicator& c, const std::string& transport) {

@@ -46,22 +46,39 @@ class TopKStats:
 class TopKState:
     """Configuration and per-bucket memory of topk_hook.
 
-    ratio: fraction of each bucket's entries sent. error_feedback: keep unsent entries for later.
-    warmup_steps: iterations of plain dense averaging first (DDP also rebuilds its buckets after
-    the first iteration). min_numel: smaller buckets always go dense. value_dtype: wire type of the
-    values (float32, float16, bfloat16); the rounding error goes into the residual.
-    momentum_correction: Deep Gradient Compression's local momentum (use with a momentum-free
-    optimizer); `momentum` is its factor. comm: a ringcomm Communicator (default: created from the
-    default process group's store on first use).
+    The defaults are the measured good settings (docs/performance.md, "Top-k defaults"):
+
+    ratio: fraction of each bucket's entries sent once the warm-up is over.
+    dense_steps: first iterations averaged densely (DDP rebuilds its buckets after the first
+    iteration, and a residual kept across a rebuild would be dropped).
+    warmup_steps, warmup_density: Deep Gradient Compression's sparsity warm-up: the density
+    starts at warmup_density and is divided by 4 at each stage (93.75%, 98.4%, 99.6% sparsity,
+    ...) until it reaches ratio; the stages share warmup_steps equally (0: ratio from the start).
+    error_feedback: keep unsent entries (and value rounding) for later steps.
+    adaptive: a bucket goes dense when the cost model puts its dense all-reduce at no more than
+    its sparse exchange (Communicator.compression_costs: small buckets, where dense takes fewer
+    rounds, and high densities); the same choice on every rank. False: every floating bucket is
+    compressed.
+    value_dtype: wire type of the values (float32, float16, bfloat16).
+    momentum_correction, momentum: Deep Gradient Compression's local momentum with factor
+    masking; the optimizer must then not apply momentum itself: take_momentum(optimizer) moves
+    it from a torch SGD optimizer into this state.
+    clip_norm: local gradient clipping: each rank scales a bucket's gradient down to an L2 norm
+    of at most clip_norm / sqrt(world_size) before accumulating it (None: off).
+    comm: a ringcomm Communicator (default: created from the default process group's store on
+    first use).
     """
 
     ratio: float = 0.01
+    dense_steps: int = 1
+    warmup_steps: int = 20
+    warmup_density: float = 0.0625
     error_feedback: bool = True
-    warmup_steps: int = 10
-    min_numel: int = 1024
-    value_dtype: torch.dtype = torch.float32
+    adaptive: bool = True
+    value_dtype: torch.dtype = torch.bfloat16
     momentum_correction: bool = False
     momentum: float = 0.9
+    clip_norm: Optional[float] = None
     comm: Optional[object] = None
     step: int = 0
     residuals: dict = field(default_factory=dict)
@@ -69,6 +86,9 @@ class TopKState:
     stats: TopKStats = field(default_factory=TopKStats)
     _step_start_bytes: Optional[int] = None
     _param_slots: dict = field(default_factory=dict)  # compiled DDP: id(param) -> memory slot
+
+    SETTINGS = ("ratio", "dense_steps", "warmup_steps", "warmup_density", "error_feedback",
+                "adaptive", "value_dtype", "momentum_correction", "momentum", "clip_norm")
 
     def slot_of(self, bucket, comm):
         """(gradient, memory slot, last of the step?) for a GradBucket or a (grad, param) tuple.
@@ -92,10 +112,49 @@ class TopKState:
     def __post_init__(self):
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
+        if not 0 < self.warmup_density <= 1:
+            raise ValueError(f"warmup_density must be in (0, 1], got {self.warmup_density}")
         if self.value_dtype not in compress.TOPK_DTYPES:
             raise TypeError(f"value_dtype must be one of {compress.TOPK_DTYPES}, got {self.value_dtype}")
-        if self.warmup_steps < 0 or self.min_numel < 0:
-            raise ValueError("warmup_steps and min_numel must be >= 0")
+        if self.dense_steps < 0 or self.warmup_steps < 0:
+            raise ValueError("dense_steps and warmup_steps must be >= 0")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be positive or None, got {self.clip_norm}")
+
+    def density(self, step: Optional[int] = None) -> float:
+        """Fraction of entries sent at `step` (default: the current step); 1 for dense steps."""
+        step = self.step if step is None else step
+        if step < self.dense_steps:
+            return 1.0
+        stages = 0  # densities warmup_density / 4**i above ratio
+        while self.warmup_density / 4 ** stages > self.ratio:
+            stages += 1
+        ramp_step = step - self.dense_steps
+        if stages == 0 or ramp_step >= self.warmup_steps:
+            return self.ratio
+        return self.warmup_density / 4 ** (ramp_step * stages // self.warmup_steps)
+
+    def take_momentum(self, optimizer) -> None:
+        """Moves momentum from a torch SGD-style optimizer into this state (Deep Gradient
+        Compression's momentum correction and factor masking): the hook then accumulates the
+        velocity locally, before compression, and the optimizer is left to apply plain updates.
+        Every parameter group must share one momentum, with no dampening, no Nesterov and no
+        weight decay (which would then be applied outside the momentum)."""
+        groups = optimizer.param_groups
+        momenta = {g.get("momentum", 0) for g in groups}
+        if len(momenta) != 1 or not 0 < next(iter(momenta)) < 1:
+            raise ValueError(f"take_momentum needs one momentum in (0, 1) shared by every "
+                             f"parameter group, got {sorted(momenta)}")
+        for g in groups:
+            if g.get("dampening", 0) or g.get("nesterov", False) or g.get("weight_decay", 0):
+                raise ValueError("take_momentum supports SGD momentum without dampening, Nesterov "
+                                 "or weight decay")
+        self.momentum = next(iter(momenta))
+        self.momentum_correction = True
+        for g in groups:
+            g["momentum"] = 0
 
     def memory(self, store: dict, index: int, like: torch.Tensor) -> torch.Tensor:
         """The per-bucket tensor kept in `store`, reset when the bucket's shape or dtype changed
@@ -108,16 +167,14 @@ class TopKState:
 
     def state_dict(self) -> dict:
         """Everything needed to resume (no communicator inside)."""
-        return {"ratio": self.ratio, "error_feedback": self.error_feedback,
-                "warmup_steps": self.warmup_steps, "min_numel": self.min_numel,
-                "value_dtype": self.value_dtype, "momentum_correction": self.momentum_correction,
-                "momentum": self.momentum, "step": self.step,
-                "residuals": {i: t.clone() for i, t in self.residuals.items()},
-                "velocities": {i: t.clone() for i, t in self.velocities.items()}}
+        state = {key: getattr(self, key) for key in self.SETTINGS}
+        state.update(step=self.step,
+                     residuals={i: t.clone() for i, t in self.residuals.items()},
+                     velocities={i: t.clone() for i, t in self.velocities.items()})
+        return state
 
     def load_state_dict(self, state: dict):
-        for key in ("ratio", "error_feedback", "warmup_steps", "min_numel", "value_dtype",
-                    "momentum_correction", "momentum", "step"):
+        for key in self.SETTINGS + ("step",):
             setattr(self, key, state[key])
         self.residuals = {int(i): t.clone() for i, t in state["residuals"].items()}
         self.velocities = {int(i): t.clone() for i, t in state["velocities"].items()}
@@ -125,11 +182,11 @@ class TopKState:
 
 
 def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int):
-    """Starts averaging the flat gradient `flat` over the ranks of `comm`: dense during warm-up
-    (or for small buckets and other dtypes), else its top-k with error feedback through the
-    sparse all-reduce. Returns (Work whose result is the flat average, a function to call with
-    that result when it is ready, which does the bookkeeping and returns it). `slot` names the
-    residual/velocity memory. Shared by topk_hook and GradientAverager."""
+    """Starts averaging the flat gradient `flat` over the ranks of `comm`: dense on dense steps,
+    for other dtypes and where the cost model prefers it, else its top-k with error feedback
+    through the sparse all-reduce. Returns (Work whose result is the flat average, a function to
+    call with that result when it is ready, which does the bookkeeping and returns it). `slot`
+    names the residual/velocity memory. Shared by topk_hook and GradientAverager."""
     stats = state.stats
     if state._step_start_bytes is None:
         state._step_start_bytes = comm.bytes_sent
@@ -137,16 +194,29 @@ def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int):
     stats.dense_bytes += 2 * (comm.world_size - 1) * numel * flat.element_size() // comm.world_size
     source = flat if flat.is_contiguous() else flat.contiguous()
     started = time.perf_counter()
-    if state.step < state.warmup_steps or numel < state.min_numel or \
-            flat.dtype not in compress.TOPK_DTYPES:
+    k = max(1, int(numel * state.density()))
+    compressible = flat.dtype in compress.TOPK_DTYPES and state.step >= state.dense_steps
+    if compressible and state.adaptive:
+        sparse_cost, dense_cost = comm.compression_costs(numel, k, state.value_dtype, flat.dtype)
+        compressible = sparse_cost < dense_cost
+    if state.clip_norm is not None:
+        limit = state.clip_norm / comm.world_size ** 0.5
+        norm = float(torch.linalg.vector_norm(source))
+        if norm > limit:
+            source = source * (limit / norm)
+    if state.momentum_correction and flat.is_floating_point():
+        velocity = state.memory(state.velocities, slot, source)
+        velocity.mul_(state.momentum).add_(source)
+        source = velocity
+    if not compressible:
+        residual = state.residuals.pop(slot, None)
+        if residual is not None and residual.shape == source.shape and state.error_feedback:
+            source = source + residual  # what was owed goes out now
+        elif source is not flat:
+            source = source.clone()  # the velocity is kept; the all-reduce works in place
         stats.dense_buckets += 1
         work = comm.all_reduce(source, op="avg", async_op=True)
     else:
-        k = max(1, int(numel * state.ratio))
-        if state.momentum_correction:
-            velocity = state.memory(state.velocities, slot, source)
-            velocity.mul_(state.momentum).add_(source)
-            source = velocity
         if state.error_feedback:
             residual = state.memory(state.residuals, slot, source)
             values, indices = compress.topk_with_residual(source, residual, k)
@@ -173,7 +243,8 @@ def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int):
 
 @_ringcomm_named
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: sparse top-k exchange with error feedback (dense during warm-up)."""
+    """DDP comm hook: top-k sparse exchange with error feedback (see TopKState for when a bucket
+    goes dense)."""
     if not isinstance(state, TopKState):
         raise TypeError(f"topk_hook needs a ringcomm.hooks.TopKState, got {type(state).__name__}")
     comm = communicator_for(state.comm)
