@@ -111,7 +111,7 @@ def test_state_validates_its_arguments():
 
 def test_sparsity_warmup_divides_the_density_by_four_per_stage():
     # Deep Gradient Compression's schedule: 75%, 93.75%, 98.4%, 99.6%, then the target
-    state = TopKState(ratio=0.001, dense_steps=1, warmup_steps=8)
+    state = TopKState(ratio=0.001, dense_steps=1, warmup_steps=8, warmup_density=0.25)
     assert [state.density(s) for s in range(11)] == \
         [1.0, 0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.00390625, 0.00390625, 0.001, 0.001]
     assert [TopKState(ratio=0.3, dense_steps=0, warmup_steps=5).density(s) for s in (0, 4, 5)] == \
