@@ -15,6 +15,7 @@ configuration gets its own gloo group with a short timeout, so one that fails (t
 on gloo) is reported as failed and the others still run.
 """
 import argparse
+import ast
 import json
 import os
 import sys
@@ -116,7 +117,7 @@ def train(args, name, group, rank, world, data):
             key, value = setting.split("=")
             current = getattr(state, key)
             setattr(state, key, getattr(torch, value) if isinstance(current, torch.dtype)
-                    else type(current)(eval(value)) if current is not None else eval(value))
+                    else ast.literal_eval(value))
         if overrides:
             state.__post_init__()
         if name.endswith("-dgc"):

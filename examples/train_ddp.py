@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 examples/train_ddp.py --hook allreduce --width 2048 --compare-gloo
 
 --backend picks the process group DDP runs on; --hook registers a ringcomm comm hook on it ("none":
-DDP's own all-reduce through that backend). --width 2048 gives two hidden layers of 2048, about
+DDP's own all-reduce through that backend; "local": no communication, the floor of the step time). --width 2048 gives two hidden layers of 2048, about
 4.3M parameters, enough for communication to matter. --compare-gloo also trains gloo's default DDP
 from the same initial weights on the same batches, alternating steps with the run above so both
 see the same machine load, and prints both. Rank 0 prints test accuracy, the mean step time
@@ -14,6 +14,7 @@ this rank sent per step: over TCP (Linux's per-socket counters, all of the proce
 plus what ringcomm wrote to shared memory for ranks on this host.
 """
 import argparse
+import ast
 import os
 import socket
 import struct
@@ -28,8 +29,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ringcomm  # registers the "ringcomm" backend
 from ringcomm import hooks
 
+def local_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """No communication at all: each rank keeps its own gradient. Not training, a floor: the
+    step time of compute and DDP alone, which no averaging can beat."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 HOOKS = {"none": None, "allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
-         "bf16": hooks.bf16_compress_hook, "topk": hooks.topk_hook}
+         "bf16": hooks.bf16_compress_hook, "topk": hooks.topk_hook, "local": local_hook}
 TCP_INFO_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64, Linux >= 4.19) in struct tcp_info
 
 
@@ -45,16 +54,27 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the mean step time")
     p.add_argument("--ratio", type=float, default=0.01, help="--hook topk: fraction of entries sent")
-    p.add_argument("--topk-warmup", type=int,
-                   help="--hook topk: steps of sparsity warm-up (default: TopKState's)")
-    p.add_argument("--topk-values", choices=["float32", "float16", "bfloat16"],
-                   help="--hook topk: wire type of the values sent (default: TopKState's)")
+    p.add_argument("--topk", action="append", default=[], metavar="SETTING=VALUE",
+                   help="--hook topk: a TopKState setting other than its default, e.g. "
+                        "warmup_steps=0, value_dtype=float32, adaptive=False (repeatable)")
     p.add_argument("--compare-gloo", action="store_true",
                    help="also train gloo's default DDP, alternating steps, and print both")
     args = p.parse_args()
     if args.width < 1 or args.epochs < 1 or args.batch_size < 1 or args.warmup < 0:
         p.error("--width, --epochs and --batch-size must be positive, --warmup non-negative")
     return args
+
+
+def topk_settings(items) -> dict:
+    """TopKState keyword arguments from SETTING=VALUE strings (dtypes by name, others literal)."""
+    settings = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in hooks.TopKState.SETTINGS:
+            raise SystemExit(f"--topk {item}: no TopKState setting {key!r}; "
+                             f"settings: {', '.join(hooks.TopKState.SETTINGS)}")
+        settings[key] = getattr(torch, value) if key == "value_dtype" else ast.literal_eval(value)
+    return settings
 
 
 def bytes_sent() -> int:
@@ -106,12 +126,7 @@ class Run:
         if hook is not None:
             state = None
             if hook is hooks.topk_hook:
-                settings = dict(ratio=args.ratio)
-                if args.topk_warmup is not None:
-                    settings["warmup_steps"] = args.topk_warmup
-                if args.topk_values is not None:
-                    settings["value_dtype"] = getattr(torch, args.topk_values)
-                state = hooks.TopKState(**settings)
+                state = hooks.TopKState(ratio=args.ratio, **topk_settings(args.topk))
             self.model.register_comm_hook(state, hook)
         self.topk = state if hook is hooks.topk_hook else None
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
@@ -142,7 +157,8 @@ def main():
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {world} ranks")
 
-    hook_name = "DDP's all-reduce" if args.hook == "none" else f"ringcomm {args.hook} hook"
+    hook_name = {"none": "DDP's all-reduce", "local": "no communication (floor)"}.get(
+        args.hook, f"ringcomm {args.hook} hook")
     runs = [Run(f"{args.backend}, {hook_name}", args, hook=HOOKS[args.hook])]
     groups = [None]  # the default group, and a gloo group when that is not gloo already
     if args.compare_gloo:

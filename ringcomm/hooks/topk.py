@@ -231,7 +231,9 @@ def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int):
         stats.compressed_buckets += 1
         stats.compress_seconds += time.perf_counter() - started
         started = time.perf_counter()
-        out = torch.empty(numel, dtype=flat.dtype)
+        # The gradient is consumed: the average can take its place (no 4-bytes-per-element
+        # allocation, and its page faults, per step).
+        out = flat if flat.is_contiguous() else torch.empty(numel, dtype=flat.dtype)
         work = comm.sparse_all_reduce(indices, wire_values, numel, out=out, op="avg", async_op=True)
 
     def finished(result: torch.Tensor) -> torch.Tensor:
