@@ -9,8 +9,9 @@ DDP's own all-reduce through that backend; "local": no communication, the floor 
 4.3M parameters, enough for communication to matter. --compare-gloo also trains gloo's default DDP
 from the same initial weights on the same batches, alternating steps with the run above so both
 see the same machine load, and prints both. Rank 0 prints test accuracy, the mean step time
-(forward, backward with its communication, optimizer step; after --warmup steps) and the bytes
-this rank sent per step: over TCP (Linux's per-socket counters, all of the process's connections)
+(forward, backward with its communication, optimizer step; after --warmup steps), the CPU time
+of all ranks per step (every thread; with more ranks than cores it bounds the step from below: CPU
+time / cores) and the bytes this rank sent per step: over TCP (Linux's per-socket counters, all of the process's connections)
 plus what ringcomm wrote to shared memory for ranks on this host.
 """
 import argparse
@@ -130,11 +131,11 @@ class Run:
             self.model.register_comm_hook(state, hook)
         self.topk = state if hook is hooks.topk_hook else None
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
-        self.step_times, self.bytes_sent = [], 0
+        self.step_times, self.bytes_sent, self.cpu_seconds = [], 0, 0.0
 
     def step(self, x, y, timed: bool):
         sent_before = bytes_sent()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
         self.optimizer.step()
@@ -142,6 +143,7 @@ class Run:
         elapsed = time.perf_counter() - start
         if timed:
             self.step_times.append(elapsed)
+            self.cpu_seconds += time.process_time() - cpu_start  # every thread of the process
             self.bytes_sent += bytes_sent() - sent_before
 
     @torch.no_grad()
@@ -182,17 +184,21 @@ def main():
                 run.step(train_x[batch], train_y[batch], timed=step >= args.warmup)
             step += 1
 
+    cpu = torch.tensor([run.cpu_seconds for run in runs], dtype=torch.float64)
+    dist.all_reduce(cpu)  # CPU time of every rank (all threads), summed
     if rank == 0:
         params = sum(p.numel() for p in runs[0].model.parameters())
         timed = step - args.warmup
         print(f"digits: {len(train_y)} train / {len(test_y)} test images; MLP 64-{args.width}-"
               f"{args.width}-10, {params:,} parameters; {world} ranks, global batch {args.batch_size}, "
               f"{step} steps ({timed} timed)")
-        print(f"{'run':<34} {'test acc':>9} {'step ms':>9} {'steps/s':>8} {'MB sent/step':>13}")
-        for run in runs:
+        print(f"{'run':<34} {'test acc':>9} {'step ms':>9} {'steps/s':>8} {'MB sent/step':>13} "
+              f"{'CPU ms/step, all ranks':>23}")
+        for run, cpu_seconds in zip(runs, cpu.tolist()):
             mean = sum(run.step_times) / len(run.step_times)
             print(f"{run.name:<34} {100 * run.accuracy(test_x, test_y):>8.2f}% {1e3 * mean:>9.2f} "
-                  f"{1 / mean:>8.2f} {run.bytes_sent / timed / 1e6:>13.2f}")
+                  f"{1 / mean:>8.2f} {run.bytes_sent / timed / 1e6:>13.2f} "
+                  f"{1e3 * cpu_seconds / timed:>23.1f}")
         if len(runs) == 2:
             ratio = sum(runs[1].step_times) / sum(runs[0].step_times)
             print(f"steps/s, {runs[0].name} over {runs[1].name}: {ratio:.2f}x")
