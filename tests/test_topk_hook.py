@@ -73,16 +73,6 @@ def ratio_one_matches_dense(store, rank, world):
     grads = [torch.randn(5000), torch.randn(300)]
     state = TopKState(ratio=1.0, dense_steps=0, adaptive=False, value_dtype=torch.float32)
 
-    class Bucket:  # what DDP passes: buffer(), index(), is_last()
-        def __init__(self, t, i, last):
-            self.t, self.i, self.last = t, i, last
-        def buffer(self):
-            return self.t
-        def index(self):
-            return self.i
-        def is_last(self):
-            return self.last
-
     outs = [topk_hook(state, Bucket(g.clone(), i, i == 1)).wait() for i, g in enumerate(grads)]
     dense = [g.clone() for g in grads]
     for d in dense:
@@ -92,6 +82,41 @@ def ratio_one_matches_dense(store, rank, world):
     residual_zero = all(bool((r == 0).all()) for r in state.residuals.values())
     dist.destroy_process_group()
     return ok and residual_zero and state.step == 1
+
+
+class Bucket:  # what DDP passes a hook: buffer(), index(), is_last()
+    def __init__(self, t, i, last):
+        self.t, self.i, self.last = t, i, last
+
+    def buffer(self):
+        return self.t
+
+    def index(self):
+        return self.i
+
+    def is_last(self):
+        return self.last
+
+
+def adaptive_buckets(store, rank, world):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    grads = [torch.randn(1000), torch.randn(200_000)]
+    state = TopKState(dense_steps=0, warmup_steps=0)  # adaptive by default
+    outs = [topk_hook(state, Bucket(g.clone(), i, i == 1)).wait() for i, g in enumerate(grads)]
+    dense = grads[0].clone()
+    dist.all_reduce(dense)
+    dense /= world
+    small_exact = torch.allclose(outs[0], dense, atol=1e-6)
+    nonzero = int((outs[1] != 0).sum())
+    dist.destroy_process_group()
+    return small_exact, nonzero, state.stats.dense_buckets, state.stats.compressed_buckets
+
+
+def test_adaptive_sends_small_buckets_dense_and_large_ones_sparse():
+    for small_exact, nonzero, dense, compressed in run_ranks(2, adaptive_buckets, make_comm=False):
+        assert small_exact and (dense, compressed) == (1, 1)
+        assert 2000 <= nonzero <= 4000  # 1% from each of 2 ranks, their union
 
 
 def test_ratio_one_is_dense_averaging():
