@@ -189,13 +189,13 @@ def row_text(r, args):
 def table(results, args) -> str:
     dense = results.get("dense")
     head = "| configuration | " + " | ".join(f"accuracy, epoch {e}" for e in args.report_epochs)
-    head += " | MB sent per step (all ranks) | bytes vs dense | step (ms) |"
+    head += " | MB sent per step (all ranks) | dense bytes / these | step (ms) |"
     lines = [head, "|---|" + "---:|" * (len(args.report_epochs) + 3)]
     for name, r in results.items():
         if r["error"]:
             lines.append(f"| {name} | failed: {r['error']} |" + " |" * (len(args.report_epochs) + 2))
             continue
-        ratio = (f"{dense['bytes_per_step'] / r['bytes_per_step']:.1f}x fewer"
+        ratio = (f"{dense['bytes_per_step'] / r['bytes_per_step']:.1f}x"
                  if dense and not dense["error"] and r["bytes_per_step"] else "")
         accs = " | ".join(f"{100 * r['accuracy'][e - 1]:.2f}%" for e in args.report_epochs)
         lines.append(f"| {name} | {accs} | {r['bytes_per_step'] / 1e6:.3f} | {ratio} | "
