@@ -39,18 +39,26 @@ class GradientAverager:
     gradients in that format (rounded once, after the scaling), and unpacks the sums back to
     float32; other dtypes travel as they are. A `ringcomm.hooks.TopKState` as `compression` sends
     each bucket's top-k with error feedback, like topk_hook does for DDP (the bucket's gradients
-    are flattened into one tensor for it, and the state's residuals are kept per bucket).
+    are flattened into one tensor for it, and the state's residuals are kept per bucket). A
+    `ringcomm.hooks.PowerSGDState` sends each bucket as powersgd_hook does: its matrices as
+    low-rank factors with error feedback (memory kept per bucket), its vectors and small matrices
+    whole; the state's step counts step() calls. Until step() returns, issue nothing else on
+    `comm` (PowerSGD issues part of its all-reduces from the progress thread).
     """
 
     def __init__(self, params, comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression=None):
+        from .hooks.powersgd import PowerSGDState
         from .hooks.topk import TopKState
 
         self._topk = compression if isinstance(compression, TopKState) else None
-        if self._topk is None and compression not in COMPRESSION:
-            raise ValueError(f"compression must be None, 'fp16', 'bf16' or a "
-                             f"ringcomm.hooks.TopKState, got {compression!r}")
+        self._powersgd = compression if isinstance(compression, PowerSGDState) else None
+        stateful = self._topk is not None or self._powersgd is not None
+        if not stateful and compression not in COMPRESSION:
+            raise ValueError(f"compression must be None, 'fp16', 'bf16', a "
+                             f"ringcomm.hooks.TopKState or a ringcomm.hooks.PowerSGDState, got "
+                             f"{compression!r}")
         self._comm = comm
-        self._wire = FLOAT32 if self._topk is not None else COMPRESSION[compression]
+        self._wire = FLOAT32 if stateful else COMPRESSION[compression]
         self._bucket_bytes = check_bucket_bytes(bucket_bytes)
         unique, seen = [], set()
         for i, p in enumerate(params):
@@ -131,6 +139,13 @@ class GradientAverager:
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
             grads.append(p.grad)
+        if self._powersgd is not None:
+            from .hooks.powersgd import start_powersgd
+
+            # a Future, completed on the progress thread once the grads hold the average
+            self._works.append((start_powersgd(self._powersgd, self._comm, grads, b), grads,
+                                None))
+            return
         if self._topk is not None:
             from .hooks.topk import average_compressed
 
@@ -151,13 +166,15 @@ class GradientAverager:
             for b in range(self.launched, len(self._buckets)):
                 self._launch(b)
             for work, grads, finished in self._works:
-                work.wait()
+                work.wait()  # a Work, or PowerSGD's Future: both raise the operation's error
                 if finished is not None:  # top-k: the average comes back flat
                     averaged = finished(work.result())
                     for g, piece in zip(grads, torch.split(averaged, [g.numel() for g in grads])):
                         g.copy_(piece.view_as(g))
-            if self._topk is not None and self._works:
-                self._topk.end_step(self._comm)
+            if self._works:
+                for state in (self._topk, self._powersgd):
+                    if state is not None:
+                        state.end_step(self._comm)
         finally:
             self._works = []
             self._ready.clear()

@@ -1,0 +1,486 @@
+"""PowerSGD (Vogels et al., 2019): low-rank gradient compression with error feedback, as a DDP
+communication hook.
+
+    state = ringcomm.hooks.PowerSGDState(matrix_approximation_rank=2, start_iter=10)
+    ddp.register_comm_hook(state, ringcomm.hooks.powersgd_hook)
+
+The gradient of a parameter with two or more dimensions is viewed as an n x m matrix M (shape[0]
+rows; a conv kernel's other dimensions make the columns) and travels as two thin factors. With r
+the rank and Q an m x r matrix kept from the previous step (warm start) or drawn from `seed`:
+
+    M += error; orthonormalize Q; P = M Q; all-reduce(P, avg); orthonormalize P (QR);
+    Q = M^T P; all-reduce(Q, avg); M' = P Q^T; error = M - M'; gradient = M'
+
+so (n + m) r values are sent instead of n m. P is the same on every rank after its all-reduce,
+and so is its orthonormalization; so is the averaged Q, the next step's start. Vectors, and
+matrices too small to be worth it (min_compression_rate), are averaged whole, packed into the
+same message as the bucket's P factors: two all-reduces per bucket, [whole | P], then [Q].
+
+Order. The Q all-reduce can only start once P's has finished, so it is issued from P's completion
+callback, on the communicator's progress thread, while backward goes on issuing the next buckets
+from the main thread. Ranks whose threads interleave differently would issue their collectives in
+different orders (torch's powerSGD_hook on gloo fails this way). Here a bucket issues its first
+all-reduce only after the bucket before it has issued its last (`PowerSGDState._lane`), so every
+rank issues the same messages in the same order whatever the timing. Nothing here waits on a
+ringcomm Work inside a callback (that would block the very thread that completes it): each step
+is a callback of the one before, and the last completes the Future the hook returned. An error
+(a failed all-reduce, or an exception in this code) fails that Future, so it comes out of DDP's
+backward; an exception raised here also aborts the communicator, so the other ranks' operations
+fail at once instead of waiting for a message this rank will not send.
+
+This module must not use `from __future__ import annotations` (see default.py: DDP compares the
+hook's annotations as objects).
+"""
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+import torch.distributed as dist
+
+from .default import _completed, _ringcomm_named
+from .state import communicator_for
+
+_COMPUTE_DTYPES = (torch.float32, torch.float64)  # float16 / bfloat16 gradients: math in float32
+
+
+@dataclass
+class PowerSGDStats:
+    """Running totals since the state was created (load_state_dict leaves them as they are)."""
+
+    steps: int = 0
+    compressed_tensors: int = 0     # gradients sent as P and Q factors (counted every step)
+    dense_tensors: int = 0          # gradients sent whole (warm-up steps included)
+    bytes_sent: int = 0             # measured on this rank's connections
+    dense_bytes: int = 0            # what a ring all-reduce of the same gradients would have sent
+    compute_seconds: float = 0.0    # error feedback, P, Q, orthonormalization, M' on this rank
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense bytes over bytes actually sent (warm-up steps included)."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one bucket's gradients travel: a function of their shapes and the configuration only,
+    so the same on every rank. dense: indices of the tensors sent whole; matrices: (index, n, m, r)
+    of those sent as factors."""
+
+    dense: tuple
+    matrices: tuple
+    dense_numel: int
+    p_numel: int
+    q_numel: int
+    m_numel: int  # elements of the compressed matrices (the error memory)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(shapes: tuple, rank: int, min_compression_rate: float, compress: bool) -> _Plan:
+    dense, matrices, dense_numel = [], [], 0
+    for i, shape in enumerate(shapes):
+        numel = functools.reduce(lambda a, b: a * b, shape, 1)
+        if compress and len(shape) >= 2 and numel > 0:
+            n, m = shape[0], numel // shape[0]
+            r = min(n, m, rank)
+            if (n + m) * r * min_compression_rate < n * m:
+                matrices.append((i, n, m, r))
+                continue
+        dense.append(i)
+        dense_numel += numel
+    return _Plan(tuple(dense), tuple(matrices), dense_numel,
+                 sum(n * r for _, n, _, r in matrices), sum(m * r for _, _, m, r in matrices),
+                 sum(n * m for _, n, m, _ in matrices))
+
+
+@dataclass
+class _Memory:
+    """What one bucket (or, under compiled DDP, one parameter) keeps between steps."""
+
+    signature: tuple                   # (dtype, shapes, rank, min_compression_rate)
+    error: Optional[torch.Tensor]      # the compressed matrices' errors, flat, in compute dtype
+    q: Optional[torch.Tensor]          # the last averaged Q factors, flat (warm start)
+
+
+def _completed_lane() -> torch.futures.Future:
+    fut = torch.futures.Future()
+    fut.set_result(None)
+    return fut
+
+
+@dataclass
+class PowerSGDState:
+    """Configuration and per-bucket memory of powersgd_hook (and of a GradientAverager given it as
+    `compression`): one state per model.
+
+    matrix_approximation_rank: r, the columns of the P and Q factors (clipped to min(n, m)). 2 by
+    default (torch's hook and the authors' example use 1): twice rank 1's bytes, still a small
+    fraction of the dense ones, for an approximation that captures two directions of each
+    gradient instead of one.
+    start_iter: iterations averaged densely first. DDP rebuilds its buckets after its first
+    iteration, so with DDP and error feedback or warm start it must be at least 2.
+    min_compression_rate: a matrix is compressed only if n m > min_compression_rate (n + m) r;
+    others, and every tensor with fewer than 2 dimensions, are averaged whole.
+    error_feedback: add what the approximation missed to the next step's gradient.
+    warm_start: start each step's power iteration from the last averaged Q (else a new random Q
+    every step).
+    seed: seeds the random starting Q, the same on every rank.
+    comm: a ringcomm Communicator or ringcomm process group (None: created from the default
+    process group's store on first use, see state.communicator_for). Issue nothing else on it
+    while a step's gradients are being averaged (DDP: during backward; GradientAverager: until
+    step() returns): PowerSGD issues its Q all-reduces from the progress thread, and another
+    collective issued meanwhile would be ordered differently on different ranks. So with DDP over
+    a ringcomm group and find_unused_parameters=True (DDP all-reduces its used-parameter map
+    during backward), leave comm None rather than passing DDP's own group.
+    """
+
+    matrix_approximation_rank: int = 2
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    error_feedback: bool = True
+    warm_start: bool = True
+    seed: int = 0
+    comm: Optional[object] = None
+    step: int = 0
+    stats: PowerSGDStats = field(default_factory=PowerSGDStats)
+    memory: dict = field(default_factory=dict)  # slot -> _Memory
+    _step_start_bytes: Optional[int] = field(default=None, repr=False)
+    _param_slots: dict = field(default_factory=dict, repr=False)  # compiled DDP: id(param) -> slot
+    # completed once the bucket started last has issued its last all-reduce (see the module doc)
+    _lane: torch.futures.Future = field(default_factory=_completed_lane, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    _CONFIG = ("matrix_approximation_rank", "start_iter", "min_compression_rate", "error_feedback",
+               "warm_start", "seed")
+
+    def __post_init__(self):
+        if int(self.matrix_approximation_rank) < 1:
+            raise ValueError(f"matrix_approximation_rank must be >= 1, got "
+                             f"{self.matrix_approximation_rank}")
+        if int(self.start_iter) < 0:
+            raise ValueError(f"start_iter must be >= 0, got {self.start_iter}")
+        if self.min_compression_rate < 0:
+            raise ValueError(f"min_compression_rate must be >= 0, got {self.min_compression_rate}")
+
+    def slot_of_param(self, param, comm) -> int:
+        """Compiled DDP calls the hook once per parameter, with no "last" flag: there the first
+        parameter's call coming round again is what ends the previous step."""
+        slot = self._param_slots.setdefault(id(param), len(self._param_slots))
+        if slot == 0 and self._step_start_bytes is not None:
+            self.end_step(comm)
+        return slot
+
+    def end_step(self, comm):
+        with self._lock:
+            if self._step_start_bytes is not None:
+                self.stats.bytes_sent += comm.bytes_sent - self._step_start_bytes
+            self._step_start_bytes = None
+            self.step += 1
+            self.stats.steps += 1
+
+    def _add_stats(self, **amounts):
+        with self._lock:
+            for key, value in amounts.items():
+                setattr(self.stats, key, getattr(self.stats, key) + value)
+
+    def _memory_for(self, slot: int, signature: tuple, plan: _Plan, dtype) -> _Memory:
+        """The slot's memory, made anew when its gradients changed (DDP rebuilt its buckets) or
+        the configuration did."""
+        mem = self.memory.get(slot)
+        if mem is None or mem.signature != signature:
+            mem = self.memory[slot] = _Memory(signature, None, None)
+        if not self.error_feedback:
+            mem.error = None
+        elif mem.error is None:
+            mem.error = torch.zeros(plan.m_numel, dtype=dtype)
+        return mem
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: configuration, step, and per slot the error and Q
+        memories (no communicator inside)."""
+        out = {key: getattr(self, key) for key in self._CONFIG}
+        out["step"] = self.step
+        out["memory"] = {slot: {"signature": mem.signature,
+                                "error": None if mem.error is None else mem.error.clone(),
+                                "q": None if mem.q is None else mem.q.clone()}
+                         for slot, mem in self.memory.items()}
+        return out
+
+    def load_state_dict(self, state: dict):
+        for key in self._CONFIG + ("step",):
+            setattr(self, key, state[key])
+        self.memory = {int(slot): _Memory(_as_tuple(mem["signature"]),
+                                          None if mem["error"] is None else mem["error"].clone(),
+                                          None if mem["q"] is None else mem["q"].clone())
+                       for slot, mem in state["memory"].items()}
+        self._step_start_bytes = None
+        self._param_slots = {}
+        self._lane = _completed_lane()
+        self.__post_init__()
+
+
+def _as_tuple(value):
+    """Signatures come back from some serializers with lists for tuples."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _seed_for(seed: int, slot: int, step: int) -> int:
+    return ((int(seed) * 1_000_003 + int(slot)) * 1_000_033 + int(step)) % (1 << 63)
+
+
+def _orthonormalize(matrix: torch.Tensor):
+    """Replaces the columns of `matrix` (k x r, r <= k) in place by orthonormal ones spanning the
+    same space: Householder QR, whose factor is orthonormal whatever the input. Where columns are
+    zero or dependent (a dead unit's zero row, a rank-deficient gradient, a zero gradient) it
+    completes the basis with other directions, so M' = P P^T M stays a projection of M and a warm
+    start never loses a column. Gram-Schmidt would divide by a norm that is zero or rounding noise
+    there: NaN, or columns that are not orthogonal, or (with an epsilon added to the norm, as
+    torch's hook does) a zero column that a warm start then keeps for ever. Deterministic: the same
+    input gives the same bits, and P (or Q) is the same on every rank."""
+    q, _ = torch.linalg.qr(matrix)
+    matrix.copy_(q)
+
+
+class _Exchange:
+    """One bucket's average. Prepared on the calling thread; then begin() (when the bucket before
+    it has issued its last message) all-reduces [whole tensors | P factors]; after_p() finishes P
+    and all-reduces the Q factors; after_q() writes M' into the gradients and completes `outer`."""
+
+    def __init__(self, state, comm, grads, slot, result, is_last, flat, outer, lane):
+        self.state, self.comm, self.grads, self.slot = state, comm, list(grads), slot
+        self.result, self.is_last, self.outer, self.lane = result, is_last, outer, lane
+        started = time.perf_counter()
+        dtype = self.grads[0].dtype if self.grads else torch.float32
+        if any(g.dtype != dtype for g in self.grads):
+            raise TypeError("PowerSGD needs the gradients of one bucket to share a dtype")
+        self.wire = dtype
+        self.compute = dtype if dtype in _COMPUTE_DTYPES else torch.float32
+        # float16 sums can overflow where the mean does not: scale first and sum (allreduce_hook)
+        self.scale = 1.0 / comm.world_size if dtype == torch.float16 else 1.0
+        self.op = "sum" if dtype == torch.float16 else "avg"
+        shapes = tuple(tuple(g.shape) for g in self.grads)
+        compress = state.step >= state.start_iter and dtype.is_floating_point
+        self.plan = _plan(shapes, int(state.matrix_approximation_rank),
+                          float(state.min_compression_rate), compress)
+        numel = sum(g.numel() for g in self.grads)
+        world = comm.world_size
+        state._add_stats(dense_bytes=2 * (world - 1) * numel * dtype.itemsize // world,
+                         compressed_tensors=len(self.plan.matrices),
+                         dense_tensors=len(self.plan.dense))
+        if not self.plan.matrices and flat is not None and flat.is_contiguous() \
+                and flat.numel() == numel:
+            self.w1 = flat  # all whole, and the bucket is already one tensor: in place
+            self.in_place = True
+            if self.scale != 1.0:
+                flat.mul_(self.scale)
+        else:
+            self.in_place = False
+            self._prepare(shapes, dtype)
+        state._add_stats(compute_seconds=time.perf_counter() - started)
+
+    def _prepare(self, shapes, dtype):
+        """Error feedback, the starting Q and the P factors, packed after the whole tensors."""
+        state, plan = self.state, self.plan
+        self.w1 = torch.empty(plan.dense_numel + plan.p_numel, dtype=self.wire)
+        offset = 0
+        for i in plan.dense:
+            g = self.grads[i]
+            self.w1[offset:offset + g.numel()].view(g.shape).copy_(g)
+            offset += g.numel()
+        if self.scale != 1.0:
+            self.w1[:offset].mul_(self.scale)
+        if not plan.matrices:
+            return
+        signature = (str(dtype), shapes, int(state.matrix_approximation_rank),
+                     float(state.min_compression_rate))
+        self.mem = state._memory_for(self.slot, signature, plan, self.compute)
+        if state.warm_start and self.mem.q is not None:
+            q_flat = self.mem.q
+        else:
+            gen = torch.Generator().manual_seed(_seed_for(state.seed, self.slot, state.step))
+            q_flat = torch.randn(plan.q_numel, generator=gen, dtype=self.compute)
+        self.ms, p_offset, q_offset, e_offset = [], offset, 0, 0
+        for i, n, m, r in plan.matrices:
+            g = self.grads[i]
+            if g.dtype == self.compute and g.is_contiguous():
+                matrix = g.view(n, m)  # error feedback goes into the gradient itself
+            else:
+                matrix = g.reshape(n, m).to(self.compute, copy=True)
+            if self.mem.error is not None:
+                matrix.add_(self.mem.error[e_offset:e_offset + n * m].view(n, m))
+            q = q_flat[q_offset:q_offset + m * r].view(m, r)
+            _orthonormalize(q)
+            p = self.w1[p_offset:p_offset + n * r].view(n, r)
+            if self.wire == self.compute:
+                torch.mm(matrix, q, out=p)
+            else:
+                p.copy_(torch.mm(matrix, q).mul_(self.scale))
+            self.ms.append(matrix)
+            p_offset, q_offset, e_offset = p_offset + n * r, q_offset + m * r, e_offset + n * m
+
+    # -- on the lane: these run on the progress thread (or inline, if already due) -----------
+
+    def begin(self, _=None):
+        try:
+            work = self.comm.all_reduce(self.w1, op=self.op, async_op=True)
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the future
+            self.fail(e)
+            return
+        if not self.plan.matrices:
+            self._release_lane()  # its only message is out
+        work.get_future().add_done_callback(self.after_p)
+
+    def after_p(self, fut):
+        try:
+            fut.value()  # raises the all-reduce's error
+            started = time.perf_counter()
+            plan = self.plan
+            if not self.in_place:
+                offset = 0
+                for i in plan.dense:
+                    g = self.grads[i]
+                    g.copy_(self.w1[offset:offset + g.numel()].view(g.shape))
+                    offset += g.numel()
+            if not plan.matrices:
+                self.state._add_stats(compute_seconds=time.perf_counter() - started)
+                self._finish()
+                return
+            self.w2 = torch.empty(plan.q_numel, dtype=self.wire)
+            self.ps, p_offset, q_offset = [], plan.dense_numel, 0
+            for (_, n, m, r), matrix in zip(plan.matrices, self.ms):
+                p = self.w1[p_offset:p_offset + n * r].view(n, r)
+                if self.wire != self.compute:
+                    p = p.to(self.compute)
+                _orthonormalize(p)  # the same bits on every rank
+                q = self.w2[q_offset:q_offset + m * r].view(m, r)
+                if self.wire == self.compute:
+                    torch.mm(matrix.t(), p, out=q)
+                else:
+                    q.copy_(torch.mm(matrix.t(), p).mul_(self.scale))
+                self.ps.append(p)
+                p_offset, q_offset = p_offset + n * r, q_offset + m * r
+            self.state._add_stats(compute_seconds=time.perf_counter() - started)
+            work = self.comm.all_reduce(self.w2, op=self.op, async_op=True)
+        except BaseException as e:  # noqa: BLE001
+            self.fail(e)
+            return
+        self._release_lane()  # the next bucket may issue its first message now
+        work.get_future().add_done_callback(self.after_q)
+
+    def after_q(self, fut):
+        try:
+            fut.value()
+            started = time.perf_counter()
+            plan, mem = self.plan, self.mem
+            q_flat = self.w2 if self.wire == self.compute else self.w2.to(self.compute)
+            q_offset, e_offset = 0, 0
+            for (i, n, m, r), matrix, p in zip(plan.matrices, self.ms, self.ps):
+                approx = torch.mm(p, q_flat[q_offset:q_offset + m * r].view(m, r).t())
+                if mem.error is not None:
+                    torch.sub(matrix, approx, out=mem.error[e_offset:e_offset + n * m].view(n, m))
+                g = self.grads[i]
+                g.copy_(approx.view(g.shape))
+                q_offset, e_offset = q_offset + m * r, e_offset + n * m
+            mem.q = q_flat if self.state.warm_start else None
+            self.state._add_stats(compute_seconds=time.perf_counter() - started)
+            self._finish()
+        except BaseException as e:  # noqa: BLE001
+            self.fail(e)
+
+    def _finish(self):
+        if self.is_last:
+            self.state.end_step(self.comm)
+        self.outer.set_result(self.result)
+
+    def _release_lane(self):
+        if not self.lane.done():
+            self.lane.set_result(None)
+
+    def fail(self, error: BaseException):
+        """Fails this bucket's future. An error of this code (not of the communicator, which is
+        then broken already) aborts the communicator: the other ranks wait for messages this rank
+        will not send, and learn why at once instead of at their timeout."""
+        try:
+            _abort(self.comm, error)
+        finally:
+            self._release_lane()  # the buckets after this one fail on the broken communicator
+            if not self.outer.done():
+                self.outer.set_exception(_as_exception(error))
+
+
+def _abort(comm, error: BaseException):
+    if comm.broken is None:
+        comm.abort(f"PowerSGD failed on rank {comm.rank}: {type(error).__name__}: {error}")
+
+
+def _as_exception(error: BaseException) -> Exception:
+    """What a Future can hold (a KeyboardInterrupt, say, is no Exception)."""
+    if isinstance(error, Exception):
+        return error
+    return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def start_powersgd(state: PowerSGDState, comm, grads, slot: int, result=None,
+                   is_last: bool = False, flat: Optional[torch.Tensor] = None
+                   ) -> torch.futures.Future:
+    """Starts averaging `grads` (tensors shaped like their parameters, overwritten in place with
+    the average: exact for tensors sent whole, the rank-r approximation for compressed ones) over
+    the ranks of `comm`. `slot` names the memory kept for these tensors; `is_last` ends the step
+    when done; `flat`, if given, is one tensor the grads are views of (DDP's bucket), averaged in
+    place when nothing is compressed. Returns a Future completed with `result` once every tensor
+    holds its average, or failed with the error. Shared by powersgd_hook and GradientAverager."""
+    outer = torch.futures.Future()
+    previous, lane = state._lane, torch.futures.Future()
+    state._lane = lane
+    try:
+        if state._step_start_bytes is None:
+            state._step_start_bytes = comm.bytes_sent
+        exchange = _Exchange(state, comm, grads, slot, result, is_last, flat, outer, lane)
+    except BaseException as e:  # after this rank's earlier buckets, the others wait: abort
+        lane.set_result(None)
+        try:
+            _abort(comm, e)
+        finally:
+            outer.set_exception(_as_exception(e))
+        if not isinstance(e, Exception):
+            raise  # a KeyboardInterrupt stops the program, as it would without the hook
+        return outer
+    previous.add_done_callback(exchange.begin)
+    return outer
+
+
+@_ringcomm_named
+def powersgd_hook(state: PowerSGDState,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: PowerSGD low-rank compression with error feedback (dense during the first
+    state.start_iter iterations). Under compiled DDP (a (grad, param) tuple per parameter) the
+    average is written into grad before the hook returns."""
+    if not isinstance(state, PowerSGDState):
+        raise TypeError(f"powersgd_hook needs a ringcomm.hooks.PowerSGDState, got "
+                        f"{type(state).__name__}")
+    if isinstance(bucket, tuple):  # compiled DDP discards the future: finish in place now
+        grad, param = bucket
+        comm = communicator_for(state.comm)
+        slot = state.slot_of_param(param, comm)
+        start_powersgd(state, comm, [grad], slot, result=grad).wait()
+        return _completed(grad)
+    if state.start_iter < 2 and (state.error_feedback or state.warm_start):
+        raise ValueError(f"with DDP, PowerSGDState.start_iter must be >= 2 when error_feedback or "
+                         f"warm_start is on (got {state.start_iter}): DDP rebuilds its buckets "
+                         f"after its first iteration, and memory kept per bucket would then "
+                         f"belong to other parameters")
+    comm = communicator_for(state.comm)
+    buffer = bucket.buffer()
+    fut = start_powersgd(state, comm, bucket.gradients(), bucket.index(), result=buffer,
+                         is_last=bucket.is_last(), flat=buffer)
+    # A Python Future's set_exception stores the exception as its value, which DDP (C++) then
+    # fails to cast to a Tensor; raised from a then() callback it becomes the Future's error,
+    # and DDP raises it (message included) from backward.
+    return fut.then(_value)
+
+
+def _value(fut: torch.futures.Future):
+    return fut.value()
