@@ -11,8 +11,9 @@ configuration after the other, and rank 0 measures test accuracy after every epo
 are averaged by DDP's own gloo all-reduce ("dense") or by a ringcomm comm hook; "torch-powersgd"
 is torch's own PowerSGD hook, for comparison. Bytes are what every rank sent, over TCP (all of
 the process's sockets) and through ringcomm's shared memory, summed over ranks, per step. Each
-configuration gets its own gloo group with a short timeout, so one that fails (torch's PowerSGD
-on gloo) is reported as failed and the others still run.
+configuration gets its own gloo group with a short timeout, so one that fails is reported as
+failed and the others still run; torch's own hooks run in processes of their own, since its
+PowerSGD hook on gloo can abort the process.
 """
 import argparse
 import ast
@@ -48,7 +49,7 @@ def torch_powersgd(rank):
     def make():
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_hook
         return (torch_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                         start_powerSGD_iter=2), torch_hook.powerSGD_hook)
+                                         start_powerSGD_iter=10), torch_hook.powerSGD_hook)
     return make
 
 
@@ -246,15 +247,41 @@ def svg_plot(results, args) -> str:
     return "\n".join(out)
 
 
+def run_job(args, configs) -> dict:
+    """Runs `configs` in one set of --ranks processes; a job that dies (torch's PowerSGD hook on
+    gloo aborts the process) or outlives its deadline is reported as failed."""
+    from ringcomm.bench import free_port
+    job = argparse.Namespace(**{**vars(args), "configs": configs})
+    queue = mp.get_context("spawn").SimpleQueue()
+    context = mp.spawn(worker, args=(job, free_port(), queue), nprocs=args.ranks, join=False)
+    limit = args.group_timeout + 15 * args.epochs * len(configs)
+    deadline = time.monotonic() + limit
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"hung: no result within {limit:.0f} s (processes killed)")
+    except Exception as e:  # noqa: BLE001 - a failed job is a result
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+        print(f"  {', '.join(configs)}: failed: {error}", flush=True)
+        return {name: dict(error=error) for name in configs}
+    return queue.get()
+
+
 def main(argv=None):
     args = parse_args(argv)
-    from ringcomm.bench import free_port
-    queue = mp.get_context("spawn").SimpleQueue()
     print(f"digits MLP 64-{args.width}-{args.width}-10, {args.ranks} ranks, {args.epochs} epochs, "
           f"global batch {args.batch_size}, SGD lr {args.lr} momentum 0.9, seed {args.seed}",
           flush=True)
-    mp.spawn(worker, args=(args, free_port(), queue), nprocs=args.ranks, join=True)
-    results = queue.get()
+    # torch's own hooks run in processes of their own: they may take the process down
+    ours = [name for name in args.configs if not name.startswith("torch-")]
+    results = run_job(args, ours) if ours else {}
+    for name in args.configs:
+        if name.startswith("torch-"):
+            results.update(run_job(args, [name]))
+    results = {name: results[name] for name in args.configs}
     print(table(results, args))
     if args.json:
         with open(args.json, "w") as f:

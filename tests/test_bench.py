@@ -1,9 +1,12 @@
 """The benchmark CLI runs end to end, checks its results and writes JSON."""
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_compares_with_gloo_and_writes_json(tmp_path):
@@ -79,3 +82,26 @@ def test_bench_compare_mpi(tmp_path):
         assert r["mpi"]["wrong"] == 0 and r["ringcomm"]["wrong"] == 0
         assert r["mpi"]["time_us"] > 0 and len(r["mpi"]["samples_us"]) == 2
         assert r["ratios"]["mpi"]["time"] > 0
+
+
+def test_compression_quality_bench_reports_every_configuration(tmp_path):
+    # A tiny model for an epoch: the bench's own machinery (spawned ranks, per-configuration
+    # groups and settings, byte counting, JSON, plot).
+    out, plot = tmp_path / "quality.json", tmp_path / "quality.svg"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "compression_quality.py"), "--ranks", "2",
+           "--epochs", "2", "--width", "128", "--configs",
+           "dense,bf16,topk-10%/warmup_steps=0,powersgd-1/start_iter=2",
+           "--json", str(out), "--plot", str(plot)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["dense", "bf16", "topk-10%/warmup_steps=0", "powersgd-1/start_iter=2"]
+    dense = results["dense"]["bytes_per_step"]
+    for name in ("dense", "bf16", "topk-10%/warmup_steps=0", "powersgd-1/start_iter=2"):
+        r = results[name]
+        assert not r["error"] and len(r["accuracy"]) == 2 and 0 < r["accuracy"][-1] <= 1, r
+    assert results["dense"]["accuracy"][-1] > 0.5  # it trains
+    assert abs(results["bf16"]["accuracy"][-1] - results["dense"]["accuracy"][-1]) < 0.05
+    assert 1.8 < dense / results["bf16"]["bytes_per_step"] < 2.2  # half the bytes on the wire
+    assert results["topk-10%/warmup_steps=0"]["bytes_per_step"] < dense / 2
+    assert "<svg" in plot.read_text() and "| dense |" in run.stdout

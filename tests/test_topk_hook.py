@@ -84,7 +84,7 @@ def ratio_one_matches_dense(store, rank, world):
     return ok and residual_zero and state.step == 1
 
 
-class Bucket:  # what DDP passes a hook: buffer(), index(), is_last()
+class Bucket:  # what DDP passes a hook: buffer(), index(), is_last(), parameters()
     def __init__(self, t, i, last):
         self.t, self.i, self.last = t, i, last
 
@@ -96,6 +96,9 @@ class Bucket:  # what DDP passes a hook: buffer(), index(), is_last()
 
     def is_last(self):
         return self.last
+
+    def parameters(self):
+        return [self.t]  # one parameter the bucket's size
 
 
 def adaptive_buckets(store, rank, world):
@@ -210,3 +213,48 @@ def test_gradient_averager_with_topk_state():
     for step in range(3):
         for a, b in zip(results[0][0][step][0], results[1][0][step][0]):
             assert torch.equal(a, b)
+
+
+def clipped_average(store, rank, world):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    grad = torch.full((1000,), 10.0 * (rank + 1))
+    state = TopKState(ratio=1.0, dense_steps=0, adaptive=False, value_dtype=torch.float32,
+                      clip_norm=2.0)
+    out = topk_hook(state, Bucket(grad, 0, True)).wait()
+    dist.destroy_process_group()
+    return out
+
+
+def test_clip_norm_scales_each_ranks_gradient_before_averaging():
+    # each rank's gradient is scaled to norm 2 / sqrt(2) before the average
+    for out in run_ranks(2, clipped_average, make_comm=False):
+        assert torch.allclose(out, torch.full((1000,), 2.0 / 2 ** 0.5 / 1000 ** 0.5), atol=1e-6)
+
+
+def momentum_in_hook_or_optimizer(store, rank, world, taken):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    model = DDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = TopKState(dense_steps=1000)  # every step dense: momentum correction is then exact
+    if taken:
+        state.take_momentum(opt)
+    model.register_comm_hook(state, topk_hook)
+    for xb, yb in digits_batches(rank, world, 8):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    dist.destroy_process_group()
+    return params
+
+
+def test_take_momentum_on_dense_steps_is_sgd_momentum():
+    # The hook averaging each rank's velocity, then plain SGD, is SGD momentum on the average.
+    in_optimizer = run_ranks(2, momentum_in_hook_or_optimizer, False, make_comm=False)[0]
+    in_hook = run_ranks(2, momentum_in_hook_or_optimizer, True, make_comm=False)[0]
+    assert not torch.equal(in_optimizer, make_model_params())
+    assert torch.allclose(in_hook, in_optimizer, atol=1e-5)
+
+
+def make_model_params():
+    return torch.cat([p.detach().reshape(-1) for p in make_model().parameters()])

@@ -49,8 +49,8 @@ class TopKState:
     The defaults are the measured good settings (docs/performance.md, "Top-k defaults"):
 
     ratio: fraction of each bucket's entries sent once the warm-up is over.
-    dense_steps: first iterations averaged densely (DDP rebuilds its buckets after the first
-    iteration, and a residual kept across a rebuild would be dropped).
+    dense_steps: first iterations averaged densely. Residuals and velocities are kept per
+    bucket and follow their parameters when DDP rebuilds its buckets after the first iteration.
     warmup_steps, warmup_density: Deep Gradient Compression's sparsity warm-up: the density
     starts at warmup_density and is divided by 4 at each stage (93.75%, 98.4%, 99.6% sparsity,
     ...) until it reaches ratio; the stages share warmup_steps equally (0: ratio from the start).
@@ -86,12 +86,15 @@ class TopKState:
     stats: TopKStats = field(default_factory=TopKStats)
     _step_start_bytes: Optional[int] = None
     _param_slots: dict = field(default_factory=dict)  # compiled DDP: id(param) -> memory slot
+    _layouts: dict = field(default_factory=dict)  # (memory name, slot) -> its bucket's layout
+    _retired: list = field(default_factory=list)  # memories replaced this step, for their pieces
 
     SETTINGS = ("ratio", "dense_steps", "warmup_steps", "warmup_density", "error_feedback",
                 "adaptive", "value_dtype", "momentum_correction", "momentum", "clip_norm")
 
     def slot_of(self, bucket, comm):
-        """(gradient, memory slot, last of the step?) for a GradBucket or a (grad, param) tuple.
+        """(gradient, memory slot, last of the step?, layout for memory()) for a GradBucket or a
+        (grad, param) tuple.
 
         Compiled DDP calls the hook per parameter with no "last" flag: there the first
         parameter's call coming round again is what ends the previous step."""
@@ -100,12 +103,14 @@ class TopKState:
             slot = self._param_slots.setdefault(id(param), len(self._param_slots))
             if slot == 0 and self._step_start_bytes is not None:
                 self.end_step(comm)
-            return grad, slot, False
-        return bucket.buffer(), bucket.index(), bucket.is_last()
+            return grad, slot, False, None
+        layout = tuple((id(p), p.numel()) for p in bucket.parameters())
+        return bucket.buffer(), bucket.index(), bucket.is_last(), layout
 
     def end_step(self, comm):
         self.stats.bytes_sent += comm.bytes_sent - self._step_start_bytes
         self._step_start_bytes = None
+        self._retired.clear()
         self.step += 1
         self.stats.steps += 1
 
@@ -156,14 +161,45 @@ class TopKState:
         for g in groups:
             g["momentum"] = 0
 
-    def memory(self, store: dict, index: int, like: torch.Tensor) -> torch.Tensor:
-        """The per-bucket tensor kept in `store`, reset when the bucket's shape or dtype changed
-        (DDP rebuilds buckets after its first iterations)."""
-        t = store.get(index)
-        if t is None or t.shape != like.shape or t.dtype != like.dtype:
-            t = torch.zeros_like(like, memory_format=torch.contiguous_format)
-            store[index] = t
-        return t
+    def memory(self, name: str, index: int, like: torch.Tensor, layout=None) -> torch.Tensor:
+        """The per-bucket tensor kept in the dict `name` ("residuals" or "velocities") for slot
+        `index`, shaped like `like`. `layout`, the bucket's parameters as ((id, numel), ...) in
+        order, lets what was kept survive DDP's rebuild of its buckets after the first iteration:
+        a bucket whose parameters changed gets each parameter's piece from wherever it was kept.
+        Without a layout, a change of shape or dtype starts the memory at zero."""
+        store = getattr(self, name)
+        t, known = store.get(index), self._layouts.get((name, index))
+        if t is not None and t.shape == like.shape and t.dtype == like.dtype and \
+                (layout is None or known is None or known == layout):
+            if layout is not None:
+                self._layouts[(name, index)] = layout
+            return t
+        fresh = torch.zeros_like(like, memory_format=torch.contiguous_format)
+        if layout is not None:
+            self._move_pieces(name, fresh, layout)
+        if t is not None:
+            self._retired.append((name, t, known))  # its pieces may be wanted by other slots
+        store[index] = fresh
+        self._layouts[(name, index)] = layout
+        return fresh
+
+    def _move_pieces(self, name: str, fresh: torch.Tensor, layout) -> None:
+        kept = [(t, self._layouts.get((name, i))) for i, t in getattr(self, name).items()]
+        kept += [(t, known) for n, t, known in self._retired if n == name]
+        pieces = {}
+        for t, known in kept:
+            if known is None or t.dtype != fresh.dtype:
+                continue
+            offset = 0
+            for pid, numel in known:
+                pieces.setdefault((pid, numel), t[offset:offset + numel])
+                offset += numel
+        offset = 0
+        for pid, numel in layout:
+            piece = pieces.get((pid, numel))
+            if piece is not None:
+                fresh[offset:offset + numel].copy_(piece)
+            offset += numel
 
     def state_dict(self) -> dict:
         """Everything needed to resume (no communicator inside)."""
@@ -178,15 +214,17 @@ class TopKState:
             setattr(self, key, state[key])
         self.residuals = {int(i): t.clone() for i, t in state["residuals"].items()}
         self.velocities = {int(i): t.clone() for i, t in state["velocities"].items()}
+        self._layouts, self._retired = {}, []  # parameter ids do not outlive the process
         self.__post_init__()
 
 
-def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int):
+def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int, layout=None):
     """Starts averaging the flat gradient `flat` over the ranks of `comm`: dense on dense steps,
     for other dtypes and where the cost model prefers it, else its top-k with error feedback
     through the sparse all-reduce. Returns (Work whose result is the flat average, a function to
     call with that result when it is ready, which does the bookkeeping and returns it). `slot`
-    names the residual/velocity memory. Shared by topk_hook and GradientAverager."""
+    names the residual/velocity memory, `layout` its parameters (TopKState.memory). Shared by
+    topk_hook and GradientAverager."""
     stats = state.stats
     if state._step_start_bytes is None:
         state._step_start_bytes = comm.bytes_sent
@@ -205,20 +243,20 @@ def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int):
         if norm > limit:
             source = source * (limit / norm)
     if state.momentum_correction and flat.is_floating_point():
-        velocity = state.memory(state.velocities, slot, source)
+        velocity = state.memory("velocities", slot, source, layout)
         velocity.mul_(state.momentum).add_(source)
         source = velocity
     if not compressible:
-        residual = state.residuals.pop(slot, None)
-        if residual is not None and residual.shape == source.shape and state.error_feedback:
-            source = source + residual  # what was owed goes out now
+        if state.error_feedback and slot in state.residuals:
+            source = source + state.memory("residuals", slot, source, layout)  # owed: out now
+            del state.residuals[slot]
         elif source is not flat:
             source = source.clone()  # the velocity is kept; the all-reduce works in place
         stats.dense_buckets += 1
         work = comm.all_reduce(source, op="avg", async_op=True)
     else:
         if state.error_feedback:
-            residual = state.memory(state.residuals, slot, source)
+            residual = state.memory("residuals", slot, source, layout)
             values, indices = compress.topk_with_residual(source, residual, k)
         else:
             values, indices = compress.topk(source, k)
@@ -250,8 +288,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     if not isinstance(state, TopKState):
         raise TypeError(f"topk_hook needs a ringcomm.hooks.TopKState, got {type(state).__name__}")
     comm = communicator_for(state.comm)
-    grad, slot, is_last = state.slot_of(bucket, comm)
-    work, finished = average_compressed(state, comm, grad.reshape(-1), slot)
+    grad, slot, is_last, layout = state.slot_of(bucket, comm)
+    work, finished = average_compressed(state, comm, grad.reshape(-1), slot, layout)
 
     def finish(result: torch.Tensor) -> torch.Tensor:
         finished(result)
