@@ -46,7 +46,8 @@ class TopKStats:
 class TopKState:
     """Configuration and per-bucket memory of topk_hook.
 
-    The defaults are the measured good settings (docs/performance.md, "Top-k defaults"):
+    The defaults are the measured good settings (docs/performance.md, Top-k compression,
+    "Quality"):
 
     ratio: fraction of each bucket's entries sent once the warm-up is over.
     dense_steps: first iterations averaged densely. Residuals and velocities are kept per
