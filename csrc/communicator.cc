@@ -14,6 +14,7 @@
 #include "common/crypto.h"
 #include "common/env.h"
 #include "common/logging.h"
+#include "common/trace.h"
 
 namespace ringcomm {
 namespace {
@@ -45,6 +46,7 @@ thread_local const void* progress_thread_owner = nullptr;
 // shares the parent's sockets and shared memory but not its progress thread: it must neither
 // use them nor shut them down.
 std::atomic<bool> forked_child{false};
+std::atomic<uint64_t> next_trace_id{0};
 void watch_for_fork() {
   static std::once_flag once;
   std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { forked_child = true; }); });
@@ -105,13 +107,14 @@ void Work::finish(const std::string& error) {
 
 Communicator::Communicator(int rank, int world_size, double timeout_s,
                            const std::string& master_addr)
-    : rank_(rank), world_size_(world_size),
+    : rank_(rank), world_size_(world_size), trace_id_(next_trace_id++),
       timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))) {
   RC_CHECK_ARG(world_size >= 1, "world_size must be >= 1, got ", world_size);
   RC_CHECK_ARG(rank >= 0 && rank < world_size, "rank ", rank, " out of range for world_size ",
                world_size);
   RC_CHECK_ARG(timeout_s > 0, "timeout must be positive");
   mesh_ = std::make_unique<Mesh>(rank, world_size, MeshOptions::from_env(master_addr));
+  mesh_->set_trace_id(trace_id_);
   // Read once: a coalesced call asks for every buffer's algorithm.
   const std::string forced = env_string("RINGCOMM_ALGO");
   if (forced == "ring") forced_all_reduce_ = Algorithm::kRing;
@@ -132,6 +135,7 @@ void Communicator::connect(const std::vector<std::string>& addresses, const std:
   if (world_size_ > 1) mesh_->connect(addresses, token, Clock::now() + timeout_);
   progress_thread_ = std::thread([this] {
     progress_thread_owner = this;
+    pthread_setname_np(pthread_self(), "rc-progress");
     progress_loop();
   });
 }
@@ -376,6 +380,7 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
     sig.seq = (is_send ? send_seq_ : recv_seq_)[peer]++;
   }
   task.sig = sig;
+  count_point_to_point(is_send, bytes);
   task.post = [this, is_send, buf, bytes, peer, sig, work] {
     auto deadline = Clock::now() + timeout_;
     int64_t id;
@@ -415,6 +420,7 @@ WorkPtr Communicator::recv_any(void* buf, size_t count, DType dtype, bool async,
     std::lock_guard<std::mutex> lk(mu_);
     check_usable_locked();
   }
+  count_point_to_point(false, count * dtype_size(dtype));
   task.post = [this, buf, count, dtype, tag, work] {
     std::lock_guard<std::mutex> lk(mu_);
     int64_t id = next_p2p_id_++;
@@ -499,6 +505,7 @@ WorkPtr Communicator::submit(Signature sig, std::function<void(Context&)> body, 
   Task task;
   task.work = std::make_shared<Work>(this);
   task.body = std::move(body);
+  task.queued_ns = trace::now_ns();
   {
     std::lock_guard<std::mutex> lk(mu_);
     check_usable_locked();
@@ -545,10 +552,14 @@ void Communicator::run(Task& task) {
       task.post();
       return;
     }
+    const int64_t begin_ns = trace::now_ns();
+    const uint64_t sent0 = mesh_->payload_sent(), received0 = mesh_->payload_received();
+    const int64_t idle0 = mesh_->idle_ns();
     mesh_->set_current(task.sig);
     Context ctx(*mesh_, task.sig, Clock::now() + timeout_, scratch_);
     task.body(ctx);
     scratch_.operation_done();
+    account(task, begin_ns, sent0, received0, idle0);
     task.work->finish("");
   } catch (const std::exception& e) {
     std::string reason = str_cat(e.what(), " [rank ", rank_, ", during ", task.sig.describe(), "]");
@@ -556,6 +567,51 @@ void Communicator::run(Task& task) {
     fail(reason, std::current_exception());
     task.work->finish(reason);
   }
+}
+
+void Communicator::account(const Task& task, int64_t begin_ns, uint64_t sent0,
+                           uint64_t received0, int64_t idle0) {
+  const int64_t end_ns = trace::now_ns();
+  OpStats op;
+  op.calls = 1;
+  op.bytes_sent = mesh_->payload_sent() - sent0;
+  op.bytes_received = mesh_->payload_received() - received0;
+  op.queued_ns = begin_ns - task.queued_ns;
+  op.run_ns = end_ns - begin_ns;
+  op.idle_ns = mesh_->idle_ns() - idle0;
+  task.work->set_stats(op);
+  {
+    std::lock_guard<std::mutex> lk(stats_mu_);
+    stats_[task.sig.coll].add(op);
+  }
+  if (!trace::enabled()) return;
+  const int32_t thread = trace::thread_id();
+  if (op.queued_ns > 0) {
+    trace::Event queued{"queued", nullptr, task.queued_ns, begin_ns, thread};
+    queued.seq = int64_t(task.sig.seq);
+    queued.comm = trace_id_;
+    trace::record(queued);
+  }
+  trace::Event e{collective_name(task.sig.coll), algorithm_name(task.sig.algo), begin_ns, end_ns,
+                 thread};
+  e.seq = int64_t(task.sig.seq);
+  e.bytes = task.sig.count * dtype_size(task.sig.dtype);
+  e.comm = trace_id_;
+  trace::record(e);
+}
+
+void Communicator::count_point_to_point(bool is_send, size_t bytes) {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  OpStats& total = stats_[Collective::kSendRecv];
+  ++total.calls;
+  (is_send ? total.bytes_sent : total.bytes_received) += bytes;
+}
+
+std::map<std::string, OpStats> Communicator::stats() const {
+  std::map<std::string, OpStats> named;
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  for (const auto& [coll, op] : stats_) named[collective_name(coll)] = op;
+  return named;
 }
 
 void Communicator::fail(const std::string& reason, const std::exception_ptr& error) {

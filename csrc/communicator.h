@@ -19,6 +19,24 @@
 
 namespace ringcomm {
 
+// What one operation cost (Work::stats) or all operations of one kind (Communicator::stats).
+// Sends and receives are counted where they are posted and take no time of their own here.
+struct OpStats {
+  uint64_t calls = 0;
+  uint64_t bytes_sent = 0, bytes_received = 0;  // payload, no headers
+  int64_t queued_ns = 0;  // from the call until a thread began running it
+  int64_t run_ns = 0;     // running it
+  int64_t idle_ns = 0;    // of run_ns: waiting with nothing to move (for peers, mostly)
+  void add(const OpStats& o) {
+    calls += o.calls;
+    bytes_sent += o.bytes_sent;
+    bytes_received += o.bytes_received;
+    queued_ns += o.queued_ns;
+    run_ns += o.run_ns;
+    idle_ns += o.idle_ns;
+  }
+};
+
 // Completion handle of one operation.
 class Work {
  public:
@@ -37,9 +55,13 @@ class Work {
   void set_source(int rank) { source_ = rank; }
 
   void finish(const std::string& error);
+  // A collective's cost, set before it finishes (zero for sends and receives).
+  OpStats stats() const { return stats_; }
+  void set_stats(const OpStats& stats) { stats_ = stats; }
 
  private:
   const void* owner_;
+  OpStats stats_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool finished_ = false;
@@ -139,6 +161,10 @@ class Communicator {
   uint64_t bytes_sent() const { return mesh_->bytes_sent(); }
   size_t scratch_bytes() const { return scratch_.bytes(); }
   uint64_t bytes_sent(const std::string& transport) const { return mesh_->bytes_sent(transport); }
+  // Per collective (by its name: "all_reduce", "send", ...), everything this communicator ran.
+  std::map<std::string, OpStats> stats() const;
+  // Idle time of every wait so far, collectives and sends/receives alike.
+  int64_t idle_ns() const { return mesh_->idle_ns(); }
   // Empty unless an error has broken this communicator.
   std::string broken_reason();
   // Fails the operation in progress and every queued one at once with "aborted: <reason>",
@@ -159,6 +185,7 @@ class Communicator {
     std::function<void(Context&)> body;  // collectives: runs to completion
     std::function<void()> post;          // send/recv: posts to the transport and returns
     WorkPtr work;
+    int64_t queued_ns = 0;  // trace::now_ns() at the call
   };
   // `operations`: sequence numbers the task takes (a coalesced call: one per bucket), the first
   // in sig.seq.
@@ -183,7 +210,15 @@ class Communicator {
   Signature collective(Collective coll, DType dtype, ReduceOp op, Algorithm algo, size_t count,
                        int root = -1, uint64_t aux = 0);
 
+  // After a collective ran (on the thread that ran it): its cost into its Work, the totals and
+  // the timeline.
+  void account(const Task& task, int64_t begin_ns, uint64_t sent0, uint64_t received0,
+               int64_t idle0);
+  // Sends and receives, when posted: their number and bytes.
+  void count_point_to_point(bool is_send, size_t bytes);
+
   const int rank_, world_size_;
+  const uint64_t trace_id_;  // this communicator's number in this process, for the timeline
   const Clock::duration timeout_;
   Algorithm forced_all_reduce_ = Algorithm::kAuto;  // RINGCOMM_ALGO
   std::unique_ptr<Mesh> mesh_;
@@ -214,6 +249,8 @@ class Communicator {
   int last_any_source_ = 0;           // the peer the last one took its message from
   int wake_fd_ = -1;
   std::thread progress_thread_;
+  mutable std::mutex stats_mu_;
+  std::map<Collective, OpStats> stats_;
 };
 
 }  // namespace ringcomm

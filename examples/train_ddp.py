@@ -132,19 +132,36 @@ class Run:
         self.topk = state if hook is hooks.topk_hook else None
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.step_times, self.bytes_sent, self.cpu_seconds = [], 0, 0.0
+        # Seconds per phase, summed over the timed steps: forward, backward until its last
+        # gradient is computed, backward after it (waiting for the averages: the communication
+        # left exposed), optimizer.
+        self.phases = dict.fromkeys(("forward", "backward compute", "waiting", "optimizer"), 0.0)
+        self.last_gradient = 0.0
+        for param in self.model.parameters():
+            param.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _gradient_ready(self, _param):
+        self.last_gradient = time.perf_counter()
 
     def step(self, x, y, timed: bool):
         sent_before = bytes_sent()
         start, cpu_start = time.perf_counter(), time.process_time()
         loss = F.cross_entropy(self.model(x), y)
+        forward_done = time.perf_counter()
         loss.backward()
+        backward_done = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
         if timed:
-            self.step_times.append(elapsed)
+            self.step_times.append(end - start)
             self.cpu_seconds += time.process_time() - cpu_start  # every thread of the process
             self.bytes_sent += bytes_sent() - sent_before
+            for phase, seconds in zip(self.phases, (forward_done - start,
+                                                    self.last_gradient - forward_done,
+                                                    backward_done - self.last_gradient,
+                                                    end - backward_done)):
+                self.phases[phase] += seconds
 
     @torch.no_grad()
     def accuracy(self, x, y) -> float:
@@ -202,6 +219,23 @@ def main():
         if len(runs) == 2:
             ratio = sum(runs[1].step_times) / sum(runs[0].step_times)
             print(f"steps/s, {runs[0].name} over {runs[1].name}: {ratio:.2f}x")
+        print(f"step time on rank 0, ms per step (waiting: backward after its last gradient, "
+              f"for the averages)")
+        print(f"{'run':<34} " + " ".join(f"{p:>16}" for p in runs[0].phases) + f" {'waiting share':>14}")
+        for run in runs:
+            total = sum(run.step_times)
+            print(f"{run.name:<34} " + " ".join(f"{1e3 * v / timed:>16.2f}" for v in run.phases.values())
+                  + f" {100 * run.phases['waiting'] / total:>13.1f}%")
+        if args.hook in ("allreduce", "fp16", "bf16", "topk"):
+            comm = hooks.communicator_for(runs[0].topk.comm if runs[0].topk else None)
+            print("ringcomm hook on rank 0, per bucket and step (all steps): payload MB sent / "
+                  "received, ms from the hook's call to the average, ms of it the operations ran, "
+                  "idle in them")
+            for index, b in comm.stats()["buckets"].items():
+                n = b["calls"]
+                print(f"  bucket {index}: {b['bytes_sent'] / n / 1e6:.2f} / "
+                      f"{b['bytes_received'] / n / 1e6:.2f} MB, {1e3 * b['comm_s'] / n:.2f} ms, "
+                      f"{1e3 * b['run_s'] / n:.2f} ms running, {1e3 * b['idle_s'] / n:.2f} ms idle")
         for run in runs:
             if run.topk is not None:
                 s = run.topk.stats

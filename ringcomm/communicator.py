@@ -10,7 +10,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C, fusion
+from . import _C, fusion, trace
+from .stats import BucketStats
 from .compress import TOPK_DTYPES
 from ._buffers import FLOATING, SPARSE_ALGORITHMS, TORCH_DTYPES, Buffer, algorithm_code, op_code
 
@@ -60,6 +61,12 @@ class Work:
 
     def is_completed(self) -> bool:
         return self._finished.is_set()
+
+    def stats(self) -> dict:
+        """What the operation cost, once done: payload bytes sent and received, seconds queued
+        behind other operations, running, and of that idle (waiting for peers). Zero for sends
+        and receives."""
+        return self._core.stats()
 
     def source(self) -> int:
         """The rank a receive took its message from (-1 for other operations, or before a
@@ -132,6 +139,8 @@ class Communicator:
             return store.get(key).decode()
 
         self._core.rendezvous(lambda key, value: store.set(key, value), get)
+        trace.note_rank(self.rank)
+        self.bucket_stats = BucketStats()
         self._closed = False
         with _live_lock:
             _live.add(self)
@@ -143,6 +152,7 @@ class Communicator:
         self = cls.__new__(cls)
         self._core = core
         self.rank, self.world_size, self.timeout = core.rank, core.world_size, timeout
+        self.bucket_stats = BucketStats()
         self._closed = True
         return self
 
@@ -294,6 +304,19 @@ class Communicator:
     def bytes_sent_by_transport(self) -> dict:
         """bytes_sent split by transport: {"tcp": ..., "shm": ...}."""
         return {name: self._core.bytes_sent_over(name) for name in ("tcp", "shm")}
+
+    def stats(self) -> dict:
+        """Everything this communicator did so far:
+
+        "collectives": by name ("all_reduce", "send/recv", ...), calls, payload bytes sent and
+        received, and seconds queued, running and (of running) idle, waiting for peers;
+        "buckets": the same by DDP bucket index for the ringcomm hooks (ringcomm.stats), with
+        "comm_s" the time from the hook's call to the bucket's average being ready;
+        "bytes_sent": bytes written per transport, message headers included;
+        "idle_s": the time all waits spent idle, sends and receives included.
+        """
+        return {"collectives": self._core.stats(), "buckets": self.bucket_stats.as_dict(),
+                "bytes_sent": self.bytes_sent_by_transport(), "idle_s": self._core.idle_s}
 
     def broadcast(self, tensor, src: int, async_op: bool = False):
         buf = Buffer(tensor)

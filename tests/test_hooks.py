@@ -340,8 +340,15 @@ def test_train_ddp_example(tmp_path):
                 "--backend", "ringcomm", "--hook", "fp16", "--compare-gloo"]
     out = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {line[:34].strip(): line[34:].split() for line in out.stdout.splitlines() if "%" in line}
+    results, _, breakdown = out.stdout.partition("step time on rank 0")
+    rows = {line[:34].strip(): line[34:].split() for line in results.splitlines() if "%" in line}
     ours, gloo = rows["ringcomm, ringcomm fp16 hook"], rows["gloo, DDP's all-reduce"]
+    # the step split into forward, backward compute, waiting, optimizer; the waiting share
+    phases = {line[:34].strip(): line[34:].split() for line in breakdown.splitlines() if "%" in line}
+    for name in rows:
+        ms, share = [float(v) for v in phases[name][:4]], float(phases[name][4].rstrip("%"))
+        assert all(v >= 0 for v in ms) and 0 <= share < 100, out.stdout
+    assert "bucket 0:" in breakdown, out.stdout
     assert ours[0] == gloo[0] and float(ours[0].rstrip("%")) > 50, out.stdout  # test accuracy
     # fp16 gradients: half of gloo's float32 bytes on the wire
     assert 0.4 < float(ours[3]) / float(gloo[3]) < 0.6, out.stdout

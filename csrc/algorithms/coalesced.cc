@@ -161,11 +161,15 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
     char* mine = slot.buffer + parts.offset(me) * e;
     auto unpack_part = [&](int k) {
       size_t begin = slice.begin + parts.offset(k);
+      trace::Span span("unpack", parts.count(k) * e);
       cpu::unpack(slot.buffer + parts.offset(k) * e, sig.dtype, b.buffers, begin,
                   begin + parts.count(k), plan.unpack_scaling);
     };
     if (stage == 0) {
-      cpu::pack(b.buffers, slice.begin, slice.end, slot.buffer, sig.dtype, plan.pack_scaling);
+      {
+        trace::Span span("pack", slice.count() * e);
+        cpu::pack(b.buffers, slice.begin, slice.end, slot.buffer, sig.dtype, plan.pack_scaling);
+      }
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
         slot.contributions[size_t(q)] =
@@ -226,7 +230,10 @@ void coalesced_broadcast(Context& ctx, const std::vector<FusedBucket>& buckets, 
     char* buf = buffers[c % depth];
     if (stage == 0) {
       if (me == root) {
-        cpu::pack(b.buffers, slice.begin, slice.end, buf, sig.dtype, {});
+        {
+          trace::Span span("pack", len);
+          cpu::pack(b.buffers, slice.begin, slice.end, buf, sig.dtype, {});
+        }
         for (int child : tree.children) ctx.send(child, buf, len, sig);
       } else {
         from_parent[c % depth] = ctx.recv(tree.parent, buf, len, sig);
@@ -234,6 +241,7 @@ void coalesced_broadcast(Context& ctx, const std::vector<FusedBucket>& buckets, 
     } else if (me != root) {
       ctx.wait(from_parent[c % depth]);
       for (int child : tree.children) ctx.send(child, buf, len, sig);
+      trace::Span span("unpack", len);
       cpu::unpack(buf, sig.dtype, b.buffers, slice.begin, slice.end, {});
     }
   });
@@ -262,7 +270,10 @@ void coalesced_all_gather(Context& ctx, const std::vector<FusedBucket>& buckets)
     char* buf = buffers[c % depth];
     auto part = [&](int q) { return buf + size_t(q) * part_bytes; };
     if (stage == 0) {
-      cpu::pack(b.buffers, slice.begin, slice.end, part(me), sig.dtype, {});
+      {
+        trace::Span span("pack", len);
+        cpu::pack(b.buffers, slice.begin, slice.end, part(me), sig.dtype, {});
+      }
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
         from_peer[c % depth][size_t(q)] = ctx.recv(q, part(q), len, sig);
@@ -271,6 +282,7 @@ void coalesced_all_gather(Context& ctx, const std::vector<FusedBucket>& buckets)
     } else {
       for (int q = 0; q < n; ++q) {
         if (q != me) ctx.wait(from_peer[c % depth][size_t(q)]);
+        trace::Span span("unpack", len);
         cpu::unpack(part(q), sig.dtype, b.outputs[size_t(q)], slice.begin, slice.end, {});
       }
     }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/trace.h"
 #include "kernels/cpu/reduce.h"
 #include "transport/mesh.h"
 
@@ -121,6 +122,7 @@ class Context {
       const size_t e = dtype_size(dtype);
       return mesh_.post_consume(peer, count * e, sig_,
                                 [=](size_t offset, const char* incoming, size_t bytes) {
+                                  trace::Span span("reduce", bytes, peer);
                                   cpu::reduce(dtype, op, dst + offset, local + offset, incoming,
                                               bytes / e);
                                 });
@@ -135,6 +137,7 @@ class Context {
     for (size_t i = 0; i < staged_.size(); ++i) {
       const StagedReduce& s = staged_[i];
       if (s.id != r.id) continue;
+      trace::Span span("reduce", s.count * dtype_size(s.dtype));
       cpu::reduce(s.dtype, s.op, s.dst, s.local, s.staging, s.count);
       staged_.erase(staged_.begin() + long(i));
       break;

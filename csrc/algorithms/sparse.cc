@@ -67,6 +67,7 @@ Algorithm choose(const SparseSizes& s) {
 
 // Packs my pairs for gather: encoded indices, then values. Returns the packed size.
 size_t pack_for_gather(Context& ctx, const SparsePairs& mine, size_t value_size, char** packed) {
+  trace::Span span("encode", mine.count * (sizeof(int32_t) + value_size));
   *packed = ctx.scratch(kPacked, std::max<size_t>(1, cpu::max_encoded_bytes(mine.count) +
                                                         mine.count * value_size));
   // mine.index is the caller's int32 array, aligned.
@@ -80,6 +81,7 @@ void gather_all_reduce(Context& ctx, const SparseSizes& s, const char* packed, v
   const char* all = gather_blocks(ctx, kGathered, packed, s.packed);
   size_t most = *std::max_element(s.k.begin(), s.k.end());
   auto* decoded = reinterpret_cast<int32_t*>(ctx.scratch(kDecoded, std::max<size_t>(1, most * 4)));
+  trace::Span span("decode", s.numel * s.out_size);
   add_gathered(s, all, decoded, out);
 }
 
@@ -125,7 +127,11 @@ void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mi
   const size_t begin = s.range_begin(me), len = s.range_count(me);
   char* out_bytes = static_cast<char*>(out);
   std::vector<uint8_t> touched(len, 0);
-  size_t n_touched = add_owned_pairs(s, incoming, from, out, touched.data());
+  size_t n_touched;
+  {
+    trace::Span span("decode", len * s.out_size);
+    n_touched = add_owned_pairs(s, incoming, from, out, touched.data());
+  }
   bool sparse_piece = packed_bytes(n_touched, s.out_size) < len * s.out_size;
   uint64_t piece_bytes = sparse_piece ? packed_bytes(n_touched, s.out_size) : len * s.out_size;
   char* piece = ctx.scratch(kPieces, std::max<size_t>(1, piece_bytes));
@@ -146,7 +152,9 @@ void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mi
   // 3. All-gather the pieces; a piece is dense iff its size is the whole range's.
   std::vector<size_t> piece_sizes = gather_words(ctx, &piece_bytes, 1);
   check_piece_sizes(s, piece_sizes);
-  place_pieces(s, gather_blocks(ctx, kGathered, piece, piece_sizes), piece_sizes, out);
+  const char* pieces = gather_blocks(ctx, kGathered, piece, piece_sizes);
+  trace::Span span("decode", s.numel * s.out_size);
+  place_pieces(s, pieces, piece_sizes, out);
 }
 
 }  // namespace
@@ -166,8 +174,11 @@ Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const vo
       break;
     case Algorithm::kRing:
       check_indices(mine, 0, numel, s.rank);
-      if (numel) std::memset(out, 0, numel * s.out_size);  // an empty `out` may be null
-      scatter_add(value_dtype, out_dtype, out, mine);
+      {
+        trace::Span span("decode", numel * s.out_size);
+        if (numel) std::memset(out, 0, numel * s.out_size);  // an empty `out` may be null
+        scatter_add(value_dtype, out_dtype, out, mine);
+      }
       ring_all_reduce(ctx, out, numel, out_dtype, ReduceOp::kSum);
       break;
     default:

@@ -7,6 +7,8 @@
 #include <pybind11/stl.h>
 
 #include "common/crypto.h"
+#include "common/logging.h"
+#include "common/trace.h"
 #include "algorithms/select.h"
 #include "communicator.h"
 #include "transport/shm/shm_transport.h"
@@ -24,21 +26,35 @@ namespace {
 
 void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
-// A Python callable that may be destroyed on a thread without the GIL.
-std::function<void()> gil_safe_callback(py::function fn) {
+py::dict stats_dict(const OpStats& s) {
+  py::dict d;
+  d["calls"] = s.calls;
+  d["bytes_sent"] = s.bytes_sent;
+  d["bytes_received"] = s.bytes_received;
+  d["queued_s"] = double(s.queued_ns) * 1e-9;
+  d["run_s"] = double(s.run_ns) * 1e-9;
+  d["idle_s"] = double(s.idle_ns) * 1e-9;
+  return d;
+}
+
+// A Python callable that may be called and destroyed on a thread without the GIL.
+template <typename... Args>
+std::function<void(Args...)> gil_safe_callback_of(py::function fn) {
   auto holder = std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* o) {
     py::gil_scoped_acquire gil;
     delete o;
   });
-  return [holder] {
+  return [holder](Args... args) {
     py::gil_scoped_acquire gil;
     try {
-      (*holder)();
+      (*holder)(args...);
     } catch (py::error_already_set& e) {
-      e.discard_as_unraisable("ringcomm Work callback");
+      e.discard_as_unraisable("ringcomm callback");
     }
   };
 }
+
+std::function<void()> gil_safe_callback(py::function fn) { return gil_safe_callback_of<>(std::move(fn)); }
 
 }  // namespace
 
@@ -73,6 +89,7 @@ PYBIND11_MODULE(_C, m) {
       .def("is_completed", &Work::is_completed)
       .def("error", &Work::error)
       .def("source", &Work::source)
+      .def("stats", [](const Work& w) { return stats_dict(w.stats()); })
       .def("add_done_callback",
            [](Work& w, py::function fn) { w.on_finished(gil_safe_callback(std::move(fn))); });
 
@@ -191,12 +208,43 @@ PYBIND11_MODULE(_C, m) {
       .def("bytes_sent_over", [](const Communicator& c, const std::string& transport) {
              return c.bytes_sent(transport);
            }, py::arg("transport"))
+      .def("stats",
+           [](const Communicator& c) {
+             py::dict d;
+             for (const auto& [name, s] : c.stats()) d[py::str(name)] = stats_dict(s);
+             return d;
+           })
+      .def_property_readonly("idle_s", [](const Communicator& c) { return c.idle_ns() * 1e-9; })
       .def("broken_reason", &Communicator::broken_reason)
       .def("on_progress_thread", &Communicator::on_progress_thread)
       .def("abort", &Communicator::abort, py::arg("reason") = "", G())
       .def("close", &Communicator::close, G());
 
   m.def("shm_bytes_sent", &shm::ShmTransport::bytes_sent_by_process);
+  // Where RC_LOG lines go: a Python callable taking the line (ringcomm/__init__.py hands them to
+  // the "ringcomm" logger and takes the sink back at exit), or None for stderr.
+  m.def("set_log_sink", [](py::object fn) {
+    if (fn.is_none()) {
+      set_log_sink(nullptr);
+      return;
+    }
+    auto callback = gil_safe_callback_of<const std::string&>(py::reinterpret_borrow<py::function>(fn));
+    set_log_sink(callback);
+  });
+  // The timeline's C++ half (ringcomm/trace.py writes it out).
+  m.def("trace_enable", &trace::enable, py::arg("on"), py::arg("max_events"));
+  m.def("trace_take", [] {
+    trace::Taken t;
+    {
+      py::gil_scoped_release nogil;
+      t = trace::take();
+    }
+    py::list events;
+    for (const trace::Event& e : t.events)
+      events.append(py::make_tuple(e.name, e.detail ? py::object(py::str(e.detail)) : py::none(),
+                                   e.begin_ns, e.end_ns, e.thread, e.peer, e.seq, e.bytes, e.comm));
+    return py::make_tuple(events, t.dropped, t.threads);
+  });
   // The handshake's HMAC, for tests that check it against Python's hmac module.
   m.def("_hmac_sha256", [](const std::string& key, const py::bytes& message) {
     std::string text = message;

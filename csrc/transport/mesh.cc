@@ -15,6 +15,7 @@
 #include "common/env.h"
 #include "common/error.h"
 #include "common/logging.h"
+#include "common/trace.h"
 
 namespace ringcomm {
 namespace {
@@ -217,7 +218,7 @@ Request Mesh::post(bool is_send, int peer, char* data, size_t bytes, const Signa
   check_usable();
   RC_CHECK_ARG(peer >= 0 && peer < world_size_ && peer != rank_ && route_[peer],
                "invalid peer rank ", peer);
-  int64_t id = add_op(std::move(on_done));
+  int64_t id = add_op(std::move(on_done), is_send, peer, bytes);
   int parts = route_[peer]->post(is_send, peer, data, bytes, sig, id);
   find(id)->parts_left = parts;
   return Request{id};
@@ -227,13 +228,13 @@ Request Mesh::post_consume(int peer, size_t bytes, const Signature& sig,
                            Transport::Consumer consume) {
   check_usable();
   RC_CHECK_ARG(can_consume(peer), "rank ", peer, "'s transport cannot consume in place");
-  int64_t id = add_op(nullptr);
+  int64_t id = add_op(nullptr, false, peer, bytes);
   int parts = route_[peer]->post_consume(peer, bytes, sig, id, std::move(consume));
   find(id)->parts_left = parts;
   return Request{id};
 }
 
-int64_t Mesh::add_op(Callback on_done) {
+int64_t Mesh::add_op(Callback on_done, bool is_send, int peer, size_t bytes) {
   uint32_t slot;
   if (!free_slots_.empty()) {
     slot = free_slots_.back();
@@ -249,6 +250,10 @@ int64_t Mesh::add_op(Callback on_done) {
   op.id = int64_t(((next_serial_++ & ((uint64_t(1) << 39) - 1)) << kSlotBits) | slot);
   op.parts_left = 0;
   op.on_done = std::move(on_done);
+  op.peer = peer;
+  op.is_send = is_send;
+  op.bytes = bytes;
+  op.posted_ns = trace::enabled() ? trace::now_ns() : 0;
   ++live_ops_;
   return op.id;
 }
@@ -270,6 +275,16 @@ void Mesh::remove(Op& op) {
 void Mesh::part_done(int64_t id) {
   Op* op = find(id);
   if (--op->parts_left > 0) return;
+  (op->is_send ? payload_sent_ : payload_received_).fetch_add(op->bytes, std::memory_order_relaxed);
+  if (op->posted_ns && trace::enabled()) {
+    // From posted to done as this thread saw it: a message's span includes waiting for its peer.
+    trace::Event e{op->is_send ? "send" : "recv", nullptr, op->posted_ns, trace::now_ns(),
+                   trace::thread_id()};
+    e.peer = op->peer;
+    e.bytes = op->bytes;
+    e.comm = trace_id_;
+    trace::record(e);
+  }
   Callback cb = std::move(op->on_done);
   remove(*op);
   if (cb) cb(nullptr);
@@ -388,10 +403,20 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
   const Clock::duration notice_every = std::clamp<Clock::duration>(
       (deadline - Clock::now()) / 20, std::chrono::milliseconds(100), std::chrono::seconds(10));
   Clock::time_point next_notice = Clock::now() + notice_every;
+  int64_t idle_since = 0;  // while nothing moves: when that began
+  auto end_idle = [&] {
+    if (!idle_since) return;
+    idle_ns_.fetch_add(trace::now_ns() - idle_since, std::memory_order_relaxed);
+    idle_since = 0;
+  };
   while (!done(req)) {
     throw_if_interrupted();
-    if (progress()) continue;
+    if (progress()) {
+      end_idle();
+      continue;
+    }
     if (done(req)) break;
+    if (!idle_since) idle_since = trace::now_ns();
     // The clock is read every 32 idle polls: reading it each time cost more than the poll.
     if (spinning && (++idle_polls % 32 != 0 || Clock::now() < spin_end)) {
       cpu_relax();
@@ -422,6 +447,7 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
     if (Clock::now() >= deadline && !done(req) && !progress() && !done(req))
       RC_THROW(describe_timeout(notice_every));
   }
+  end_idle();
 }
 
 void Mesh::progress_until_event(int wake_fd, Clock::time_point deadline) {

@@ -86,6 +86,14 @@ class Mesh final : public PartSink {
   uint64_t bytes_sent() const;
   // Bytes written through one transport ("tcp", "shm"), headers included.
   uint64_t bytes_sent(const std::string& transport) const;
+  // Payload bytes of the sends and receives completed so far (no headers), from any thread.
+  uint64_t payload_sent() const { return payload_sent_.load(std::memory_order_relaxed); }
+  uint64_t payload_received() const { return payload_received_.load(std::memory_order_relaxed); }
+  // Time wait() spent with nothing to move: spinning, yielding or asleep until a peer's bytes
+  // came (the rest of a wait moves bytes and reduces them).
+  int64_t idle_ns() const { return idle_ns_.load(std::memory_order_relaxed); }
+  // Timeline spans (common/trace.h) of the sends and receives carry this communicator's number.
+  void set_trace_id(uint64_t id) { trace_id_ = id; }
 
  private:
   // Posted operations live in a table of slots reused as they complete (no allocation per
@@ -95,9 +103,13 @@ class Mesh final : public PartSink {
     int64_t id = -1;  // -1: free slot
     int parts_left = 0;
     Callback on_done;
+    int32_t peer = -1;
+    bool is_send = false;
+    uint64_t bytes = 0;
+    int64_t posted_ns = 0;  // with the timeline on
   };
   static constexpr int kSlotBits = 24;
-  int64_t add_op(Callback on_done);
+  int64_t add_op(Callback on_done, bool is_send, int peer, size_t bytes);
   Op* find(int64_t id);
   const Op* find(int64_t id) const;
   void remove(Op& op);
@@ -136,6 +148,9 @@ class Mesh final : public PartSink {
   mutable std::mutex interrupt_mu_;
   std::string interrupt_reason_;
   int interrupt_fd_ = -1;
+  std::atomic<uint64_t> payload_sent_{0}, payload_received_{0};
+  std::atomic<int64_t> idle_ns_{0};
+  uint64_t trace_id_ = 0;
 };
 
 }  // namespace ringcomm

@@ -11,6 +11,8 @@ state.communicator_for).
 This module must not use `from __future__ import annotations`: DDP compares the `bucket` and
 return annotations with dist.GradBucket and Future[Tensor] as objects, and refuses strings.
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -38,6 +40,7 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future:
 @_ringcomm_named
 def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages the bucket over ranks in place with one ringcomm all_reduce."""
+    called = time.monotonic_ns()
     comm = communicator_for(state)
     grad = bucket[0] if isinstance(bucket, tuple) else bucket.buffer()
     if grad.dtype == torch.float16:
@@ -49,7 +52,9 @@ def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch
     if isinstance(bucket, tuple):
         comm.all_reduce(grad, op=op)
         return _completed(grad)
-    return comm.all_reduce(grad, op=op, async_op=True).get_future()
+    work = comm.all_reduce(grad, op=op, async_op=True)
+    comm.bucket_stats.add_work(bucket.index(), work)
+    return comm.bucket_stats.watch(bucket.index(), called, work.get_future())
 
 
 def _compressed(dtype: torch.dtype, hook, state, bucket) -> torch.futures.Future:

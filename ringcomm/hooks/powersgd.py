@@ -249,9 +249,10 @@ class _Exchange:
     it has issued its last message) all-reduces [whole tensors | P factors]; after_p() finishes P
     and all-reduces the Q factors; after_q() writes M' into the gradients and completes `outer`."""
 
-    def __init__(self, state, comm, grads, slot, result, is_last, flat, outer, lane):
+    def __init__(self, state, comm, grads, slot, result, is_last, flat, outer, lane, bucket):
         self.state, self.comm, self.grads, self.slot = state, comm, list(grads), slot
         self.result, self.is_last, self.outer, self.lane = result, is_last, outer, lane
+        self.bucket = bucket
         started = time.perf_counter()
         dtype = self.grads[0].dtype if self.grads else torch.float32
         if any(g.dtype != dtype for g in self.grads):
@@ -326,6 +327,7 @@ class _Exchange:
     def begin(self, _=None):
         try:
             work = self.comm.all_reduce(self.w1, op=self.op, async_op=True)
+            self._count(work)
         except BaseException as e:  # noqa: BLE001 - every failure must reach the future
             self.fail(e)
             return
@@ -364,6 +366,7 @@ class _Exchange:
                 p_offset, q_offset = p_offset + n * r, q_offset + m * r
             self.state._add_stats(compute_seconds=time.perf_counter() - started)
             work = self.comm.all_reduce(self.w2, op=self.op, async_op=True)
+            self._count(work)
         except BaseException as e:  # noqa: BLE001
             self.fail(e)
             return
@@ -389,6 +392,10 @@ class _Exchange:
             self._finish()
         except BaseException as e:  # noqa: BLE001
             self.fail(e)
+
+    def _count(self, work):
+        if self.bucket is not None:
+            self.comm.bucket_stats.add_work(self.bucket, work)
 
     def _finish(self):
         if self.is_last:
@@ -424,13 +431,14 @@ def _as_exception(error: BaseException) -> Exception:
 
 
 def start_powersgd(state: PowerSGDState, comm, grads, slot: int, result=None,
-                   is_last: bool = False, flat: Optional[torch.Tensor] = None
-                   ) -> torch.futures.Future:
+                   is_last: bool = False, flat: Optional[torch.Tensor] = None,
+                   bucket: Optional[int] = None) -> torch.futures.Future:
     """Starts averaging `grads` (tensors shaped like their parameters, overwritten in place with
     the average: exact for tensors sent whole, the rank-r approximation for compressed ones) over
     the ranks of `comm`. `slot` names the memory kept for these tensors; `is_last` ends the step
     when done; `flat`, if given, is one tensor the grads are views of (DDP's bucket), averaged in
-    place when nothing is compressed. Returns a Future completed with `result` once every tensor
+    place when nothing is compressed; `bucket`, DDP's bucket index, where its operations count in
+    Communicator.stats(). Returns a Future completed with `result` once every tensor
     holds its average, or failed with the error. Shared by powersgd_hook and GradientAverager."""
     outer = torch.futures.Future()
     previous, lane = state._lane, torch.futures.Future()
@@ -438,7 +446,7 @@ def start_powersgd(state: PowerSGDState, comm, grads, slot: int, result=None,
     try:
         if state._step_start_bytes is None:
             state._step_start_bytes = comm.bytes_sent
-        exchange = _Exchange(state, comm, grads, slot, result, is_last, flat, outer, lane)
+        exchange = _Exchange(state, comm, grads, slot, result, is_last, flat, outer, lane, bucket)
     except BaseException as e:  # after this rank's earlier buckets, the others wait: abort
         lane.set_result(None)
         try:
@@ -472,14 +480,15 @@ def powersgd_hook(state: PowerSGDState,
                          f"warm_start is on (got {state.start_iter}): DDP rebuilds its buckets "
                          f"after its first iteration, and memory kept per bucket would then "
                          f"belong to other parameters")
+    called = time.monotonic_ns()
     comm = communicator_for(state.comm)
     buffer = bucket.buffer()
     fut = start_powersgd(state, comm, bucket.gradients(), bucket.index(), result=buffer,
-                         is_last=bucket.is_last(), flat=buffer)
+                         is_last=bucket.is_last(), flat=buffer, bucket=bucket.index())
     # A Python Future's set_exception stores the exception as its value, which DDP (C++) then
     # fails to cast to a Tensor; raised from a then() callback it becomes the Future's error,
     # and DDP raises it (message included) from backward.
-    return fut.then(_value)
+    return comm.bucket_stats.watch(bucket.index(), called, fut.then(_value))
 
 
 def _value(fut: torch.futures.Future):

@@ -19,7 +19,7 @@ import torch
 
 import torch.distributed as dist
 
-from .. import compress
+from .. import compress, trace
 from .default import _completed, _ringcomm_named
 from .state import communicator_for
 
@@ -256,11 +256,12 @@ def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int, la
         stats.dense_buckets += 1
         work = comm.all_reduce(source, op="avg", async_op=True)
     else:
-        if state.error_feedback:
-            residual = state.memory("residuals", slot, source, layout)
-            values, indices = compress.topk_with_residual(source, residual, k)
-        else:
-            values, indices = compress.topk(source, k)
+        with trace.span("compress", numel=numel, k=k):
+            if state.error_feedback:
+                residual = state.memory("residuals", slot, source, layout)
+                values, indices = compress.topk_with_residual(source, residual, k)
+            else:
+                values, indices = compress.topk(source, k)
         if state.momentum_correction:
             source.index_fill_(0, indices.long(), 0)  # DGC's momentum factor masking
         wire_values = values.to(state.value_dtype)
@@ -288,6 +289,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     goes dense)."""
     if not isinstance(state, TopKState):
         raise TypeError(f"topk_hook needs a ringcomm.hooks.TopKState, got {type(state).__name__}")
+    called = time.monotonic_ns()
     comm = communicator_for(state.comm)
     grad, slot, is_last, layout = state.slot_of(bucket, comm)
     work, finished = average_compressed(state, comm, grad.reshape(-1), slot, layout)
@@ -301,4 +303,6 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     if isinstance(bucket, tuple):  # compiled DDP discards the future: finish in place now
         work.wait()
         return _completed(grad.copy_(finish(work.result())))
-    return work.get_future().then(lambda fut: finish(fut.value()))
+    comm.bucket_stats.add_work(bucket.index(), work)
+    return comm.bucket_stats.watch(bucket.index(), called,
+                                   work.get_future().then(lambda fut: finish(fut.value())))

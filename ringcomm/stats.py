@@ -1,0 +1,82 @@
+"""Per-bucket statistics of the DDP hooks (Communicator.stats()["buckets"]).
+
+A hook tells its communicator's BucketStats when it was called for a bucket (`watch`, with the
+future it returns) and which operations carry the bucket (`add_work`): each bucket then reports
+how often it ran, the payload bytes its operations sent and received, the time from the hook's
+call to its average being ready ("comm_s"), and of the operations' running time ("run_s") the
+part spent idle, waiting for peers ("idle_s"). The same span goes to the timeline
+(ringcomm.trace) as "DDP bucket <i>".
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from . import trace
+
+_FIELDS = ("calls", "bytes_sent", "bytes_received", "comm_s", "run_s", "idle_s")
+
+
+class BucketStats:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._buckets: dict = {}
+
+    def _entry(self, index: int) -> dict:
+        entry = self._buckets.get(index)
+        if entry is None:
+            entry = self._buckets[index] = dict.fromkeys(_FIELDS, 0)
+            entry.update(last_called_ns=0, last_ready_ns=0)
+        return entry
+
+    def watch(self, index: int, called_ns: int, future, label: str = "bucket"):
+        """Counts bucket `index` as called at `called_ns` (time.monotonic_ns()) and ready when
+        `future` completes; returns the future to hand to DDP (with a torch.profiler range when
+        the profiler runs)."""
+        with self._lock:
+            entry = self._entry(index)
+            entry["calls"] += 1
+            entry["last_called_ns"] = called_ns
+
+        def ready(_):
+            now = time.monotonic_ns()
+            with self._lock:
+                entry = self._entry(index)
+                entry["comm_s"] += (now - called_ns) * 1e-9
+                entry["last_ready_ns"] = now
+            trace.record(label, "bucket", called_ns, now, f"DDP bucket {index}", bucket=index)
+
+        future.add_done_callback(ready)
+        return trace.profile_future(f"{label} {index}", future)
+
+    def add_work(self, index: int, work) -> None:
+        """Adds what the operation behind `work` (a ringcomm Work) sent, received and spent, once
+        it is done."""
+        core = work._core
+
+        def done():
+            if core.error():
+                return
+            s = core.stats()
+            with self._lock:
+                entry = self._entry(index)
+                entry["bytes_sent"] += s["bytes_sent"]
+                entry["bytes_received"] += s["bytes_received"]
+                entry["run_s"] += s["run_s"]
+                entry["idle_s"] += s["idle_s"]
+
+        core.add_done_callback(done)
+
+    def last_called_ns(self) -> int:
+        """When a hook was last called, for any bucket: in DDP, the moment backward produced the
+        last gradient of the step (what follows in backward is waiting for the averages)."""
+        with self._lock:
+            return max((e["last_called_ns"] for e in self._buckets.values()), default=0)
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {index: {k: e[k] for k in _FIELDS} for index, e in sorted(self._buckets.items())}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._buckets.clear()
