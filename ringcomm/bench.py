@@ -25,10 +25,27 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
                    buffers of the size (reads it twice, writes it once; one thread per rank), the
                    least a rank does if it could read its peer's data in place; a sample's time is
                    the slowest rank's. all_reduce only.
+  --wire           the link limit: before the rows, every rank opens a plain TCP socket to its ring
+                   successor ((rank + 1) % n, at the address it published in the Store) and all
+                   ranks at once stream max(16 MiB, largest size) bytes to it while receiving as
+                   many from their predecessor, the traffic of a ring all_reduce on every link;
+                   rate = bytes / the slowest rank's time, median of --repeats (printed once, GB/s
+                   and Gbit/s). Each size's wire row is the time of the bytes on the wire,
+                   2(n-1)/n x size / rate, so its busbw is the rate. all_reduce only.
+The floor's and the wire's ratio columns ("vs floor", "vs wire") are ringcomm's time over theirs.
+
+Rows print as they finish. On sweeps of more than 8 sizes, or when a size takes more than 2 s,
+rank 0 writes a progress line ("[3/14] 1 MiB ...") on stderr, so stdout holds the table alone.
+--json FILE writes every row with all its samples; --plot FILE.png draws busbw and time against
+size, every series and limit, in one PNG (ringcomm/plot.py; pip install 'ringcomm[plot]').
+bench/report.py turns --json files into docs/performance.md's markdown tables.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -39,11 +56,14 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .plot import LIMITS, bench_plot, check_matplotlib, format_size, run_title
 
 DTYPES = {"float": torch.float32, "float32": torch.float32, "double": torch.float64,
           "float64": torch.float64, "half": torch.float16, "float16": torch.float16,
@@ -60,6 +80,10 @@ DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist
 COMPARE = ("gloo", "backend", "mpi")  # --compare: a comma-separated list of these, or "none"
 MPI_DTYPES = ("float", "float32", "double", "float64", "int", "int32", "int64", "int8", "uint8")
 MPI_INSTALL = "pip install 'ringcomm[mpi]'"
+TIMEOUT = timedelta(minutes=5)  # of the Store, the communicators and the wire's sockets
+WIRE_MIN_BYTES = 16 << 20  # --wire streams at least this much per sample: a steady-state rate
+PROGRESS_SWEEP_SIZES = 8  # sweeps of more sizes show every row's progress line at once...
+PROGRESS_AFTER_S = 2.0  # ...shorter ones only for a row still running after this long
 
 
 def parse_size(text: str) -> int:
@@ -195,6 +219,101 @@ def time_case(case: Case, iters: int, barrier) -> float:
     for _ in range(iters):
         case.run()
     return (time.perf_counter() - start) / iters
+
+
+def slowest_rank(comm, samples: list[float]) -> list[float]:
+    """Each sample's longest time over the ranks: a sample every rank runs at once (the floor's,
+    the wire's) lasts until the slowest rank is done."""
+    slowest = torch.tensor(samples, dtype=torch.float64)
+    comm.all_reduce(slowest, op="max")
+    return slowest.tolist()
+
+
+def wire_address() -> str:
+    """The address this rank's wire socket listens on, as ringcomm's TCP transport picks its own:
+    RINGCOMM_SOCKET_ADDR, else the local end of the route to MASTER_ADDR."""
+    if os.environ.get("RINGCOMM_SOCKET_ADDR"):
+        return os.environ["RINGCOMM_SOCKET_ADDR"]
+    family, _, _, _, master = socket.getaddrinfo(os.environ["MASTER_ADDR"], 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(master)  # sends nothing: only picks the route
+        return probe.getsockname()[0]
+
+
+class Wire:
+    """--wire: the payload rate of one link of the ring, measured with plain TCP sockets. Every
+    rank streams stream_bytes to (rank + 1) % world while receiving as many from
+    (rank - 1) % world, all ranks at once, as a ring all_reduce loads every link; a sample lasts
+    until the slowest rank is done. TCP_NODELAY; the socket buffers are left to the kernel's
+    autotuning, as ringcomm's transport leaves them by default (RINGCOMM_SOCKET_BUFFER=0)."""
+
+    def __init__(self, store, comm, rank: int, world: int, stream_bytes: int, repeats: int):
+        self.stream_bytes = stream_bytes
+        store = dist.PrefixStore("wire", store)
+        host = wire_address()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with contextlib.ExitStack() as sockets:
+            listener = sockets.enter_context(socket.create_server((host, 0), family=family))
+            store.set(str(rank), json.dumps([host, listener.getsockname()[1]]))
+            to_next = sockets.enter_context(socket.create_connection(
+                tuple(json.loads(store.get(str((rank + 1) % world)))), TIMEOUT.total_seconds()))
+            listener.settimeout(TIMEOUT.total_seconds())
+            from_prev = sockets.enter_context(listener.accept()[0])
+            from_prev.settimeout(TIMEOUT.total_seconds())
+            for s in (to_next, from_prev):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # bytes written once: pages never written would all read the kernel's one zero page
+            payload, inbox = bytearray(b"\x5a") * stream_bytes, bytearray(stream_bytes)
+            sender = sockets.enter_context(concurrent.futures.ThreadPoolExecutor(1))
+
+            def sample() -> float:
+                comm.barrier()
+                start = time.perf_counter()
+                sent = sender.submit(to_next.sendall, payload)
+                view, received = memoryview(inbox), 0
+                while received < stream_bytes:
+                    n = from_prev.recv_into(view[received:])
+                    if not n:
+                        raise SystemExit(f"--wire: rank {(rank - 1) % world} closed its socket")
+                    received += n
+                sent.result()
+                return time.perf_counter() - start
+
+            sample()  # untimed: TCP's windows grow, the inbox's pages are mapped
+            self.samples_s = slowest_rank(comm, [sample() for _ in range(repeats)])
+
+    @property
+    def rate(self) -> float:
+        """Payload bytes per second of one link (median sample)."""
+        return self.stream_bytes / statistics.median(self.samples_s)
+
+    def bounds(self, nbytes: int, world: int) -> list[float]:
+        """Seconds the bytes of an all_reduce of nbytes take on the wire, one per sample: each
+        rank sends 2(n-1)/n x nbytes over its link."""
+        return [bus_factor("all_reduce", world) * nbytes * s / self.stream_bytes
+                for s in self.samples_s]
+
+
+@contextlib.contextmanager
+def progress(index: int, total: int, nbytes: int, show: bool):
+    """'[3/14] 1 MiB ...' on stderr while a row runs: as it starts on long sweeps, else once it
+    has run PROGRESS_AFTER_S."""
+    if not show:
+        yield
+        return
+    show_line = functools.partial(print, f"[{index}/{total}] {format_size(nbytes)} ...",
+                                  file=sys.stderr, flush=True)
+    if total > PROGRESS_SWEEP_SIZES:
+        show_line()
+        yield
+        return
+    late = threading.Timer(PROGRESS_AFTER_S, show_line)
+    late.daemon = True
+    late.start()
+    try:
+        yield
+    finally:
+        late.cancel()
 
 
 def find_mpiexec() -> str | None:
@@ -424,14 +543,17 @@ def worker(args):
                          "on one host (LOCAL_WORLD_SIZE == WORLD_SIZE)")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=(rank == 0 and not agent_store), timeout=timedelta(minutes=5))
+                          is_master=(rank == 0 and not agent_store), timeout=TIMEOUT)
     comm = ringcomm.Communicator(dist.PrefixStore("bench", store), rank, world,
-                                 timeout=timedelta(minutes=5), name="bench")
+                                 timeout=TIMEOUT, name="bench")
+    wire = None
+    if args.wire:
+        wire = Wire(store, comm, rank, world, max(WIRE_MIN_BYTES, *sizes_from(args)), args.repeats)
     groups = {}
     if "gloo" in anchors or "backend" in anchors:
         dist.init_process_group("gloo" if "gloo" in anchors else "ringcomm",
                                 store=dist.PrefixStore("dist", store), rank=rank,
-                                world_size=world, timeout=timedelta(minutes=5))
+                                world_size=world, timeout=TIMEOUT)
         groups["gloo"] = dist.group.WORLD
         groups["backend"] = (dist.new_group(backend="ringcomm") if "gloo" in anchors
                              else dist.group.WORLD)
@@ -439,8 +561,8 @@ def worker(args):
     try:
         if "mpi" in anchors and rank == 0:
             mpi = MpiAnchor(world, args.datatype, args.op)
-        run_rows(args, comm, rank, world, ["ringcomm", *anchors] + (["floor"] if args.floor else []),
-                 mpi, groups)
+        limits = [lib for lib, on in (("floor", args.floor), ("wire", args.wire)) if on]
+        run_rows(args, comm, rank, world, ["ringcomm", *anchors, *limits], mpi, groups, wire)
     finally:
         if mpi is not None:
             mpi.close()
@@ -449,25 +571,39 @@ def worker(args):
     comm.close()
 
 
+def transport_label(comm) -> str:
+    """What carries this rank's data to its peers: "shm", "tcp", or "shm+tcp" when both do."""
+    return "+".join(sorted(set(comm.transports) - {"self"})) or "self"
+
+
 def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor | None,
-             groups: dict):
+             groups: dict, wire: Wire | None):
     """One row per size: every library's samples interleaved, then medians, #wrong and ratios
     (ringcomm / each of the other columns)."""
-    dtype = DTYPES[args.datatype]
     rows = []
     coalesced = args.coll == "all_reduce_coalesced"
     anchors = libs[1:]
+    transport = transport_label(comm)  # rank 0's: the row it prints and saves says what it used
     if coalesced:
         rows.append(coalesced_row(args, comm, rank, world, libs))
     elif rank == 0:
         print(f"# ringcomm {args.coll}, {world} ranks, {args.datatype}, op {args.op}, "
-              f"algorithm {args.algo}, {args.repeats} repeats (median)", flush=True)
+              f"algorithm {args.algo}, transport {transport}, {args.repeats} repeats (median)",
+              flush=True)
         if mpi is not None:
             print(f"# mpi: MPI_Allreduce in place, {world} processes of its own under mpiexec "
                   f"(shared memory), {mpi.library}", flush=True)
         if "floor" in libs:
             print("# floor: torch.add(a, b, out=out) over the size on every rank at once, one "
                   "thread each (reads 2x size, writes 1x); time = slowest rank", flush=True)
+        if wire is not None:
+            print(f"# wire: plain TCP, every rank streaming {format_size(wire.stream_bytes)} to "
+                  f"rank + 1 while receiving from rank - 1, all at once: {wire.rate / 1e9:.3f} GB/s "
+                  f"({wire.rate * 8 / 1e9:.2f} Gbit/s) of payload per link, slowest rank, median "
+                  f"of {len(wire.samples_s)}; time = 2(n-1)/n x size / rate", flush=True)
+            if "tcp" not in transport:
+                print(f"# wire: ringcomm's ranks talk over {transport} here, not TCP: the wire "
+                      f"bounds TCP runs (RINGCOMM_TRANSPORT=tcp, or between hosts)", flush=True)
         if anchors:
             print("# ratios: ringcomm / that column, for time (lower is better) and busbw "
                   "(higher is better)", flush=True)
@@ -475,45 +611,14 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
         for lib in libs:
             head += f" | {lib + ' time(us)':>18} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
         for lib in anchors:
-            head += f" | {lib + ' time ratio':>16} {'busbw ratio':>11}"
+            time_ratio = f"vs {lib}" if lib in LIMITS else f"{lib} time ratio"
+            head += f" | {time_ratio:>16} {'busbw ratio':>11}"
         print(head, flush=True)
-    for nbytes in [] if coalesced else sizes_from(args):
-        cases = [MpiCase(mpi, nbytes, dtype, args.warmup_iters) if lib == "mpi" else
-                 Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype,
-                      args.op, args.algo, rank, world, groups.get(lib)) for lib in libs]
-        iters = args.iters or default_iters(cases[0].nbytes)
-        for case in cases:
-            for _ in range(args.warmup_iters):
-                case.run()
-        samples = {lib: [] for lib in libs}
-        for _ in range(args.repeats):  # interleaved, so drift hits every library alike
-            for case in cases:
-                samples[case.lib].append(case.sample(iters) if case.lib == "mpi"
-                                         else time_case(case, iters, comm.barrier))
-        if "floor" in samples:  # a floor sample lasts until the slowest rank is done
-            slowest = torch.tensor(samples["floor"], dtype=torch.float64)
-            comm.all_reduce(slowest, op="max")
-            samples["floor"] = slowest.tolist()
-        row = {"size": cases[0].nbytes, "count": cases[0].count, "type": args.datatype,
-               "redop": args.op, "coll": args.coll, "ranks": world}
-        for case in cases:
-            t = statistics.median(samples[case.lib])
-            algbw = case.nbytes / t / 1e9
-            wrong = case.wrong() if args.check and case.lib != "floor" else 0
-            row[case.lib] = {"time_us": t * 1e6, "algbw": algbw,
-                             "busbw": algbw * bus_factor(args.coll, world), "wrong": wrong,
-                             "samples_us": [s * 1e6 for s in samples[case.lib]]}
-        # every rank's #wrong counts (mpi's: rank 0 has the MPI job's total, the others 0)
-        checked = [lib for lib in libs if lib != "floor"]
-        wrong_total = torch.tensor([row[lib]["wrong"] for lib in checked], dtype=torch.int64)
-        comm.all_reduce(wrong_total)
-        for i, lib in enumerate(checked):
-            row[lib]["wrong"] = int(wrong_total[i])
-        if "floor" in libs:
-            row["floor"]["wrong"] = None  # nothing to check
-        rc = row["ringcomm"]
-        row["ratios"] = {lib: {"time": rc["time_us"] / row[lib]["time_us"],
-                               "busbw": rc["busbw"] / row[lib]["busbw"]} for lib in anchors}
+    sizes = [] if coalesced else sizes_from(args)
+    for index, nbytes in enumerate(sizes, 1):
+        with progress(index, len(sizes), nbytes, rank == 0):
+            row = size_row(args, comm, rank, world, libs, mpi, groups, wire, nbytes)
+        row.update(algo=args.algo, transport=transport)
         rows.append(row)
         if rank == 0:
             line = f"  {row['size']:>12} {row['count']:>10} {args.datatype:>8} {args.op:>5}"
@@ -526,11 +631,63 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
                 line += f" | {ratio['time']:>16.3f} {ratio['busbw']:>11.2f}"
             print(line, flush=True)
     if rank == 0 and args.json:
-        out = {"args": vars(args), "rows": rows}
+        out = {"args": vars(args), "transport": transport, "rows": rows}
         if mpi is not None:
             out["mpi"] = {"library": mpi.library, "command": mpi.command}
+        if wire is not None:
+            out["wire"] = {"stream_bytes": wire.stream_bytes, "rate_GBps": wire.rate / 1e9,
+                           "samples_us": [s * 1e6 for s in wire.samples_s]}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    if rank == 0 and args.plot and rows and not coalesced:
+        bench_plot(rows, args.plot, run_title(rows[0]))
+
+
+def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor | None,
+             groups: dict, wire: Wire | None, nbytes: int) -> dict:
+    """The row of one size: every timed library's samples interleaved, the limits' (floor,
+    wire) per sample, medians, #wrong summed over the ranks, ratios."""
+    dtype = DTYPES[args.datatype]
+    timed = [lib for lib in libs if lib != "wire"]  # the wire's samples were taken before the rows
+    cases = {lib: MpiCase(mpi, nbytes, dtype, args.warmup_iters) if lib == "mpi" else
+             Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype,
+                  args.op, args.algo, rank, world, groups.get(lib)) for lib in timed}
+    ringcomm_case = cases["ringcomm"]
+    iters = args.iters or default_iters(ringcomm_case.nbytes)
+    for case in cases.values():
+        for _ in range(args.warmup_iters):
+            case.run()
+    samples = {lib: [] for lib in timed}
+    for _ in range(args.repeats):  # interleaved, so drift hits every library alike
+        for case in cases.values():
+            samples[case.lib].append(case.sample(iters) if case.lib == "mpi"
+                                     else time_case(case, iters, comm.barrier))
+    if "floor" in samples:
+        samples["floor"] = slowest_rank(comm, samples["floor"])
+    if wire is not None:
+        samples["wire"] = wire.bounds(ringcomm_case.nbytes, world)
+    row = {"size": ringcomm_case.nbytes, "count": ringcomm_case.count, "type": args.datatype,
+           "redop": args.op, "coll": args.coll, "ranks": world}
+    for lib in libs:
+        t = statistics.median(samples[lib])
+        algbw = ringcomm_case.nbytes / t / 1e9
+        if lib in LIMITS:
+            wrong = None  # nothing to check
+        else:
+            wrong = cases[lib].wrong() if args.check else 0
+        row[lib] = {"time_us": t * 1e6, "algbw": algbw,
+                    "busbw": algbw * bus_factor(args.coll, world), "wrong": wrong,
+                    "samples_us": [s * 1e6 for s in samples[lib]]}
+    # every rank's #wrong counts (mpi's: rank 0 has the MPI job's total, the others 0)
+    checked = [lib for lib in libs if lib not in LIMITS]
+    wrong_total = torch.tensor([row[lib]["wrong"] for lib in checked], dtype=torch.int64)
+    comm.all_reduce(wrong_total)
+    for lib, wrong in zip(checked, wrong_total.tolist()):
+        row[lib]["wrong"] = wrong
+    rc = row["ringcomm"]
+    row["ratios"] = {lib: {"time": rc["time_us"] / row[lib]["time_us"],
+                           "busbw": rc["busbw"] / row[lib]["busbw"]} for lib in libs[1:]}
+    return row
 
 
 def free_port() -> int:
@@ -588,7 +745,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--floor", action="store_true",
                    help="also time the memory floor: torch.add(a, b, out=out) over each size on "
                         "every rank at once (all_reduce)")
+    p.add_argument("--wire", action="store_true",
+                   help="also measure the link limit: every rank streams max(16 MiB, largest size) "
+                        "over plain TCP to rank + 1 while receiving from rank - 1; each size's "
+                        "time on the wire, 2(n-1)/n x size / rate (all_reduce)")
     p.add_argument("--json", help="write every row (with all samples) to this file")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw busbw and time against size, every series and limit, into this PNG "
+                        "(needs matplotlib: pip install 'ringcomm[plot]')")
     p.add_argument("--tensors", type=int, default=1000,
                    help="all_reduce_coalesced: number of tensors")
     p.add_argument("--tensor-bytes", default="1K-16K",
@@ -612,6 +776,16 @@ def main(argv=None) -> int:
         check_mpi()
     if args.floor and args.coll != "all_reduce":
         raise SystemExit("--floor is the memory floor of all_reduce: use it with --coll all_reduce")
+    if args.wire:
+        if args.coll != "all_reduce":
+            raise SystemExit("--wire is the link limit of a ring all_reduce: use it with "
+                             "--coll all_reduce")
+        if int(os.environ.get("WORLD_SIZE", args.ranks)) < 2:
+            raise SystemExit("--wire measures the links between ranks: run at least 2")
+    if args.plot:
+        if args.coll == "all_reduce_coalesced":
+            raise SystemExit("--plot draws rows against size; all_reduce_coalesced has one row")
+        check_matplotlib()
     if "RANK" in os.environ:
         worker(args)
         return 0

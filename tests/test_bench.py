@@ -1,6 +1,7 @@
 """The benchmark CLI runs end to end, checks its results and writes JSON."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,7 +41,7 @@ def test_bench_floor_row(tmp_path):
            "-w", "1", "--repeats", "2", "--floor", "--json", str(out_file)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "floor time(us)" in run.stdout and "floor time ratio" in run.stdout
+    assert "floor time(us)" in run.stdout and "vs floor" in run.stdout
     rows = json.loads(out_file.read_text())["rows"]
     assert [r["size"] for r in rows] == [8, 4096]
     for r in rows:
@@ -49,6 +50,140 @@ def test_bench_floor_row(tmp_path):
         ratio = r["ratios"]["floor"]
         assert abs(ratio["time"] - r["ringcomm"]["time_us"] / r["floor"]["time_us"]) < 1e-9
         assert abs(ratio["busbw"] * ratio["time"] - 1) < 1e-9  # same bytes: busbw ratio = 1 / time ratio
+
+
+@pytest.fixture(scope="module")
+def limits_run(tmp_path_factory):
+    """One small run with both limits, its JSON and its figure, shared by the tests below."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path_factory.mktemp("limits")
+    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "8,64K", "-n", "5",
+           "-w", "1", "--repeats", "2", "--floor", "--wire", "--json", str(out / "rows.json"),
+           "--plot", str(out / "rows.png")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, out
+
+
+def assert_png(path, min_bytes):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > min_bytes, (path, len(data))
+
+
+def test_bench_plot_writes_a_png(limits_run):
+    _, out = limits_run
+    assert_png(out / "rows.png", 20_000)  # two panels, three series, a legend
+
+
+def test_bench_wire_row(limits_run):
+    run, out = limits_run
+    rate = re.search(r"# wire: .*: ([0-9.]+) GB/s \(([0-9.]+) Gbit/s\)", run.stdout)
+    assert rate, run.stdout
+    gbytes, gbits = float(rate.group(1)), float(rate.group(2))
+    assert gbytes > 0 and abs(gbits - 8 * gbytes) < 0.02 * gbits
+    assert "wire time(us)" in run.stdout and "vs wire" in run.stdout
+    data = json.loads((out / "rows.json").read_text())
+    assert data["wire"]["stream_bytes"] == 16 << 20 and len(data["wire"]["samples_us"]) == 2
+    assert abs(data["wire"]["rate_GBps"] - gbytes) < 1e-3
+    for r in data["rows"]:
+        wire = r["wire"]
+        # the bytes on the wire at the measured rate: 2(n-1)/n x size, n = 2
+        assert wire["time_us"] > 0 and wire["wrong"] is None
+        assert abs(wire["time_us"] * 1e-6 * data["wire"]["rate_GBps"] * 1e9 - r["size"]) < 1e-6 * r["size"]
+        assert abs(wire["busbw"] - data["wire"]["rate_GBps"]) < 1e-9
+        assert abs(r["ratios"]["wire"]["time"] - r["ringcomm"]["time_us"] / wire["time_us"]) < 1e-9
+
+
+def test_bench_wire_and_plot_refuse_what_they_cannot_do():
+    from ringcomm import bench
+
+    with pytest.raises(SystemExit, match="--wire is the link limit of a ring all_reduce"):
+        bench.main(["--wire", "--coll", "reduce_scatter"])
+    with pytest.raises(SystemExit, match="--wire measures the links between ranks"):
+        bench.main(["--wire", "--ranks", "1"])
+    with pytest.raises(SystemExit, match="all_reduce_coalesced has one row"):
+        bench.main(["--plot", "x.png", "--coll", "all_reduce_coalesced"])
+
+
+def test_bench_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
+    from ringcomm import bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an import of it finds: none
+    with pytest.raises(SystemExit, match=r"pip install 'ringcomm\[plot\]'"):
+        bench.main(["--sizes", "8", "--plot", str(tmp_path / "rows.png")])
+    assert not (tmp_path / "rows.png").exists()
+
+
+def test_bench_progress_goes_to_stderr_on_long_sweeps():
+    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "-b", "8", "-e", "2K", "-n", "2",
+           "-w", "0", "--repeats", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    sizes = [8 << i for i in range(9)]  # 8 B .. 2 KiB: more than 8 sizes
+    assert [line.split()[0] for line in run.stdout.splitlines()
+            if not line.startswith("#")] == [str(s) for s in sizes]
+    progress = [line for line in run.stderr.splitlines() if line.startswith("[")]
+    assert progress[0] == "[1/9] 8 B ..." and progress[-1] == "[9/9] 2 KiB ..." and len(progress) == 9
+
+
+def test_bench_progress_shows_a_row_that_takes_long(monkeypatch, capsys):
+    import time
+
+    from ringcomm import bench
+
+    monkeypatch.setattr(bench, "PROGRESS_AFTER_S", 0.05)
+    with bench.progress(1, 2, 1 << 20, show=True):
+        pass  # a quick row: no line
+    with bench.progress(2, 2, 64 << 20, show=True):
+        time.sleep(0.5)
+    assert capsys.readouterr().err == "[2/2] 64 MiB ...\n"
+
+
+def test_report_prints_the_tables(limits_run):
+    _, out = limits_run
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "report.py"), str(out / "rows.json"),
+           os.path.join(ROOT, "bench", "results", "shm_2ranks.json"), "--plot", str(out / "report.png")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tables = run.stdout.split("### ")[1:]
+    assert len(tables) == 2
+    assert tables[0].startswith("all_reduce, 2 ranks, float sum, shm")
+    rows = [line for line in tables[0].splitlines() if line.startswith("| ")]
+    assert rows[0] == ("| size | ringcomm (us) | memory floor (us) | wire (us) | vs floor | vs wire "
+                       "| #wrong |")
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| 8 B", "| 64 KiB"]
+    assert all(r.endswith(" | 0 |") for r in rows[1:])
+    # a file from before the bench recorded the transport: docs/performance.md's shm table
+    assert "transport not recorded" in tables[1]
+    assert "| 8 B | 2.3 | 288.8 | 1.5 | 1.3 | 0.008 | 1.54 | 1.84 | 0 |" in tables[1]
+    assert len([line for line in tables[1].splitlines() if line.startswith("| ")]) == 1 + 6
+    for name in ("report-rows.png", "report-shm_2ranks.png"):
+        assert_png(out / name, 20_000)
+
+
+def test_timeline_plot_draws_a_trace(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ringcomm.plot import timeline_plot
+
+    def event(name, ts, dur, pid, tid):
+        return {"ph": "X", "name": name, "cat": "ringcomm", "ts": ts, "dur": dur, "pid": pid,
+                "tid": tid, "args": {"bytes": 65536}}
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}},
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "progress"}},
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "rank 1"}},
+        event("all_reduce", 1000, 900, 0, 7),
+        event("reduce_scatter", 1050, 400, 0, 7),  # nested twice: inside all_reduce...
+        event("recv", 1100, 100, 0, 7),  # ...and inside reduce_scatter
+        event("all_gather", 1460, 400, 0, 7),
+        event("all_reduce", 1020, 950, 1, 7),
+        event("barrier", 2500, 30, 1, 8),  # a thread without a name
+    ]}
+    timeline_plot(trace, str(tmp_path / "timeline.png"))
+    assert_png(tmp_path / "timeline.png", 10_000)
+    with pytest.raises(ValueError, match="no complete"):
+        timeline_plot({"traceEvents": trace["traceEvents"][:3]}, str(tmp_path / "empty.png"))
 
 
 @pytest.mark.parametrize("missing", ["mpi4py", "mpiexec"])
