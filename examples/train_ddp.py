@@ -12,7 +12,10 @@ see the same machine load, and prints both. Rank 0 prints test accuracy, the mea
 (forward, backward with its communication, optimizer step; after --warmup steps), the CPU time
 of all ranks per step (every thread; with more ranks than cores it bounds the step from below: CPU
 time / cores) and the bytes this rank sent per step: over TCP (Linux's per-socket counters, all of the process's connections)
-plus what ringcomm wrote to shared memory for ranks on this host.
+plus what ringcomm wrote to shared memory for ranks on this host. Then the step split into forward,
+backward until its last gradient, backward after it (waiting for the averages) and optimizer, and
+for ringcomm's hooks what each bucket sent and how long its average took. With
+RINGCOMM_TIMELINE=path, the timeline shows the phases of each step beside ringcomm's work.
 """
 import argparse
 import ast
@@ -28,7 +31,7 @@ from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringcomm  # registers the "ringcomm" backend
-from ringcomm import hooks
+from ringcomm import hooks, trace
 
 def local_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """No communication at all: each rank keeps its own gradient. Not training, a floor: the
@@ -146,12 +149,15 @@ class Run:
     def step(self, x, y, timed: bool):
         sent_before = bytes_sent()
         start, cpu_start = time.perf_counter(), time.process_time()
-        loss = F.cross_entropy(self.model(x), y)
+        with trace.span("forward", "step"):
+            loss = F.cross_entropy(self.model(x), y)
         forward_done = time.perf_counter()
-        loss.backward()
+        with trace.span("backward", "step"):
+            loss.backward()
         backward_done = time.perf_counter()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        with trace.span("optimizer", "step"):
+            self.optimizer.step()
+            self.optimizer.zero_grad()
         end = time.perf_counter()
         if timed:
             self.step_times.append(end - start)

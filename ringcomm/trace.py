@@ -5,7 +5,7 @@
     ringcomm.trace.start("/tmp/run.json"); ...; ringcomm.trace.stop()
 
 Open the file in https://ui.perfetto.dev or chrome://tracing, or draw it:
-`python -m ringcomm.trace plot /tmp/run.json run.png`.
+`python bench/timeline.py plot /tmp/run.json run.png`.
 
 Each rank is a process (pid = rank) with its threads as tracks: the thread that ran a collective
 shows it as a span (name = the collective, args: algorithm, sequence number, bytes), "queued"
@@ -25,7 +25,6 @@ the count of dropped events is written out).
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import fcntl
@@ -245,31 +244,6 @@ def _merge_if_complete(path: str) -> Optional[str]:
     return path
 
 
-def _main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ringcomm.trace", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("merge", help="merge per-rank parts into one trace")
-    m.add_argument("out")
-    m.add_argument("parts", nargs="+")
-    d = sub.add_parser("plot", help="draw a trace as a PNG (needs matplotlib)")
-    d.add_argument("trace")
-    d.add_argument("png")
-    args = p.parse_args(argv)
-    if args.command == "merge":
-        merged = merge(args.parts, args.out)
-        print(f"{args.out}: {len(merged['traceEvents'])} events from {len(args.parts)} parts")
-        return 0
-    from .plot import timeline_plot
-    with open(args.trace) as f:
-        timeline_plot(json.load(f), args.png)
-    print(f"wrote {args.png}")
-    return 0
-
-
 if os.environ.get("RINGCOMM_TIMELINE"):
     start(os.environ["RINGCOMM_TIMELINE"])
     atexit.register(stop)
-
-if __name__ == "__main__":
-    sys.exit(_main())

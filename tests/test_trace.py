@@ -12,6 +12,8 @@ import ringcomm
 from ringcomm import _C, trace
 from ranks import free_port, run_ranks, run_torchrun
 
+TIMELINE = os.path.join(os.path.dirname(__file__), "..", "bench", "timeline.py")
+
 
 def spans(events, name, pid=None):
     return [e for e in events if e["ph"] == "X" and e["name"] == name
@@ -215,7 +217,7 @@ def test_core_log_lines_go_to_the_ringcomm_logger(tmp_path):
         assert "transports by peer" not in err  # the logger had a handler: not on stderr
 
 
-def test_trace_cli_merges_parts(tmp_path):
+def test_timeline_script_merges_parts_and_draws_a_window(tmp_path):
     parts = []
     for rank in (0, 1):
         part = tmp_path / f"p{rank}.json"
@@ -224,8 +226,12 @@ def test_trace_cli_merges_parts(tmp_path):
              "args": {}}], "otherData": {"ringcomm_rank": rank, "ringcomm_dropped_events": rank}}))
         parts.append(str(part))
     out = tmp_path / "merged.json"
-    subprocess.run([sys.executable, "-m", "ringcomm.trace", "merge", str(out), *parts], check=True,
+    subprocess.run([sys.executable, TIMELINE, "merge", str(out), *parts], check=True,
                    timeout=60, capture_output=True)
     merged = json.loads(out.read_text())
     assert len(merged["traceEvents"]) == 2
     assert merged["otherData"] == {"ringcomm_ranks": [0, 1], "ringcomm_dropped_events": 1}
+    png = tmp_path / "t.png"
+    subprocess.run([sys.executable, TIMELINE, "plot", str(out), str(png), "--ranks", "1",
+                    "--from", "0", "--to", "12"], check=True, timeout=60, capture_output=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
