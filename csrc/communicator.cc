@@ -380,8 +380,8 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
     sig.seq = (is_send ? send_seq_ : recv_seq_)[peer]++;
   }
   task.sig = sig;
-  count_point_to_point(is_send, bytes);
   task.post = [this, is_send, buf, bytes, peer, sig, work] {
+    count_point_to_point(is_send, bytes);
     auto deadline = Clock::now() + timeout_;
     int64_t id;
     {
@@ -420,8 +420,8 @@ WorkPtr Communicator::recv_any(void* buf, size_t count, DType dtype, bool async,
     std::lock_guard<std::mutex> lk(mu_);
     check_usable_locked();
   }
-  count_point_to_point(false, count * dtype_size(dtype));
   task.post = [this, buf, count, dtype, tag, work] {
+    count_point_to_point(false, count * dtype_size(dtype));
     std::lock_guard<std::mutex> lk(mu_);
     int64_t id = next_p2p_id_++;
     p2p_deadlines_[id] = {Clock::now() + timeout_, "recv from any source"};
@@ -505,7 +505,6 @@ WorkPtr Communicator::submit(Signature sig, std::function<void(Context&)> body, 
   Task task;
   task.work = std::make_shared<Work>(this);
   task.body = std::move(body);
-  task.queued_ns = trace::now_ns();
   {
     std::lock_guard<std::mutex> lk(mu_);
     check_usable_locked();
@@ -534,6 +533,7 @@ void Communicator::enqueue(Task task, bool inline_ok) {
     if (!queue_.empty() || !p2p_deadlines_.empty() || stopping_) cv_.notify_all();
     return;
   }
+  task.queued_ns = trace::now_ns();
   queue_.push_back(std::move(task));
   cv_.notify_all();
   lk.unlock();
@@ -552,11 +552,12 @@ void Communicator::run(Task& task) {
       task.post();
       return;
     }
-    const int64_t begin_ns = trace::now_ns();
+    const Clock::time_point begin = Clock::now();
+    const int64_t begin_ns = trace::ns_of(begin);
     const uint64_t sent0 = mesh_->payload_sent(), received0 = mesh_->payload_received();
     const int64_t idle0 = mesh_->idle_ns();
     mesh_->set_current(task.sig);
-    Context ctx(*mesh_, task.sig, Clock::now() + timeout_, scratch_);
+    Context ctx(*mesh_, task.sig, begin + timeout_, scratch_);
     task.body(ctx);
     scratch_.operation_done();
     account(task, begin_ns, sent0, received0, idle0);
@@ -576,14 +577,11 @@ void Communicator::account(const Task& task, int64_t begin_ns, uint64_t sent0,
   op.calls = 1;
   op.bytes_sent = mesh_->payload_sent() - sent0;
   op.bytes_received = mesh_->payload_received() - received0;
-  op.queued_ns = begin_ns - task.queued_ns;
+  op.queued_ns = task.queued_ns ? begin_ns - task.queued_ns : 0;
   op.run_ns = end_ns - begin_ns;
   op.idle_ns = mesh_->idle_ns() - idle0;
   task.work->set_stats(op);
-  {
-    std::lock_guard<std::mutex> lk(stats_mu_);
-    stats_[task.sig.coll].add(op);
-  }
+  totals_[size_t(task.sig.coll)].add(op);
   if (!trace::enabled()) return;
   const int32_t thread = trace::thread_id();
   if (op.queued_ns > 0) {
@@ -601,16 +599,18 @@ void Communicator::account(const Task& task, int64_t begin_ns, uint64_t sent0,
 }
 
 void Communicator::count_point_to_point(bool is_send, size_t bytes) {
-  std::lock_guard<std::mutex> lk(stats_mu_);
-  OpStats& total = stats_[Collective::kSendRecv];
-  ++total.calls;
-  (is_send ? total.bytes_sent : total.bytes_received) += bytes;
+  OpStats op;
+  op.calls = 1;
+  (is_send ? op.bytes_sent : op.bytes_received) = bytes;
+  totals_[size_t(Collective::kSendRecv)].add(op);
 }
 
 std::map<std::string, OpStats> Communicator::stats() const {
   std::map<std::string, OpStats> named;
-  std::lock_guard<std::mutex> lk(stats_mu_);
-  for (const auto& [coll, op] : stats_) named[collective_name(coll)] = op;
+  for (size_t c = 0; c < totals_.size(); ++c) {
+    OpStats op = totals_[c].load();
+    if (op.calls) named[collective_name(Collective(c))] = op;
+  }
   return named;
 }
 

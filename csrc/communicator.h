@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -35,6 +36,38 @@ struct OpStats {
     run_ns += o.run_ns;
     idle_ns += o.idle_ns;
   }
+};
+
+// Totals of one kind of operation. Written only by the thread running operations (one at a
+// time), read from any: relaxed loads and stores, no lock or read-modify-write on every call.
+class OpTotals {
+ public:
+  void add(const OpStats& o) {
+    bump(calls_, o.calls);
+    bump(bytes_sent_, o.bytes_sent);
+    bump(bytes_received_, o.bytes_received);
+    bump(queued_ns_, o.queued_ns);
+    bump(run_ns_, o.run_ns);
+    bump(idle_ns_, o.idle_ns);
+  }
+  OpStats load() const {
+    OpStats o;
+    o.calls = calls_.load(std::memory_order_relaxed);
+    o.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
+    o.bytes_received = bytes_received_.load(std::memory_order_relaxed);
+    o.queued_ns = queued_ns_.load(std::memory_order_relaxed);
+    o.run_ns = run_ns_.load(std::memory_order_relaxed);
+    o.idle_ns = idle_ns_.load(std::memory_order_relaxed);
+    return o;
+  }
+
+ private:
+  template <typename T>
+  static void bump(std::atomic<T>& total, T by) {
+    total.store(total.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
+  }
+  std::atomic<uint64_t> calls_{0}, bytes_sent_{0}, bytes_received_{0};
+  std::atomic<int64_t> queued_ns_{0}, run_ns_{0}, idle_ns_{0};
 };
 
 // Completion handle of one operation.
@@ -185,7 +218,9 @@ class Communicator {
     std::function<void(Context&)> body;  // collectives: runs to completion
     std::function<void()> post;          // send/recv: posts to the transport and returns
     WorkPtr work;
-    int64_t queued_ns = 0;  // trace::now_ns() at the call
+    // When it was queued for the progress thread (trace::now_ns()); 0 when it ran at once on the
+    // caller's thread.
+    int64_t queued_ns = 0;
   };
   // `operations`: sequence numbers the task takes (a coalesced call: one per bucket), the first
   // in sig.seq.
@@ -214,7 +249,7 @@ class Communicator {
   // the timeline.
   void account(const Task& task, int64_t begin_ns, uint64_t sent0, uint64_t received0,
                int64_t idle0);
-  // Sends and receives, when posted: their number and bytes.
+  // Sends and receives, when posted (on the thread running operations): number and bytes.
   void count_point_to_point(bool is_send, size_t bytes);
 
   const int rank_, world_size_;
@@ -249,8 +284,7 @@ class Communicator {
   int last_any_source_ = 0;           // the peer the last one took its message from
   int wake_fd_ = -1;
   std::thread progress_thread_;
-  mutable std::mutex stats_mu_;
-  std::map<Collective, OpStats> stats_;
+  std::array<OpTotals, 16> totals_;  // by Collective
 };
 
 }  // namespace ringcomm

@@ -68,7 +68,8 @@ def start(path: str, max_events: Optional[int] = None) -> None:
 
 def stop() -> Optional[str]:
     """Stops recording and writes this rank's part; returns the merged file's path if this rank
-    completed the job's set of parts, else the part's path (None if not recording)."""
+    completed the job's set of parts, else the part's path (None if not recording, or if nothing
+    was recorded: then no part is written)."""
     global _path, on
     with _lock:
         if _path is None:
@@ -79,6 +80,8 @@ def stop() -> Optional[str]:
         events, dropped, threads = _C.trace_take()
         python_events = list(_python_events)
         _python_events.clear()
+    if not events and not python_events:
+        return None  # a process that took part in nothing (a launcher, say) writes no part
     rank = _rank()
     part = _part_path(path, rank)
     trace = _chrome_trace(rank, events, dropped, dict(threads), python_events)

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -27,6 +28,10 @@ struct Event {
 extern std::atomic<bool> active;
 inline bool enabled() { return active.load(std::memory_order_relaxed); }
 int64_t now_ns();
+// A steady_clock time as now_ns() would have read it (both are CLOCK_MONOTONIC).
+inline int64_t ns_of(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
 int32_t thread_id();
 
 // Starts recording (dropping what an earlier recording left) or stops it; what is recorded stays

@@ -275,7 +275,9 @@ void Mesh::remove(Op& op) {
 void Mesh::part_done(int64_t id) {
   Op* op = find(id);
   if (--op->parts_left > 0) return;
-  (op->is_send ? payload_sent_ : payload_received_).fetch_add(op->bytes, std::memory_order_relaxed);
+  // Only the thread running operations writes these: no read-modify-write needed.
+  std::atomic<uint64_t>& payload = op->is_send ? payload_sent_ : payload_received_;
+  payload.store(payload.load(std::memory_order_relaxed) + op->bytes, std::memory_order_relaxed);
   if (op->posted_ns && trace::enabled()) {
     // From posted to done as this thread saw it: a message's span includes waiting for its peer.
     trace::Event e{op->is_send ? "send" : "recv", nullptr, op->posted_ns, trace::now_ns(),
@@ -394,20 +396,25 @@ std::string Mesh::describe_timeout(Clock::duration notice_every) {
 
 void Mesh::wait(Request req, Clock::time_point deadline) {
   check_usable();
-  auto spin_end = Clock::now() + std::chrono::microseconds(std::max(options_.spin_us, 0));
+  const Clock::time_point start = Clock::now();
+  const auto spin_end = start + std::chrono::microseconds(std::max(options_.spin_us, 0));
   unsigned idle_polls = 0;
   bool spinning = options_.spin_us > 0;
   const auto yield_for = std::chrono::microseconds(std::max(options_.yield_us, 0));
   Clock::time_point yield_until;
   // Waiting notices: every 1/20 of the time left (100 ms to 10 s), from one period in.
   const Clock::duration notice_every = std::clamp<Clock::duration>(
-      (deadline - Clock::now()) / 20, std::chrono::milliseconds(100), std::chrono::seconds(10));
-  Clock::time_point next_notice = Clock::now() + notice_every;
-  int64_t idle_since = 0;  // while nothing moves: when that began
+      (deadline - start) / 20, std::chrono::milliseconds(100), std::chrono::seconds(10));
+  Clock::time_point next_notice = start + notice_every;
+  // Since when nothing has moved. Taken from the clock reads the loop makes anyway, so an idle
+  // stretch counts from its 32nd poll while spinning: idle_ns() may miss a microsecond of each.
+  Clock::time_point idle_since;
   auto end_idle = [&] {
-    if (!idle_since) return;
-    idle_ns_.fetch_add(trace::now_ns() - idle_since, std::memory_order_relaxed);
-    idle_since = 0;
+    if (idle_since == Clock::time_point()) return;
+    idle_ns_.store(idle_ns_.load(std::memory_order_relaxed) +
+                       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle_since).count(),
+                   std::memory_order_relaxed);
+    idle_since = Clock::time_point();
   };
   while (!done(req)) {
     throw_if_interrupted();
@@ -416,18 +423,27 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
       continue;
     }
     if (done(req)) break;
-    if (!idle_since) idle_since = trace::now_ns();
     // The clock is read every 32 idle polls: reading it each time cost more than the poll.
-    if (spinning && (++idle_polls % 32 != 0 || Clock::now() < spin_end)) {
-      cpu_relax();
-      continue;
+    if (spinning) {
+      if (++idle_polls % 32 != 0) {
+        cpu_relax();
+        continue;
+      }
+      const Clock::time_point now = Clock::now();
+      if (idle_since == Clock::time_point()) idle_since = now;
+      if (now < spin_end) {
+        cpu_relax();
+        continue;
+      }
     }
     spinning = false;
+    const Clock::time_point now = Clock::now();
+    if (idle_since == Clock::time_point()) idle_since = now;
     // The rank we wait for may need this CPU (more local ranks than CPUs, or the scheduler put
     // both on one): yielding hands it over at once, while a futex sleep costs a wake-up of
     // 10-40 us on each side, and one rank waking late makes the other sleep next time.
-    if (yield_until == Clock::time_point()) yield_until = Clock::now() + yield_for;
-    if (Clock::now() < yield_until) {
+    if (yield_until == Clock::time_point()) yield_until = now + yield_for;
+    if (now < yield_until) {
       // Idle sockets are read only when polled: now and then, so that a peer's abort, a stray
       // mismatched message or a lost peer is seen while everything else completes in this loop.
       if (++idle_polls % 8 == 0)
@@ -438,7 +454,7 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
     }
     // Blocked for a while: tell every peer on whom, so that a peer that times out waiting on
     // this rank can name the rank that holds everything up.
-    if (Clock::now() >= next_notice) {
+    if (now >= next_notice) {
       std::vector<int> waited = waiting_on();
       if (!waited.empty()) tcp_->announce_waiting(waited[0]);
       next_notice = Clock::now() + notice_every;
