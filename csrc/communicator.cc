@@ -108,6 +108,7 @@ void Work::finish(const std::string& error) {
 Communicator::Communicator(int rank, int world_size, double timeout_s,
                            const std::string& master_addr)
     : rank_(rank), world_size_(world_size), trace_id_(next_trace_id++),
+      selector_(world_size, LinkModel{}),
       timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))) {
   RC_CHECK_ARG(world_size >= 1, "world_size must be >= 1, got ", world_size);
   RC_CHECK_ARG(rank >= 0 && rank < world_size, "rank ", rank, " out of range for world_size ",
@@ -132,7 +133,11 @@ Communicator::~Communicator() {
 }
 
 void Communicator::connect(const std::vector<std::string>& addresses, const std::string& token) {
-  if (world_size_ > 1) mesh_->connect(addresses, token, Clock::now() + timeout_);
+  if (world_size_ > 1) {
+    const Clock::time_point deadline = Clock::now() + timeout_;
+    mesh_->connect(addresses, token, deadline);
+    selector_ = Selector(world_size_, calibrate(deadline));
+  }
   progress_thread_ = std::thread([this] {
     progress_thread_owner = this;
     pthread_setname_np(pthread_self(), "rc-progress");
@@ -187,12 +192,77 @@ void Communicator::check_rank(int r, const char* what) const {
 Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) const {
   if (requested != Algorithm::kAuto) return requested;
   if (forced_all_reduce_ != Algorithm::kAuto) return forced_all_reduce_;
-  const auto& tune = AlgorithmTuning::get();
-  if (bytes <= tune.small_message_bytes) return Algorithm::kRecursiveDoubling;
-  // A ring costs 2(n-1) hops of latency, a tree 2*log2(n): with many ranks, mid-sized messages
-  // are latency-bound and go by tree.
-  if (world_size_ >= 8 && bytes <= tune.small_message_bytes * world_size_) return Algorithm::kTree;
-  return Algorithm::kRing;
+  const Algorithm algo = selector_.all_reduce(bytes);
+  if (debug_enabled()) {
+    int size_class = 0;
+    while (size_class < 63 && (size_t(1) << (size_class + 1)) <= bytes) ++size_class;
+    const uint64_t bit = uint64_t(1) << size_class;
+    if (!(logged_choices_.fetch_or(bit) & bit))
+      RC_LOG("rank ", rank_, ": all_reduce of ", bytes, " bytes (and others of ", size_t(1) << size_class,
+             "..", (size_t(2) << size_class) - 1, "): ", algorithm_name(algo), "; estimates ring ",
+             selector_.all_reduce_cost(Algorithm::kRing, double(bytes)) * 1e6, " us, tree ",
+             selector_.all_reduce_cost(Algorithm::kTree, double(bytes)) * 1e6,
+             " us, recursive doubling ",
+             selector_.all_reduce_cost(Algorithm::kRecursiveDoubling, double(bytes)) * 1e6, " us");
+  }
+  return algo;
+}
+
+Algorithm Communicator::choose_rooted(size_t bytes) const {
+  return selector_.rooted(bytes, AlgorithmTuning::get().tree_chunk_bytes);
+}
+
+// Every rank reads RINGCOMM_TUNING alike. "off": the default model, nothing exchanged. Else the
+// ranks agree first on whether all of them hold a saved model (a path naming an existing file),
+// and if one does not, all probe; either way on the slowest rank's figures.
+LinkModel Communicator::calibrate(Clock::time_point deadline) {
+  const std::string tuning = env_string("RINGCOMM_TUNING");
+  LinkModel model;
+  if (tuning == "off") {
+    RC_LOG("rank ", rank_, ": RINGCOMM_TUNING=off, links: ", model.describe());
+    return model;
+  }
+  LinkModel saved;
+  const bool have = !tuning.empty() && load_link_model(tuning, &saved);
+  // Maxima: of "missing", alpha, seconds per byte sent and per byte reduced.
+  double agreed[4] = {have ? 0.0 : 1.0, have ? saved.alpha_s : 0.0,
+                      have ? 1 / saved.bytes_per_s : 0.0, have ? 1 / saved.reduce_bytes_per_s : 0.0};
+  auto agree = [&](double* values, size_t count) {
+    connect_step(count, [&](Context& ctx) {
+      recursive_doubling_all_reduce(ctx, values, count, DType::kFloat64, ReduceOp::kMax);
+    }, deadline);
+  };
+  agree(agreed, 4);
+  const char* source = "loaded from RINGCOMM_TUNING";
+  if (agreed[0] > 0) {
+    source = "probed";
+    const auto start = Clock::now();
+    connect_step(0, [&](Context& ctx) { model = probe_links(ctx); }, deadline);
+    agreed[1] = model.alpha_s;
+    agreed[2] = 1 / model.bytes_per_s;
+    agreed[3] = 1 / model.reduce_bytes_per_s;
+    agree(agreed + 1, 3);
+    RC_LOG("rank ", rank_, ": link probe took ",
+           std::chrono::duration<double>(Clock::now() - start).count() * 1e3, " ms");
+  }
+  model.alpha_s = agreed[1];
+  model.bytes_per_s = 1 / agreed[2];
+  model.reduce_bytes_per_s = 1 / agreed[3];
+  if (!tuning.empty() && agreed[0] > 0 && !save_link_model(tuning, model))
+    RC_LOG("rank ", rank_, ": cannot write RINGCOMM_TUNING file '", tuning, "'");
+  RC_LOG("rank ", rank_, ": links (", source, ", slowest rank): ", model.describe());
+  return model;
+}
+
+void Communicator::connect_step(size_t count, const std::function<void(Context&)>& body,
+                                Clock::time_point deadline) {
+  Signature sig = collective(Collective::kProbe, DType::kFloat64, ReduceOp::kMax,
+                             Algorithm::kDirect, count);
+  sig.seq = next_seq_++;
+  mesh_->set_current(sig);
+  Context ctx(*mesh_, sig, deadline, scratch_, selector_);
+  body(ctx);
+  scratch_.operation_done();
 }
 
 Signature Communicator::collective(Collective coll, DType dtype, ReduceOp op, Algorithm algo,
@@ -300,8 +370,7 @@ WorkPtr Communicator::all_to_all(const std::vector<const void*>& inputs,
 WorkPtr Communicator::broadcast(void* buf, size_t count, DType dtype, int root, bool async) {
   check_rank(root, "broadcast src");
   size_t bytes = count * dtype_size(dtype);
-  Algorithm shape = bytes >= AlgorithmTuning::get().rooted_chain_bytes ? Algorithm::kChain
-                                                                       : Algorithm::kBinomial;
+  Algorithm shape = choose_rooted(bytes);
   auto sig = collective(Collective::kBroadcast, dtype, ReduceOp::kSum, shape, count, root);
   return submit(sig, [=](Context& ctx) { tree_broadcast(ctx, buf, bytes, root, shape); }, async);
 }
@@ -309,9 +378,7 @@ WorkPtr Communicator::broadcast(void* buf, size_t count, DType dtype, int root, 
 WorkPtr Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, int root,
                              bool async) {
   check_rank(root, "reduce dst");
-  Algorithm shape = count * dtype_size(dtype) >= AlgorithmTuning::get().rooted_chain_bytes
-                        ? Algorithm::kChain
-                        : Algorithm::kBinomial;
+  Algorithm shape = choose_rooted(count * dtype_size(dtype));
   auto sig = collective(Collective::kReduce, dtype, op, shape, count, root);
   return submit(sig, [=](Context& ctx) { tree_reduce(ctx, buf, count, dtype, op, root, shape); },
                 async);
@@ -557,7 +624,7 @@ void Communicator::run(Task& task) {
     const uint64_t sent0 = mesh_->payload_sent(), received0 = mesh_->payload_received();
     const int64_t idle0 = mesh_->idle_ns();
     mesh_->set_current(task.sig);
-    Context ctx(*mesh_, task.sig, begin + timeout_, scratch_);
+    Context ctx(*mesh_, task.sig, begin + timeout_, scratch_, selector_);
     task.body(ctx);
     scratch_.operation_done();
     account(task, begin_ns, sent0, received0, idle0);

@@ -190,6 +190,10 @@ class Communicator {
 
   // The algorithm all_reduce would use (RINGCOMM_ALGO overrides kAuto).
   Algorithm choose_all_reduce(size_t bytes, Algorithm requested) const;
+  // Broadcast's and reduce's shape for `bytes`: binomial tree or chain.
+  Algorithm choose_rooted(size_t bytes) const;
+  // The cost model every rank agreed on when connecting.
+  const Selector& selector() const { return selector_; }
   // Bytes this rank has written to its connections (headers included).
   uint64_t bytes_sent() const { return mesh_->bytes_sent(); }
   size_t scratch_bytes() const { return scratch_.bytes(); }
@@ -252,12 +256,21 @@ class Communicator {
   // Sends and receives, when posted (on the thread running operations): number and bytes.
   void count_point_to_point(bool is_send, size_t bytes);
 
+  // While connecting: the link model from RINGCOMM_TUNING or the probe, agreed by all ranks.
+  LinkModel calibrate(Clock::time_point deadline);
+  // Runs one step of it as an operation of its own (its own sequence number) on this thread.
+  void connect_step(size_t count, const std::function<void(Context&)>& body,
+                    Clock::time_point deadline);
+
   const int rank_, world_size_;
   const uint64_t trace_id_;  // this communicator's number in this process, for the timeline
   const Clock::duration timeout_;
   Algorithm forced_all_reduce_ = Algorithm::kAuto;  // RINGCOMM_ALGO
   std::unique_ptr<Mesh> mesh_;
   Scratch scratch_;
+  Selector selector_;
+  // RINGCOMM_DEBUG: the power-of-two size classes whose all-reduce choice was logged
+  mutable std::atomic<uint64_t> logged_choices_{0};
 
   std::mutex mu_;                 // guards everything below
   std::condition_variable cv_;
@@ -284,7 +297,7 @@ class Communicator {
   int last_any_source_ = 0;           // the peer the last one took its message from
   int wake_fd_ = -1;
   std::thread progress_thread_;
-  std::array<OpTotals, 16> totals_;  // by Collective
+  std::array<OpTotals, 32> totals_;  // by Collective
 };
 
 }  // namespace ringcomm

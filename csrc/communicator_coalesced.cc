@@ -212,9 +212,7 @@ WorkPtr Communicator::broadcast_coalesced(const std::vector<BufferRef>& buffers,
   for (PlannedBucket& b : plan_buckets(buffers, bucket_bytes, same_dtype, no_extra)) {
     // The shape broadcast would pick for the fused bucket.
     const size_t bytes = b.fused.sig.count * dtype_size(b.fused.sig.dtype);
-    const Algorithm shape = bytes >= AlgorithmTuning::get().rooted_chain_bytes
-                                ? Algorithm::kChain
-                                : Algorithm::kBinomial;
+    const Algorithm shape = choose_rooted(bytes);
     complete(b.fused.sig, Collective::kBroadcastCoalesced, ReduceOp::kSum, shape, root);
     buckets->push_back(std::move(b.fused));
   }

@@ -277,13 +277,19 @@ class Communicator:
                           out_dtype=torch.float32) -> tuple:
         """Estimated (sparse, dense) costs of averaging a vector of `numel` elements over the
         ranks, as its top k (index, value) pairs through sparse_all_reduce or whole through
-        all_reduce: bytes this rank sends plus 64 KiB per round of messages (docs/algorithms.md).
-        The same on every rank for the same arguments."""
+        all_reduce, in seconds by the link model (link_model(); docs/algorithms.md). The same on
+        every rank for the same arguments."""
         for name, dtype in (("value_dtype", value_dtype), ("out_dtype", out_dtype)):
             if dtype not in TOPK_DTYPES:
                 raise TypeError(f"{name} must be float32, float16 or bfloat16, got {dtype}")
         return self._core.compression_costs(int(numel), int(k), TORCH_DTYPES[value_dtype],
                                             TORCH_DTYPES[out_dtype])
+
+    def link_model(self) -> dict:
+        """The cost model's figures every rank agreed on when connecting (probed, or from
+        RINGCOMM_TUNING): alpha_s (seconds per round of messages), bytes_per_s (one link's payload
+        rate), reduce_bytes_per_s (one rank's float32 sum rate); the slowest rank's."""
+        return self._core.link_model()
 
     @property
     def transports(self) -> list:

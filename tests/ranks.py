@@ -65,11 +65,13 @@ def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm, en
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 30,
-              make_comm: bool = True, allow_errors: bool = False, env: dict | None = None):
+              make_comm: bool = True, allow_errors: bool = False, env: dict | None = None,
+              per_rank_env: dict | None = None):
     """Runs fn(comm, *args) on `world` ranks (fn(store, rank, world, *args) without make_comm).
 
     Returns the per-rank results. With allow_errors, a rank's exception is returned as
-    ("error", text) instead of failing the test. `env` is added to each rank's environment.
+    ("error", text) instead of failing the test. `env` is added to each rank's environment, then
+    per_rank_env[rank] (a dict) to that rank's.
     """
     tmp = tempfile.mkdtemp(prefix="ringcomm-test-")
     store_path = os.path.join(tmp, "store")
@@ -77,6 +79,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 
     def rank_env(r):
         out = TRANSPORTS[transport](r) if transport else {}
         out.update(env or {})
+        out.update((per_rank_env or {}).get(r, {}))
         return out
 
     procs = [CTX.Process(target=_child, args=(fn, r, world, store_path, comm_timeout, queue, args,

@@ -104,17 +104,6 @@ def test_deterministic_across_ranks_and_runs(world):
         assert len(digests) == 1, f"{algo}: {len(digests)} different results"
 
 
-def auto_choices(comm):
-    return [comm.algorithm_for(n) for n in (8, 64 << 10, 1 << 20, 64 << 20)]
-
-
-def test_auto_picks_by_size_and_env_forces():
-    (choices,) = run_ranks(1, auto_choices)
-    assert choices == ["recursive_doubling", "recursive_doubling", "ring", "ring"]
-    (choices,) = run_ranks(1, auto_choices, env={"RINGCOMM_ALGO": "tree"})
-    assert choices == ["tree"] * 4
-
-
 INTEGER_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool]
 
 

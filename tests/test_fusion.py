@@ -3,6 +3,8 @@
 "Equal" below is bitwise: floats are compared through their integer bit patterns, so -0.0 vs 0.0
 and the last bit of a rounding count. Inputs are finite.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -119,7 +121,7 @@ def mixed_tensors(rank, seed):
 
     return [
         floats((3,), torch.float32), floats((0,), torch.float32), floats((17, 5), torch.float64),
-        floats((9000,), torch.float32),  # 36 KB: ring under the small threshold used below
+        floats((9000,), torch.float32),  # 36 KB: ring under the link model used below
         floats((4, 0, 3), torch.float16), floats((), torch.float32),
         floats((2000,), torch.bfloat16, 1.0), floats((301,), torch.float16, 1.0),
         torch.randint(-2 ** 31, 2 ** 31 - 1, (1500,), generator=gen, dtype=torch.int64).to(torch.int32),
@@ -152,9 +154,11 @@ def coalesced_equals_per_tensor(comm, ops, bucket_sizes):
     return checked, same(fused, torch.cat(expect))
 
 
-# Under auto, tensors up to 4 KiB go by recursive doubling and larger ones by ring; tiny slices
-# (256 B) give many slices per bucket and slices that cross bucket edges.
-SMALL = {"RINGCOMM_SMALL_MESSAGE_BYTES": "4096", "RINGCOMM_FUSION_SLICE_BYTES": "256"}
+# Under auto, with this link model (a round worth 512 bytes), tensors up to 4 KiB go by recursive
+# doubling and larger ones by ring at 4 ranks (up to 307 bytes at 3); tiny slices (256 B) give
+# many slices per bucket and slices that cross bucket edges.
+SMALL = {"RINGCOMM_TUNING": os.path.join(os.path.dirname(__file__), "small_messages.tuning"),
+         "RINGCOMM_FUSION_SLICE_BYTES": "256"}
 
 
 # auto at 3 ranks: recursive doubling with a fold, ring; at 4: without a fold. Forced trees at 3

@@ -146,7 +146,8 @@ with torch.profiler.profile() as prof:
         opt.step(); opt.zero_grad()
 stats = hooks.default_communicator().stats()
 ranges = sorted({{e.name for e in prof.events() if e.name.startswith("ringcomm:")}})
-print(json.dumps({{"buckets": stats["buckets"], "ranges": ranges, "steps": steps}}))
+if dist.get_rank() == 0:  # one line: two ranks' long lines could interleave in torchrun's output
+    print(json.dumps({{"buckets": stats["buckets"], "ranges": ranges, "steps": steps}}))
 dist.destroy_process_group()
 """
 

@@ -13,11 +13,19 @@ namespace ringcomm {
 struct AlgorithmTuning {
   size_t ring_slice_bytes;       // RINGCOMM_RING_SLICE_BYTES
   size_t tree_chunk_bytes;       // RINGCOMM_TREE_CHUNK_BYTES
-  size_t small_message_bytes;    // RINGCOMM_SMALL_MESSAGE_BYTES: recursive doubling up to here
-  size_t rooted_chain_bytes;     // RINGCOMM_CHAIN_MIN_BYTES: broadcast/reduce switch to a chain
   size_t fusion_slice_bytes;     // RINGCOMM_FUSION_SLICE_BYTES: message size of coalesced collectives
   static const AlgorithmTuning& get();
 };
+
+// RINGCOMM_TUNING=path: the link model saved there (alpha_us, bytes_per_s, reduce_bytes_per_s;
+// one "name value" per line), if the file exists and holds all three.
+bool load_link_model(const std::string& path, LinkModel* model);
+// Writes it (whole: through a temporary file renamed over it). False if it cannot.
+bool save_link_model(const std::string& path, const LinkModel& model);
+
+// The links' alpha, beta and this rank's reduction rate, measured around the ring of all ranks
+// (probe.cc); every rank must call it at once.
+LinkModel probe_links(Context& ctx);
 
 // all_reduce
 void ring_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);

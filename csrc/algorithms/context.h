@@ -10,6 +10,7 @@
 
 #include "common/dtype.h"
 #include "common/trace.h"
+#include "algorithms/select.h"
 #include "kernels/cpu/reduce.h"
 #include "transport/mesh.h"
 
@@ -90,9 +91,10 @@ class Scratch {
 
 class Context {
  public:
-  Context(Mesh& mesh, const Signature& sig, Clock::time_point deadline, Scratch& scratch)
-      : mesh_(mesh), sig_(sig), deadline_(deadline), scratch_(scratch), sends_(scratch.sends),
-        staged_(scratch.staged) {
+  Context(Mesh& mesh, const Signature& sig, Clock::time_point deadline, Scratch& scratch,
+          const Selector& selector)
+      : mesh_(mesh), sig_(sig), deadline_(deadline), scratch_(scratch), selector_(selector),
+        sends_(scratch.sends), staged_(scratch.staged) {
     sends_.clear();  // what a failed operation left
     staged_.clear();
   }
@@ -100,6 +102,8 @@ class Context {
   int rank() const { return mesh_.rank(); }
   int size() const { return mesh_.world_size(); }
   const Signature& signature() const { return sig_; }
+  // The cost model, for algorithms that choose their way once they know the sizes.
+  const Selector& selector() const { return selector_; }
 
   // Sends complete in the background; finish() waits for all of them.
   void send(int peer, const void* data, size_t bytes) { send(peer, data, bytes, sig_); }
@@ -154,6 +158,7 @@ class Context {
   Signature sig_;
   Clock::time_point deadline_;
   Scratch& scratch_;
+  const Selector& selector_;
   std::vector<Request>& sends_;
   std::vector<StagedReduce>& staged_;  // recv_reduce's receives to reduce once waited for
 };

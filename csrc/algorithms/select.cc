@@ -3,23 +3,69 @@
 #include <algorithm>
 #include <cmath>
 
+#include "common/error.h"
+
 namespace ringcomm {
 
-double all_reduce_cost(Algorithm algo, int n, double bytes) {
-  if (n <= 1) return 0;
-  const double steps = std::ceil(std::log2(double(n)));
+std::string LinkModel::describe() const {
+  return str_cat("alpha ", alpha_s * 1e6, " us per round, beta ", bytes_per_s / 1e9,
+                 " GB/s per link, reduce ", reduce_bytes_per_s / 1e9, " GB/s (a round = ",
+                 size_t(round_bytes()), " bytes)");
+}
+
+double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
+  const double n = n_;
+  if (n_ <= 1) return 0;
+  const double a = model_.alpha_s, b = model_.bytes_per_s, g = model_.reduce_bytes_per_s;
   switch (algo) {
-    case Algorithm::kRecursiveDoubling:  // log2(n) exchanges of the whole vector
-      return steps * (bytes + kRoundBytes);
-    case Algorithm::kTree:  // reduce up and broadcast down: each link carries it once each way
-      return 2 * steps * kRoundBytes + 2 * bytes;
-    default:  // ring: reduce-scatter and all-gather, n-1 steps each, 1/n of it per step
-      return 2 * (n - 1) * (kRoundBytes + bytes / n);
+    case Algorithm::kRecursiveDoubling: {
+      // log2(p) exchanges of the whole vector, each reduced; a fold and an unfold around them
+      // when n is not a power of two.
+      int p = 1, rounds = 0;
+      while (p * 2 <= n_) p *= 2, ++rounds;
+      const double fold = p < n_ ? 2 : 0;
+      return (rounds + fold) * (a + bytes / b) + (rounds + fold / 2) * bytes / g;
+    }
+    case Algorithm::kTree: {
+      // reduce up and broadcast down a binary tree, pipelined in chunks: each link carries the
+      // vector once each way, and the depth's latency twice
+      const double depth = std::ceil(std::log2(n));
+      return 2 * depth * a + 2 * bytes / b + 2 * bytes / g;
+    }
+    default:  // ring: reduce-scatter and all-gather, n-1 steps each with 1/n of the vector
+      return 2 * (n - 1) * (a + bytes / n / b) + (n - 1) / n * bytes / g;
   }
 }
 
-SparseCosts sparse_costs(const SparseSizes& s) {
+Algorithm Selector::all_reduce(size_t bytes) const {
+  Algorithm best = Algorithm::kRing;
+  for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kTree})
+    if (all_reduce_cost(a, double(bytes)) < all_reduce_cost(best, double(bytes))) best = a;
+  return best;
+}
+
+double Selector::rooted_cost(Algorithm shape, double bytes, double chunk_bytes) const {
+  if (n_ <= 1) return 0;
+  const double a = model_.alpha_s, b = model_.bytes_per_s;
+  if (shape == Algorithm::kChain) {
+    // n-1 hops, pipelined: the first chunk crosses all of them, the rest follow one hop behind
+    const double chunk = std::min(bytes, chunk_bytes);
+    const double chunks = chunk > 0 ? std::ceil(bytes / chunk) : 1;
+    return (n_ - 2 + chunks) * (a + chunk / b);
+  }
+  return std::ceil(std::log2(double(n_))) * (a + bytes / b);  // binomial: whole vector per level
+}
+
+Algorithm Selector::rooted(size_t bytes, size_t chunk_bytes) const {
+  return rooted_cost(Algorithm::kChain, double(bytes), double(chunk_bytes)) <
+                 rooted_cost(Algorithm::kBinomial, double(bytes), double(chunk_bytes))
+             ? Algorithm::kChain
+             : Algorithm::kBinomial;
+}
+
+SparseCosts sparse_costs(const Selector& select, const SparseSizes& s) {
   const double n = s.n;
+  const LinkModel& m = select.model();
   double total = 0, none_hit = 1, packed_total = 0;
   for (size_t k : s.k) {
     total += double(k);
@@ -30,9 +76,13 @@ SparseCosts sparse_costs(const SparseSizes& s) {
   const double expected_union = double(s.numel) * (1.0 - none_hit);
   const double piece = std::min(expected_union * (4.0 + s.out_size), double(s.numel) * s.out_size);
   SparseCosts c;
-  c.gather = (packed_total - packed_total / n) + (n - 1) * kRoundBytes;
-  c.ranges = total / n * (n - 1) / n * pair + piece * (n - 1) / n + (n + 1) * kRoundBytes;
-  c.dense = all_reduce_cost(Algorithm::kRing, s.n, double(s.numel) * s.out_size);
+  // gather: every rank adds every other rank's pairs; ranges: the owner adds the pairs of its
+  // range (scattered adds cost at least what a dense sum of the values would)
+  c.gather = (packed_total - packed_total / n) / m.bytes_per_s + (n - 1) * m.alpha_s +
+             (total - total / n) * s.out_size / m.reduce_bytes_per_s;
+  c.ranges = (total / n * (n - 1) / n * pair + piece * (n - 1) / n) / m.bytes_per_s +
+             (n + 1) * m.alpha_s + total / n * s.out_size / m.reduce_bytes_per_s;
+  c.dense = select.all_reduce_cost(Algorithm::kRing, double(s.numel) * s.out_size);
   return c;
 }
 
@@ -48,10 +98,11 @@ double varint_delta_bytes(double density) {
   return bytes;
 }
 
-CompressionCosts compression_costs(int n, size_t numel, size_t k, size_t value_size,
-                                   size_t out_size, Algorithm dense_algo) {
+CompressionCosts compression_costs(const Selector& select, size_t numel, size_t k,
+                                   size_t value_size, size_t out_size, Algorithm dense_algo) {
   CompressionCosts c;
-  c.dense = all_reduce_cost(dense_algo, n, double(numel) * out_size);
+  c.dense = select.all_reduce_cost(dense_algo, double(numel) * out_size);
+  const int n = select.ranks();
   if (n <= 1) {
     c.sparse = 0;
     return c;
@@ -63,8 +114,8 @@ CompressionCosts compression_costs(int n, size_t numel, size_t k, size_t value_s
   const double density = numel ? double(k) / double(numel) : 1.0;
   s.k.assign(n, k);
   s.packed.assign(n, size_t(double(k) * (varint_delta_bytes(density) + double(value_size))));
-  SparseCosts ways = sparse_costs(s);
-  const double counts = (n - 1) * kRoundBytes;  // step 0: the all-gather of counts and sizes
+  SparseCosts ways = sparse_costs(select, s);
+  const double counts = (n - 1) * select.model().alpha_s;  // step 0: the all-gather of counts
   c.sparse = counts + std::min({ways.gather, ways.ranges, ways.dense});
   return c;
 }

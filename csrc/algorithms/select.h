@@ -1,19 +1,45 @@
-// Cost estimates that choose between exchanges. A cost is the bytes a rank puts on the wire plus
-// kRoundBytes for every round of messages it waits through: a round's latency expressed as the
-// bytes a link moves meanwhile. Uncalibrated: the same constant for every transport.
+// Choosing an algorithm by its cost: an alpha-beta model of the links a collective crosses
+// (alpha: seconds per round of messages a rank waits through; beta: payload bytes per second of
+// one link; gamma: bytes per second one rank reduces), calibrated when a communicator connects
+// (algorithms/probe.cc) and the same on every rank, so that every rank picks the same algorithm.
+// Costs are in seconds.
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "algorithms/sparse_decode.h"
 #include "transport/transport.h"
 
 namespace ringcomm {
 
-constexpr double kRoundBytes = 64 << 10;
+struct LinkModel {
+  double alpha_s = 16e-6;          // defaults: TCP loopback on a small machine
+  double bytes_per_s = 4e9;
+  double reduce_bytes_per_s = 4e9;
+  // Bytes a link moves in one round's latency: what a round is worth against bytes.
+  double round_bytes() const { return alpha_s * bytes_per_s; }
+  std::string describe() const;
+};
 
-// A dense all-reduce of `bytes` over n ranks by `algo` (ring, tree or recursive doubling).
-double all_reduce_cost(Algorithm algo, int n, double bytes);
+class Selector {
+ public:
+  Selector(int n, LinkModel model) : n_(n), model_(model) {}
+  int ranks() const { return n_; }
+  const LinkModel& model() const { return model_; }
+
+  // A dense all-reduce of `bytes` by ring, tree or recursive doubling.
+  double all_reduce_cost(Algorithm algo, double bytes) const;
+  // The cheapest of the three.
+  Algorithm all_reduce(size_t bytes) const;
+  // Broadcast and reduce: a binomial tree or a pipelined chain (chunks of `chunk_bytes`).
+  double rooted_cost(Algorithm shape, double bytes, double chunk_bytes) const;
+  Algorithm rooted(size_t bytes, size_t chunk_bytes) const;
+
+ private:
+  int n_;
+  LinkModel model_;
+};
 
 // The sparse all-reduce's ways after its step 0 (every rank's pair count and packed size known).
 struct SparseCosts {
@@ -21,18 +47,19 @@ struct SparseCosts {
   double ranges;  // range-partitioned reduce-scatter of pairs, then all-gather of the sums
   double dense;   // scatter the pairs, ring all-reduce
 };
-SparseCosts sparse_costs(const SparseSizes& s);
+SparseCosts sparse_costs(const Selector& select, const SparseSizes& s);
 
 // Bytes per index of zigzag-varint deltas for ascending indices spread evenly at this density.
 double varint_delta_bytes(double density);
 
 // Before anything is exchanged, for a caller choosing whether to send a vector of `numel`
 // elements densely or as its top k: the sparse all-reduce with k pairs on every rank (step 0's
-// count exchange included, the cheapest way after it), and the dense all-reduce of the vector.
+// count exchange included, the cheapest way after it), and the dense all-reduce of the vector by
+// `dense_algo`.
 struct CompressionCosts {
   double sparse, dense;
 };
-CompressionCosts compression_costs(int n, size_t numel, size_t k, size_t value_size,
-                                   size_t out_size, Algorithm dense_algo);
+CompressionCosts compression_costs(const Selector& select, size_t numel, size_t k,
+                                   size_t value_size, size_t out_size, Algorithm dense_algo);
 
 }  // namespace ringcomm

@@ -59,8 +59,8 @@ char* gather_blocks(Context& ctx, int slot, const void* mine, const std::vector<
   return all;
 }
 
-Algorithm choose(const SparseSizes& s) {
-  SparseCosts c = sparse_costs(s);
+Algorithm choose(const Selector& select, const SparseSizes& s) {
+  SparseCosts c = sparse_costs(select, s);
   if (c.dense <= c.gather && c.dense <= c.ranges) return Algorithm::kRing;
   return c.gather <= c.ranges ? Algorithm::kSparseGather : Algorithm::kSparseRanges;
 }
@@ -167,7 +167,7 @@ Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const vo
   char* packed = nullptr;
   uint64_t sizes[2] = {k, pack_for_gather(ctx, mine, s.value_size, &packed)};
   check_peer_sizes(s, gather_words(ctx, sizes, 2));
-  if (algo == Algorithm::kAuto) algo = choose(s);
+  if (algo == Algorithm::kAuto) algo = choose(ctx.selector(), s);
   switch (algo) {
     case Algorithm::kSparseRanges:
       ranges_all_reduce(ctx, s, mine, out);

@@ -1,3 +1,9 @@
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+
 #include "algorithms/algorithms.h"
 #include "common/env.h"
 
@@ -7,11 +13,39 @@ const AlgorithmTuning& AlgorithmTuning::get() {
   static const AlgorithmTuning tuning{
       size_t(env_int("RINGCOMM_RING_SLICE_BYTES", 512 << 10)),
       size_t(env_int("RINGCOMM_TREE_CHUNK_BYTES", 256 << 10)),
-      size_t(env_int("RINGCOMM_SMALL_MESSAGE_BYTES", 64 << 10)),
-      size_t(env_int("RINGCOMM_CHAIN_MIN_BYTES", 256 << 10)),
       size_t(env_int("RINGCOMM_FUSION_SLICE_BYTES", 128 << 10)),
   };
   return tuning;
+}
+
+bool load_link_model(const std::string& path, LinkModel* model) {
+  std::ifstream file(path);
+  std::map<std::string, double> values;
+  std::string name;
+  double value;
+  while (file >> name >> value) values[name] = value;
+  if (!values.count("alpha_us") || !values.count("bytes_per_s") ||
+      !values.count("reduce_bytes_per_s"))
+    return false;
+  RC_CHECK_ARG(values["alpha_us"] >= 0 && values["bytes_per_s"] > 0 &&
+                   values["reduce_bytes_per_s"] > 0,
+               "RINGCOMM_TUNING: '", path, "' holds a negative or zero figure");
+  model->alpha_s = values["alpha_us"] * 1e-6;
+  model->bytes_per_s = values["bytes_per_s"];
+  model->reduce_bytes_per_s = values["reduce_bytes_per_s"];
+  return true;
+}
+
+bool save_link_model(const std::string& path, const LinkModel& model) {
+  const std::string tmp = str_cat(path, ".tmp", getpid());
+  {
+    std::ofstream file(tmp);
+    file.precision(9);
+    file << "alpha_us " << model.alpha_s * 1e6 << "\nbytes_per_s " << model.bytes_per_s
+         << "\nreduce_bytes_per_s " << model.reduce_bytes_per_s << "\n";
+    if (!file.good()) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
 }
 
 }  // namespace ringcomm

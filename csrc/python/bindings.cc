@@ -199,7 +199,7 @@ PYBIND11_MODULE(_C, m) {
            [](const Communicator& c, size_t numel, size_t k, int value_dt, int out_dt) {
              DType vt = checked_dtype(value_dt), ot = checked_dtype(out_dt);
              Algorithm dense = c.choose_all_reduce(numel * dtype_size(ot), Algorithm::kAuto);
-             CompressionCosts costs = compression_costs(c.world_size(), numel, k, dtype_size(vt),
+             CompressionCosts costs = compression_costs(c.selector(), numel, k, dtype_size(vt),
                                                         dtype_size(ot), dense);
              return std::make_pair(costs.sparse, costs.dense);
            })
@@ -208,6 +208,15 @@ PYBIND11_MODULE(_C, m) {
       .def("bytes_sent_over", [](const Communicator& c, const std::string& transport) {
              return c.bytes_sent(transport);
            }, py::arg("transport"))
+      .def("link_model",
+           [](const Communicator& c) {
+             const LinkModel& m = c.selector().model();
+             py::dict d;
+             d["alpha_s"] = m.alpha_s;
+             d["bytes_per_s"] = m.bytes_per_s;
+             d["reduce_bytes_per_s"] = m.reduce_bytes_per_s;
+             return d;
+           })
       .def("stats",
            [](const Communicator& c) {
              py::dict d;

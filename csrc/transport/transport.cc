@@ -21,6 +21,7 @@ const char* collective_name(Collective c) {
     case Collective::kGather: return "gather";
     case Collective::kScatter: return "scatter";
     case Collective::kAllToAll: return "all_to_all";
+    case Collective::kProbe: return "link probe";
   }
   return "unknown-collective";
 }

@@ -42,6 +42,8 @@ enum class Collective : uint8_t {
   kGather = 13,
   kScatter = 14,
   kAllToAll = 15,
+  // The link probe and its agreements, while a communicator connects (algorithms/probe.cc).
+  kProbe = 16,
 };
 const char* collective_name(Collective c);
 

@@ -1,0 +1,70 @@
+// The link probe behind the cost model (algorithms/select.h), run once when a communicator
+// connects, on every rank at once:
+//   1. 3 + 15 shifts of 8 bytes around the ring (each rank sends to rank+1 while receiving from
+//      rank-1, and waits for both): alpha is the median time of the last 15.
+//   2. 1 + 3 shifts of 64 KiB (of 1 MiB instead when one of 64 KiB takes under 200 us, so a fast
+//      link is timed over more than its latency): beta = bytes / (median time - alpha).
+//   3. gamma: the best of 3 local float32 sums of 256 KiB.
+// Bytes on the wire per rank: 144 + 4 x 64 KiB (+ 4 x 1 MiB). Each rank times its own links; the
+// caller agrees on the slowest rank's figures (a collective crosses every link in lockstep).
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "algorithms/algorithms.h"
+#include "kernels/cpu/reduce.h"
+
+namespace ringcomm {
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Seconds each of `timed` shifts of `bytes` took, after `untimed` ones.
+std::vector<double> shifts(Context& ctx, char* out, char* in, size_t bytes, int untimed,
+                           int timed) {
+  const int n = ctx.size(), right = mod(ctx.rank() + 1, n), left = mod(ctx.rank() - 1, n);
+  std::vector<double> seconds;
+  for (int i = 0; i < untimed + timed; ++i) {
+    const auto start = Clock::now();
+    Request r = ctx.recv(left, in, bytes);
+    ctx.send(right, out, bytes);
+    ctx.wait(r);
+    ctx.finish();
+    if (i >= untimed) seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  return seconds;
+}
+
+}  // namespace
+
+LinkModel probe_links(Context& ctx) {
+  LinkModel m;
+  constexpr size_t kSmall = 64 << 10, kLarge = 1 << 20, kReduce = 256 << 10;
+  char* out = ctx.scratch(0, kLarge);
+  char* in = ctx.scratch(1, kLarge);
+  std::memset(out, 0, kLarge);
+  m.alpha_s = median(shifts(ctx, out, in, 8, 3, 15));
+  size_t bytes = kSmall;
+  double t = median(shifts(ctx, out, in, bytes, 1, 3));
+  if (t < 200e-6) {
+    bytes = kLarge;
+    t = median(shifts(ctx, out, in, bytes, 1, 3));
+  }
+  // A link that moved the bytes within its round's latency is at least that fast.
+  m.bytes_per_s = double(bytes) / std::max(t - m.alpha_s, t / 2);
+  char* sum = ctx.scratch(2, kReduce);
+  std::memset(sum, 0, kReduce);
+  double best = 1e9;
+  for (int i = 0; i < 3; ++i) {
+    const auto start = Clock::now();
+    cpu::reduce(DType::kFloat32, ReduceOp::kSum, sum, sum, out, kReduce / 4);
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  m.reduce_bytes_per_s = double(kReduce) / std::max(best, 1e-9);
+  return m;
+}
+
+}  // namespace ringcomm

@@ -1,0 +1,85 @@
+"""The cost model: links probed when a communicator connects (or RINGCOMM_TUNING), agreed by
+every rank, and the algorithms "auto" picks from it."""
+import os
+
+import pytest
+import torch
+
+from ranks import TRANSPORTS, run_ranks
+
+PROBE = {"RINGCOMM_TUNING": ""}  # the suite runs with the fixed model (conftest.py)
+SIZES = (8, 4096, 65536, 1 << 20, 64 << 20)
+
+
+def model_and_choices(comm):
+    t = torch.full((1000,), float(comm.rank))
+    comm.all_reduce(t)  # the probe's messages are not confused with the first operation's
+    assert t[0].item() == sum(range(comm.world_size))
+    return comm.link_model(), [comm.algorithm_for(n) for n in SIZES]
+
+
+@pytest.mark.parametrize("transport,world", [("shm", 2), ("shm", 4), ("tcp", 3), ("mixed", 4)])
+def test_probe_agrees_on_every_rank(transport, world):
+    results = run_ranks(world, model_and_choices, env=PROBE,
+                        per_rank_env={r: TRANSPORTS[transport](r) for r in range(world)})
+    model, choices = results[0]
+    assert all(r == results[0] for r in results)  # the slowest rank's figures, everywhere
+    assert 0 < model["alpha_s"] < 0.1 and 1e6 < model["bytes_per_s"] < 1e12
+    assert model["reduce_bytes_per_s"] > 1e6
+    assert choices[-1] == "ring"  # 64 MiB: bandwidth-bound, the ring sends the fewest bytes
+
+
+def write_model(path, alpha_us, bytes_per_s, reduce_bytes_per_s):
+    path.write_text(f"alpha_us {alpha_us}\nbytes_per_s {bytes_per_s}\n"
+                    f"reduce_bytes_per_s {reduce_bytes_per_s}\n")
+    return str(path)
+
+
+def test_auto_follows_the_model(tmp_path):
+    # Latency costs nothing: the ring, which sends the fewest bytes, at every size.
+    free = write_model(tmp_path / "free", 0, 1e9, 1e12)
+    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": free})
+    assert choices == ["ring"] * len(SIZES)
+    # A round costs a millisecond: recursive doubling's two rounds against the ring's six, up to
+    # where its extra bytes outweigh 4 ms (8 x alpha x beta = 8 MB at 1 GB/s).
+    slow = write_model(tmp_path / "slow", 1000, 1e9, 1e12)
+    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": slow})
+    assert choices == ["recursive_doubling"] * 4 + ["ring"]
+    # RINGCOMM_ALGO still forces
+    (_, choices), *_ = run_ranks(4, model_and_choices,
+                                 env={"RINGCOMM_TUNING": slow, "RINGCOMM_ALGO": "tree"})
+    assert choices == ["tree"] * len(SIZES)
+
+
+def test_off_is_the_default_model_and_exchanges_nothing():
+    (model, choices), *_ = run_ranks(2, model_and_choices, env={"RINGCOMM_TUNING": "off"})
+    assert model == {"alpha_s": 16e-6, "bytes_per_s": 4e9, "reduce_bytes_per_s": 4e9}
+
+
+def test_a_probed_model_is_saved_and_loaded(tmp_path):
+    path = tmp_path / "links"
+    env = {"RINGCOMM_TUNING": str(path)}
+    (probed, _), *_ = run_ranks(2, model_and_choices, env=env)
+    assert path.exists()
+    # loaded: the same figures (to the digits saved), nothing probed
+    (loaded, _), *_ = run_ranks(2, model_and_choices, env=env)
+    for key in probed:
+        assert loaded[key] == pytest.approx(probed[key], rel=1e-6)
+
+
+def test_ranks_without_a_saved_model_make_all_probe(tmp_path):
+    saved = write_model(tmp_path / "saved", 1000, 1e9, 1e12)
+    missing = str(tmp_path / "missing")
+    # rank 0 has a saved model, rank 1 none (its RINGCOMM_TUNING names a missing file)
+    results = run_ranks(2, model_and_choices, env={"RINGCOMM_TUNING": saved},
+                        per_rank_env={1: {"RINGCOMM_TUNING": missing}})
+    assert results[0] == results[1]
+    assert results[0][0]["alpha_s"] < 1e-3  # probed, not the saved millisecond
+    assert os.path.exists(missing)  # rank 1 saved what they agreed on
+
+
+def test_a_bad_saved_model_is_a_clear_error(tmp_path):
+    bad = write_model(tmp_path / "bad", 5, 0, 1e9)
+    results = run_ranks(2, model_and_choices, env={"RINGCOMM_TUNING": bad}, allow_errors=True)
+    for status, message in results:
+        assert status == "error" and "RINGCOMM_TUNING" in message and "zero" in message
