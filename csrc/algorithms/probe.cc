@@ -2,11 +2,14 @@
 // connects, on every rank at once:
 //   1. 3 + 15 shifts of 8 bytes around the ring (each rank sends to rank+1 while receiving from
 //      rank-1, and waits for both): alpha is the median time of the last 15.
-//   2. 1 + 3 shifts of 64 KiB (of 1 MiB instead when one of 64 KiB takes under 200 us, so a fast
-//      link is timed over more than its latency): beta = bytes / (median time - alpha).
+//   2. shifts of 64 KiB, then of 512 KiB, then of 4 MiB, until the slowest rank's shift takes
+//      2 ms (every rank learns that time by a recursive-doubling max, so all go on alike): each
+//      size first untimed for 512 KiB in all (a link's token bucket or a TCP window has grown
+//      by then), then 3 timed; beta = bytes / (median time - alpha) of the last size.
 //   3. gamma: the best of 3 local float32 sums of 256 KiB.
-// Bytes on the wire per rank: 144 + 4 x 64 KiB (+ 4 x 1 MiB). Each rank times its own links; the
-// caller agrees on the slowest rank's figures (a collective crosses every link in lockstep).
+// Bytes on the wire per rank: at most 11 x 64 KiB + 4 x 512 KiB + 4 x 4 MiB. Each rank times
+// its own links; the caller agrees on the slowest rank's figures (a collective crosses every
+// link in lockstep).
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -42,20 +45,25 @@ std::vector<double> shifts(Context& ctx, char* out, char* in, size_t bytes, int 
 
 LinkModel probe_links(Context& ctx) {
   LinkModel m;
-  constexpr size_t kSmall = 64 << 10, kLarge = 1 << 20, kReduce = 256 << 10;
-  char* out = ctx.scratch(0, kLarge);
-  char* in = ctx.scratch(1, kLarge);
-  std::memset(out, 0, kLarge);
+  constexpr size_t kFirst = 64 << 10, kLast = 4 << 20, kDrain = 512 << 10, kReduce = 256 << 10;
+  constexpr double kLongEnough = 2e-3;
+  // Slots 1-3: recursive doubling (the max below) uses slot 0.
+  char* out = ctx.scratch(1, kLast);
+  char* in = ctx.scratch(2, kLast);
+  std::memset(out, 0, kLast);
   m.alpha_s = median(shifts(ctx, out, in, 8, 3, 15));
-  size_t bytes = kSmall;
-  double t = median(shifts(ctx, out, in, bytes, 1, 3));
-  if (t < 200e-6) {
-    bytes = kLarge;
-    t = median(shifts(ctx, out, in, bytes, 1, 3));
+  size_t bytes = kFirst;
+  double t;
+  while (true) {
+    t = median(shifts(ctx, out, in, bytes, int(std::max<size_t>(1, kDrain / bytes)), 3));
+    double slowest = t;
+    recursive_doubling_all_reduce(ctx, &slowest, 1, DType::kFloat64, ReduceOp::kMax);
+    if (slowest >= kLongEnough || bytes >= kLast) break;
+    bytes *= 8;
   }
   // A link that moved the bytes within its round's latency is at least that fast.
   m.bytes_per_s = double(bytes) / std::max(t - m.alpha_s, t / 2);
-  char* sum = ctx.scratch(2, kReduce);
+  char* sum = ctx.scratch(3, kReduce);
   std::memset(sum, 0, kReduce);
   double best = 1e9;
   for (int i = 0; i < 3; ++i) {
