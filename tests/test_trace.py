@@ -137,7 +137,8 @@ torch.manual_seed(0)
 # over 1 MB (DDP's first bucket after its rebuild) in buckets of 0.25 MB
 model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256),
                                 torch.nn.ReLU(), torch.nn.Linear(256, 10)), bucket_cap_mb=0.25)
-model.register_comm_hook(None, hooks.{hook})
+state = {state}
+model.register_comm_hook(state, hooks.{hook})
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 steps = 5
 with torch.profiler.profile() as prof:
@@ -147,7 +148,8 @@ with torch.profiler.profile() as prof:
 stats = hooks.default_communicator().stats()
 ranges = sorted({{e.name for e in prof.events() if e.name.startswith("ringcomm:")}})
 if dist.get_rank() == 0:  # one line: two ranks' long lines could interleave in torchrun's output
-    print(json.dumps({{"buckets": stats["buckets"], "ranges": ranges, "steps": steps}}))
+    print(json.dumps({{"buckets": stats["buckets"], "ranges": ranges, "steps": steps,
+                      "state_buckets": None if state is None else state.bucket_stats()}}))
 dist.destroy_process_group()
 """
 
@@ -156,11 +158,9 @@ dist.destroy_process_group()
 def test_ddp_buckets_on_the_timeline_in_stats_and_in_torch_profiler(tmp_path, monkeypatch, hook):
     path = tmp_path / "ddp.json"
     monkeypatch.setenv("RINGCOMM_TIMELINE", str(path))
-    script = DDP_JOB.format(hook=hook)
-    if hook == "topk_hook":
-        script = script.replace("register_comm_hook(None, hooks.topk_hook)",
-                                "register_comm_hook(hooks.TopKState(dense_steps=0, warmup_steps=0,"
-                                " adaptive=False), hooks.topk_hook)")
+    state = "None" if hook == "allreduce_hook" else \
+        "hooks.TopKState(dense_steps=0, warmup_steps=0, adaptive=False)"
+    script = DDP_JOB.format(hook=hook, state=state)
     out = run_torchrun(tmp_path, script, nproc=2)
     result = json.loads(out.strip().splitlines()[-1])
     buckets = result["buckets"]
@@ -174,6 +174,7 @@ def test_ddp_buckets_on_the_timeline_in_stats_and_in_torch_profiler(tmp_path, mo
     assert any(r.startswith("ringcomm: bucket") for r in result["ranges"])
     if hook == "topk_hook":
         assert "ringcomm: compress" in result["ranges"]
+        assert result["state_buckets"] == buckets  # the hook state reports the same
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events

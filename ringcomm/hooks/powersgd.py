@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .default import _completed, _ringcomm_named
-from .state import communicator_for
+from .state import ReportsBuckets, communicator_for
 
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # float16 / bfloat16 gradients: math in float32
 
@@ -112,7 +112,7 @@ def _completed_lane() -> torch.futures.Future:
 
 
 @dataclass
-class PowerSGDState:
+class PowerSGDState(ReportsBuckets):
     """Configuration and per-bucket memory of powersgd_hook (and of a GradientAverager given it as
     `compression`): one state per model.
 

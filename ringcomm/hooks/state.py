@@ -41,3 +41,14 @@ def communicator_for(state) -> Communicator:
             pass
     raise TypeError(f"ringcomm hook state must be None, a ringcomm.Communicator or a process group "
                     f"with the ringcomm backend, got {state!r}")
+
+
+class ReportsBuckets:
+    """For hook states with a `comm` (None, a Communicator or a ringcomm process group)."""
+
+    def bucket_stats(self) -> dict:
+        """Per DDP bucket index, what this hook's operations sent and received (payload bytes),
+        the seconds from the hook's call to the average being ready, and of the operations'
+        running time the part spent idle waiting for peers: Communicator.stats()["buckets"] of the
+        communicator the hook runs on."""
+        return communicator_for(self.comm).bucket_stats.as_dict()

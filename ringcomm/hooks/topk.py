@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import compress, trace
 from .default import _completed, _ringcomm_named
-from .state import communicator_for
+from .state import ReportsBuckets, communicator_for
 
 
 @dataclass
@@ -43,7 +43,7 @@ class TopKStats:
 
 
 @dataclass
-class TopKState:
+class TopKState(ReportsBuckets):
     """Configuration and per-bucket memory of topk_hook.
 
     The defaults are the measured good settings (docs/performance.md, Top-k compression,
