@@ -121,8 +121,10 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
   if (forced == "ring") forced_all_reduce_ = Algorithm::kRing;
   if (forced == "tree") forced_all_reduce_ = Algorithm::kTree;
   if (forced == "recursive_doubling") forced_all_reduce_ = Algorithm::kRecursiveDoubling;
+  if (forced == "hierarchical") forced_all_reduce_ = Algorithm::kHierarchical;
   RC_CHECK_ARG(forced.empty() || forced == "auto" || forced_all_reduce_ != Algorithm::kAuto,
-               "RINGCOMM_ALGO=", forced, ": expected ring, tree, recursive_doubling or auto");
+               "RINGCOMM_ALGO=", forced,
+               ": expected ring, tree, recursive_doubling, hierarchical or auto");
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   watch_for_fork();
 }
@@ -136,6 +138,7 @@ void Communicator::connect(const std::vector<std::string>& addresses, const std:
   if (world_size_ > 1) {
     const Clock::time_point deadline = Clock::now() + timeout_;
     mesh_->connect(addresses, token, deadline);
+    layout_ = HostLayout::of(mesh_->host_of());
     selector_ = Selector(world_size_, calibrate(deadline));
   }
   progress_thread_ = std::thread([this] {
@@ -190,9 +193,17 @@ void Communicator::check_rank(int r, const char* what) const {
 }
 
 Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) const {
-  if (requested != Algorithm::kAuto) return requested;
-  if (forced_all_reduce_ != Algorithm::kAuto) return forced_all_reduce_;
-  const Algorithm algo = selector_.all_reduce(bytes);
+  const Algorithm wanted = requested != Algorithm::kAuto ? requested : forced_all_reduce_;
+  if (wanted != Algorithm::kAuto) {
+    RC_CHECK_ARG(wanted != Algorithm::kHierarchical || layout_.uniform(),
+                 "the hierarchical all_reduce needs ranks on several hosts, the same number (more "
+                 "than one) on each");
+    return wanted;
+  }
+  Algorithm algo = selector_.all_reduce(bytes);
+  // Where the ring is cheapest, the hierarchical all-reduce sends the same bytes inside hosts and
+  // fewer across them.
+  if (algo == Algorithm::kRing && layout_.uniform()) algo = Algorithm::kHierarchical;
   if (debug_enabled()) {
     int size_class = 0;
     while (size_class < 63 && (size_t(1) << (size_class + 1)) <= bytes) ++size_class;
@@ -287,6 +298,9 @@ WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp 
       case Algorithm::kTree: tree_all_reduce(ctx, buf, count, dtype, op); break;
       case Algorithm::kRecursiveDoubling:
         recursive_doubling_all_reduce(ctx, buf, count, dtype, op);
+        break;
+      case Algorithm::kHierarchical:
+        hierarchical_all_reduce(ctx, layout_, buf, count, dtype, op);
         break;
       default: ring_all_reduce(ctx, buf, count, dtype, op);
     }

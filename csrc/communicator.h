@@ -194,6 +194,8 @@ class Communicator {
   Algorithm choose_rooted(size_t bytes) const;
   // The cost model every rank agreed on when connecting.
   const Selector& selector() const { return selector_; }
+  // Which ranks share a host (RINGCOMM_HOST_ID or the derived host identity).
+  const HostLayout& layout() const { return layout_; }
   // Bytes this rank has written to its connections (headers included).
   uint64_t bytes_sent() const { return mesh_->bytes_sent(); }
   size_t scratch_bytes() const { return scratch_.bytes(); }
@@ -269,6 +271,7 @@ class Communicator {
   std::unique_ptr<Mesh> mesh_;
   Scratch scratch_;
   Selector selector_;
+  HostLayout layout_;  // ranks by host, from connect()
   // RINGCOMM_DEBUG: the power-of-two size classes whose all-reduce choice was logged
   mutable std::atomic<uint64_t> logged_choices_{0};
 

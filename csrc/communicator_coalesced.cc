@@ -166,7 +166,7 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
                "float32 buffers travel as float32, float16 or bfloat16, not ",
                dtype_name(f32_wire));
   auto wire_of = [&](DType t) { return t == DType::kFloat32 ? f32_wire : t; };
-  auto plan = std::make_shared<CoalescedAllReduce>(world_size_);
+  auto plan = std::make_shared<CoalescedAllReduce>(world_size_, layout_);
   plan->op = op;
   if (options.prescale != 1.0) plan->pack_scaling = {cpu::ScaleKind::kMultiply, options.prescale};
   if (op == ReduceOp::kAvg) plan->unpack_scaling = {cpu::ScaleKind::kDivide, double(world_size_)};

@@ -292,6 +292,13 @@ class Communicator:
         return self._core.link_model()
 
     @property
+    def hosts(self) -> list:
+        """Ranks grouped by host (lists of ranks, each host's ascending, hosts by their lowest
+        rank). With more than one host and the same number (more than one) of ranks on each,
+        algorithm "auto" takes the hierarchical all-reduce where it would take the ring."""
+        return self._core.hosts
+
+    @property
     def transports(self) -> list:
         """The transport carrying data to each rank, by rank: "shm", "tcp" ("self" for this one)."""
         return [self._core.transport_of(r) for r in range(self.world_size)]

@@ -42,16 +42,22 @@ def tolerance(dtype):
     return {torch.float16: 1e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
 
 
+def hierarchical_possible(comm):
+    hosts = comm.hosts
+    return len(hosts) > 1 and all(len(h) == len(hosts[0]) > 1 for h in hosts)
+
+
 def every_combination(comm, counts):
     """Runs every case; returns (failures, digest of all results) for the parent to compare."""
     failures, digest = [], hashlib.sha256()
+    algos = ALGOS + ["hierarchical"] * hierarchical_possible(comm)
     for count in counts:
         for dtype in TORCH_DTYPES:
             for op in OPS:
                 if op == "avg" and not dtype.is_floating_point:
                     continue
                 expect = reference(op, comm.world_size, count, dtype)
-                for algo in ALGOS:
+                for algo in algos:
                     t = rank_input(comm.rank, count, dtype)
                     comm.all_reduce(t, op=op, algorithm=algo)
                     got = t.double().numpy() if dtype != torch.bool else t.numpy()
@@ -62,7 +68,7 @@ def every_combination(comm, counts):
                     if not ok:
                         failures.append(f"count={count} {dtype} {op} {algo}")
                     digest.update(t.view(torch.uint8).numpy().tobytes() if count else b"")
-    return failures, digest.hexdigest()
+    return failures, digest.hexdigest(), algos
 
 
 # The slowest test of the suite: each transport runs the world sizes where it differs from the
@@ -76,10 +82,12 @@ def test_every_op_dtype_algorithm(world, transport):
         pytest.skip(f"{world} rank(s) over {transport}: covered by the other transports")
     results = run_ranks(world, every_combination, COUNTS, timeout=240, comm_timeout=60,
                         env=PIPELINED)
-    for rank, (failures, _) in enumerate(results):
+    for rank, (failures, _, algos) in enumerate(results):
         assert not failures, f"rank {rank}: {failures[:10]}"
+        # two fake hosts of two ranks: the hierarchical all-reduce too
+        assert ("hierarchical" in algos) == (transport == "mixed" and world == 4)
     # results are bitwise identical on every rank
-    assert len({digest for _, digest in results}) == 1
+    assert len({digest for _, digest, _ in results}) == 1
 
 
 def random_float_sums(comm, count, algos, repeats):
@@ -133,3 +141,55 @@ def integer_ops(comm):
 def test_bitwise_ops_and_integer_average(world):
     for rank, failures in enumerate(run_ranks(world, integer_ops, timeout=120)):
         assert not failures, f"rank {rank}: {failures[:10]}"
+
+
+def hierarchical_sums(comm, count):
+    """float sums and other ops by the hierarchical all-reduce, against float64, and its choice."""
+    gen = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(count, generator=gen, dtype=torch.float64)
+    everyone = [torch.randn(count, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+                for r in range(comm.world_size)]
+    out = {}
+    for op, expect in (("sum", sum(everyone)), ("avg", sum(everyone) / comm.world_size),
+                       ("max", torch.stack(everyone).max(0).values)):
+        digests = set()
+        for _ in range(2):
+            t = x.float()
+            comm.all_reduce(t, op=op, algorithm="hierarchical")
+            assert torch.allclose(t.double(), expect, rtol=1e-5, atol=1e-5), op
+            digests.add(hashlib.sha256(t.numpy().tobytes()).hexdigest())
+        out[op] = digests
+    return comm.hosts, comm.algorithm_for(64 << 20), out
+
+
+# Hosts given per rank: 3 of 2 ranks; 2 of 3; 2 of 2 whose ranks interleave (views map indices).
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b", "c", "c"], ["a", "a", "a", "b", "b", "b"],
+                                   ["a", "b", "a", "b"]])
+def test_hierarchical_all_reduce_on_fake_hosts(hosts, transport):
+    if transport == "mixed":
+        pytest.skip("the hosts are given here: the same as shm")
+    env = {r: {"RINGCOMM_HOST_ID": h} for r, h in enumerate(hosts)}
+    results = run_ranks(len(hosts), hierarchical_sums, 100_003, per_rank_env=env, env=PIPELINED,
+                        timeout=120)
+    layout = [[r for r, h in enumerate(hosts) if h == name] for name in dict.fromkeys(hosts)]
+    for got_layout, choice, digests in results:
+        assert got_layout == layout and choice == "hierarchical"
+        assert all(len(d) == 1 for d in digests.values())  # the same bits, call after call
+    for op in ("sum", "avg", "max"):  # and on every rank
+        assert len({next(iter(r[2][op])) for r in results}) == 1
+
+
+def hierarchical_refused(comm):
+    try:
+        comm.all_reduce(torch.ones(4), algorithm="hierarchical")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_hierarchical_needs_hosts_of_equal_size(transport):
+    if transport != "shm":
+        pytest.skip("a check before anything moves: one transport is enough")
+    env = {r: {"RINGCOMM_HOST_ID": h} for r, h in enumerate(["a", "a", "b"])}
+    for message in run_ranks(3, hierarchical_refused, per_rank_env=env):
+        assert "several hosts, the same number" in message

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "algorithms/context.h"
+#include "algorithms/host_layout.h"
 
 namespace ringcomm {
 
@@ -29,6 +30,11 @@ LinkModel probe_links(Context& ctx);
 
 // all_reduce
 void ring_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
+// Reduce-scatter in place: `count` elements cut into size() balanced segments (Segments); after
+// it, segment rank() holds the reduction over all ranks, the others partial results.
+void ring_reduce_scatter_in_place(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
+void hierarchical_all_reduce(Context& ctx, const HostLayout& layout, void* buf, size_t count,
+                             DType dtype, ReduceOp op);
 void tree_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
 void recursive_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
 

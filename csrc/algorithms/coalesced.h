@@ -29,7 +29,7 @@ struct CoalescedAllReduce {
   cpu::Scaling pack_scaling, unpack_scaling;
   ReductionOrders orders;
   std::vector<std::vector<OrderedRange>> ranges;  // per dtype group, sorted
-  explicit CoalescedAllReduce(int n) : orders(n) {}
+  CoalescedAllReduce(int n, const HostLayout& layout) : orders(n, layout) {}
 };
 
 // Every element is reduced at one rank from all contributions, in plan.orders' order, and the

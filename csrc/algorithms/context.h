@@ -99,8 +99,18 @@ class Context {
     staged_.clear();
   }
 
-  int rank() const { return mesh_.rank(); }
-  int size() const { return mesh_.world_size(); }
+  // A view of some ranks (`members`, global ranks in view order, this rank among them): rank(),
+  // size() and every peer are indices into the view. It shares this context's sends, so finish()
+  // on either waits for all of them.
+  Context view(const std::vector<int>& members) const {
+    Context v(*this);
+    v.members_ = members;
+    v.index_ = int(std::find(members.begin(), members.end(), mesh_.rank()) - members.begin());
+    RC_CHECK_ARG(v.index_ < int(members.size()), "rank ", mesh_.rank(), " is not in the view");
+    return v;
+  }
+  int rank() const { return members_.empty() ? mesh_.rank() : index_; }
+  int size() const { return members_.empty() ? mesh_.world_size() : int(members_.size()); }
   const Signature& signature() const { return sig_; }
   // The cost model, for algorithms that choose their way once they know the sizes.
   const Selector& selector() const { return selector_; }
@@ -112,19 +122,19 @@ class Context {
   // sequence number) posts each one's messages under that operation's signature, and names the
   // oldest one still in flight as current: messages of later ones may arrive early.
   void send(int peer, const void* data, size_t bytes, const Signature& sig) {
-    sends_.push_back(mesh_.post_send(peer, data, bytes, sig));
+    sends_.push_back(mesh_.post_send(global(peer), data, bytes, sig));
   }
   Request recv(int peer, void* data, size_t bytes, const Signature& sig) {
-    return mesh_.post_recv(peer, data, bytes, sig);
+    return mesh_.post_recv(global(peer), data, bytes, sig);
   }
   // Receives `count` elements from `peer` and stores local (op) incoming into `dst` (which may
   // be `local`). Where the peer's transport consumes in place (shared memory) the reduction reads
   // its slots as they arrive; elsewhere the bytes land in `staging` and are reduced by wait().
   Request recv_reduce(int peer, char* dst, const char* local, char* staging, size_t count,
                       DType dtype, ReduceOp op) {
-    if (mesh_.can_consume(peer)) {
+    if (mesh_.can_consume(global(peer))) {
       const size_t e = dtype_size(dtype);
-      return mesh_.post_consume(peer, count * e, sig_,
+      return mesh_.post_consume(global(peer), count * e, sig_,
                                 [=](size_t offset, const char* incoming, size_t bytes) {
                                   trace::Span span("reduce", bytes, peer);
                                   cpu::reduce(dtype, op, dst + offset, local + offset, incoming,
@@ -154,6 +164,8 @@ class Context {
   char* scratch(int slot, size_t bytes) { return scratch_.get(slot, bytes); }
 
  private:
+  int global(int peer) const { return members_.empty() ? peer : members_[size_t(peer)]; }
+
   Mesh& mesh_;
   Signature sig_;
   Clock::time_point deadline_;
@@ -161,6 +173,8 @@ class Context {
   const Selector& selector_;
   std::vector<Request>& sends_;
   std::vector<StagedReduce>& staged_;  // recv_reduce's receives to reduce once waited for
+  std::vector<int> members_;  // a view's ranks (empty: all, rank r at index r)
+  int index_ = -1;            // this rank's index in members_
 };
 
 // Pieces of `count` elements, one per rank: balanced (the first count % n get one more) or

@@ -72,6 +72,16 @@ void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
       append(0, count / 2, program_id(algo, 0));
       append(count / 2, count - count / 2, program_id(algo, 1));
       return;
+    case Algorithm::kHierarchical: {
+      const int k = int(layout_.hosts.at(0).size()), h = int(layout_.hosts.size());
+      Segments local(count, k);
+      for (int j = 0; j < k; ++j) {
+        Segments across(local.count(j), h);
+        for (int i = 0; i < h; ++i)
+          append(local.offset(j) + across.offset(i), across.count(i), program_id(algo, j * h + i));
+      }
+      return;
+    }
     default: RC_INVALID("no reduction order for algorithm ", algorithm_name(algo));
   }
 }
@@ -85,11 +95,20 @@ int ReductionOrders::program_id(Algorithm algo, int piece) {
   return int(programs_.size()) - 1;
 }
 
-// `piece`: the ring segment, or the tree half (1: the mirrored tree).
+// `piece`: the ring segment, the tree half (1: the mirrored tree), or for the hierarchical
+// algorithm j * hosts + h (host segment j, piece h of it).
 ReductionProgram ReductionOrders::build(Algorithm algo, int piece) const {
   const int n = n_;
   RC_CHECK_ARG(n >= 2, "reduction orders need at least two ranks");
   ReductionProgram prog(n);
+  // Segment k of a ring over `ranks` (operands) starts at index k+1 and travels around; each
+  // combines (its own value) op (what arrived).
+  auto ring = [&](const std::vector<int>& ranks, int k) {
+    const int m = int(ranks.size());
+    int acc = ranks[size_t((k + 1) % m)];
+    for (int j = 2; j <= m; ++j) acc = prog.add(ranks[size_t((k + j) % m)], acc);
+    return acc;
+  };
   if (algo == Algorithm::kRecursiveDoubling) {
     int p = 1;
     while (p * 2 <= n) p *= 2;
@@ -102,10 +121,14 @@ ReductionProgram ReductionOrders::build(Algorithm algo, int piece) const {
     };
     span(0, p);
   } else if (algo == Algorithm::kRing) {
-    // Segment k starts at rank k+1 and travels around the ring; each rank combines
-    // (its own value) op (what arrived).
-    int acc = (piece + 1) % n;
-    for (int j = 2; j <= n; ++j) acc = prog.add((piece + j) % n, acc);
+    std::vector<int> all(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) all[size_t(r)] = r;
+    ring(all, piece);
+  } else if (algo == Algorithm::kHierarchical) {
+    const int hosts = int(layout_.hosts.size());
+    std::vector<int> sums;  // each host's sum of segment piece / hosts, by ring over its ranks
+    for (const std::vector<int>& host : layout_.hosts) sums.push_back(ring(host, piece / hosts));
+    ring(sums, piece % hosts);
   } else {
     const bool mirrored = piece == 1;
     auto rank_at = [&](int pos) { return mirrored ? n - 1 - pos : pos; };

@@ -8,7 +8,9 @@
 //     butterfly indices with a fold of ranks 2i, 2i+1 when n is not a power of two;
 //   ring (ring.cc): element in segment k: x_k op (x_k-1 op (... op (x_k+2 op x_k+1)));
 //   double binary tree (tree.cc): first half of the buffer over the heap tree, second half over
-//     its mirror; at each node (mine op child_0) op child_1.
+//     its mirror; at each node (mine op child_0) op child_1;
+//   hierarchical (hierarchical.cc): element in host segment j, piece h of it: the ring order of
+//     segment j over each host's ranks, then the ring order of piece h over the hosts' results.
 // A coalesced all-reduce (coalesced.cc) reduces each element at one rank that has every rank's
 // contribution, so it can use any order: it replays the one all_reduce would have used, which
 // makes its results bitwise equal to one all_reduce per buffer. tests/test_fusion.py checks the
@@ -20,6 +22,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "algorithms/host_layout.h"
 #include "common/dtype.h"
 #include "transport/transport.h"
 
@@ -62,7 +65,8 @@ struct OrderedRange {
 // The programs of all_reduce's algorithms for n ranks, built as they are first needed.
 class ReductionOrders {
  public:
-  explicit ReductionOrders(int n) : n_(n) {}
+  // `layout`: the hosts, for the hierarchical algorithm's order.
+  explicit ReductionOrders(int n, HostLayout layout = {}) : n_(n), layout_(std::move(layout)) {}
   // Appends the ranges of a `count`-element buffer that all_reduce with `algo` (ring, tree or
   // recursive doubling) reduces in one order each, shifted by `base`.
   void ranges(Algorithm algo, size_t count, size_t base, std::vector<OrderedRange>& out);
@@ -79,6 +83,7 @@ class ReductionOrders {
   ReductionProgram build(Algorithm algo, int piece) const;
 
   int n_;
+  HostLayout layout_;
   std::vector<ReductionProgram> programs_;
   std::vector<std::pair<Algorithm, int>> keys_;  // (algorithm, piece) of programs_[i]
 };

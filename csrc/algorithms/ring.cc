@@ -127,6 +127,16 @@ void ring_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceO
   ctx.finish();
 }
 
+void ring_reduce_scatter_in_place(Context& ctx, void* buf, size_t count, DType dtype,
+                                  ReduceOp op) {
+  if (ctx.size() == 1) return;
+  Ring ring(ctx, dtype);
+  Segments seg(count, ring.n);
+  char* data = static_cast<char*>(buf);
+  reduce_scatter_steps(ctx, ring, data, data, data + seg.offset(ring.rank) * ring.elem, seg, dtype,
+                       op, [](size_t, size_t) {});
+}
+
 void ring_reduce_scatter(Context& ctx, const void* in, void* out, size_t count, DType dtype,
                          ReduceOp op) {
   Ring ring(ctx, dtype);

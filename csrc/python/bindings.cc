@@ -208,6 +208,7 @@ PYBIND11_MODULE(_C, m) {
       .def("bytes_sent_over", [](const Communicator& c, const std::string& transport) {
              return c.bytes_sent(transport);
            }, py::arg("transport"))
+      .def_property_readonly("hosts", [](const Communicator& c) { return c.layout().hosts; })
       .def("link_model",
            [](const Communicator& c) {
              const LinkModel& m = c.selector().model();

@@ -131,6 +131,9 @@ void Mesh::connect(const std::vector<std::string>& addresses, const std::string&
     endpoints.push_back(fields["tcp"]);
     shm_addresses.push_back(fields.count("shm") ? fields["shm"] : "");
   }
+  host_of_.clear();
+  for (const std::string& h : hosts)
+    host_of_.push_back(int(std::find(hosts.begin(), hosts.end(), h) - hosts.begin()));
   tcp_->connect(endpoints, token, deadline);
   for (int peer = 0; peer < world_size_; ++peer)
     if (peer != rank_) route_[peer] = tcp_.get();

@@ -48,6 +48,8 @@ class Mesh final : public PartSink {
                Clock::time_point deadline);
   // Name of the transport that carries data to `peer` ("tcp", "shm"; "self" for this rank).
   const char* transport_of(int peer) const;
+  // After connect(): each rank's host, as the lowest rank on that host (same on every rank).
+  const std::vector<int>& host_of() const { return host_of_; }
 
   void set_current(const Signature& sig);
   using Callback = std::function<void(const std::exception_ptr&)>;
@@ -134,6 +136,7 @@ class Mesh final : public PartSink {
   std::unique_ptr<tcp::TcpTransport> tcp_;
   std::unique_ptr<shm::ShmTransport> shm_;
   std::vector<Transport*> route_;  // by peer; nullptr for this rank
+  std::vector<int> host_of_;
   std::vector<Op> ops_;
   std::vector<uint32_t> free_slots_;
   size_t live_ops_ = 0;

@@ -38,6 +38,7 @@ const char* algorithm_name(Algorithm a) {
     case Algorithm::kDirect: return "direct";
     case Algorithm::kSparseGather: return "sparse_gather";
     case Algorithm::kSparseRanges: return "sparse_ranges";
+    case Algorithm::kHierarchical: return "hierarchical";
   }
   return "unknown-algorithm";
 }

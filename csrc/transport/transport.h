@@ -58,6 +58,7 @@ enum class Algorithm : uint8_t {
   kDirect = 7,
   kSparseGather = 8,
   kSparseRanges = 9,
+  kHierarchical = 10,
 };
 const char* algorithm_name(Algorithm a);
 
