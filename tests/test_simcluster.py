@@ -177,12 +177,19 @@ def test_failing_rank_names_it_and_stops_the_others(tmp_path):
     assert "sleep 97.5" not in sh("ps", "-eo", "args").stdout
 
 
+def _default_sigint():
+    """A shell started with SIGINT ignored (from a background job, as `cmd &` in a script does,
+    or under nohup) can neither trap nor reset it: give the script the default disposition, as a
+    terminal would."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_sleeping_run(out):
     """A run of 4 ranks on 2 hosts that sleep, once every rank has started."""
     proc = subprocess.Popen([SIMCLUSTER, "run", "2", "100mbit", "--ranks-per-host", "2",
                              "--out", str(out), "--", "sh", "-c", "echo up; exec sleep 100"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + DEADLINE
     logs = [out / f"rank{r}.log" for r in range(4)]
     while not all(log.exists() and "up" in log.read_text() for log in logs):
