@@ -33,6 +33,7 @@ class Work:
         self._on_success = on_success
         self._lock = threading.Lock()
         self._finished = threading.Event()  # set once the result is final: on_success has run
+        self._observers = []  # _on_finish's functions not run yet
         # The core marks an operation finished before it runs its callbacks, and runs a callback
         # added after that at once on the adding thread; so what must follow on_success (waking
         # waiters, completing the future) hangs off this one callback, not off the core.
@@ -43,11 +44,27 @@ class Work:
             if self._on_success is not None and not self._core.error():
                 self._on_success()
         finally:
-            with self._lock:
-                self._finished.set()
-                future = self._future
+            while True:  # observers added meanwhile run too, before anyone is woken
+                with self._lock:
+                    observers, self._observers = self._observers, []
+                    if not observers:
+                        self._finished.set()
+                        future = self._future
+                        break
+                for fn in observers:
+                    fn()
             if future is not None:
                 self._complete(future)
+
+    def _on_finish(self, fn):
+        """Runs fn() once the operation is done (succeeded or failed), before wait() returns and
+        before the future completes; at once if it is done already. For bookkeeping that must be
+        complete when the caller learns of the result (ringcomm.stats)."""
+        with self._lock:
+            if not self._finished.is_set():
+                self._observers.append(fn)
+                return
+        fn()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Blocks until done; raises RingcommError if the operation failed or `timeout` (seconds

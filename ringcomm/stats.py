@@ -38,26 +38,25 @@ class BucketStats:
             entry["calls"] += 1
             entry["last_called_ns"] = called_ns
 
-        def ready(_):
+        def ready(fut):
             now = time.monotonic_ns()
             with self._lock:
                 entry = self._entry(index)
                 entry["comm_s"] += (now - called_ns) * 1e-9
                 entry["last_ready_ns"] = now
             trace.record(label, "bucket", called_ns, now, f"DDP bucket {index}", bucket=index)
+            return fut.value()  # raises the bucket's error, which the chained future then holds
 
-        future.add_done_callback(ready)
-        return trace.profile_future(f"{label} {index}", future)
+        # Chained, not a callback: DDP is woken only once the bucket is counted.
+        return trace.profile_future(f"{label} {index}", future.then(ready))
 
     def add_work(self, index: int, work) -> None:
         """Adds what the operation behind `work` (a ringcomm Work) sent, received and spent, once
-        it is done."""
-        core = work._core
-
+        it is done and before its waiters learn so."""
         def done():
-            if core.error():
+            if work._core.error():
                 return
-            s = core.stats()
+            s = work.stats()
             with self._lock:
                 entry = self._entry(index)
                 entry["bytes_sent"] += s["bytes_sent"]
@@ -65,7 +64,7 @@ class BucketStats:
                 entry["run_s"] += s["run_s"]
                 entry["idle_s"] += s["idle_s"]
 
-        core.add_done_callback(done)
+        work._on_finish(done)
 
     def last_called_ns(self) -> int:
         """When a hook was last called, for any bucket: in DDP, the moment backward produced the
