@@ -16,9 +16,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/topk_math.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define RC_TOPK_X86 1
+#endif
 
 #define RC_TOPK_INLINE inline __attribute__((always_inline))
 
@@ -77,6 +83,50 @@ RC_TOPK_INLINE void collect_at_least(size_t n, Key t, KeyAt key_at, std::vector<
     if (key_at(i) >= t) out.push_back({key_at(i), uint32_t(i)});
 }
 
+#ifdef RC_TOPK_X86
+// float32 with AVX2, 8 elements a step: with `residual`, acc = grad + residual is stored back
+// into it (one IEEE add, as topk::accumulate) and keyed; without, grad is. Keys (sign cleared)
+// are below 2^31, so a signed compare with t - 1 is key >= t. A step with no key >= t, nearly
+// every step at 1% density, costs the add, the store, an and, a compare and a movemask: no
+// branch per element, unlike the scalar loop, whose push_back branch the compiler cannot
+// vectorise around. noinline: the callers are flattened into target_clones, and inlining an
+// AVX2 function into the baseline clone is refused.
+__attribute__((target("avx2"), noinline)) void collect_float32_avx2(const float* grad,
+                                                                   float* residual, size_t n, Key t,
+                                                                   std::vector<Candidate>& out) {
+  const __m256i sign_off = _mm256_set1_epi32(0x7fffffff);
+  const __m256i below = _mm256_set1_epi32(int32_t(t) - 1);
+  alignas(32) uint32_t keys[8];
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_loadu_ps(grad + i);
+    if (residual) {
+      x = _mm256_add_ps(x, _mm256_loadu_ps(residual + i));
+      _mm256_storeu_ps(residual + i, x);
+    }
+    const __m256i key = _mm256_and_si256(_mm256_castps_si256(x), sign_off);
+    unsigned hits = unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, below))));
+    if (!hits) continue;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(keys), key);
+    for (; hits; hits &= hits - 1) {
+      const unsigned j = unsigned(__builtin_ctz(hits));
+      out.push_back({keys[j], uint32_t(i + j)});
+    }
+  }
+  for (; i < n; ++i) {
+    float x = grad[i];
+    if (residual) residual[i] = x = topk::accumulate(x, residual[i]);
+    const Key key = magnitude_key(x);
+    if (key >= t) out.push_back({key, uint32_t(i)});
+  }
+}
+
+bool avx2_available() {
+  static const bool available = __builtin_cpu_supports("avx2");
+  return available;
+}
+#endif
+
 // `cands` are in ascending index order (the scan's). Finds the k-th in selection order on a copy,
 // then keeps, in place and in order, every candidate up to it: the winners come out sorted by
 // index without a sort.
@@ -113,11 +163,22 @@ void select(size_t n, size_t k, int32_t* indices, KeyAt key_at, Scan scan) {
   select_exact(cands, k, indices);
 }
 
+// The scan over float32 data (AVX2 where there is one), else the portable loop.
+template <typename T, typename KeyAt>
+void collect(const T* data, size_t n, Key t, KeyAt key_at, std::vector<Candidate>& out) {
+#ifdef RC_TOPK_X86
+  if constexpr (std::is_same_v<T, float>) {
+    if (avx2_available()) return collect_float32_avx2(data, nullptr, n, t, out);
+  }
+#endif
+  collect_at_least(n, t, key_at, out);
+}
+
 template <typename T>
 void topk_typed(const T* data, size_t n, size_t k, int32_t* indices, T* values) {
   auto key_at = [&](size_t i) { return magnitude_key(data[i]); };
   select(n, k, indices, key_at,
-         [&](Key t, std::vector<Candidate>& out) { collect_at_least(n, t, key_at, out); });
+         [&](Key t, std::vector<Candidate>& out) { collect(data, n, t, key_at, out); });
   for (size_t i = 0; i < k; ++i) values[i] = data[indices[i]];
 }
 
@@ -130,15 +191,20 @@ void topk_with_residual_typed(const T* grad, T* residual, size_t n, size_t k, in
   };
   select(n, k, indices, key_at, [&](Key t, std::vector<Candidate>& out) {
     if (!accumulated) {  // first scan: accumulate and collect in one pass
+      accumulated = true;
+#ifdef RC_TOPK_X86
+      if constexpr (std::is_same_v<T, float>) {
+        if (avx2_available()) return collect_float32_avx2(grad, residual, n, t, out);
+      }
+#endif
       for (size_t i = 0; i < n; ++i) {
         T acc = topk::accumulate(grad[i], residual[i]);
         residual[i] = acc;
         Key key = magnitude_key(acc);
         if (key >= t) out.push_back({key, uint32_t(i)});
       }
-      accumulated = true;
     } else {
-      collect_at_least(n, t, [&](size_t i) { return magnitude_key(residual[i]); }, out);
+      collect(residual, n, t, [&](size_t i) { return magnitude_key(residual[i]); }, out);
     }
   });
   for (size_t i = 0; i < k; ++i) {
