@@ -26,29 +26,26 @@ class BucketStats:
         entry = self._buckets.get(index)
         if entry is None:
             entry = self._buckets[index] = dict.fromkeys(_FIELDS, 0)
-            entry.update(last_called_ns=0, last_ready_ns=0)
         return entry
 
-    def watch(self, index: int, called_ns: int, future, label: str = "bucket"):
+    def watch(self, index: int, called_ns: int, future):
         """Counts bucket `index` as called at `called_ns` (time.monotonic_ns()) and ready when
         `future` completes; returns the future to hand to DDP (with a torch.profiler range when
         the profiler runs)."""
         with self._lock:
             entry = self._entry(index)
             entry["calls"] += 1
-            entry["last_called_ns"] = called_ns
 
         def ready(fut):
             now = time.monotonic_ns()
             with self._lock:
                 entry = self._entry(index)
                 entry["comm_s"] += (now - called_ns) * 1e-9
-                entry["last_ready_ns"] = now
-            trace.record(label, "bucket", called_ns, now, f"DDP bucket {index}", bucket=index)
+            trace.record("bucket", "bucket", called_ns, now, f"DDP bucket {index}", bucket=index)
             return fut.value()  # raises the bucket's error, which the chained future then holds
 
         # Chained, not a callback: DDP is woken only once the bucket is counted.
-        return trace.profile_future(f"{label} {index}", future.then(ready))
+        return trace.profile_future(f"bucket {index}", future.then(ready))
 
     def add_work(self, index: int, work) -> None:
         """Adds what the operation behind `work` (a ringcomm Work) sent, received and spent, once
@@ -66,16 +63,6 @@ class BucketStats:
 
         work._on_finish(done)
 
-    def last_called_ns(self) -> int:
-        """When a hook was last called, for any bucket: in DDP, the moment backward produced the
-        last gradient of the step (what follows in backward is waiting for the averages)."""
-        with self._lock:
-            return max((e["last_called_ns"] for e in self._buckets.values()), default=0)
-
     def as_dict(self) -> dict:
         with self._lock:
-            return {index: {k: e[k] for k in _FIELDS} for index, e in sorted(self._buckets.items())}
-
-    def reset(self) -> None:
-        with self._lock:
-            self._buckets.clear()
+            return {index: dict(e) for index, e in sorted(self._buckets.items())}
