@@ -1,4 +1,11 @@
-"""Builds ringcomm: CMake + ninja compile the C++ core and the ringcomm._C extension."""
+"""Builds ringcomm: CMake + ninja compile the C++ core and the ringcomm._C extension, and
+ringcomm._C_cuda (the CUDA kernels) when nvcc is there.
+
+RINGCOMM_CUDA=1 requires the CUDA extension (an error without nvcc), RINGCOMM_CUDA=0 skips it;
+unset, it is built when nvcc is on PATH or in $CUDA_HOME/bin (default /usr/local/cuda).
+RINGCOMM_CUDA_ARCHS overrides the GPU architectures (CMake syntax; default
+"80-real;90-real;90-virtual": SASS for A100 and H100, PTX for what comes after).
+"""
 import os
 import shutil
 import subprocess
@@ -12,6 +19,23 @@ ROOT = Path(__file__).resolve().parent
 CORE_LIBRARY = "libringcomm.so"  # CMakeLists.txt's ringcomm_core, which _C links against
 
 
+def find_nvcc():
+    """nvcc's path when the CUDA extension is to be built, else None."""
+    wanted = os.environ.get("RINGCOMM_CUDA", "")
+    if wanted not in ("", "0", "1"):
+        raise SystemExit(f"RINGCOMM_CUDA must be 0 or 1, got {wanted!r}")
+    if wanted == "0":
+        return None
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path=str(Path(cuda_home) / "bin"))
+    if nvcc is None and wanted == "1":
+        raise SystemExit(f"RINGCOMM_CUDA=1 but no nvcc on PATH or in {cuda_home}/bin")
+    return nvcc
+
+
+NVCC = find_nvcc()
+
+
 class CMakeExtension(Extension):
     def __init__(self, name):
         super().__init__(name, sources=[])
@@ -22,7 +46,8 @@ class CMakeBuild(build_ext):
         import pybind11
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_dir = Path(self.build_temp).resolve() / ext.name
+        # One build tree for both extensions: the second configure is a no-op.
+        build_dir = Path(self.build_temp).resolve() / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
         config = [
             "cmake", str(ROOT), "-G", "Ninja",
@@ -30,9 +55,17 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DRINGCOMM_CUDA={'ON' if NVCC else 'OFF'}",
         ]
+        if NVCC:
+            config.append(f"-DCMAKE_CUDA_COMPILER={NVCC}")
+            if os.environ.get("RINGCOMM_CUDA_ARCHS"):
+                config.append(f"-DCMAKE_CUDA_ARCHITECTURES={os.environ['RINGCOMM_CUDA_ARCHS']}")
         subprocess.check_call(config, cwd=build_dir)
-        subprocess.check_call(["cmake", "--build", ".", "--target", "_C"], cwd=build_dir)
+        target = ext.name.rsplit(".", 1)[-1]
+        subprocess.check_call(["cmake", "--build", ".", "--target", target], cwd=build_dir)
+        if target != "_C":
+            return
         # What the torch backend is compiled from on first use (ringcomm/backend.py): the core's
         # headers and csrc/torch. Editable installs read the checkout's csrc instead.
         sources = out_dir / "_csrc"
@@ -59,7 +92,7 @@ setup(
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ringcomm", "ringcomm.*"]),
-    ext_modules=[CMakeExtension("ringcomm._C")],
+    ext_modules=[CMakeExtension("ringcomm._C")] + ([CMakeExtension("ringcomm._C_cuda")] if NVCC else []),
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
     install_requires=["numpy"],

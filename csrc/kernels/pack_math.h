@@ -27,24 +27,36 @@ struct Scaling {
   double factor = 1.0;
 };
 
+// The compute type of a conversion: the wider of the two, so float64 never passes through float.
+template <typename In, typename Out>
+using ConvertType = decltype(typename Compute<In>::type() + typename Compute<Out>::type());
+
+// store(scale(load(x))) for one element, the scaling kind fixed at compile time.
+template <ScaleKind kKind, typename In, typename Out>
+RC_HOST_DEVICE Out convert_one(In x, ConvertType<In, Out> factor) {
+  ConvertType<In, Out> v = ConvertType<In, Out>(Compute<In>::load(x));
+  if constexpr (kKind == ScaleKind::kMultiply) v = v * factor;
+  if constexpr (kKind == ScaleKind::kDivide) v = v / factor;
+  return Compute<Out>::store(v);
+}
+
 // out[i] = store(scale(load(in[i]))) for i in [begin, end).
 template <typename In, typename Out>
 RC_HOST_DEVICE void convert_range(Out* out, const In* in, size_t begin, size_t end,
                                   Scaling scaling) {
-  using LoadC = Compute<In>;
-  using StoreC = Compute<Out>;
-  // The wider of the two compute types, so float64 never passes through float.
-  using V = decltype(typename LoadC::type() + typename StoreC::type());
-  const V factor = V(scaling.factor);
+  const auto factor = ConvertType<In, Out>(scaling.factor);
   switch (scaling.kind) {
     case ScaleKind::kNone:
-      for (size_t i = begin; i < end; ++i) out[i] = StoreC::store(V(LoadC::load(in[i])));
+      for (size_t i = begin; i < end; ++i)
+        out[i] = convert_one<ScaleKind::kNone, In, Out>(in[i], factor);
       return;
     case ScaleKind::kMultiply:
-      for (size_t i = begin; i < end; ++i) out[i] = StoreC::store(V(LoadC::load(in[i])) * factor);
+      for (size_t i = begin; i < end; ++i)
+        out[i] = convert_one<ScaleKind::kMultiply, In, Out>(in[i], factor);
       return;
     case ScaleKind::kDivide:
-      for (size_t i = begin; i < end; ++i) out[i] = StoreC::store(V(LoadC::load(in[i])) / factor);
+      for (size_t i = begin; i < end; ++i)
+        out[i] = convert_one<ScaleKind::kDivide, In, Out>(in[i], factor);
       return;
   }
 }

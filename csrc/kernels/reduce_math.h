@@ -119,6 +119,8 @@ struct Compute {
 
 struct Half { uint16_t bits; };
 struct BFloat16 { uint16_t bits; };
+struct Bool { uint8_t byte; };  // torch's bool: one byte, 0 or 1
+
 
 template <>
 struct Compute<Half> {
@@ -133,21 +135,41 @@ struct Compute<BFloat16> {
   RC_HOST_DEVICE static BFloat16 store(float v) { return BFloat16{float_to_bf16(v)}; }
 };
 
+// bool computes as C++ bool, so the operators above are or (sum, max, bor), and (prod, min, band)
+// and xor (bxor), and any non-zero byte counts as true; results are stored as 0 or 1.
+template <>
+struct Compute<Bool> {
+  using type = bool;
+  RC_HOST_DEVICE static bool load(Bool v) { return v.byte != 0; }
+  RC_HOST_DEVICE static Bool store(bool v) { return Bool{uint8_t(v)}; }
+};
+
+// op(a, b) for one element.
+template <typename T, typename Op>
+RC_HOST_DEVICE T reduce_one(T a, T b, Op op) {
+  using C = Compute<T>;
+  return C::store(op(C::load(a), C::load(b)));
+}
+
 // out[i] = op(a[i], b[i]) for i in [begin, end).
 template <typename T, typename Op>
 RC_HOST_DEVICE void reduce_range(T* out, const T* a, const T* b, size_t begin, size_t end, Op op) {
-  using C = Compute<T>;
-  for (size_t i = begin; i < end; ++i) out[i] = C::store(op(C::load(a[i]), C::load(b[i])));
+  for (size_t i = begin; i < end; ++i) out[i] = reduce_one(a[i], b[i], op);
 }
 
 // x[i] = x[i] / divisor, for AVG's final division (a true division, not a multiply by the
 // reciprocal, so averages match sum / n exactly; on integers C's division, truncating toward zero
 // like NCCL's ncclAvg).
 template <typename T>
-RC_HOST_DEVICE void divide_range(T* x, int divisor, size_t begin, size_t end) {
+RC_HOST_DEVICE T divide_one(T x, int divisor) {
   using C = Compute<T>;
   using V = typename C::type;
-  for (size_t i = begin; i < end; ++i) x[i] = C::store(V(C::load(x[i]) / V(divisor)));
+  return C::store(V(C::load(x) / V(divisor)));
+}
+
+template <typename T>
+RC_HOST_DEVICE void divide_range(T* x, int divisor, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) x[i] = divide_one(x[i], divisor);
 }
 
 }  // namespace math

@@ -5,6 +5,7 @@
 
 #include "communicator.h"
 #include "kernels/cpu/pack.h"
+#include "python/kernel_args.h"
 
 namespace py = pybind11;
 
@@ -12,6 +13,8 @@ namespace ringcomm {
 namespace {
 
 using BufferRef = Communicator::BufferRef;
+using python::pack_list;
+using python::scaling;
 
 std::vector<BufferRef> buffer_refs(const std::vector<uintptr_t>& ptrs,
                                    const std::vector<size_t>& counts,
@@ -23,19 +26,6 @@ std::vector<BufferRef> buffer_refs(const std::vector<uintptr_t>& ptrs,
   for (size_t i = 0; i < ptrs.size(); ++i)
     refs.push_back({reinterpret_cast<void*>(ptrs[i]), counts[i], checked_dtype(dtypes[i])});
   return refs;
-}
-
-cpu::Scaling scaling(int kind, double factor) {
-  RC_CHECK_ARG(kind >= 0 && kind <= 2, "unknown scaling kind ", kind);
-  return {cpu::ScaleKind(kind), factor};
-}
-
-cpu::PackList pack_list(int dtype, const std::vector<uintptr_t>& ptrs,
-                        const std::vector<size_t>& counts) {
-  RC_CHECK_ARG(ptrs.size() == counts.size(), "addresses and counts differ in length");
-  cpu::PackList list(checked_dtype(dtype));
-  for (size_t i = 0; i < ptrs.size(); ++i) list.add(reinterpret_cast<void*>(ptrs[i]), counts[i]);
-  return list;
 }
 
 }  // namespace
@@ -74,7 +64,7 @@ void bind_fusion(py::module_& m) {
   m.def("pack_kernel",
         [](int dtype, const std::vector<uintptr_t>& ptrs, const std::vector<size_t>& counts,
            size_t begin, size_t end, uintptr_t dst, int dst_dtype, int scale_kind, double factor) {
-          cpu::Scaling s = scaling(scale_kind, factor);
+          math::Scaling s = scaling(scale_kind, factor);
           cpu::check_conversion(checked_dtype(dtype), checked_dtype(dst_dtype), s);
           cpu::pack(pack_list(dtype, ptrs, counts), begin, end, reinterpret_cast<void*>(dst),
                     DType(dst_dtype), s);
@@ -83,7 +73,7 @@ void bind_fusion(py::module_& m) {
         [](uintptr_t src, int src_dtype, int dtype, const std::vector<uintptr_t>& ptrs,
            const std::vector<size_t>& counts, size_t begin, size_t end, int scale_kind,
            double factor) {
-          cpu::Scaling s = scaling(scale_kind, factor);
+          math::Scaling s = scaling(scale_kind, factor);
           cpu::check_conversion(checked_dtype(src_dtype), checked_dtype(dtype), s);
           cpu::unpack(reinterpret_cast<const void*>(src), DType(src_dtype),
                       pack_list(dtype, ptrs, counts), begin, end, s);

@@ -127,25 +127,38 @@ bool avx2_available() {
 }
 #endif
 
-// `cands` are in ascending index order (the scan's). Finds the k-th in selection order on a copy,
-// then keeps, in place and in order, every candidate up to it: the winners come out sorted by
-// index without a sort.
-void select_exact(const std::vector<Candidate>& cands, size_t k, int32_t* indices) {
+// `cands` are in ascending index order (the scan's). Finds the k-th in selection order by the
+// radix passes of kernels/topk_math.h (the CUDA kernel's own steps), then keeps every candidate
+// up to it in one more walk: the winners come out sorted by index without a sort.
+void select_exact(const std::vector<Candidate>& cands, size_t k, int key_bits, int32_t* indices) {
   if (k == 0) return;
-  auto before = [](const Candidate& a, const Candidate& b) {
-    return topk::ranks_before(a.key, a.index, b.key, b.index);
-  };
-  std::vector<Candidate> order(cands);
-  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), before);
-  const Candidate last = order[k - 1];
-  size_t taken = 0;
-  for (const Candidate& c : cands)
-    if (!before(last, c)) indices[taken++] = int32_t(c.index);
+  topk::RadixState state = topk::radix_start(uint32_t(k));
+  std::vector<uint32_t> count(topk::kRadixBins);
+  for (int pass = 0; pass < topk::radix_passes(key_bits); ++pass) {
+    const topk::RadixPass p = topk::radix_pass(key_bits, pass);
+    std::fill(count.begin(), count.end(), 0u);
+    for (const Candidate& c : cands)
+      if (topk::radix_matches(c.key, state)) ++count[topk::radix_digit(c.key, p)];
+    uint32_t above = 0;
+    for (unsigned digit = 1u << p.bits; digit-- > 0; above += count[digit]) {
+      if (topk::radix_is_pick(above, count[digit], state.remaining)) {
+        topk::radix_advance(state, p, digit, above);
+        break;
+      }
+    }
+  }
+  uint32_t greater_before = 0, equal_before = 0;
+  for (const Candidate& c : cands) {
+    if (topk::radix_keeps(c.key, equal_before, state))
+      indices[topk::radix_slot(greater_before, equal_before, state)] = int32_t(c.index);
+    greater_before += c.key > state.prefix;
+    equal_before += c.key == state.prefix;
+  }
 }
 
 // The shared selection driver. `scan(t, out)` appends every (key, index) with key >= t, for the
 // whole input, and may be called again with a lower t.
-template <typename KeyAt, typename Scan>
+template <typename T, typename KeyAt, typename Scan>
 void select(size_t n, size_t k, int32_t* indices, KeyAt key_at, Scan scan) {
   std::vector<Candidate> cands;
   if (n < kDirectBelow || k * 4 >= n) {
@@ -160,7 +173,7 @@ void select(size_t n, size_t k, int32_t* indices, KeyAt key_at, Scan scan) {
       scan(t, cands);
     }
   }
-  select_exact(cands, k, indices);
+  select_exact(cands, k, topk::key_bits<T>(), indices);
 }
 
 // The scan over float32 data (AVX2 where there is one), else the portable loop.
@@ -177,7 +190,7 @@ void collect(const T* data, size_t n, Key t, KeyAt key_at, std::vector<Candidate
 template <typename T>
 void topk_typed(const T* data, size_t n, size_t k, int32_t* indices, T* values) {
   auto key_at = [&](size_t i) { return magnitude_key(data[i]); };
-  select(n, k, indices, key_at,
+  select<T>(n, k, indices, key_at,
          [&](Key t, std::vector<Candidate>& out) { collect(data, n, t, key_at, out); });
   for (size_t i = 0; i < k; ++i) values[i] = data[indices[i]];
 }
@@ -189,7 +202,7 @@ void topk_with_residual_typed(const T* grad, T* residual, size_t n, size_t k, in
   auto key_at = [&](size_t i) {
     return magnitude_key(accumulated ? residual[i] : topk::accumulate(grad[i], residual[i]));
   };
-  select(n, k, indices, key_at, [&](Key t, std::vector<Candidate>& out) {
+  select<T>(n, k, indices, key_at, [&](Key t, std::vector<Candidate>& out) {
     if (!accumulated) {  // first scan: accumulate and collect in one pass
       accumulated = true;
 #ifdef RC_TOPK_X86

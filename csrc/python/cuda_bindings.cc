@@ -1,0 +1,114 @@
+// ringcomm._C_cuda: the CUDA kernels on raw device addresses and a stream handle (an integer, as
+// torch.cuda.Stream.cuda_stream gives it; 0 is the legacy default stream). Every call only
+// enqueues work on the stream; none synchronises the host. ringcomm/cuda.py is the torch-side
+// wrapper. Errors: ValueError for bad arguments, ringcomm.RingcommError for CUDA failures.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/pack.h"
+#include "kernels/cuda/reduce.h"
+#include "kernels/cuda/topk.h"
+#include "python/kernel_args.h"
+
+namespace py = pybind11;
+
+namespace ringcomm {
+namespace {
+
+using python::address;
+using python::pack_list;
+using python::scaling;
+
+cudaStream_t stream_of(uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
+
+// The devices this process sees, or why it sees none (no driver, no device): ringcomm/cuda.py
+// turns the reason into its skip and error messages.
+py::tuple device_count() {
+  int count = 0;
+  cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // clear it: the process may still load a driver later
+    // Without any driver the runtime says "insufficient driver": name the missing library.
+    if (void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL)) {
+      dlclose(driver);
+    } else {
+      return py::make_tuple(0, std::string("no CUDA driver: ") + dlerror());
+    }
+    return py::make_tuple(0, std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status));
+  }
+  return py::make_tuple(count, count ? "" : "no CUDA device");
+}
+
+}  // namespace
+}  // namespace ringcomm
+
+PYBIND11_MODULE(_C_cuda, m) {
+  using namespace ringcomm;
+  using G = py::call_guard<py::gil_scoped_release>;
+  // ringcomm::Error as ringcomm._C's RingcommError, so callers catch one class for both modules.
+  // The class lives as long as the interpreter (a reference held for good).
+  static PyObject* error_class =
+      py::object(py::module_::import("ringcomm._C").attr("RingcommError")).release().ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(error_class, e.what());
+    }
+  });
+
+  m.def("device_count", &device_count,
+        "(number of CUDA devices, reason when there are none)");
+  m.def("runtime_version", [] {
+    int version = 0;
+    RC_CUDA_CHECK(cudaRuntimeGetVersion(&version));
+    return version;
+  });
+
+  m.def("reduce", [](int dtype, int op, uintptr_t out, uintptr_t a, uintptr_t b, size_t n,
+                     uintptr_t stream) {
+    const DType t = checked_dtype(dtype);
+    cuda::reduce(t, checked_op(op, t), address(out), address(a), address(b), n, stream_of(stream));
+  }, G());
+  m.def("divide", [](int dtype, uintptr_t x, size_t n, int divisor, uintptr_t stream) {
+    cuda::divide(checked_dtype(dtype), address(x), n, divisor, stream_of(stream));
+  }, G());
+
+  m.def("pack", [](int dtype, const std::vector<uintptr_t>& ptrs, const std::vector<size_t>& counts,
+                   size_t begin, size_t end, uintptr_t dst, int dst_dtype, int scale_kind,
+                   double factor, uintptr_t stream) {
+    cuda::pack(pack_list(dtype, ptrs, counts), begin, end, address(dst), checked_dtype(dst_dtype),
+               scaling(scale_kind, factor), stream_of(stream));
+  }, G());
+  m.def("unpack", [](uintptr_t src, int src_dtype, int dtype, const std::vector<uintptr_t>& ptrs,
+                     const std::vector<size_t>& counts, size_t begin, size_t end, int scale_kind,
+                     double factor, uintptr_t stream) {
+    cuda::unpack(address(src), checked_dtype(src_dtype), pack_list(dtype, ptrs, counts), begin,
+                 end, scaling(scale_kind, factor), stream_of(stream));
+  }, G());
+
+  m.def("topk_workspace_bytes", &cuda::topk_workspace_bytes);
+  m.def("topk", [](int dtype, uintptr_t data, size_t n, size_t k, uintptr_t indices,
+                   uintptr_t values, uintptr_t workspace, size_t workspace_bytes,
+                   uintptr_t stream) {
+    cuda::topk(checked_dtype(dtype), address(data), n, k, static_cast<int32_t*>(address(indices)),
+               address(values), address(workspace), workspace_bytes, stream_of(stream));
+  }, G());
+  m.def("topk_with_residual", [](int dtype, uintptr_t grad, uintptr_t residual, size_t n, size_t k,
+                                 uintptr_t indices, uintptr_t values, uintptr_t workspace,
+                                 size_t workspace_bytes, uintptr_t stream) {
+    cuda::topk_with_residual(checked_dtype(dtype), address(grad), address(residual), n, k,
+                             static_cast<int32_t*>(address(indices)), address(values),
+                             address(workspace), workspace_bytes, stream_of(stream));
+  }, G());
+  m.def("scatter_add", [](int dtype, uintptr_t out, size_t n, uintptr_t indices, uintptr_t values,
+                          size_t k, uintptr_t bad_index, uintptr_t stream) {
+    cuda::scatter_add(checked_dtype(dtype), address(out), n,
+                      static_cast<const int32_t*>(address(indices)), address(values), k,
+                      static_cast<int*>(address(bad_index)), stream_of(stream));
+  }, G());
+}
