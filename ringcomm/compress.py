@@ -1,4 +1,5 @@
-"""Top-k gradient compression kernels (exact, deterministic), on contiguous CPU tensors.
+"""Top-k gradient compression kernels (exact, deterministic), on contiguous tensors: CPU ones
+here, CUDA ones through ringcomm.cuda (same selection, same output).
 
     values, indices = ringcomm.compress.topk(t, k)
     values, indices = ringcomm.compress.topk_with_residual(grad, residual, k)
@@ -36,6 +37,9 @@ def _outputs(t: torch.Tensor, k: int):
 
 def topk(t: torch.Tensor, k: int):
     """The k elements of `t` (flattened) with the largest magnitude: (values, int32 indices)."""
+    if isinstance(t, torch.Tensor) and t.is_cuda:
+        from . import cuda
+        return cuda.topk(t, k)
     _check(t, "tensor")
     k, values, indices = _outputs(t, k)
     _C.topk_kernel(TORCH_DTYPES[t.dtype], t.data_ptr(), t.numel(), k, indices.data_ptr(),
@@ -46,6 +50,9 @@ def topk(t: torch.Tensor, k: int):
 def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int):
     """Error-feedback step: acc = grad + residual; return the top-k of acc as (values, indices)
     and leave acc, with the selected entries zeroed, in `residual` (updated in place)."""
+    if isinstance(grad, torch.Tensor) and grad.is_cuda:
+        from . import cuda
+        return cuda.topk_with_residual(grad, residual, k)
     _check(grad, "grad")
     _check(residual, "residual")
     if residual.dtype != grad.dtype or residual.numel() != grad.numel():

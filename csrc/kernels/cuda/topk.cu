@@ -92,25 +92,37 @@ Workspace carve(void* base, size_t bytes, size_t n) {
 __global__ void start_kernel(RadixState* state, uint32_t k) { *state = topk::radix_start(k); }
 
 // Counts the digit of pass `pass` of every key in the running. With kAccumulate, the key is that
-// of in[i] + acc[i], stored into acc[i] on the way.
+// of in[i] + acc[i], stored into acc[i] on the way. Gradients crowd a few digits (their
+// exponents) in the first pass, so the lanes of a warp holding one digit add to it once, through
+// their leader: one shared-memory atomic per distinct digit instead of one per element. Every
+// thread of a block runs the same number of iterations, so the whole warp takes part in each match.
 template <typename T, bool kAccumulate>
 __global__ void histogram_kernel(const T* in, T* acc, size_t n, int key_bits, int pass,
                                  const RadixState* state, uint32_t* counts) {
+  constexpr unsigned kNone = 0xffffffffu;  // not a digit: out of range or out of the running
   __shared__ uint32_t local[topk::kRadixBins];
   const RadixPass p = topk::radix_pass(key_bits, pass);
   const int bins = 1 << p.bits;
   for (int b = threadIdx.x; b < bins; b += blockDim.x) local[b] = 0;
   __syncthreads();
   const RadixState s = *state;
+  const unsigned lane = threadIdx.x % 32;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    T x = in[i];
-    if constexpr (kAccumulate) {
-      x = topk::accumulate(x, acc[i]);
-      acc[i] = x;
+  for (size_t base = size_t(blockIdx.x) * blockDim.x; base < n; base += stride) {
+    const size_t i = base + threadIdx.x;
+    unsigned digit = kNone;
+    if (i < n) {
+      T x = in[i];
+      if constexpr (kAccumulate) {
+        x = topk::accumulate(x, acc[i]);
+        acc[i] = x;
+      }
+      const Key key = topk::magnitude_key(x);
+      if (topk::radix_matches(key, s)) digit = topk::radix_digit(key, p);
     }
-    const Key key = topk::magnitude_key(x);
-    if (topk::radix_matches(key, s)) atomicAdd(&local[topk::radix_digit(key, p)], 1u);
+    const unsigned peers = __match_any_sync(0xffffffffu, digit);
+    if (digit != kNone && lane == unsigned(__ffs(peers) - 1))
+      atomicAdd(&local[digit], unsigned(__popc(peers)));
   }
   __syncthreads();
   for (int b = threadIdx.x; b < bins; b += blockDim.x)

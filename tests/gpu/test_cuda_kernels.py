@@ -1,0 +1,210 @@
+"""ringcomm's CUDA kernels on a GPU, against torch on the same GPU and against ringcomm's CPU
+kernels (which share their arithmetic): bit-exact where the CPU kernels are bit-exact."""
+import pytest
+import torch
+
+import ringcomm.cuda as rc_cuda
+from ringcomm import _C, compress
+from ringcomm._buffers import TORCH_DTYPES
+
+DEVICE = "cuda"
+OPS = {"sum": 0, "prod": 2, "min": 3, "max": 4, "band": 5, "bor": 6, "bxor": 7}
+TOPK_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def sample(dtype, n, gen):
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=gen).bool()
+    if dtype.is_floating_point:
+        x = torch.randn(n, generator=gen, dtype=torch.float64) * 100
+        x[::17] = 0.0
+        x[1::17] = -0.0
+        x[2::31] = float("inf")
+        x[3::37] = float("nan")
+        return x.to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (n,), generator=gen, dtype=torch.int64).to(dtype)
+
+
+def cpu_reduce(dtype, op, a, b):
+    """ringcomm's CPU kernel: the reference, since both sides run kernels/reduce_math.h."""
+    out = torch.empty_like(a)
+    _C.reduce_kernel(TORCH_DTYPES[dtype], OPS[op], out.data_ptr(), a.data_ptr(), b.data_ptr(),
+                     a.numel())
+    return out
+
+
+def same_bits(x, y):
+    return torch.equal(x.cpu().view(torch.uint8), y.cpu().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("n,offset", [(1, 0), (1000, 0), (4099, 1), (1 << 20, 0), (1 << 20, 3)])
+def test_reduce_matches_the_cpu_kernel_bit_for_bit(dtype, op, n, offset):
+    if op in ("band", "bor", "bxor") and dtype.is_floating_point:
+        pytest.skip("bitwise ops are for integers and bool")
+    gen = torch.Generator().manual_seed(n + OPS[op])
+    a, b = sample(dtype, n + offset, gen)[offset:], sample(dtype, n + offset, gen)[offset:]
+    expect = cpu_reduce(dtype, op, a.contiguous(), b.contiguous())
+    # offset > 0: misaligned views, the element-by-element path.
+    ga = sample(dtype, n + offset, gen).to(DEVICE)[offset:]
+    gb = sample(dtype, n + offset, gen).to(DEVICE)[offset:]
+    ga.copy_(a)
+    gb.copy_(b)
+    out = torch.empty_like(ga)
+    rc_cuda.reduce_(out, ga, gb, op)
+    assert same_bits(out, expect)
+    rc_cuda.reduce_(ga, ga, gb, op)  # in place
+    assert same_bits(ga, expect)
+
+
+def test_reduce_matches_torch_on_the_gpu():
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    a = torch.randn(3 << 20, device=DEVICE, generator=gen)
+    b = torch.randn(3 << 20, device=DEVICE, generator=gen)
+    assert torch.equal(rc_cuda.reduce_(torch.empty_like(a), a, b, "sum"), a + b)
+    assert torch.equal(rc_cuda.reduce_(torch.empty_like(a), a, b, "max"), torch.maximum(a, b))
+    h, g = a.half(), b.half()
+    assert torch.equal(rc_cuda.reduce_(torch.empty_like(h), h, g, "sum"), (h.float() + g.float()).half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32,
+                                   torch.int64, torch.float64])
+def test_divide_matches_the_cpu_kernel(dtype):
+    x = sample(dtype, 10_001, torch.Generator().manual_seed(2))
+    expect = x.clone()
+    _C.divide_kernel(TORCH_DTYPES[dtype], expect.data_ptr(), expect.numel(), 3)
+    gx = x.to(DEVICE)
+    rc_cuda.divide_(gx, 3)
+    assert same_bits(gx, expect)
+
+
+def test_reduce_rejects_bad_arguments():
+    a = torch.ones(4, device=DEVICE)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        rc_cuda.reduce_(a, a, torch.ones(4), "sum")
+    with pytest.raises(ValueError, match="must match"):
+        rc_cuda.reduce_(a, a, torch.ones(5, device=DEVICE), "sum")
+    with pytest.raises(ValueError, match="bitwise|needs an integer"):
+        rc_cuda.reduce_(a, a, a, "band")
+    with pytest.raises(ValueError, match="avg is undefined on bool"):
+        b = torch.ones(4, dtype=torch.bool, device=DEVICE)
+        rc_cuda.reduce_(b, b, b, "avg")
+
+
+def topk_input(n, dtype, gen, special):
+    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 3)
+    if special and n >= 10:
+        x[torch.randint(0, n, (3,), generator=gen)] = float("inf")
+        x[torch.randint(0, n, (2,), generator=gen)] = float("nan")
+        x[torch.randint(0, n, (n // 10,), generator=gen)] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", TOPK_DTYPES)
+@pytest.mark.parametrize("n", [1, 17, 4096, 4097, 131_073, 2_000_003])
+def test_topk_selects_what_the_cpu_kernel_selects(dtype, n):
+    gen = torch.Generator().manual_seed(n)
+    x = topk_input(n, dtype, gen, special=n % 2 == 1)
+    for k in sorted({0, 1, n // 100, n // 3, n}):
+        values, indices = rc_cuda.topk(x.to(DEVICE), k)
+        cpu_values, cpu_indices = compress.topk(x, k)
+        assert torch.equal(indices.cpu(), cpu_indices)
+        assert same_bits(values, cpu_values)
+
+
+def test_topk_ties_go_to_the_lower_index():
+    x = torch.ones(1_000_000, device=DEVICE)
+    x[::3] = -1.0
+    values, indices = rc_cuda.topk(x, 12345)
+    assert indices.tolist() == list(range(12345))
+    x = torch.tensor([1.0, 2.0, 2.0, 3.0, 2.0] * 1000, device=DEVICE)
+    _, indices = rc_cuda.topk(x, 1500)
+    expect = torch.nonzero(x.cpu() == 3.0).flatten().tolist()
+    expect = sorted(expect + torch.nonzero(x.cpu() == 2.0).flatten().tolist()[:500])
+    assert indices.tolist() == expect
+
+
+def test_topk_matches_torch_topk_as_a_set():
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    x = torch.randn(25_000_000, device=DEVICE, generator=gen)
+    k = 250_000
+    values, indices = rc_cuda.topk(x, k)
+    ref = torch.topk(x.abs(), k).indices.sort().values
+    assert torch.equal(indices.long(), ref)
+    assert torch.equal(values, x[ref])
+
+
+@pytest.mark.parametrize("dtype", TOPK_DTYPES)
+def test_topk_with_residual_matches_the_cpu_kernel_over_steps(dtype):
+    gen = torch.Generator().manual_seed(7)
+    n, k = 300_001, 3000
+    residual, gresidual = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype, device=DEVICE)
+    for _ in range(3):
+        grad = topk_input(n, dtype, gen, special=False)
+        values, indices = compress.topk_with_residual(grad, residual, k)
+        gvalues, gindices = rc_cuda.topk_with_residual(grad.to(DEVICE), gresidual, k)
+        assert torch.equal(gindices.cpu(), indices)
+        assert same_bits(gvalues, values)
+        assert same_bits(gresidual, residual)
+
+
+def test_topk_with_residual_k_zero_accumulates():
+    grad = torch.randn(1000, device=DEVICE)
+    residual = torch.randn(1000, device=DEVICE)
+    expect = residual + grad
+    values, indices = rc_cuda.topk_with_residual(grad, residual, 0)
+    assert values.numel() == 0 and torch.equal(residual, expect)
+
+
+def test_scatter_add_and_bad_indices():
+    out = torch.zeros(100, device=DEVICE)
+    indices = torch.tensor([3, 50, 99], dtype=torch.int32, device=DEVICE)
+    rc_cuda.scatter_add_(out, indices, torch.tensor([1.0, 2.0, 3.0], device=DEVICE))
+    rc_cuda.scatter_add_(out, indices, torch.tensor([1.0, 1.0, 1.0], device=DEVICE))
+    assert out[[3, 50, 99]].tolist() == [2.0, 3.0, 4.0] and out.sum().item() == 9.0
+    with pytest.raises(ValueError, match="outside"):
+        rc_cuda.scatter_add_(out, torch.tensor([100], dtype=torch.int32, device=DEVICE),
+                             torch.ones(1, device=DEVICE))
+    assert out.sum().item() == 9.0
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.float16, torch.bfloat16])
+def test_pack_unpack_match_the_cpu_kernels(wire):
+    gen = torch.Generator().manual_seed(9)
+    # More tensors than one launch carries, some empty, odd sizes.
+    sizes = [int(s) for s in torch.randint(0, 5000, (300,), generator=gen)]
+    tensors = [torch.randn(s, generator=gen) for s in sizes]
+    gtensors = [t.to(DEVICE) for t in tensors]
+    total = sum(sizes)
+    cpu_flat = torch.empty(total, dtype=wire)
+    ptrs, counts = [t.data_ptr() for t in tensors], sizes
+    _C.pack_kernel(0, ptrs, counts, 0, total, cpu_flat.data_ptr(), TORCH_DTYPES[wire], 1, 0.25)
+    flat = rc_cuda.pack(gtensors, dtype=wire, scale=0.25)
+    assert same_bits(flat, cpu_flat)
+    rc_cuda.unpack(flat, gtensors, divide=3.0)
+    _C.unpack_kernel(cpu_flat.data_ptr(), TORCH_DTYPES[wire], 0, ptrs, counts, 0, total, 2, 3.0)
+    for g, t in zip(gtensors, tensors):
+        assert same_bits(g, t)
+
+
+def test_pack_plain_copy_of_integers():
+    tensors = [torch.arange(n, dtype=torch.int64, device=DEVICE) for n in (5, 0, 1000)]
+    flat = rc_cuda.pack(tensors)
+    assert torch.equal(flat, torch.cat(tensors))
+    back = [torch.empty_like(t) for t in tensors]
+    rc_cuda.unpack(flat, back)
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors))
+
+
+def test_kernels_follow_the_current_stream():
+    x = torch.randn(1 << 22, device=DEVICE)
+    out = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the result is only right if reduce_ waits behind this
+        y = x * 2
+        rc_cuda.reduce_(out, y, x, "sum")
+    side.synchronize()
+    assert torch.equal(out, x * 2 + x)
