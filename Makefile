@@ -22,7 +22,7 @@ $(VENV)/.installed: $(SOURCES)
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=30
 
 # The main job: ringcomm vs gloo and Open MPI, $(RANKS) local ranks, with the memory floor, one run.
 bench: install
