@@ -32,10 +32,6 @@
 namespace ringcomm {
 namespace {
 
-// Scratch slots used here (the other algorithms use 0 .. 8): one per pipeline stage in flight.
-constexpr int kMaxDepth = 3;
-enum Slot { kSliceBuffers = 16, kIncoming = 16 + kMaxDepth, kTemps = 16 + 2 * kMaxDepth };
-
 struct Slice {
   size_t bucket, begin, end;  // fused elements [begin, end) of the bucket
   size_t count() const { return end - begin; }
@@ -134,7 +130,7 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
   size_t temp_bytes = 1;
   for (const FusedBucket& b : plan.buckets)
     temp_bytes = std::max(temp_bytes, plan.orders.scratch_bytes(b.sig.dtype));
-  char* temps = ctx.scratch(kTemps, temp_bytes);
+  char* temps = ctx.scratch(temp_bytes);
   constexpr size_t depth = 3;
   struct SlotState {
     char* buffer;    // the packed slice, then the reduced parts
@@ -142,8 +138,8 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
     std::vector<Request> contributions, results;  // by peer
   } slots[depth];
   for (size_t s = 0; s < std::min(depth, slices.size()); ++s) {
-    slots[s].buffer = ctx.scratch(kSliceBuffers + int(s), part_bytes * size_t(n));
-    slots[s].incoming = ctx.scratch(kIncoming + int(s), part_bytes * size_t(n - 1));
+    slots[s].buffer = ctx.scratch(part_bytes * size_t(n));
+    slots[s].incoming = ctx.scratch(part_bytes * size_t(n - 1));
     slots[s].contributions.resize(size_t(n));
     slots[s].results.resize(size_t(n));
   }
@@ -219,7 +215,7 @@ void coalesced_broadcast(Context& ctx, const std::vector<FusedBucket>& buckets, 
   char* buffers[depth];
   Request from_parent[depth];
   for (size_t s = 0; s < std::min(depth, slices.size()); ++s)
-    buffers[s] = ctx.scratch(kSliceBuffers + int(s), bytes);
+    buffers[s] = ctx.scratch(bytes);
 
   run_pipeline(ctx, slices, sigs, depth, [&](size_t stage, size_t c) {
     const Slice& slice = slices[c];
@@ -258,7 +254,7 @@ void coalesced_all_gather(Context& ctx, const std::vector<FusedBucket>& buckets)
   char* buffers[depth];
   std::vector<Request> from_peer[depth];
   for (size_t s = 0; s < std::min(depth, slices.size()); ++s) {
-    buffers[s] = ctx.scratch(kSliceBuffers + int(s), part_bytes * size_t(n));
+    buffers[s] = ctx.scratch(part_bytes * size_t(n));
     from_peer[s].resize(size_t(n));
   }
 

@@ -29,62 +29,92 @@ struct StagedReduce {
 };
 
 // What a communicator's operations reuse from one to the next: the lists of requests a Context
-// keeps (so that posting a message allocates nothing once they have grown), and 64-byte aligned
-// scratch buffers, indexed by slot. A buffer grows to
-// what an operation asks of it and is kept for the next; so that one large call does not hold its
-// memory for the rest of the job, every kTrimPeriod operations a buffer more than twice the
-// largest size asked of it in that period (or not used at all) is freed, and reallocated at the
-// size the next operation asks for.
+// keeps (so that posting a message allocates nothing once they have grown), and a scratch arena.
+//
+// The arena hands out 64-byte aligned blocks that live until the operation ends (or until the
+// ScratchFrame they were taken in closes): a bump pointer over chunks kept from one operation to
+// the next, so that a steady stream of operations allocates nothing. An operation that needed a
+// second chunk leaves one chunk of its whole footprint behind for the next. So that one large call
+// does not hold its memory for the rest of the job, every kTrimPeriod operations a chunk more than
+// twice the largest footprint of that period (or unused) is freed.
 class Scratch {
  public:
   static constexpr int kTrimPeriod = 64;
+  static constexpr size_t kAlign = 64;
 
-  char* get(int slot, size_t bytes) {
-    if (slot >= int(buffers_.size())) buffers_.resize(slot + 1);
-    Buffer& b = buffers_[slot];
-    b.peak = std::max(b.peak, bytes);
-    if (b.bytes < bytes) {
-      release(b);  // before the new one: the old and the new never coexist
-      void* p = nullptr;
-      if (posix_memalign(&p, 64, bytes) != 0) throw std::bad_alloc();
-      b.data.reset(static_cast<char*>(p));
-      b.bytes = bytes;
-      held_ += bytes;
+  char* take(size_t bytes) {
+    bytes = (std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
+    while (current_ < chunks_.size() && chunks_[current_].bytes - used_ < bytes) {
+      before_ += chunks_[current_].bytes;  // the rest of this chunk stays unused
+      ++current_;
+      used_ = 0;
     }
-    return b.data.get();
+    if (current_ == chunks_.size()) {
+      const size_t last = chunks_.empty() ? 0 : chunks_.back().bytes;
+      chunks_.push_back(allocate(std::max(bytes, 2 * last)));
+    }
+    char* block = chunks_[current_].data.get() + used_;
+    used_ += bytes;
+    footprint_ = std::max(footprint_, before_ + used_);
+    return block;
   }
 
-  // After every operation.
+  struct Mark {
+    size_t chunk, used, before;
+  };
+  Mark mark() const { return {current_, used_, before_}; }
+  void rewind(const Mark& m) {
+    current_ = m.chunk;
+    used_ = m.used;
+    before_ = m.before;
+  }
+
+  // After every operation: every block is free again.
   void operation_done() {
-    if (++operations_ < kTrimPeriod) return;
-    operations_ = 0;
-    for (Buffer& b : buffers_) {
-      if (b.bytes > 2 * b.peak) release(b);
-      b.peak = 0;
+    period_peak_ = std::max(period_peak_, footprint_);
+    if (chunks_.size() > 1) {  // one chunk of the whole footprint, for the next operation
+      release_all();
+      chunks_.push_back(allocate(footprint_));
     }
+    if (++operations_ >= kTrimPeriod) {
+      if (!chunks_.empty() && chunks_[0].bytes > 2 * period_peak_) release_all();
+      operations_ = 0;
+      period_peak_ = 0;
+    }
+    current_ = used_ = before_ = footprint_ = 0;
   }
 
   std::vector<Request> sends;  // a Context's sends not yet waited for
   std::vector<StagedReduce> staged;
 
-  // Bytes of buffers held now; from any thread (statistics).
+  // Bytes of chunks held now; from any thread (statistics).
   size_t bytes() const { return held_.load(std::memory_order_relaxed); }
 
  private:
   struct Free {
     void operator()(char* p) const { std::free(p); }
   };
-  struct Buffer {
+  struct Chunk {
     std::unique_ptr<char, Free> data;
     size_t bytes = 0;
-    size_t peak = 0;  // the most asked of it since the last trim
   };
-  void release(Buffer& b) {
-    held_ -= b.bytes;
-    b.data.reset();
-    b.bytes = 0;
+  Chunk allocate(size_t bytes) {
+    void* p = nullptr;
+    if (posix_memalign(&p, kAlign, bytes) != 0) throw std::bad_alloc();
+    held_ += bytes;
+    return Chunk{std::unique_ptr<char, Free>(static_cast<char*>(p)), bytes};
   }
-  std::vector<Buffer> buffers_;
+  void release_all() {
+    for (const Chunk& c : chunks_) held_ -= c.bytes;
+    chunks_.clear();
+  }
+
+  std::vector<Chunk> chunks_;
+  size_t current_ = 0;    // chunk the next block comes from
+  size_t used_ = 0;       // bytes of it handed out
+  size_t before_ = 0;     // bytes of the chunks before it, used or skipped
+  size_t footprint_ = 0;  // the most of before_ + used_ in this operation
+  size_t period_peak_ = 0;
   int operations_ = 0;
   std::atomic<size_t> held_{0};
 };
@@ -161,7 +191,10 @@ class Context {
     for (Request r : sends_) mesh_.wait(r, deadline_);
     sends_.clear();
   }
-  char* scratch(int slot, size_t bytes) { return scratch_.get(slot, bytes); }
+  // A 64-byte aligned block of scratch memory, valid until the operation ends or the enclosing
+  // ScratchFrame closes.
+  char* scratch(size_t bytes) { return scratch_.take(bytes); }
+  Scratch& scratch_arena() { return scratch_; }
 
  private:
   int global(int peer) const { return members_.empty() ? peer : members_[size_t(peer)]; }
@@ -175,6 +208,22 @@ class Context {
   std::vector<StagedReduce>& staged_;  // recv_reduce's receives to reduce once waited for
   std::vector<int> members_;  // a view's ranks (empty: all, rank r at index r)
   int index_ = -1;            // this rank's index in members_
+};
+
+// Scratch taken while a frame is open is given back when it closes: an algorithm that runs as
+// one step of another (the ring inside hierarchical, the gathers inside sparse) leaves the arena
+// as it found it, so steps that follow reuse the same memory. Blocks returned to the caller must
+// be taken before the frame opens.
+class ScratchFrame {
+ public:
+  explicit ScratchFrame(Context& ctx) : scratch_(ctx.scratch_arena()), mark_(scratch_.mark()) {}
+  ~ScratchFrame() { scratch_.rewind(mark_); }
+  ScratchFrame(const ScratchFrame&) = delete;
+  ScratchFrame& operator=(const ScratchFrame&) = delete;
+
+ private:
+  Scratch& scratch_;
+  Scratch::Mark mark_;
 };
 
 // Pieces of `count` elements, one per rank: balanced (the first count % n get one more) or

@@ -47,9 +47,8 @@ LinkModel probe_links(Context& ctx) {
   LinkModel m;
   constexpr size_t kFirst = 64 << 10, kLast = 4 << 20, kDrain = 512 << 10, kReduce = 256 << 10;
   constexpr double kLongEnough = 2e-3;
-  // Slots 1-3: recursive doubling (the max below) uses slot 0.
-  char* out = ctx.scratch(1, kLast);
-  char* in = ctx.scratch(2, kLast);
+  char* out = ctx.scratch(kLast);
+  char* in = ctx.scratch(kLast);
   std::memset(out, 0, kLast);
   m.alpha_s = median(shifts(ctx, out, in, 8, 3, 15));
   size_t bytes = kFirst;
@@ -63,7 +62,7 @@ LinkModel probe_links(Context& ctx) {
   }
   // A link that moved the bytes within its round's latency is at least that fast.
   m.bytes_per_s = double(bytes) / std::max(t - m.alpha_s, t / 2);
-  char* sum = ctx.scratch(3, kReduce);
+  char* sum = ctx.scratch(kReduce);
   std::memset(sum, 0, kReduce);
   double best = 1e9;
   for (int i = 0; i < 3; ++i) {

@@ -21,7 +21,8 @@ void recursive_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType 
   if (n == 1) return;
   const size_t bytes = count * dtype_size(dtype);
   char* data = static_cast<char*>(buf);
-  char* incoming = ctx.scratch(0, std::max<size_t>(1, bytes));
+  ScratchFrame frame(ctx);
+  char* incoming = ctx.scratch(bytes);
   int p = 1;
   while (p * 2 <= n) p *= 2;
   const int rem = n - p;

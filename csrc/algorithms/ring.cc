@@ -26,10 +26,6 @@
 namespace ringcomm {
 namespace {
 
-// Scratch slots used here: received slices before they are reduced, the all-reduce's work copy,
-// and the receive requests of one step (kept in scratch so that a step allocates nothing).
-enum Slot { kIncoming = 0, kWork = 1, kRequests = 10 };
-
 struct Ring {
   int n, rank, next, prev;
   size_t elem, slice;  // element size, slice length in elements
@@ -38,10 +34,11 @@ struct Ring {
         elem(dtype_size(dtype)),
         slice(std::max<size_t>(1, AlgorithmTuning::get().ring_slice_bytes / elem)) {}
 
-  // Room for the receive requests of one segment's slices.
+  // Room for the receive requests of one segment's slices (in scratch, so that a step allocates
+  // nothing).
   Request* requests(Context& ctx, const Segments& seg) const {
     return reinterpret_cast<Request*>(
-        ctx.scratch(kRequests, piece_count(seg.max_count(), slice) * sizeof(Request)));
+        ctx.scratch(piece_count(seg.max_count(), slice) * sizeof(Request)));
   }
   // Calls fn(first element, element count) for every slice of a segment of `count` elements.
   template <typename Fn>
@@ -61,8 +58,9 @@ struct Ring {
 void reduce_scatter_steps(Context& ctx, const Ring& ring, const char* src, char* work,
                           char* final_out, const Segments& seg, DType dtype, ReduceOp op,
                           const std::function<void(size_t, size_t)>& on_final) {
+  ScratchFrame frame(ctx);
   const size_t e = ring.elem;
-  char* incoming = ctx.scratch(kIncoming, std::max<size_t>(1, seg.max_count() * e));
+  char* incoming = ctx.scratch(seg.max_count() * e);
   Request* recvs = ring.requests(ctx, seg);
   int first = mod(ring.rank - 1, ring.n);
   ring.for_slices(seg.count(first), [&](size_t b, size_t c) {
@@ -92,6 +90,7 @@ void reduce_scatter_steps(Context& ctx, const Ring& ring, const char* src, char*
 // All-gather over segments `seg` of `buf`. With `own_sent`, step 0's slices (this rank's own
 // segment) were already sent by the caller.
 void all_gather_steps(Context& ctx, const Ring& ring, char* buf, const Segments& seg, bool own_sent) {
+  ScratchFrame frame(ctx);
   const size_t e = ring.elem;
   Request* recvs = ring.requests(ctx, seg);
   if (!own_sent)
@@ -145,8 +144,9 @@ void ring_reduce_scatter(Context& ctx, const void* in, void* out, size_t count, 
     return;
   }
   Segments seg(count * ring.n, ring.n);
+  ScratchFrame frame(ctx);  // closes after finish(): no send reads `work` any more
   // Partial sums of other ranks' blocks are kept until sent, so they need their own space.
-  char* work = ctx.scratch(kWork, std::max<size_t>(1, count * ring.n * ring.elem));
+  char* work = ctx.scratch(count * ring.n * ring.elem);
   char* result = static_cast<char*>(out);
   reduce_scatter_steps(ctx, ring, static_cast<const char*>(in), work, result, seg, dtype, op,
                        [&](size_t b, size_t c) {

@@ -66,9 +66,11 @@ namespace {
 
 class TreePipeline {
  public:
-  TreePipeline(Context& ctx, TreeLinks links, DType dtype, ReduceOp op, int child_slot)
+  // `chunk_elems`: the most elements of one reduce_chunk (0 for a broadcast-only pipeline); room
+  // for a child's chunk is taken from scratch once, here.
+  TreePipeline(Context& ctx, TreeLinks links, DType dtype, ReduceOp op, size_t chunk_elems)
       : ctx_(ctx), t_(std::move(links)), dtype_(dtype), op_(op), elem_(dtype_size(dtype)),
-        child_slot_(child_slot) {}
+        incoming_(chunk_elems ? ctx.scratch(chunk_elems * elem_) : nullptr) {}
 
   bool is_root() const { return t_.parent < 0; }
 
@@ -76,11 +78,10 @@ class TreePipeline {
   // leaf, `acc` otherwise (acc may alias local).
   const char* reduce_chunk(const char* local, char* acc, size_t n) {
     const size_t bytes = n * elem_;
-    char* incoming = ctx_.scratch(child_slot_, std::max<size_t>(1, bytes));
     const char* partial = local;
     for (int child : t_.children) {
-      ctx_.wait(ctx_.recv(child, incoming, bytes));
-      cpu::reduce(dtype_, op_, acc, partial, incoming, n);
+      ctx_.wait(ctx_.recv(child, incoming_, bytes));
+      cpu::reduce(dtype_, op_, acc, partial, incoming_, n);
       partial = acc;
     }
     if (!is_root()) ctx_.send(t_.parent, partial, bytes);
@@ -99,7 +100,7 @@ class TreePipeline {
   DType dtype_;
   ReduceOp op_;
   size_t elem_;
-  int child_slot_;
+  char* incoming_;
 };
 
 size_t chunk_elems(DType dtype) {
@@ -111,16 +112,19 @@ size_t chunk_elems(DType dtype) {
 void tree_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op) {
   const int n = ctx.size();
   if (n == 1) return;
+  ScratchFrame frame(ctx);
   const size_t e = dtype_size(dtype), chunk = chunk_elems(dtype);
   char* data = static_cast<char*>(buf);
   struct Half {
     TreePipeline tree;
     size_t offset, count, chunks;
   };
+  const size_t low = count / 2, high = count - low;  // elements of each tree's half
   Half halves[2] = {
-      {TreePipeline(ctx, heap_tree(n, ctx.rank(), false), dtype, op, 2), 0, count / 2, 0},
-      {TreePipeline(ctx, heap_tree(n, ctx.rank(), true), dtype, op, 3), count / 2,
-       count - count / 2, 0}};
+      {TreePipeline(ctx, heap_tree(n, ctx.rank(), false), dtype, op, std::min(chunk, low)), 0, low,
+       0},
+      {TreePipeline(ctx, heap_tree(n, ctx.rank(), true), dtype, op, std::min(chunk, high)), low,
+       high, 0}};
   size_t rounds = 0;
   for (Half& h : halves) {
     h.chunks = piece_count(h.count, chunk);
@@ -152,7 +156,7 @@ void tree_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceO
 void tree_broadcast(Context& ctx, void* buf, size_t bytes, int root, Algorithm shape) {
   if (ctx.size() == 1) return;
   TreePipeline tree(ctx, rooted_tree(ctx.size(), ctx.rank(), root, shape), DType::kUInt8,
-                    ReduceOp::kSum, 2);
+                    ReduceOp::kSum, 0);
   const size_t chunk = AlgorithmTuning::get().tree_chunk_bytes;
   char* data = static_cast<char*>(buf);
   for (size_t c = 0, pieces = piece_count(bytes, chunk); c < pieces; ++c) {
@@ -166,11 +170,13 @@ void tree_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op
                  Algorithm shape) {
   const int n = ctx.size();
   if (n == 1) return;
-  TreePipeline tree(ctx, rooted_tree(n, ctx.rank(), root, shape), dtype, op, 2);
+  ScratchFrame frame(ctx);
   const size_t e = dtype_size(dtype), chunk = chunk_elems(dtype);
+  TreePipeline tree(ctx, rooted_tree(n, ctx.rank(), root, shape), dtype, op,
+                    std::min(chunk, count));
   char* data = static_cast<char*>(buf);
   // Non-root ranks combine into scratch so their input survives.
-  char* acc = tree.is_root() ? data : ctx.scratch(3, std::max<size_t>(1, count * e));
+  char* acc = tree.is_root() ? data : ctx.scratch(count * e);
   for (size_t c = 0, pieces = piece_count(count, chunk); c < pieces; ++c) {
     size_t begin = c * chunk, len = std::min(chunk, count - std::min(count, begin));
     const char* result = tree.reduce_chunk(data + begin * e, acc + begin * e, len);
