@@ -83,11 +83,14 @@ void run(Input& in) {
     std::unique_ptr<char[]> blocks = in.bytes(total);
     const bool valid = gather_blocks_valid(s, blocks.get());
     // The decode buffer is scratch reused across calls: start it with indices that would pass.
-    const size_t most = *std::max_element(s.k.begin(), s.k.end());
-    std::vector<int32_t> decoded(std::max<size_t>(1, most), 0);
+    size_t total_k = 0;
+    for (size_t k : s.k) total_k += k;  // each below its packed size (check_peer_sizes)
+    std::vector<int32_t> decoded(std::max<size_t>(1, total_k), 0);
     bool ok = false;
     try {
       add_gathered(s, blocks.get(), decoded.data(), out.get());
+      std::vector<uint64_t> seen((numel + 63) / 64 + 1);
+      divide_gathered(s, decoded.data(), seen.data(), out.get());
       ok = true;
     } catch (const Error&) {
     }

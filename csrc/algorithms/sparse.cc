@@ -34,26 +34,23 @@
 namespace ringcomm {
 namespace {
 
-// Slots of the communicator's scratch used here (0 is the ring's, for the dense fallback).
-enum Slot { kCounts = 4, kPacked = 5, kIncoming = 6, kPieces = 7, kGathered = 8, kDecoded = 9 };
-
 // Every rank's `words` 8-byte values, via a ring all-gather: result[q * words + i].
 std::vector<size_t> gather_words(Context& ctx, const uint64_t* mine, int words) {
   const int n = ctx.size();
-  auto* all = reinterpret_cast<uint64_t*>(ctx.scratch(kCounts, 8 * words * n));
+  auto* all = reinterpret_cast<uint64_t*>(ctx.scratch(8 * words * n));
   std::memcpy(all + ctx.rank() * words, mine, 8 * words);
   if (n > 1) ring_all_gather(ctx, all, std::vector<size_t>(n, 8 * words), DType::kUInt8);
   return std::vector<size_t>(all, all + words * n);
 }
 
 // All-gather of variable byte blocks; block q lands at offset sum(bytes[0..q)) of the result.
-char* gather_blocks(Context& ctx, int slot, const void* mine, const std::vector<size_t>& bytes) {
+char* gather_blocks(Context& ctx, const void* mine, const std::vector<size_t>& bytes) {
   size_t total = 0, offset = 0;
   for (int q = 0; q < int(bytes.size()); ++q) {
     if (q == ctx.rank()) offset = total;
     total += bytes[q];
   }
-  char* all = ctx.scratch(slot, std::max<size_t>(1, total));
+  char* all = ctx.scratch(total);
   if (bytes[ctx.rank()]) std::memcpy(all + offset, mine, bytes[ctx.rank()]);
   ring_all_gather(ctx, all, bytes, DType::kUInt8);
   return all;
@@ -68,8 +65,7 @@ Algorithm choose(const Selector& select, const SparseSizes& s) {
 // Packs my pairs for gather: encoded indices, then values. Returns the packed size.
 size_t pack_for_gather(Context& ctx, const SparsePairs& mine, size_t value_size, char** packed) {
   trace::Span span("encode", mine.count * (sizeof(int32_t) + value_size));
-  *packed = ctx.scratch(kPacked, std::max<size_t>(1, cpu::max_encoded_bytes(mine.count) +
-                                                        mine.count * value_size));
+  *packed = ctx.scratch(cpu::max_encoded_bytes(mine.count) + mine.count * value_size);
   // mine.index is the caller's int32 array, aligned.
   size_t index_bytes = cpu::encode_indices(reinterpret_cast<const int32_t*>(mine.index), mine.count,
                                            reinterpret_cast<uint8_t*>(*packed));
@@ -77,15 +73,22 @@ size_t pack_for_gather(Context& ctx, const SparsePairs& mine, size_t value_size,
   return index_bytes + mine.count * value_size;
 }
 
-void gather_all_reduce(Context& ctx, const SparseSizes& s, const char* packed, void* out) {
-  const char* all = gather_blocks(ctx, kGathered, packed, s.packed);
-  size_t most = *std::max_element(s.k.begin(), s.k.end());
-  auto* decoded = reinterpret_cast<int32_t*>(ctx.scratch(kDecoded, std::max<size_t>(1, most * 4)));
+void gather_all_reduce(Context& ctx, const SparseSizes& s, const char* packed, void* out,
+                       ReduceOp op) {
+  const char* all = gather_blocks(ctx, packed, s.packed);
+  size_t total = 0;
+  for (size_t k : s.k) total += k;
+  auto* decoded = reinterpret_cast<int32_t*>(ctx.scratch(total * 4));
   trace::Span span("decode", s.numel * s.out_size);
   add_gathered(s, all, decoded, out);
+  if (op == ReduceOp::kAvg) {
+    auto* seen = reinterpret_cast<uint64_t*>(ctx.scratch((s.numel + 63) / 64 * 8));
+    divide_gathered(s, decoded, seen, out);
+  }
 }
 
-void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mine, void* out) {
+void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mine, void* out,
+                       ReduceOp op) {
   const int n = s.n, me = s.rank;
 
   // 1. Partition my pairs by owner (stable: pair order within a rank is kept) and exchange.
@@ -94,7 +97,7 @@ void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mi
   for (size_t i = 0; i < mine.count; ++i) ++to[s.owner(mine.index_at(i))];
   std::vector<size_t> start(n + 1, 0);
   for (int q = 0; q < n; ++q) start[q + 1] = start[q] + packed_bytes(to[q], s.value_size);
-  char* outgoing = ctx.scratch(kPacked, std::max<size_t>(1, start[n]));
+  char* outgoing = ctx.scratch(start[n]);
   std::vector<size_t> filled(n, 0);
   for (size_t i = 0; i < mine.count; ++i) {
     int q = s.owner(mine.index_at(i));
@@ -114,7 +117,7 @@ void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mi
   from[me] = to[me];
   std::vector<size_t> in_start(n + 1, 0);
   for (int q = 0; q < n; ++q) in_start[q + 1] = in_start[q] + packed_bytes(from[q], s.value_size);
-  char* incoming = ctx.scratch(kIncoming, std::max<size_t>(1, in_start[n]));
+  char* incoming = ctx.scratch(in_start[n]);
   std::vector<Request> pair_recvs;
   for (int q = 0; q < n; ++q)
     if (q != me) pair_recvs.push_back(ctx.recv(q, incoming + in_start[q], in_start[q + 1] - in_start[q]));
@@ -131,10 +134,12 @@ void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mi
   {
     trace::Span span("decode", len * s.out_size);
     n_touched = add_owned_pairs(s, incoming, from, out, touched.data());
+    // AVG: each owner divides its own range, so the pieces carry averages.
+    if (op == ReduceOp::kAvg) cpu::divide(s.out_dtype, out_bytes + begin * s.out_size, len, n);
   }
   bool sparse_piece = packed_bytes(n_touched, s.out_size) < len * s.out_size;
   uint64_t piece_bytes = sparse_piece ? packed_bytes(n_touched, s.out_size) : len * s.out_size;
-  char* piece = ctx.scratch(kPieces, std::max<size_t>(1, piece_bytes));
+  char* piece = ctx.scratch(piece_bytes);
   if (sparse_piece) {
     auto* idx = reinterpret_cast<int32_t*>(piece);
     char* val = piece + n_touched * sizeof(int32_t);
@@ -152,7 +157,7 @@ void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mi
   // 3. All-gather the pieces; a piece is dense iff its size is the whole range's.
   std::vector<size_t> piece_sizes = gather_words(ctx, &piece_bytes, 1);
   check_piece_sizes(s, piece_sizes);
-  const char* pieces = gather_blocks(ctx, kGathered, piece, piece_sizes);
+  const char* pieces = gather_blocks(ctx, piece, piece_sizes);
   trace::Span span("decode", s.numel * s.out_size);
   place_pieces(s, pieces, piece_sizes, out);
 }
@@ -168,9 +173,10 @@ Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const vo
   uint64_t sizes[2] = {k, pack_for_gather(ctx, mine, s.value_size, &packed)};
   check_peer_sizes(s, gather_words(ctx, sizes, 2));
   if (algo == Algorithm::kAuto) algo = choose(ctx.selector(), s);
+  // AVG divides where each way has least to divide: the ring and ranges only their own share.
   switch (algo) {
     case Algorithm::kSparseRanges:
-      ranges_all_reduce(ctx, s, mine, out);
+      ranges_all_reduce(ctx, s, mine, out, op);
       break;
     case Algorithm::kRing:
       check_indices(mine, 0, numel, s.rank);
@@ -179,12 +185,11 @@ Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const vo
         if (numel) std::memset(out, 0, numel * s.out_size);  // an empty `out` may be null
         scatter_add(value_dtype, out_dtype, out, mine);
       }
-      ring_all_reduce(ctx, out, numel, out_dtype, ReduceOp::kSum);
+      ring_all_reduce(ctx, out, numel, out_dtype, op);
       break;
     default:
-      gather_all_reduce(ctx, s, packed, out);
+      gather_all_reduce(ctx, s, packed, out, op);
   }
-  if (op == ReduceOp::kAvg) cpu::divide(out_dtype, out, numel, s.n);
   ctx.finish();
   return algo;
 }

@@ -82,8 +82,30 @@ void add_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded, vo
       RC_THROW("sparse_all_reduce: malformed index encoding from rank ", q);
     SparsePairs p{reinterpret_cast<const char*>(decoded), blocks + index_bytes, s.k[q]};
     blocks += s.packed[q];
+    decoded += s.k[q];
     check_indices(p, 0, s.numel, q);
     scatter_add(s.value_dtype, s.out_dtype, out, p);
+  }
+}
+
+void divide_gathered(const SparseSizes& s, const int32_t* decoded, uint64_t* seen, void* out) {
+  size_t total = 0;
+  for (size_t k : s.k) total += k;
+  std::memset(seen, 0, (s.numel + 63) / 64 * sizeof(uint64_t));
+  auto divide_at = [&](auto* typed) {
+    for (size_t i = 0; i < total; ++i) {
+      const uint32_t index = uint32_t(decoded[i]);  // checked by add_gathered
+      uint64_t& word = seen[index / 64];
+      const uint64_t bit = uint64_t(1) << (index % 64);
+      if (word & bit) continue;
+      word |= bit;
+      typed[index] = math::divide_one(typed[index], s.n);
+    }
+  };
+  switch (s.out_dtype) {
+    case DType::kFloat32: return divide_at(static_cast<float*>(out));
+    case DType::kFloat16: return divide_at(static_cast<math::Half*>(out));
+    default: return divide_at(static_cast<math::BFloat16*>(out));
   }
 }
 

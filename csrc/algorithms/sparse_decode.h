@@ -73,8 +73,14 @@ void check_peer_sizes(SparseSizes& s, const std::vector<size_t>& words);
 
 // gather: `blocks` holds every rank's packed pairs back to back (s.packed[q] bytes each). Zeroes
 // `out` (numel elements) and scatter-adds every rank's pairs into it, in rank order, decoding
-// the indices into `decoded` (room for the largest s.k).
+// the indices into `decoded` (room for the sum of s.k: every rank's stay, back to back).
 void add_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded, void* out);
+
+// AVG after add_gathered: out[i] /= s.n at every position some rank sent, once each. Every other
+// position holds the +0 it was zeroed to, which the division would leave as it is, so this gives
+// the bits of dividing the whole vector while touching only the sent positions. `decoded` is
+// add_gathered's; `seen` has room for numel bits.
+void divide_gathered(const SparseSizes& s, const int32_t* decoded, uint64_t* seen, void* out);
 
 // ranges step 1: `from[q]` is the number of pairs rank q sends this owner; at most its count.
 void check_owner_counts(const SparseSizes& s, const std::vector<size_t>& from);
