@@ -22,6 +22,6 @@ raise SystemExit(0 if ok else 2)
 PY
 status=0
 "$PY" -m pytest tests/gpu -q -rs --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt" || status=1
-"$PY" bench/gpu_kernels.py --json "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.md" || status=1
+"$PY" -m ringcomm.bench_kernels gpu --repeats 20 --json "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.md" || status=1
 echo "report: $OUT (tests: gpu_tests.txt, kernels: gpu_kernels.md)"
 exit $status

@@ -1,9 +1,20 @@
 """Single-process kernel benchmarks, side by side with torch, same input, same run.
 
     python -m ringcomm.bench_kernels topk --numel 25M --ratio 0.01
+    python -m ringcomm.bench_kernels gpu [--json FILE]
 
 topk: ringcomm.compress.topk and the fused topk_with_residual against torch.topk on |x| (the
 magnitude selection the compressor needs) and on x itself, on one thread, medians of --repeats.
+
+gpu: ringcomm's CUDA kernels (ringcomm.cuda) against torch on one GPU, with the floor of the
+memory traffic each must do at the device-to-device copy rate measured in the same run;
+CUDA-event timings, medians of --repeats after a warm-up:
+- top-k of --numel float32 at --ratio: against torch.topk(x.abs(), k, sorted=False);
+- top-k with error feedback: the fused kernel against the torch sequence it replaces
+  (residual += grad, top-k of |residual|, gather, zero the winners);
+- reduce (sum) of 256 MiB float32 and bfloat16: against torch.add(out=);
+- pack of 1000 float32 tensors of 1-16 KiB into one scaled bf16 buffer: against torch.cat.
+bench/gpu_check.sh runs it with the GPU tests and keeps the report.
 """
 from __future__ import annotations
 
@@ -57,9 +68,94 @@ def bench_topk(args):
                        "times_ms": {n: t * 1e3 for n, t in times.items()}}, f, indent=1)
 
 
+def gpu_time_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def bench_gpu(args):
+    from . import cuda as rc_cuda
+    ok, reason = rc_cuda.status()
+    if not ok:
+        raise SystemExit(f"bench_kernels gpu: cannot run: {reason}")
+    repeats = args.repeats
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    rate = 2 * src.numel() / (gpu_time_ms(lambda: dst.copy_(src), repeats) / 1e3)  # read + write
+    del src, dst
+
+    def floor_ms(nbytes):
+        return nbytes / rate * 1e3
+
+    rows = []
+
+    def row(name, ours, anchor_name, anchor, floor):
+        rows.append({"kernel": name, "ringcomm_ms": ours, "anchor": anchor_name, "anchor_ms": anchor,
+                     "speedup": anchor / ours, "floor_ms": floor, "vs_floor": ours / floor})
+
+    n, k = args.numel, max(1, int(args.numel * args.ratio))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, device="cuda", generator=gen)
+    _, ours = rc_cuda.topk(x, k)
+    same = torch.equal(ours.long(), torch.topk(x.abs(), k, sorted=False).indices.sort().values)
+    row(f"topk float32 {n} k={k}", gpu_time_ms(lambda: rc_cuda.topk(x, k), repeats),
+        "torch.topk(x.abs(), sorted=False)",
+        gpu_time_ms(lambda: torch.topk(x.abs(), k, sorted=False), repeats), floor_ms(4 * n))
+    grad, residual, theirs = x, torch.zeros_like(x), torch.zeros_like(x)
+
+    def torch_step():
+        theirs.add_(grad)
+        index = torch.topk(theirs.abs(), k, sorted=False).indices
+        values = theirs[index]
+        theirs[index] = 0
+        return values, index
+
+    row(f"topk_with_residual float32 {n} k={k}",
+        gpu_time_ms(lambda: rc_cuda.topk_with_residual(grad, residual, k), repeats),
+        "add_ + topk + gather + zero", gpu_time_ms(torch_step, repeats), floor_ms(12 * n))
+    for dtype in (torch.float32, torch.bfloat16):
+        count = (256 << 20) // torch.empty(0, dtype=dtype).element_size()
+        a = torch.randn(count, device="cuda", generator=gen).to(dtype)
+        b = torch.randn(count, device="cuda", generator=gen).to(dtype)
+        out = torch.empty_like(a)
+        row(f"reduce sum {str(dtype).removeprefix('torch.')} 256 MiB",
+            gpu_time_ms(lambda: rc_cuda.reduce_(out, a, b), repeats), "torch.add(out=)",
+            gpu_time_ms(lambda: torch.add(a, b, out=out), repeats), floor_ms(3 * (256 << 20)))
+    sizes = torch.randint(256, 4096, (1000,), generator=torch.Generator().manual_seed(1)).tolist()
+    tensors = [torch.randn(s, device="cuda", generator=gen) for s in sizes]
+    flat = torch.empty(sum(sizes), dtype=torch.bfloat16, device="cuda")
+    row("pack 1000 float32 tensors -> bf16, scaled",
+        gpu_time_ms(lambda: rc_cuda.pack(tensors, dtype=torch.bfloat16, scale=0.5, out=flat), repeats),
+        "(torch.cat * 0.5).to(bf16)",
+        gpu_time_ms(lambda: (torch.cat(tensors) * 0.5).to(torch.bfloat16), repeats),
+        floor_ms(6 * sum(sizes)))
+    device = torch.cuda.get_device_name()
+    print(f"# {device}, torch {torch.__version__}; copy rate {rate / 1e9:.0f} GB/s (read + write); "
+          f"median of {repeats}; top-k index set equal to torch's: {same}")
+    print("| kernel | ringcomm (ms) | anchor | anchor (ms) | speed-up | floor (ms) | vs floor |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['kernel']} | {r['ringcomm_ms']:.3f} | {r['anchor']} | {r['anchor_ms']:.3f} | "
+              f"{r['speedup']:.2f}x | {r['floor_ms']:.3f} | {r['vs_floor']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "torch": torch.__version__, "copy_rate": rate,
+                       "same_set": same, "rows": rows}, f, indent=1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m ringcomm.bench_kernels")
-    p.add_argument("kernel", choices=["topk"])
+    p.add_argument("kernel", choices=["topk", "gpu"])
     p.add_argument("--numel", type=parse_size, default=25_000_000)
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
@@ -67,7 +163,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json")
     args = p.parse_args(argv)
-    bench_topk(args)
+    (bench_gpu if args.kernel == "gpu" else bench_topk)(args)
 
 
 if __name__ == "__main__":
