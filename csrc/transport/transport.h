@@ -4,9 +4,10 @@
 // A transport gives each of its peers an ordered, reliable channel. Algorithms post non-blocking
 // sends and receives of byte ranges and wait for them; the mesh progresses every posted operation
 // while any wait is in progress, so sends, receives and the caller's reductions overlap. Every
-// message carries a Signature (which operation, sequence number, dtype, count, ...);
-// a receive whose incoming signature differs from the expected one fails on both sides with a
-// description of each, which is how mismatched collectives are reported instead of hanging.
+// message carries a Signature (common/signature.h), an opaque tag to the transport: it sends it
+// with the bytes, compares it with what the receive expects and describes both when they differ,
+// so a receive whose incoming signature differs from the expected one fails on both sides, which
+// is how mismatched collectives are reported instead of hanging.
 #pragma once
 
 #include <poll.h>
@@ -18,66 +19,12 @@
 #include <string>
 #include <vector>
 
-#include "common/dtype.h"
 #include "common/inplace_function.h"
+#include "common/signature.h"
 
 namespace ringcomm {
 
 using Clock = std::chrono::steady_clock;
-
-enum class Collective : uint8_t {
-  kAllReduce = 1,
-  kReduceScatter = 2,
-  kAllGather = 3,
-  kAllGatherV = 4,
-  kBroadcast = 5,
-  kReduce = 6,
-  kBarrier = 7,
-  kSendRecv = 8,
-  kSparseAllReduce = 9,
-  // One bucket of a coalesced call each (algorithms/coalesced.cc).
-  kAllReduceCoalesced = 10,
-  kBroadcastCoalesced = 11,
-  kAllGatherCoalesced = 12,
-  kGather = 13,
-  kScatter = 14,
-  kAllToAll = 15,
-  // The link probe and its agreements, while a communicator connects (algorithms/probe.cc).
-  kProbe = 16,
-};
-const char* collective_name(Collective c);
-
-enum class Algorithm : uint8_t {
-  kAuto = 0,
-  kRing = 1,
-  kTree = 2,
-  kRecursiveDoubling = 3,
-  kChain = 4,
-  kBinomial = 5,
-  kDissemination = 6,
-  kDirect = 7,
-  kSparseGather = 8,
-  kSparseRanges = 9,
-  kHierarchical = 10,
-};
-const char* algorithm_name(Algorithm a);
-
-// What a message belongs to. Two ranks agree on an operation iff their signatures are equal.
-struct Signature {
-  Collective coll = Collective::kBarrier;
-  DType dtype = DType::kUInt8;
-  ReduceOp op = ReduceOp::kSum;
-  Algorithm algo = Algorithm::kAuto;
-  bool p2p = false;     // send/recv: sequence numbers count per peer pair, not per communicator
-  int32_t root = -1;    // src/dst of rooted collectives, -1 otherwise
-  uint64_t seq = 0;
-  uint64_t count = 0;   // elements
-  uint64_t aux = 0;     // all_gatherv: a hash of the per-rank counts; send/recv: the tag
-
-  bool operator==(const Signature& o) const;
-  bool operator!=(const Signature& o) const { return !(*this == o); }
-  std::string describe() const;
-};
 
 // Handle of one posted send or receive (transport/mesh.h).
 struct Request {

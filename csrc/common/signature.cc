@@ -1,4 +1,4 @@
-#include "transport/transport.h"
+#include "common/signature.h"
 
 #include "common/error.h"
 
