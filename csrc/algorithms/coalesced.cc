@@ -14,7 +14,7 @@
 //   1. reduce part `me` from the n contributions, element by element in the order that one
 //      all_reduce per buffer would have used (reduction_order.h), so the results are bitwise
 //      those of per-buffer all_reduce; send it to every rank; unpack it.
-//   2. receive every other part from its owner; unpack it.
+//   2. receive every other part from its owner, unpacked as it arrives (Context::recv_apply).
 //   Bytes on the wire per rank: 2(n-1)/n of the data (sent and received), as a ring all-reduce,
 //   in two message latencies per slice. Every rank gets the owner's bits.
 // broadcast, 2 stages; the binomial tree or chain of broadcast (by bucket size):
@@ -187,17 +187,23 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
         ctx.send(q, mine, parts.count(me) * e, sig);
-        // Lands where my contribution to q was: q sends its result only after it has all of it.
-        slot.results[size_t(q)] =
-            ctx.recv(q, slot.buffer + parts.offset(q) * e, parts.count(q) * e, sig);
+        // Unpacked where it arrives (a shared-memory peer's slots), or staged where my
+        // contribution to q was: q sends its result only after it has all of it.
+        const FusedBucket* bucket = &b;
+        const CoalescedAllReduce* p = &plan;
+        const size_t begin = slice.begin + parts.offset(q);
+        slot.results[size_t(q)] = ctx.recv_apply(
+            q, slot.buffer + parts.offset(q) * e, parts.count(q) * e, sig,
+            [bucket, p, begin, e](size_t offset, const char* data, size_t bytes) {
+              trace::Span span("unpack", bytes);
+              cpu::unpack(data, bucket->sig.dtype, bucket->buffers, begin + offset / e,
+                          begin + (offset + bytes) / e, p->unpack_scaling);
+            });
       }
       unpack_part(me);
     } else {
-      for (int q = 0; q < n; ++q) {
-        if (q == me) continue;
-        ctx.wait(slot.results[size_t(q)]);
-        unpack_part(q);
-      }
+      for (int q = 0; q < n; ++q)
+        if (q != me) ctx.wait(slot.results[size_t(q)]);
     }
   });
 }

@@ -16,16 +16,13 @@
 
 namespace ringcomm {
 
-// A receive whose bytes land in `staging` and are reduced into `dst` once it completes
-// (Context::recv_reduce).
-struct StagedReduce {
+// A receive whose bytes land in `staging` and are handed to `apply` once it completes
+// (Context::recv_apply, on transports that cannot consume in place).
+struct StagedApply {
   int64_t id;
-  char* dst;
-  const char* local;
   const char* staging;
-  size_t count;
-  DType dtype;
-  ReduceOp op;
+  size_t bytes;
+  Transport::Consumer apply;
 };
 
 // What a communicator's operations reuse from one to the next: the lists of requests a Context
@@ -85,7 +82,7 @@ class Scratch {
   }
 
   std::vector<Request> sends;  // a Context's sends not yet waited for
-  std::vector<StagedReduce> staged;
+  std::vector<StagedApply> staged;
 
   // Bytes of chunks held now; from any thread (statistics).
   size_t bytes() const { return held_.load(std::memory_order_relaxed); }
@@ -157,33 +154,37 @@ class Context {
   Request recv(int peer, void* data, size_t bytes, const Signature& sig) {
     return mesh_.post_recv(global(peer), data, bytes, sig);
   }
+  // Receives `bytes` from `peer` and hands them to `apply(offset, data, bytes)`, in order. Where
+  // the peer's transport consumes in place (shared memory) `apply` reads its slots as they
+  // arrive; elsewhere the bytes land in `staging` and wait() applies them in one piece. The
+  // receive-side primitive of the algorithms: recv_reduce below, and unpacking into the
+  // caller's buffers (coalesced.cc).
+  Request recv_apply(int peer, char* staging, size_t bytes, const Signature& sig,
+                     Transport::Consumer apply) {
+    if (mesh_.can_consume(global(peer))) return mesh_.post_consume(global(peer), bytes, sig, apply);
+    Request r = recv(peer, staging, bytes, sig);
+    staged_.push_back({r.id, staging, bytes, apply});
+    return r;
+  }
   // Receives `count` elements from `peer` and stores local (op) incoming into `dst` (which may
-  // be `local`). Where the peer's transport consumes in place (shared memory) the reduction reads
-  // its slots as they arrive; elsewhere the bytes land in `staging` and are reduced by wait().
+  // be `local`), through recv_apply.
   Request recv_reduce(int peer, char* dst, const char* local, char* staging, size_t count,
                       DType dtype, ReduceOp op) {
-    if (mesh_.can_consume(global(peer))) {
-      const size_t e = dtype_size(dtype);
-      return mesh_.post_consume(global(peer), count * e, sig_,
-                                [=](size_t offset, const char* incoming, size_t bytes) {
-                                  trace::Span span("reduce", bytes, peer);
-                                  cpu::reduce(dtype, op, dst + offset, local + offset, incoming,
-                                              bytes / e);
-                                });
-    }
-    Request r = recv(peer, staging, count * dtype_size(dtype));
-    staged_.push_back({r.id, dst, local, staging, count, dtype, op});
-    return r;
+    const size_t e = dtype_size(dtype);
+    return recv_apply(peer, staging, count * e, sig_,
+                      [=](size_t offset, const char* incoming, size_t bytes) {
+                        trace::Span span("reduce", bytes, peer);
+                        cpu::reduce(dtype, op, dst + offset, local + offset, incoming, bytes / e);
+                      });
   }
   void set_current(const Signature& sig) { mesh_.set_current(sig); }
   void wait(Request r) {
     mesh_.wait(r, deadline_);
     for (size_t i = 0; i < staged_.size(); ++i) {
-      const StagedReduce& s = staged_[i];
-      if (s.id != r.id) continue;
-      trace::Span span("reduce", s.count * dtype_size(s.dtype));
-      cpu::reduce(s.dtype, s.op, s.dst, s.local, s.staging, s.count);
+      if (staged_[i].id != r.id) continue;
+      const StagedApply s = staged_[i];
       staged_.erase(staged_.begin() + long(i));
+      s.apply(0, s.staging, s.bytes);
       break;
     }
   }
@@ -205,7 +206,7 @@ class Context {
   Scratch& scratch_;
   const Selector& selector_;
   std::vector<Request>& sends_;
-  std::vector<StagedReduce>& staged_;  // recv_reduce's receives to reduce once waited for
+  std::vector<StagedApply>& staged_;  // recv_apply's receives to apply once waited for
   std::vector<int> members_;  // a view's ranks (empty: all, rank r at index r)
   int index_ = -1;            // this rank's index in members_
 };
