@@ -139,7 +139,9 @@ void Communicator::connect(const std::vector<std::string>& addresses, const std:
     const Clock::time_point deadline = Clock::now() + timeout_;
     mesh_->connect(addresses, token, deadline);
     layout_ = HostLayout::of(mesh_->host_of());
-    selector_ = Selector(world_size_, calibrate(deadline));
+    const bool uniform = layout_.uniform();
+    selector_ = Selector(world_size_, calibrate(deadline), uniform ? int(layout_.hosts.size()) : 0,
+                         uniform ? int(layout_.hosts[0].size()) : 0);
   }
   progress_thread_ = std::thread([this] {
     progress_thread_owner = this;
@@ -200,10 +202,7 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
                  "than one) on each");
     return wanted;
   }
-  Algorithm algo = selector_.all_reduce(bytes);
-  // Where the ring is cheapest, the hierarchical all-reduce sends the same bytes inside hosts and
-  // fewer across them.
-  if (algo == Algorithm::kRing && layout_.uniform()) algo = Algorithm::kHierarchical;
+  const Algorithm algo = selector_.all_reduce(bytes);
   if (debug_enabled()) {
     int size_class = 0;
     while (size_class < 63 && (size_t(1) << (size_class + 1)) <= bytes) ++size_class;
@@ -214,7 +213,9 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
              selector_.all_reduce_cost(Algorithm::kRing, double(bytes)) * 1e6, " us, tree ",
              selector_.all_reduce_cost(Algorithm::kTree, double(bytes)) * 1e6,
              " us, recursive doubling ",
-             selector_.all_reduce_cost(Algorithm::kRecursiveDoubling, double(bytes)) * 1e6, " us");
+             selector_.all_reduce_cost(Algorithm::kRecursiveDoubling, double(bytes)) * 1e6,
+             " us, hierarchical ",
+             selector_.all_reduce_cost(Algorithm::kHierarchical, double(bytes)) * 1e6, " us");
   }
   return algo;
 }
@@ -235,30 +236,40 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
   }
   LinkModel saved;
   const bool have = !tuning.empty() && load_link_model(tuning, &saved);
-  // Maxima: of "missing", alpha, seconds per byte sent and per byte reduced.
-  double agreed[4] = {have ? 0.0 : 1.0, have ? saved.alpha_s : 0.0,
-                      have ? 1 / saved.bytes_per_s : 0.0, have ? 1 / saved.reduce_bytes_per_s : 0.0};
+  // Maxima: of "missing", alpha, seconds per byte sent and per byte reduced, and inside a host
+  // alpha and seconds per byte sent.
+  double agreed[6] = {have ? 0.0 : 1.0,
+                      have ? saved.alpha_s : 0.0,
+                      have ? 1 / saved.bytes_per_s : 0.0,
+                      have ? 1 / saved.reduce_bytes_per_s : 0.0,
+                      have ? saved.local_alpha_s : 0.0,
+                      have ? 1 / saved.local_bytes_per_s : 0.0};
   auto agree = [&](double* values, size_t count) {
     connect_step(count, [&](Context& ctx) {
       recursive_doubling_all_reduce(ctx, values, count, DType::kFloat64, ReduceOp::kMax);
     }, deadline);
   };
-  agree(agreed, 4);
+  agree(agreed, 6);
   const char* source = "loaded from RINGCOMM_TUNING";
   if (agreed[0] > 0) {
     source = "probed";
     const auto start = Clock::now();
-    connect_step(0, [&](Context& ctx) { model = probe_links(ctx); }, deadline);
+    const std::vector<int>* host = layout_.uniform() ? &layout_.local(rank_) : nullptr;
+    connect_step(0, [&](Context& ctx) { model = probe_links(ctx, host); }, deadline);
     agreed[1] = model.alpha_s;
     agreed[2] = 1 / model.bytes_per_s;
     agreed[3] = 1 / model.reduce_bytes_per_s;
-    agree(agreed + 1, 3);
+    agreed[4] = model.local_alpha_s;
+    agreed[5] = 1 / model.local_bytes_per_s;
+    agree(agreed + 1, 5);
     RC_LOG("rank ", rank_, ": link probe took ",
            std::chrono::duration<double>(Clock::now() - start).count() * 1e3, " ms");
   }
   model.alpha_s = agreed[1];
   model.bytes_per_s = 1 / agreed[2];
   model.reduce_bytes_per_s = 1 / agreed[3];
+  model.local_alpha_s = agreed[4];
+  model.local_bytes_per_s = 1 / agreed[5];
   if (!tuning.empty() && agreed[0] > 0 && !save_link_model(tuning, model))
     RC_LOG("rank ", rank_, ": cannot write RINGCOMM_TUNING file '", tuning, "'");
   RC_LOG("rank ", rank_, ": links (", source, ", slowest rank): ", model.describe());

@@ -29,11 +29,20 @@ def test_probe_agrees_on_every_rank(transport, world):
     # 64 MiB: bandwidth-bound, the ring sends the fewest bytes; on two hosts of two ranks the
     # hierarchical all-reduce sends them inside the hosts
     assert choices[-1] == ("hierarchical" if transport == "mixed" else "ring")
+    if transport == "mixed":  # the links inside a host (shared memory) were probed on their own
+        assert 0 < model["local_alpha_s"] < 0.1 and 1e6 < model["local_bytes_per_s"] < 1e12
+        assert (model["local_alpha_s"], model["local_bytes_per_s"]) != \
+            (model["alpha_s"], model["bytes_per_s"])
+    else:
+        assert (model["local_alpha_s"], model["local_bytes_per_s"]) == \
+            (model["alpha_s"], model["bytes_per_s"])
 
 
-def write_model(path, alpha_us, bytes_per_s, reduce_bytes_per_s):
-    path.write_text(f"alpha_us {alpha_us}\nbytes_per_s {bytes_per_s}\n"
-                    f"reduce_bytes_per_s {reduce_bytes_per_s}\n")
+def write_model(path, alpha_us, bytes_per_s, reduce_bytes_per_s, local=None):
+    text = f"alpha_us {alpha_us}\nbytes_per_s {bytes_per_s}\nreduce_bytes_per_s {reduce_bytes_per_s}\n"
+    if local:
+        text += f"local_alpha_us {local[0]}\nlocal_bytes_per_s {local[1]}\n"
+    path.write_text(text)
     return str(path)
 
 
@@ -53,9 +62,28 @@ def test_auto_follows_the_model(tmp_path):
     assert choices == ["tree"] * len(SIZES)
 
 
+def test_hierarchical_is_chosen_by_its_cost(tmp_path):
+    """Two hosts of two ranks: the hierarchical all-reduce waits through two rounds inside the
+    hosts and two across them, the ring through six that cross hosts. Which wins depends on the
+    two classes of links."""
+    mixed = {r: TRANSPORTS["mixed"](r) for r in range(4)}
+    # Slow rounds between hosts, free ones inside: hierarchical at every size.
+    far = write_model(tmp_path / "far", 1000, 1e9, 1e12, local=(0, 1e9))
+    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": far},
+                                 per_rank_env=mixed)
+    assert choices == ["hierarchical"] * len(SIZES)
+    # Slow rounds inside the hosts and free ones between them: the flat ring, which crosses the
+    # host links only.
+    near = write_model(tmp_path / "near", 0, 1e9, 1e12, local=(1000, 1e9))
+    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": near},
+                                 per_rank_env=mixed)
+    assert choices == ["ring"] * len(SIZES)
+
+
 def test_off_is_the_default_model_and_exchanges_nothing():
     (model, choices), *_ = run_ranks(2, model_and_choices, env={"RINGCOMM_TUNING": "off"})
-    assert model == {"alpha_s": 16e-6, "bytes_per_s": 4e9, "reduce_bytes_per_s": 4e9}
+    assert model == {"alpha_s": 16e-6, "bytes_per_s": 4e9, "reduce_bytes_per_s": 4e9,
+                     "local_alpha_s": 16e-6, "local_bytes_per_s": 4e9}
 
 
 def test_a_probed_model_is_saved_and_loaded(tmp_path):

@@ -18,15 +18,17 @@ struct AlgorithmTuning {
   static const AlgorithmTuning& get();
 };
 
-// RINGCOMM_TUNING=path: the link model saved there (alpha_us, bytes_per_s, reduce_bytes_per_s;
-// one "name value" per line), if the file exists and holds all three.
+// RINGCOMM_TUNING=path: the link model saved there (alpha_us, bytes_per_s, reduce_bytes_per_s,
+// and optionally local_alpha_us and local_bytes_per_s, else the same as the first two; one
+// "name value" per line), if the file exists and holds the first three.
 bool load_link_model(const std::string& path, LinkModel* model);
 // Writes it (whole: through a temporary file renamed over it). False if it cannot.
 bool save_link_model(const std::string& path, const LinkModel& model);
 
-// The links' alpha, beta and this rank's reduction rate, measured around the ring of all ranks
-// (probe.cc); every rank must call it at once.
-LinkModel probe_links(Context& ctx);
+// The links' alpha, beta and this rank's reduction rate, measured around the ring of all ranks,
+// and, given `host` (this rank's host's ranks, when the layout is uniform), around each host's
+// ring for the links inside a host (probe.cc); every rank must call it at once.
+LinkModel probe_links(Context& ctx, const std::vector<int>* host);
 
 // all_reduce
 void ring_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);

@@ -6,7 +6,10 @@
 //      2 ms (every rank learns that time by a recursive-doubling max, so all go on alike): each
 //      size first untimed for 512 KiB in all (a link's token bucket or a TCP window has grown
 //      by then), then 3 timed; beta = bytes / (median time - alpha) of the last size.
-//   3. gamma: the best of 3 local float32 sums of 256 KiB.
+//   3. where the ranks span several hosts with several on each: steps 1 and 2 again inside each
+//      host (a view of its ranks, all hosts at once), for the links inside a host; the ring of
+//      step 1 and 2 is then held to the pace of the links between hosts.
+//   4. gamma: the best of 3 local float32 sums of 256 KiB.
 // Bytes on the wire per rank: at most 11 x 64 KiB + 4 x 512 KiB + 4 x 4 MiB. Each rank times
 // its own links; the caller agrees on the slowest rank's figures (a collective crosses every
 // link in lockstep).
@@ -41,16 +44,14 @@ std::vector<double> shifts(Context& ctx, char* out, char* in, size_t bytes, int 
   return seconds;
 }
 
-}  // namespace
-
-LinkModel probe_links(Context& ctx) {
-  LinkModel m;
-  constexpr size_t kFirst = 64 << 10, kLast = 4 << 20, kDrain = 512 << 10, kReduce = 256 << 10;
+// Steps 1 and 2 around the ring of `ctx`'s ranks. Returns the (zeroed) send buffer.
+char* probe_ring(Context& ctx, double* alpha_s, double* bytes_per_s) {
+  constexpr size_t kFirst = 64 << 10, kLast = 4 << 20, kDrain = 512 << 10;
   constexpr double kLongEnough = 2e-3;
   char* out = ctx.scratch(kLast);
   char* in = ctx.scratch(kLast);
   std::memset(out, 0, kLast);
-  m.alpha_s = median(shifts(ctx, out, in, 8, 3, 15));
+  *alpha_s = median(shifts(ctx, out, in, 8, 3, 15));
   size_t bytes = kFirst;
   double t;
   while (true) {
@@ -61,7 +62,23 @@ LinkModel probe_links(Context& ctx) {
     bytes *= 8;
   }
   // A link that moved the bytes within its round's latency is at least that fast.
-  m.bytes_per_s = double(bytes) / std::max(t - m.alpha_s, t / 2);
+  *bytes_per_s = double(bytes) / std::max(t - *alpha_s, t / 2);
+  return out;
+}
+
+}  // namespace
+
+LinkModel probe_links(Context& ctx, const std::vector<int>* host) {
+  LinkModel m;
+  constexpr size_t kReduce = 256 << 10;
+  char* out = probe_ring(ctx, &m.alpha_s, &m.bytes_per_s);
+  if (host) {
+    Context local = ctx.view(*host);
+    probe_ring(local, &m.local_alpha_s, &m.local_bytes_per_s);
+  } else {
+    m.local_alpha_s = m.alpha_s;
+    m.local_bytes_per_s = m.bytes_per_s;
+  }
   char* sum = ctx.scratch(kReduce);
   std::memset(sum, 0, kReduce);
   double best = 1e9;

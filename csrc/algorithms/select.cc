@@ -10,8 +10,18 @@ namespace ringcomm {
 std::string LinkModel::describe() const {
   return str_cat("alpha ", alpha_s * 1e6, " us per round, beta ", bytes_per_s / 1e9,
                  " GB/s per link, reduce ", reduce_bytes_per_s / 1e9, " GB/s (a round = ",
-                 size_t(round_bytes()), " bytes)");
+                 size_t(round_bytes()), " bytes); inside a host: alpha ", local_alpha_s * 1e6,
+                 " us, beta ", local_bytes_per_s / 1e9, " GB/s");
 }
+
+namespace {
+
+// A ring reduce-scatter or all-gather over `n` ranks of `bytes`: n-1 steps of 1/n of it.
+double ring_half(double n, double bytes, double alpha, double beta) {
+  return (n - 1) * (alpha + bytes / n / beta);
+}
+
+}  // namespace
 
 double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
   const double n = n_;
@@ -32,14 +42,23 @@ double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
       const double depth = std::ceil(std::log2(n));
       return 2 * depth * a + 2 * bytes / b + 2 * bytes / g;
     }
+    case Algorithm::kHierarchical: {
+      // ring reduce-scatter and all-gather inside the host over its links, and between them a
+      // ring all-reduce of this rank's 1/K of the vector across the H hosts
+      if (hosts_ < 2 || per_host_ < 2) return INFINITY;
+      const double k = per_host_, h = hosts_, slice = bytes / k;
+      const double la = model_.local_alpha_s, lb = model_.local_bytes_per_s;
+      return 2 * ring_half(k, bytes, la, lb) + (k - 1) / k * bytes / g +
+             2 * ring_half(h, slice, a, b) + (h - 1) / h * slice / g;
+    }
     default:  // ring: reduce-scatter and all-gather, n-1 steps each with 1/n of the vector
-      return 2 * (n - 1) * (a + bytes / n / b) + (n - 1) / n * bytes / g;
+      return 2 * ring_half(n, bytes, a, b) + (n - 1) / n * bytes / g;
   }
 }
 
 Algorithm Selector::all_reduce(size_t bytes) const {
   Algorithm best = Algorithm::kRing;
-  for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kTree})
+  for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHierarchical})
     if (all_reduce_cost(a, double(bytes)) < all_reduce_cost(best, double(bytes))) best = a;
   return best;
 }

@@ -2,6 +2,8 @@
 // (alpha: seconds per round of messages a rank waits through; beta: payload bytes per second of
 // one link; gamma: bytes per second one rank reduces), calibrated when a communicator connects
 // (algorithms/probe.cc) and the same on every rank, so that every rank picks the same algorithm.
+// Two classes of links: those a flat collective waits on (between hosts, when the ranks span
+// several), and those inside a host (the hierarchical all-reduce's first and last steps).
 // Costs are in seconds.
 #pragma once
 
@@ -17,6 +19,10 @@ struct LinkModel {
   double alpha_s = 16e-6;          // defaults: TCP loopback on a small machine
   double bytes_per_s = 4e9;
   double reduce_bytes_per_s = 4e9;
+  // Inside a host; probed apart where the ranks span several hosts with several on each (the
+  // hierarchical all-reduce's layout), else the same as above.
+  double local_alpha_s = 16e-6;
+  double local_bytes_per_s = 4e9;
   // Bytes a link moves in one round's latency: what a round is worth against bytes.
   double round_bytes() const { return alpha_s * bytes_per_s; }
   std::string describe() const;
@@ -24,13 +30,17 @@ struct LinkModel {
 
 class Selector {
  public:
-  Selector(int n, LinkModel model) : n_(n), model_(model) {}
+  // `hosts` hosts of `per_host` ranks each when the hierarchical all-reduce can run on the ranks
+  // (HostLayout::uniform), else 0.
+  Selector(int n, LinkModel model, int hosts = 0, int per_host = 0)
+      : n_(n), model_(model), hosts_(hosts), per_host_(per_host) {}
   int ranks() const { return n_; }
   const LinkModel& model() const { return model_; }
 
-  // A dense all-reduce of `bytes` by ring, tree or recursive doubling.
+  // A dense all-reduce of `bytes` by ring, tree, recursive doubling or (when the layout allows)
+  // hierarchical.
   double all_reduce_cost(Algorithm algo, double bytes) const;
-  // The cheapest of the three.
+  // The cheapest of them.
   Algorithm all_reduce(size_t bytes) const;
   // Broadcast and reduce: a binomial tree or a pipelined chain (chunks of `chunk_bytes`).
   double rooted_cost(Algorithm shape, double bytes, double chunk_bytes) const;
@@ -39,6 +49,7 @@ class Selector {
  private:
   int n_;
   LinkModel model_;
+  int hosts_, per_host_;
 };
 
 // The sparse all-reduce's ways after its step 0 (every rank's pair count and packed size known).

@@ -216,6 +216,8 @@ PYBIND11_MODULE(_C, m) {
              d["alpha_s"] = m.alpha_s;
              d["bytes_per_s"] = m.bytes_per_s;
              d["reduce_bytes_per_s"] = m.reduce_bytes_per_s;
+             d["local_alpha_s"] = m.local_alpha_s;
+             d["local_bytes_per_s"] = m.local_bytes_per_s;
              return d;
            })
       .def("stats",
