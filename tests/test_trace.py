@@ -20,10 +20,16 @@ def spans(events, name, pid=None):
             and (pid is None or e["pid"] == pid)]
 
 
+# Timestamps are wall-clock microseconds (ranks on other hosts have other monotonic clocks): about
+# 1.8e15, where a double's step is 0.25 us. A span that ends within a quarter microsecond of its
+# parent (the sparse all-reduce's decode, its last step) may seem to end after it.
+RESOLUTION_US = 0.5
+
+
 def inside(child, parent):
     return (child["pid"] == parent["pid"] and child["tid"] == parent["tid"]
-            and parent["ts"] <= child["ts"] + 1e-3
-            and child["ts"] + child["dur"] <= parent["ts"] + parent["dur"] + 1e-3)
+            and parent["ts"] <= child["ts"] + RESOLUTION_US
+            and child["ts"] + child["dur"] <= parent["ts"] + parent["dur"] + RESOLUTION_US)
 
 
 def _traced_ops(comm, path):
