@@ -6,24 +6,12 @@ import torch
 import ringcomm.cuda as rc_cuda
 from ringcomm import _C, compress
 from ringcomm._buffers import TORCH_DTYPES
+from test_kernels import sample  # the CPU kernels' tests' inputs (tests/ is on sys.path)
+from test_topk import random_input
 
 DEVICE = "cuda"
 OPS = {"sum": 0, "prod": 2, "min": 3, "max": 4, "band": 5, "bor": 6, "bxor": 7}
 TOPK_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def sample(dtype, n, gen):
-    if dtype == torch.bool:
-        return torch.randint(0, 2, (n,), generator=gen).bool()
-    if dtype.is_floating_point:
-        x = torch.randn(n, generator=gen, dtype=torch.float64) * 100
-        x[::17] = 0.0
-        x[1::17] = -0.0
-        x[2::31] = float("inf")
-        x[3::37] = float("nan")
-        return x.to(dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(info.min, info.max, (n,), generator=gen, dtype=torch.int64).to(dtype)
 
 
 def cpu_reduce(dtype, op, a, b):
@@ -93,20 +81,11 @@ def test_reduce_rejects_bad_arguments():
         rc_cuda.reduce_(b, b, b, "avg")
 
 
-def topk_input(n, dtype, gen, special):
-    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 3)
-    if special and n >= 10:
-        x[torch.randint(0, n, (3,), generator=gen)] = float("inf")
-        x[torch.randint(0, n, (2,), generator=gen)] = float("nan")
-        x[torch.randint(0, n, (n // 10,), generator=gen)] = 0.0
-    return x.to(dtype)
-
-
 @pytest.mark.parametrize("dtype", TOPK_DTYPES)
 @pytest.mark.parametrize("n", [1, 17, 4096, 4097, 131_073, 2_000_003])
 def test_topk_selects_what_the_cpu_kernel_selects(dtype, n):
     gen = torch.Generator().manual_seed(n)
-    x = topk_input(n, dtype, gen, special=n % 2 == 1)
+    x = random_input(n, dtype, gen, special=n % 2 == 1)
     for k in sorted({0, 1, n // 100, n // 3, n}):
         values, indices = rc_cuda.topk(x.to(DEVICE), k)
         cpu_values, cpu_indices = compress.topk(x, k)
@@ -142,7 +121,7 @@ def test_topk_with_residual_matches_the_cpu_kernel_over_steps(dtype):
     n, k = 300_001, 3000
     residual, gresidual = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype, device=DEVICE)
     for _ in range(3):
-        grad = topk_input(n, dtype, gen, special=False)
+        grad = random_input(n, dtype, gen, special=False)
         values, indices = compress.topk_with_residual(grad, residual, k)
         gvalues, gindices = rc_cuda.topk_with_residual(grad.to(DEVICE), gresidual, k)
         assert torch.equal(gindices.cpu(), indices)
