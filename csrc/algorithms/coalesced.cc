@@ -10,7 +10,8 @@
 // are still on the wire. S below is RINGCOMM_FUSION_SLICE_BYTES, the size of one message.
 //
 // all_reduce, 3 stages; a slice is n parts of S, part k owned by rank k:
-//   0. pack the slice; send part k to rank k (every k != me); receive every rank's part `me`.
+//   0. pack part `me`; send part k to rank k (every k != me), packed as it goes out
+//      (Context::send_produce); receive every rank's part `me`.
 //   1. reduce part `me` from the n contributions, element by element in the order that one
 //      all_reduce per buffer would have used (reduction_order.h), so the results are bitwise
 //      those of per-buffer all_reduce; send it to every rank; unpack it.
@@ -163,14 +164,25 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
     };
     if (stage == 0) {
       {
-        trace::Span span("pack", slice.count() * e);
-        cpu::pack(b.buffers, slice.begin, slice.end, slot.buffer, sig.dtype, plan.pack_scaling);
+        trace::Span span("pack", parts.count(me) * e);
+        const size_t begin = slice.begin + parts.offset(me);
+        cpu::pack(b.buffers, begin, begin + parts.count(me), mine, sig.dtype, plan.pack_scaling);
       }
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
         slot.contributions[size_t(q)] =
             ctx.recv(q, incoming_of(slot, q), parts.count(me) * e, sig);
-        ctx.send(q, slot.buffer + parts.offset(q) * e, parts.count(q) * e, sig);
+        // Part q is packed straight into q's shared memory, or staged in the slice buffer.
+        const FusedBucket* bucket = &b;
+        const CoalescedAllReduce* p = &plan;
+        const size_t begin = slice.begin + parts.offset(q);
+        ctx.send_produce(q, slot.buffer + parts.offset(q) * e, parts.count(q) * e, sig,
+                         [bucket, p, begin, e](size_t offset, char* dst, size_t bytes) {
+                           trace::Span span("pack", bytes);
+                           cpu::pack(bucket->buffers, begin + offset / e,
+                                     begin + (offset + bytes) / e, dst, bucket->sig.dtype,
+                                     p->pack_scaling);
+                         });
       }
     } else if (stage == 1) {
       std::vector<const char*> inputs(static_cast<size_t>(n));

@@ -154,6 +154,18 @@ class Context {
   Request recv(int peer, void* data, size_t bytes, const Signature& sig) {
     return mesh_.post_recv(global(peer), data, bytes, sig);
   }
+  // Sends `bytes` to `peer` as written by `produce(offset, dst, bytes)`: straight into the peer's
+  // memory as room frees up where its transport takes that (shared memory), else into `staging`
+  // at once and sent from there. The send-side twin of recv_apply: packing without a copy.
+  void send_produce(int peer, char* staging, size_t bytes, const Signature& sig,
+                    Transport::Producer produce) {
+    if (mesh_.can_consume(global(peer))) {
+      sends_.push_back(mesh_.post_produce(global(peer), bytes, sig, produce));
+      return;
+    }
+    produce(0, staging, bytes);
+    send(peer, staging, bytes, sig);
+  }
   // Receives `bytes` from `peer` and hands them to `apply(offset, data, bytes)`, in order. Where
   // the peer's transport consumes in place (shared memory) `apply` reads its slots as they
   // arrive; elsewhere the bytes land in `staging` and wait() applies them in one piece. The

@@ -237,6 +237,16 @@ Request Mesh::post_consume(int peer, size_t bytes, const Signature& sig,
   return Request{id};
 }
 
+Request Mesh::post_produce(int peer, size_t bytes, const Signature& sig,
+                           Transport::Producer produce) {
+  check_usable();
+  RC_CHECK_ARG(can_consume(peer), "rank ", peer, "'s transport cannot produce in place");
+  int64_t id = add_op(nullptr, true, peer, bytes);
+  int parts = route_[peer]->post_produce(peer, bytes, sig, id, std::move(produce));
+  find(id)->parts_left = parts;
+  return Request{id};
+}
+
 int64_t Mesh::add_op(Callback on_done, bool is_send, int peer, size_t bytes) {
   uint32_t slot;
   if (!free_slots_.empty()) {

@@ -59,9 +59,11 @@ class Mesh final : public PartSink {
                     Callback on_done = nullptr);
   Request post_recv(int peer, void* data, size_t bytes, const Signature& sig,
                     Callback on_done = nullptr);
-  // Whether receives from `peer` can be consumed in place (Transport::post_consume).
+  // Whether messages with `peer` can be consumed and produced in place (Transport::post_consume,
+  // Transport::post_produce).
   bool can_consume(int peer) const { return route_.at(size_t(peer)) && route_[peer]->can_consume(); }
   Request post_consume(int peer, size_t bytes, const Signature& sig, Transport::Consumer consume);
+  Request post_produce(int peer, size_t bytes, const Signature& sig, Transport::Producer produce);
   // Progress everything until `req` completes; throws ringcomm::Error on a mismatch, a lost peer,
   // a remote abort or when `deadline` passes.
   void wait(Request req, Clock::time_point deadline);

@@ -57,15 +57,23 @@ class Transport {
   // each reported to the sink once done. Buffers stay valid until then.
   virtual int post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
                    int64_t op) = 0;
-  // A receive whose bytes are handed to `consume(offset, data, bytes)` where they arrive, in
-  // order, instead of being copied to a buffer: a reduction can read the peer's shared memory in
-  // place. Only transports whose can_consume() is true take these.
+  // Messages read or written where the transport keeps them (a peer's shared memory) instead of
+  // being copied from or to a buffer: a receive hands its bytes to `consume(offset, data, bytes)`
+  // where they arrive, in order, so a reduction reads the peer's memory in place; a send has
+  // `produce(offset, dst, bytes)` write its bytes into the transport's memory as room frees up,
+  // so packing writes there directly. Only transports whose can_consume() is true take these.
   using Consumer = InplaceFunction<void(size_t offset, const char* data, size_t bytes)>;
+  using Producer = InplaceFunction<void(size_t offset, char* dst, size_t bytes)>;
   virtual bool can_consume() const { return false; }
   virtual int post_consume(int peer, size_t bytes, const Signature& sig, int64_t op,
                            Consumer consume) {
     (void)peer, (void)bytes, (void)sig, (void)op, (void)consume;
     throw std::logic_error("this transport cannot consume in place");
+  }
+  virtual int post_produce(int peer, size_t bytes, const Signature& sig, int64_t op,
+                           Producer produce) {
+    (void)peer, (void)bytes, (void)sig, (void)op, (void)produce;
+    throw std::logic_error("this transport cannot produce in place");
   }
   // The signature of the next message from `peer` if its header has arrived and no receive is
   // posted for it (a receive from any source picks its peer by this).

@@ -204,6 +204,14 @@ int ShmTransport::post_consume(int peer, size_t bytes, const Signature& sig, int
   return 1;
 }
 
+int ShmTransport::post_produce(int peer, size_t bytes, const Signature& sig, int64_t op,
+                               Producer produce) {
+  Part part{op, nullptr, bytes, 0, false, make_header(sig, bytes), nullptr};
+  part.produce = produce;
+  peers_[peer].sends.push_back(part);
+  return 1;
+}
+
 bool ShmTransport::pump_send(int peer, Peer& p) {
   (void)peer;
   bool moved = false;
@@ -216,7 +224,10 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
     sh->header = part.header;
     sh->fragment_bytes = len;
     sh->first = part.started ? 0 : 1;
-    if (len) memcpy(s + sizeof(SlotHeader), part.data + part.done, len);  // null if empty
+    if (len && part.produce)
+      part.produce(part.done, s + sizeof(SlotHeader), len);
+    else if (len)
+      memcpy(s + sizeof(SlotHeader), part.data + part.done, len);  // null if empty
     p.out->head.store(++p.out_head, std::memory_order_release);
     part.started = true;
     part.done += len;

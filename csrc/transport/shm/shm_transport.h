@@ -58,6 +58,8 @@ class ShmTransport final : public Transport {
   bool can_consume() const override { return true; }
   int post_consume(int peer, size_t bytes, const Signature& sig, int64_t op,
                    Consumer consume) override;
+  int post_produce(int peer, size_t bytes, const Signature& sig, int64_t op,
+                   Producer produce) override;
   bool progress() override;
   bool peek(int peer, Signature* sig) const override;
   bool busy() const override;
@@ -80,6 +82,7 @@ class ShmTransport final : public Transport {
     bool started = false;  // first slot written (send) or checked (receive)
     WireHeader header;     // sent, or expected
     Consumer consume;      // receives only: takes the bytes instead of `data`
+    Producer produce;      // sends only: writes the bytes instead of `data`
   };
   struct Mapping {
     char* base = nullptr;
