@@ -188,6 +188,10 @@ def test_ddp_on_ringcomm_backend_matches_gloo(world):
 def overlap(store, rank, world):
     """The hook returns while its all-reduce is still running."""
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    # The hooks' communicator first: made on first use, its rendezvous would otherwise hold rank
+    # 0's first hook until rank 1 arrives, after its sleep, and the all-reduce could then finish
+    # before rank 0 looks.
+    hooks.default_communicator()
     pending_at_return = []
 
     calls = []
