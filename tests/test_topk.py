@@ -80,6 +80,24 @@ def test_ties_go_to_the_lowest_index_on_large_inputs():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_fewer_nonzeros_than_k_takes_the_first_zeros(dtype):
+    """A sparse gradient: the sampled threshold is zero, and the zeros that complete the top k
+    are the ones of lowest index (collected as needed, not all of them)."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 1_000_003, 10_000
+    x = torch.zeros(n, dtype=dtype)
+    nonzero = torch.randperm(n, generator=gen)[:3000]
+    x[nonzero] = torch.randn(3000, generator=gen).to(dtype)
+    x[nonzero[:5]] = -0.0  # a negative zero is a zero
+    values, indices = compress.topk(x, k)
+    check_exact(x, k, values, indices)
+    residual = torch.zeros(n, dtype=dtype)
+    values, indices = compress.topk_with_residual(x, residual, k)
+    check_exact(x, k, values, indices)
+    assert torch.count_nonzero(residual) == 0  # every non-zero was sent
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(0, 0), (1, 1), (1000, 0), (1000, 10), (1000, 1000), (777_777, 7777)])
 def test_error_feedback_invariant_is_exact(dtype, n, k):
     gen = torch.Generator().manual_seed(n + k)

@@ -5,7 +5,8 @@
 // 2. Scan (the only full pass): collect every index whose key is >= t. In the error-feedback
 //    variant the same pass computes acc = grad + residual and stores it.
 // 3. If fewer than k were collected, the estimate was too high: lower t and scan again (rare;
-//    this is what makes the result exact, not probabilistic).
+//    this is what makes the result exact, not probabilistic). t stays at least 1: where fewer
+//    than k elements are non-zero, the zeros of lowest index complete the selection.
 // 4. Among the candidates, which contain every element of the true top-k whenever there are at
 //    least k of them, find the k-th by (key descending, index ascending) and keep every candidate
 //    that ranks up to it, in index order.
@@ -156,6 +157,25 @@ void select_exact(const std::vector<Candidate>& cands, size_t k, int key_bits, i
   }
 }
 
+// `cands` holds every non-zero element, fewer than k: merges in, in index order, the `missing`
+// zero elements of lowest index (ties go to the lower index), which complete the top k.
+template <typename KeyAt>
+void add_first_zeros(size_t n, size_t missing, KeyAt key_at, std::vector<Candidate>& cands) {
+  std::vector<Candidate> merged;
+  merged.reserve(cands.size() + missing);
+  size_t next = 0;  // next non-zero candidate
+  for (size_t i = 0; i < n && missing > 0; ++i) {
+    if (next < cands.size() && cands[next].index == i) {
+      merged.push_back(cands[next++]);
+    } else if (key_at(i) == 0) {
+      merged.push_back({0, uint32_t(i)});
+      --missing;
+    }
+  }
+  merged.insert(merged.end(), cands.begin() + long(next), cands.end());
+  cands.swap(merged);
+}
+
 // The shared selection driver. `scan(t, out)` appends every (key, index) with key >= t, for the
 // whole input, and may be called again with a lower t.
 template <typename T, typename KeyAt, typename Scan>
@@ -164,14 +184,17 @@ void select(size_t n, size_t k, int32_t* indices, KeyAt key_at, Scan scan) {
   if (n < kDirectBelow || k * 4 >= n) {
     scan(Key(0), cands);
   } else {
-    Key t = estimate_threshold(n, k, key_at);
+    // Never below 1: zeros (the least key) are not collected wholesale when fewer than k
+    // elements are non-zero (a sparse gradient), only as many as k needs, below.
+    Key t = std::max<Key>(1, estimate_threshold(n, k, key_at));
     cands.reserve(k * 2);
     scan(t, cands);
-    while (cands.size() < k) {  // too few reached t: lower it and look again
+    while (cands.size() < k && t > 1) {  // too few reached t: lower it and look again
       t = t / 2;
       cands.clear();
       scan(t, cands);
     }
+    if (cands.size() < k) add_first_zeros(n, k - cands.size(), key_at, cands);
   }
   select_exact(cands, k, topk::key_bits<T>(), indices);
 }
