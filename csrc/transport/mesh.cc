@@ -229,21 +229,25 @@ Request Mesh::post(bool is_send, int peer, char* data, size_t bytes, const Signa
 
 Request Mesh::post_consume(int peer, size_t bytes, const Signature& sig,
                            Transport::Consumer consume) {
-  check_usable();
-  RC_CHECK_ARG(can_consume(peer), "rank ", peer, "'s transport cannot consume in place");
-  int64_t id = add_op(nullptr, false, peer, bytes);
-  int parts = route_[peer]->post_consume(peer, bytes, sig, id, std::move(consume));
-  find(id)->parts_left = parts;
-  return Request{id};
+  return post_in_place(peer, false, bytes, [&](int64_t id) {
+    return route_[peer]->post_consume(peer, bytes, sig, id, std::move(consume));
+  });
 }
 
 Request Mesh::post_produce(int peer, size_t bytes, const Signature& sig,
                            Transport::Producer produce) {
+  return post_in_place(peer, true, bytes, [&](int64_t id) {
+    return route_[peer]->post_produce(peer, bytes, sig, id, std::move(produce));
+  });
+}
+
+template <typename PostToTransport>
+Request Mesh::post_in_place(int peer, bool is_send, size_t bytes, PostToTransport post) {
   check_usable();
-  RC_CHECK_ARG(can_consume(peer), "rank ", peer, "'s transport cannot produce in place");
-  int64_t id = add_op(nullptr, true, peer, bytes);
-  int parts = route_[peer]->post_produce(peer, bytes, sig, id, std::move(produce));
-  find(id)->parts_left = parts;
+  RC_CHECK_ARG(can_consume(peer), "rank ", peer, "'s transport cannot ",
+               is_send ? "produce" : "consume", " in place");
+  int64_t id = add_op(nullptr, is_send, peer, bytes);
+  find(id)->parts_left = post(id);
   return Request{id};
 }
 

@@ -114,6 +114,10 @@ class Mesh final : public PartSink {
   };
   static constexpr int kSlotBits = 24;
   int64_t add_op(Callback on_done, bool is_send, int peer, size_t bytes);
+  // post_consume and post_produce: checks, the op, then `post(id)` hands it to the transport and
+  // returns its number of parts.
+  template <typename PostToTransport>
+  Request post_in_place(int peer, bool is_send, size_t bytes, PostToTransport post);
   Op* find(int64_t id);
   const Op* find(int64_t id) const;
   void remove(Op& op);
