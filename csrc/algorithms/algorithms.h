@@ -7,6 +7,7 @@
 
 #include "algorithms/context.h"
 #include "algorithms/host_layout.h"
+#include "algorithms/schedule.h"
 
 namespace ringcomm {
 
@@ -29,6 +30,28 @@ bool save_link_model(const std::string& path, const LinkModel& model);
 // and, given `host` (this rank's host's ranks, when the layout is uniform), around each host's
 // ring for the links inside a host (probe.cc); every rank must call it at once.
 LinkModel probe_links(Context& ctx, const std::vector<int>* host);
+
+// Rank `rank`'s steps (schedule.h) among n ranks. Ring schedules run over Segments(count, n);
+// the double binary tree over tree_halves(count); recursive doubling over the whole buffer.
+Schedule ring_all_reduce_schedule(int n, int rank);
+Schedule ring_reduce_scatter_schedule(int n, int rank);
+Schedule ring_all_gather_schedule(int n, int rank);
+Schedule double_tree_all_reduce_schedule(int n, int rank);
+Segments tree_halves(size_t count);
+Schedule recursive_doubling_schedule(int n, int rank);
+// Slice lengths in elements of `elem` bytes: RINGCOMM_RING_SLICE_BYTES, RINGCOMM_TREE_CHUNK_BYTES.
+size_t ring_slice(size_t elem);
+size_t tree_slice(size_t elem);
+
+// How all_reduce by `algo` (ring, tree or recursive doubling) runs on rank `rank` of n over
+// `count` elements of `elem` bytes: its step list, the blocks it runs over, and the slice length
+// in elements (schedule.cc).
+struct AllReduceSchedule {
+  Schedule schedule;
+  Segments blocks;
+  size_t slice;
+};
+AllReduceSchedule all_reduce_schedule(Algorithm algo, int n, int rank, size_t count, size_t elem);
 
 // all_reduce
 void ring_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);

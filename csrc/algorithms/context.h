@@ -178,15 +178,25 @@ class Context {
     staged_.push_back({r.id, staging, bytes, apply});
     return r;
   }
-  // Receives `count` elements from `peer` and stores local (op) incoming into `dst` (which may
-  // be `local`), through recv_apply.
+  // Receives `count` elements from `peer` and stores local (op) incoming (or, with
+  // `incoming_first`, incoming (op) local) into `dst` (which may be `local`), through recv_apply.
   Request recv_reduce(int peer, char* dst, const char* local, char* staging, size_t count,
-                      DType dtype, ReduceOp op) {
-    const size_t e = dtype_size(dtype);
-    return recv_apply(peer, staging, count * e, sig_,
-                      [=](size_t offset, const char* incoming, size_t bytes) {
-                        trace::Span span("reduce", bytes, peer);
-                        cpu::reduce(dtype, op, dst + offset, local + offset, incoming, bytes / e);
+                      DType dtype, ReduceOp op, bool incoming_first) {
+    // Packed, so that the consumer's captures fit its inline storage.
+    struct How {
+      uint32_t elem;
+      int peer;
+      DType dtype;
+      ReduceOp op;
+      bool incoming_first;
+    } how{uint32_t(dtype_size(dtype)), peer, dtype, op, incoming_first};
+    return recv_apply(peer, staging, count * how.elem, sig_,
+                      [dst, local, how](size_t offset, const char* incoming, size_t bytes) {
+                        trace::Span span("reduce", bytes, how.peer);
+                        const char* mine = local + offset;
+                        cpu::reduce(how.dtype, how.op, dst + offset,
+                                    how.incoming_first ? incoming : mine,
+                                    how.incoming_first ? mine : incoming, bytes / how.elem);
                       });
   }
   void set_current(const Signature& sig) { mesh_.set_current(sig); }
@@ -250,6 +260,7 @@ class Segments {
   explicit Segments(const std::vector<size_t>& counts) : offsets_(counts.size() + 1) {
     for (size_t i = 0; i < counts.size(); ++i) offsets_[i + 1] = offsets_[i] + counts[i];
   }
+  int size() const { return int(offsets_.size()) - 1; }
   size_t offset(int i) const { return offsets_[i]; }
   size_t count(int i) const { return offsets_[i + 1] - offsets_[i]; }
   size_t max_count() const {

@@ -1,68 +1,58 @@
 // Recursive doubling all-reduce, for small messages: latency of log2(n) exchanges.
 //
-// With p the largest power of two <= n and rem = n - p:
-//   1. fold:  among ranks 0 .. 2*rem-1, each even rank sends its buffer to the odd rank above it,
-//             which combines them (lower rank's data on the left) and stays in; even ranks drop out.
-//   2. butterfly, for mask = 1, 2, 4, .. < p: exchange the whole buffer with the partner whose
-//             index differs in `mask`, combine as (lower index's data) op (higher index's data).
-//   3. unfold: each odd rank of step 1 sends the result back to its even partner.
+// With p the largest power of two <= n and rem = n - p, a rank's steps (schedule.h), over the
+// whole buffer as one block:
+//   1. fold:  among ranks 0 .. 2*rem-1, each even rank sends its buffer to the odd rank above
+//             it, which recv-reduces it (incoming, the lower rank's data, first) and stays in;
+//             even ranks drop out.
+//   2. butterfly, for mask = 1, 2, 4, .. < p: exchange-reduce the whole buffer with the partner
+//             whose index differs in `mask`: (lower index's data) op (higher index's data); the
+//             last exchange completes it.
+//   3. unfold: each odd rank of step 1 sends the result back to its even partner, which
+//             receives it in place.
 // Bytes on the wire per rank: S * log2(p) (+ S for the fold) for a buffer of S bytes. Both
 // partners compute the same expression with the same operand order, so results are bitwise equal
-// on every rank. reduction_order.cc replays this order for coalesced all-reduce (checked by
-// tests/test_fusion.py).
+// on every rank. reduction_order.cc replays this order for coalesced all-reduce, from the same
+// step lists (checked by tests/test_fusion.py).
 #include "algorithms/algorithms.h"
-#include "kernels/cpu/reduce.h"
 
 namespace ringcomm {
 
-void recursive_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype,
-                                   ReduceOp op) {
-  const int n = ctx.size(), rank = ctx.rank();
-  if (n == 1) return;
-  const size_t bytes = count * dtype_size(dtype);
-  char* data = static_cast<char*>(buf);
-  ScratchFrame frame(ctx);
-  char* incoming = ctx.scratch(bytes);
+Schedule recursive_doubling_schedule(int n, int rank) {
   int p = 1;
   while (p * 2 <= n) p *= 2;
   const int rem = n - p;
-
-  int index;  // position in the butterfly, -1 for ranks folded away
+  Schedule s;
+  if (rank < 2 * rem && rank % 2 == 0) {  // folded away: hand over, get the result back
+    s.steps.push_back({Prim::kSend, 0, -1, rank + 1});
+    s.steps.push_back({Prim::kRecv, 0, rank + 1, -1});
+    return s;
+  }
   if (rank < 2 * rem) {
-    if (rank % 2 == 0) {
-      ctx.send(rank + 1, data, bytes);
-      index = -1;
-    } else {
-      ctx.wait(ctx.recv(rank - 1, incoming, bytes));
-      cpu::reduce(dtype, op, data, incoming, data, count);
-      index = rank / 2;
-    }
-  } else {
-    index = rank - rem;
+    Step fold{Prim::kRecvReduce, 0, rank - 1, -1};
+    fold.incoming_first = true;  // the lower rank's data on the left
+    s.steps.push_back(fold);
   }
+  const int index = rank < 2 * rem ? rank / 2 : rank - rem;
+  auto rank_of = [&](int i) { return i < rem ? 2 * i + 1 : i + rem; };
+  for (int mask = 1; mask < p; mask <<= 1) {
+    const int partner = index ^ mask;
+    Step x{Prim::kExchangeReduce, 0, -1, rank_of(partner)};
+    x.incoming_first = partner < index;
+    x.completes = mask * 2 >= p;
+    s.steps.push_back(x);
+  }
+  if (rank < 2 * rem) s.steps.push_back({Prim::kSend, 0, -1, rank - 1});
+  return s;
+}
 
-  if (index >= 0) {
-    auto rank_of = [&](int i) { return i < rem ? 2 * i + 1 : i + rem; };
-    for (int mask = 1; mask < p; mask <<= 1) {
-      int partner_index = index ^ mask;
-      int partner = rank_of(partner_index);
-      ctx.send(partner, data, bytes);
-      ctx.wait(ctx.recv(partner, incoming, bytes));
-      ctx.finish();  // our buffer is about to change: the send must be out of it first
-      if (partner_index < index)
-        cpu::reduce(dtype, op, data, incoming, data, count);
-      else
-        cpu::reduce(dtype, op, data, data, incoming, count);
-    }
-    if (op == ReduceOp::kAvg) cpu::divide(dtype, data, count, n);
-  }
-
-  if (rank < 2 * rem) {
-    if (rank % 2 == 1)
-      ctx.send(rank - 1, data, bytes);
-    else
-      ctx.wait(ctx.recv(rank + 1, data, bytes));
-  }
+void recursive_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype,
+                                   ReduceOp op) {
+  if (ctx.size() == 1) return;
+  char* data = static_cast<char*>(buf);
+  const AllReduceSchedule s = all_reduce_schedule(Algorithm::kRecursiveDoubling, ctx.size(),
+                                                  ctx.rank(), count, dtype_size(dtype));
+  run_schedule(ctx, s.schedule, s.blocks, {data, data}, dtype, op, s.slice);
   ctx.finish();
 }
 

@@ -1,9 +1,8 @@
 #include "algorithms/reduction_order.h"
 
 #include <algorithm>
-#include <functional>
 
-#include "algorithms/context.h"
+#include "algorithms/algorithms.h"
 #include "kernels/cpu/reduce.h"
 
 namespace ringcomm {
@@ -50,6 +49,13 @@ void ReductionProgram::run(DType dtype, ReduceOp op, const char* const* inputs, 
   }
 }
 
+std::string ReductionProgram::describe() const {
+  std::vector<std::string> value;  // of each step
+  auto operand = [&](int v) { return v < n_ ? std::to_string(v) : value[size_t(v - n_)]; };
+  for (const Step& s : steps_) value.push_back("(" + operand(s.a) + " " + operand(s.b) + ")");
+  return value.empty() ? std::string() : value.back();
+}
+
 void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
                              std::vector<OrderedRange>& out) {
   auto append = [&](size_t begin, size_t n, int program) {
@@ -62,16 +68,14 @@ void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
     out.push_back({base + begin, n, program});
   };
   switch (algo) {
-    case Algorithm::kRecursiveDoubling: append(0, count, program_id(algo, 0)); return;
-    case Algorithm::kRing: {
-      Segments seg(count, n_);
-      for (int k = 0; k < n_; ++k) append(seg.offset(k), seg.count(k), program_id(algo, k));
+    case Algorithm::kRecursiveDoubling:
+    case Algorithm::kRing:
+    case Algorithm::kTree: {
+      const Segments blocks = all_reduce_schedule(algo, n_, 0, count, 1).blocks;
+      for (int b = 0; b < blocks.size(); ++b)
+        append(blocks.offset(b), blocks.count(b), program_id(algo, b));
       return;
     }
-    case Algorithm::kTree:
-      append(0, count / 2, program_id(algo, 0));
-      append(count / 2, count - count / 2, program_id(algo, 1));
-      return;
     case Algorithm::kHierarchical: {
       const int k = int(layout_.hosts.at(0).size()), h = int(layout_.hosts.size());
       Segments local(count, k);
@@ -89,59 +93,80 @@ void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
 int ReductionOrders::program_id(Algorithm algo, int piece) {
   auto key = std::make_pair(algo, piece);
   auto it = std::find(keys_.begin(), keys_.end(), key);
-  if (it != keys_.end()) return int(it - keys_.begin());
-  keys_.push_back(key);
-  programs_.push_back(build(algo, piece));
-  return int(programs_.size()) - 1;
+  if (it == keys_.end()) {
+    build(algo);
+    it = std::find(keys_.begin(), keys_.end(), key);
+    RC_CHECK_ARG(it != keys_.end(), "no reduction order for piece ", piece, " of ",
+                 algorithm_name(algo));
+  }
+  return int(it - keys_.begin());
 }
 
-// `piece`: the ring segment, the tree half (1: the mirrored tree), or for the hierarchical
-// algorithm j * hosts + h (host segment j, piece h of it).
-ReductionProgram ReductionOrders::build(Algorithm algo, int piece) const {
+namespace {
+
+// The program that computes `node`'s expression from the ranks' contributions.
+int emit(ReductionProgram& prog, const Expressions& expr, int node) {
+  const Expressions::Node& x = expr.nodes[size_t(node)];
+  if (x.leaf >= 0) return x.leaf;
+  const int a = emit(prog, expr, x.a);
+  return prog.add(a, emit(prog, expr, x.b));
+}
+
+// Each block's final expression when every rank runs `schedule_of(m, rank)` with rank i's
+// value starting as initial[i].
+template <typename ScheduleOf>
+std::vector<int> run_all(ScheduleOf schedule_of, int blocks, const std::vector<int>& initial,
+                         Expressions& expr) {
+  const int m = int(initial.size());
+  std::vector<Schedule> schedules;
+  for (int r = 0; r < m; ++r) schedules.push_back(schedule_of(m, r));
+  return simulate_schedules(schedules, blocks, initial, expr);
+}
+
+}  // namespace
+
+// Pieces: the ring's segments, the tree's halves, recursive doubling's one block, or for the
+// hierarchical algorithm j * hosts + h (host segment j, piece h of it).
+void ReductionOrders::build(Algorithm algo) {
   const int n = n_;
   RC_CHECK_ARG(n >= 2, "reduction orders need at least two ranks");
-  ReductionProgram prog(n);
-  // Segment k of a ring over `ranks` (operands) starts at index k+1 and travels around; each
-  // combines (its own value) op (what arrived).
-  auto ring = [&](const std::vector<int>& ranks, int k) {
-    const int m = int(ranks.size());
-    int acc = ranks[size_t((k + 1) % m)];
-    for (int j = 2; j <= m; ++j) acc = prog.add(ranks[size_t((k + j) % m)], acc);
-    return acc;
-  };
-  if (algo == Algorithm::kRecursiveDoubling) {
-    int p = 1;
-    while (p * 2 <= n) p *= 2;
-    const int rem = n - p;
-    // Butterfly index i starts from ranks 2i, 2i+1 folded (i < rem) or from rank i + rem; each
-    // exchange combines (lower index's value) op (higher index's value).
-    auto leaf = [&](int i) { return i < rem ? prog.add(2 * i, 2 * i + 1) : i + rem; };
-    std::function<int(int, int)> span = [&](int lo, int len) {
-      return len == 1 ? leaf(lo) : prog.add(span(lo, len / 2), span(lo + len / 2, len / 2));
-    };
-    span(0, p);
-  } else if (algo == Algorithm::kRing) {
-    std::vector<int> all(static_cast<size_t>(n));
-    for (int r = 0; r < n; ++r) all[size_t(r)] = r;
-    ring(all, piece);
-  } else if (algo == Algorithm::kHierarchical) {
-    const int hosts = int(layout_.hosts.size());
-    std::vector<int> sums;  // each host's sum of segment piece / hosts, by ring over its ranks
-    for (const std::vector<int>& host : layout_.hosts) sums.push_back(ring(host, piece / hosts));
-    ring(sums, piece % hosts);
-  } else {
-    const bool mirrored = piece == 1;
-    auto rank_at = [&](int pos) { return mirrored ? n - 1 - pos : pos; };
-    std::function<int(int)> node = [&](int pos) {
-      int acc = rank_at(pos);
-      for (int child : {2 * pos + 1, 2 * pos + 2})
-        if (child < n) acc = prog.add(acc, node(child));
-      return acc;
-    };
-    node(0);
+  Expressions expr;
+  std::vector<int> ranks;
+  for (int r = 0; r < n; ++r) ranks.push_back(expr.leaf(r));
+  std::vector<int> pieces;  // each piece's final expression
+  switch (algo) {
+    case Algorithm::kRecursiveDoubling:
+      pieces = run_all(recursive_doubling_schedule, 1, ranks, expr);
+      break;
+    case Algorithm::kRing: pieces = run_all(ring_all_reduce_schedule, n, ranks, expr); break;
+    case Algorithm::kTree: pieces = run_all(double_tree_all_reduce_schedule, 2, ranks, expr); break;
+    case Algorithm::kHierarchical: {
+      // Inside each host, a ring reduce-scatter over its ranks; then, for each host segment j,
+      // a ring all-reduce over the hosts' sums of it.
+      const int k = int(layout_.hosts.at(0).size());
+      std::vector<std::vector<int>> host_sums;
+      for (const std::vector<int>& host : layout_.hosts) {
+        std::vector<int> initial;
+        for (int r : host) initial.push_back(ranks[size_t(r)]);
+        host_sums.push_back(run_all(ring_reduce_scatter_schedule, k, initial, expr));
+      }
+      for (int j = 0; j < k; ++j) {
+        std::vector<int> initial;
+        for (const std::vector<int>& sums : host_sums) initial.push_back(sums[size_t(j)]);
+        for (int node : run_all(ring_all_reduce_schedule, int(initial.size()), initial, expr))
+          pieces.push_back(node);
+      }
+      break;
+    }
+    default: RC_INVALID("no reduction order for algorithm ", algorithm_name(algo));
   }
-  prog.finish();
-  return prog;
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    ReductionProgram prog(n);
+    emit(prog, expr, pieces[p]);
+    prog.finish();
+    keys_.emplace_back(algo, int(p));
+    programs_.push_back(std::move(prog));
+  }
 }
 
 }  // namespace ringcomm

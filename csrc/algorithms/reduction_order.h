@@ -3,14 +3,14 @@
 //
 // One all_reduce per buffer picks its algorithm by the buffer's size, and the order of the
 // combinations (which matters for floating-point sums and products) follows from the algorithm,
-// the number of ranks and where the element sits in the buffer:
-//   recursive doubling (recursive_doubling.cc): one order for every element, a balanced tree over
-//     butterfly indices with a fold of ranks 2i, 2i+1 when n is not a power of two;
-//   ring (ring.cc): element in segment k: x_k op (x_k-1 op (... op (x_k+2 op x_k+1)));
-//   double binary tree (tree.cc): first half of the buffer over the heap tree, second half over
-//     its mirror; at each node (mine op child_0) op child_1;
-//   hierarchical (hierarchical.cc): element in host segment j, piece h of it: the ring order of
-//     segment j over each host's ranks, then the ring order of piece h over the hosts' results.
+// the number of ranks and the block of the buffer the element sits in. The programs are not
+// written out here: they are what simulate_schedules (schedule.h) finds when it runs every
+// rank's step list of the algorithm, the same lists the algorithm executes:
+//   recursive doubling (recursive_doubling.cc): one block, the whole buffer;
+//   ring (ring.cc): segment k, Segments(count, n), for k = 0 .. n-1;
+//   double binary tree (tree.cc): the two halves, tree_halves(count);
+//   hierarchical (hierarchical.cc): host segment j, piece h of it: the ring reduce-scatter's
+//     segment j over each host's ranks, then the ring all-reduce's segment h over the hosts'.
 // A coalesced all-reduce (coalesced.cc) reduces each element at one rank that has every rank's
 // contribution, so it can use any order: it replays the one all_reduce would have used, which
 // makes its results bitwise equal to one all_reduce per buffer. tests/test_fusion.py checks the
@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "algorithms/host_layout.h"
@@ -48,6 +49,8 @@ class ReductionProgram {
   // one of the inputs; `scratch` holds scratch_bytes(dtype).
   void run(DType dtype, ReduceOp op, const char* const* inputs, char* out, size_t count,
            char* scratch) const;
+  // The program as an expression over rank numbers, "((0 1) 2)" for (x0 op x1) op x2.
+  std::string describe() const;
 
  private:
   int n_;
@@ -80,7 +83,8 @@ class ReductionOrders {
 
  private:
   int program_id(Algorithm algo, int piece);
-  ReductionProgram build(Algorithm algo, int piece) const;
+  // The programs of every piece of `algo`, derived from its step lists (schedule.h).
+  void build(Algorithm algo);
 
   int n_;
   HostLayout layout_;

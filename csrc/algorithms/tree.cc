@@ -1,12 +1,14 @@
 // Pipelined trees: all-reduce over a double binary tree, and broadcast / reduce over a binomial
 // tree (small messages: log2(n) hops) or a chain (large messages: every link busy at once).
 //
-// A tree gives each rank a parent (none at the root) and children. Data is cut into chunks of
-// RINGCOMM_TREE_CHUNK_BYTES, and each chunk goes through
-//   reduce phase:    receive each child's partial chunk, combine in child order
-//                    (acc = mine (op) child_0 (op) child_1), send acc to the parent;
-//   broadcast phase: receive the finished chunk from the parent, send it to every child.
-// Chunk c+1 climbs while chunk c descends, so for large messages every link is busy.
+// A tree gives each rank a parent (none at the root) and children. Data is cut into slices of
+// RINGCOMM_TREE_CHUNK_BYTES, and each slice goes through (rank's steps, schedule.h)
+//   reduce phase:    recv-reduce each child's partial slice in child order
+//                    (acc = mine (op) child_0 (op) child_1), the last one recv-reduce-send to
+//                    the parent (complete at the root); a leaf just sends its own;
+//   broadcast phase: recv the finished slice from the parent, send it to every child.
+// The schedule is pipelined by slice: in round j a rank reduces slice j and broadcasts slice
+// j-1, so slice j+1 climbs while slice j descends, and for large messages every link is busy.
 //
 // Double binary tree all-reduce (tree_all_reduce): two heap-shaped binary trees, the second the
 // mirror image of the first (rank r sits where rank n-1-r sits in the first), so a rank that is a
@@ -14,15 +16,14 @@
 // Bytes on the wire per rank for a buffer of S bytes: as an inner node of one tree, S/2 up and
 // S/2 to each of two children; as a leaf of the other, S/2 up: about 2S sent and 2S received,
 // with 2*log2(n) hops of latency. Results are computed once at each root and copied down, so
-// every rank gets the same bits. reduction_order.cc replays this order for coalesced all-reduce
-// (checked by tests/test_fusion.py).
+// every rank gets the same bits. reduction_order.cc replays this order for coalesced all-reduce,
+// from the same step lists (checked by tests/test_fusion.py).
 //
 // Broadcast: S bytes received and forwarded once per rank (chain) or to each child (binomial).
 // Reduce: each rank sends S bytes once; the input of non-root ranks is left untouched.
 #include <cstring>
 
 #include "algorithms/algorithms.h"
-#include "kernels/cpu/reduce.h"
 
 namespace ringcomm {
 namespace {
@@ -64,125 +65,92 @@ TreeLinks rooted_tree(int n, int rank, int root, Algorithm shape) {
 
 namespace {
 
-class TreePipeline {
- public:
-  // `chunk_elems`: the most elements of one reduce_chunk (0 for a broadcast-only pipeline); room
-  // for a child's chunk is taken from scratch once, here.
-  TreePipeline(Context& ctx, TreeLinks links, DType dtype, ReduceOp op, size_t chunk_elems)
-      : ctx_(ctx), t_(std::move(links)), dtype_(dtype), op_(op), elem_(dtype_size(dtype)),
-        incoming_(chunk_elems ? ctx.scratch(chunk_elems * elem_) : nullptr) {}
-
-  bool is_root() const { return t_.parent < 0; }
-
-  // Reduce phase of one chunk of n elements. Returns where the combined chunk is: `local` for a
-  // leaf, `acc` otherwise (acc may alias local).
-  const char* reduce_chunk(const char* local, char* acc, size_t n) {
-    const size_t bytes = n * elem_;
-    const char* partial = local;
-    for (int child : t_.children) {
-      ctx_.wait(ctx_.recv(child, incoming_, bytes));
-      cpu::reduce(dtype_, op_, acc, partial, incoming_, n);
-      partial = acc;
+// The reduce phase of a tree over `block` (children's partial results combined in child order,
+// acc = mine (op) child_0 (op) child_1, the result sent to the parent; complete at the root)
+// and, `lag` slices behind, its broadcast phase (the result received from the parent and sent to
+// every child). Either phase may be left out.
+void append_tree(std::vector<Step>& reduce, std::vector<Step>& broadcast, const TreeLinks& t,
+                 int block, bool with_reduce, bool with_broadcast) {
+  if (with_reduce) {
+    if (t.children.empty()) {
+      reduce.push_back({Prim::kSend, block, -1, t.parent});
+    } else {
+      for (size_t i = 0; i < t.children.size(); ++i) {
+        const bool last = i + 1 == t.children.size();
+        Step s{last && t.parent >= 0 ? Prim::kRecvReduceSend : Prim::kRecvReduce, block,
+               t.children[i], last ? t.parent : -1};
+        s.completes = last && t.parent < 0;
+        reduce.push_back(s);
+      }
     }
-    if (!is_root()) ctx_.send(t_.parent, partial, bytes);
-    return partial;
   }
-
-  // Broadcast phase of one chunk of `bytes` bytes.
-  void broadcast_chunk(char* data, size_t bytes) {
-    if (!is_root()) ctx_.wait(ctx_.recv(t_.parent, data, bytes));
-    for (int child : t_.children) ctx_.send(child, data, bytes);
+  if (with_broadcast) {
+    const int lag = with_reduce ? 1 : 0;
+    if (t.parent >= 0) {
+      Step s{Prim::kRecv, block, t.parent, -1};
+      s.lag = lag;
+      broadcast.push_back(s);
+    }
+    for (int child : t.children) {
+      Step s{Prim::kSend, block, -1, child};
+      s.lag = lag;
+      broadcast.push_back(s);
+    }
   }
-
- private:
-  Context& ctx_;
-  TreeLinks t_;
-  DType dtype_;
-  ReduceOp op_;
-  size_t elem_;
-  char* incoming_;
-};
-
-size_t chunk_elems(DType dtype) {
-  return std::max<size_t>(1, AlgorithmTuning::get().tree_chunk_bytes / dtype_size(dtype));
 }
 
 }  // namespace
 
+size_t tree_slice(size_t elem) {
+  return std::max<size_t>(1, AlgorithmTuning::get().tree_chunk_bytes / elem);
+}
+
+Segments tree_halves(size_t count) { return Segments(std::vector<size_t>{count / 2, count - count / 2}); }
+
+Schedule double_tree_all_reduce_schedule(int n, int rank) {
+  Schedule s;
+  s.pipeline = Pipeline::kBySlice;
+  std::vector<Step> broadcast;
+  for (int half : {0, 1})
+    append_tree(s.steps, broadcast, heap_tree(n, rank, half == 1), half, true, true);
+  s.steps.insert(s.steps.end(), broadcast.begin(), broadcast.end());
+  return s;
+}
+
 void tree_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op) {
-  const int n = ctx.size();
-  if (n == 1) return;
-  ScratchFrame frame(ctx);
-  const size_t e = dtype_size(dtype), chunk = chunk_elems(dtype);
+  if (ctx.size() == 1) return;
   char* data = static_cast<char*>(buf);
-  struct Half {
-    TreePipeline tree;
-    size_t offset, count, chunks;
-  };
-  const size_t low = count / 2, high = count - low;  // elements of each tree's half
-  Half halves[2] = {
-      {TreePipeline(ctx, heap_tree(n, ctx.rank(), false), dtype, op, std::min(chunk, low)), 0, low,
-       0},
-      {TreePipeline(ctx, heap_tree(n, ctx.rank(), true), dtype, op, std::min(chunk, high)), low,
-       high, 0}};
-  size_t rounds = 0;
-  for (Half& h : halves) {
-    h.chunks = piece_count(h.count, chunk);
-    rounds = std::max(rounds, h.chunks);
-  }
-  auto chunk_range = [&](const Half& h, size_t c) {
-    size_t begin = c * chunk;
-    return std::make_pair(h.offset + begin, std::min(chunk, h.count - std::min(h.count, begin)));
-  };
-  // Round c: both trees reduce chunk c, then both broadcast chunk c-1. Every rank runs the same
-  // sequence, so messages between any two ranks are posted in the same order on both sides.
-  for (size_t c = 0; c <= rounds; ++c) {
-    for (Half& h : halves) {
-      if (c >= h.chunks) continue;
-      auto [first, len] = chunk_range(h, c);
-      char* p = data + first * e;
-      h.tree.reduce_chunk(p, p, len);
-      if (h.tree.is_root() && op == ReduceOp::kAvg) cpu::divide(dtype, p, len, n);
-    }
-    for (Half& h : halves) {
-      if (c == 0 || c - 1 >= h.chunks) continue;
-      auto [first, len] = chunk_range(h, c - 1);
-      h.tree.broadcast_chunk(data + first * e, len * e);
-    }
-  }
+  const AllReduceSchedule s =
+      all_reduce_schedule(Algorithm::kTree, ctx.size(), ctx.rank(), count, dtype_size(dtype));
+  run_schedule(ctx, s.schedule, s.blocks, {data, data}, dtype, op, s.slice);
   ctx.finish();
 }
 
 void tree_broadcast(Context& ctx, void* buf, size_t bytes, int root, Algorithm shape) {
   if (ctx.size() == 1) return;
-  TreePipeline tree(ctx, rooted_tree(ctx.size(), ctx.rank(), root, shape), DType::kUInt8,
-                    ReduceOp::kSum, 0);
-  const size_t chunk = AlgorithmTuning::get().tree_chunk_bytes;
+  Schedule s;
+  s.pipeline = Pipeline::kBySlice;
+  std::vector<Step> unused;
+  append_tree(unused, s.steps, rooted_tree(ctx.size(), ctx.rank(), root, shape), 0, false, true);
   char* data = static_cast<char*>(buf);
-  for (size_t c = 0, pieces = piece_count(bytes, chunk); c < pieces; ++c) {
-    size_t begin = c * chunk;
-    tree.broadcast_chunk(data + begin, std::min(chunk, bytes - std::min(bytes, begin)));
-  }
+  run_schedule(ctx, s, Segments(bytes, 1), {data, data}, DType::kUInt8, ReduceOp::kSum,
+               tree_slice(1));
   ctx.finish();
 }
 
 void tree_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op, int root,
                  Algorithm shape) {
-  const int n = ctx.size();
-  if (n == 1) return;
-  ScratchFrame frame(ctx);
-  const size_t e = dtype_size(dtype), chunk = chunk_elems(dtype);
-  TreePipeline tree(ctx, rooted_tree(n, ctx.rank(), root, shape), dtype, op,
-                    std::min(chunk, count));
+  if (ctx.size() == 1) return;
+  ScratchFrame frame(ctx);  // closes after finish(): no send reads `work` any more
+  Schedule s;
+  s.pipeline = Pipeline::kBySlice;
+  std::vector<Step> unused;
+  const TreeLinks links = rooted_tree(ctx.size(), ctx.rank(), root, shape);
+  append_tree(s.steps, unused, links, 0, true, false);
   char* data = static_cast<char*>(buf);
-  // Non-root ranks combine into scratch so their input survives.
-  char* acc = tree.is_root() ? data : ctx.scratch(count * e);
-  for (size_t c = 0, pieces = piece_count(count, chunk); c < pieces; ++c) {
-    size_t begin = c * chunk, len = std::min(chunk, count - std::min(count, begin));
-    const char* result = tree.reduce_chunk(data + begin * e, acc + begin * e, len);
-    if (tree.is_root() && op == ReduceOp::kAvg)
-      cpu::divide(dtype, const_cast<char*>(result), len, n);
-  }
+  // Other ranks combine into scratch so that their input survives.
+  char* work = links.parent < 0 ? data : ctx.scratch(count * dtype_size(dtype));
+  run_schedule(ctx, s, Segments(count, 1), {data, work}, dtype, op, tree_slice(dtype_size(dtype)));
   ctx.finish();
 }
 

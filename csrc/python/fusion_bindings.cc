@@ -3,6 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "algorithms/algorithms.h"
+#include "algorithms/reduction_order.h"
+#include "algorithms/stream_plan.h"
 #include "communicator.h"
 #include "kernels/cpu/pack.h"
 #include "python/kernel_args.h"
@@ -32,6 +35,41 @@ std::vector<BufferRef> buffer_refs(const std::vector<uintptr_t>& ptrs,
 
 void bind_fusion(py::module_& m) {
   using G = py::call_guard<py::gil_scoped_release>;
+  // The step lists of the all-reduce algorithms and the orders derived from them
+  // (algorithms/schedule.h, reduction_order.h), for tests and docs.
+  m.def("schedule", [](int algo, int n, int rank) {
+    RC_CHECK_ARG(n >= 1 && rank >= 0 && rank < n, "rank ", rank, " of ", n);
+    return all_reduce_schedule(Algorithm(algo), n, rank, 0, 1).schedule.describe();
+  });
+  // The groups in which the stream-ordered (NCCL) executor posts rank `rank`'s messages
+  // (stream_plan.h) for `count` elements in slices of `slice`: per group, its messages as
+  // ("send" or "recv", peer, first element, elements), and whether a reduction follows.
+  m.def("stream_groups", [](int algo, int n, int rank, size_t count, size_t slice) {
+    RC_CHECK_ARG(n >= 1 && rank >= 0 && rank < n && slice > 0, "rank ", rank, " of ", n);
+    const AllReduceSchedule s = all_reduce_schedule(Algorithm(algo), n, rank, count, 1);
+    py::list out;
+    for (const StreamGroup& g : stream_groups(s.schedule, s.blocks, slice)) {
+      py::list messages;
+      for (const StreamMessage& m : g.messages) {
+        const Step& step = s.schedule.steps[size_t(m.step)];
+        const size_t block = s.blocks.count(step.block), begin = std::min(block, m.slice * slice);
+        messages.append(py::make_tuple(m.send ? "send" : "recv", m.peer,
+                                       s.blocks.offset(step.block) + begin,
+                                       std::min(slice, block - begin)));
+      }
+      out.append(py::make_tuple(messages, g.reduce));
+    }
+    return out;
+  });
+  // Each block's order, "((0 1) 2)" for (x0 op x1) op x2; `hosts` for the hierarchical one.
+  m.def("reduction_orders", [](int algo, int n, const std::vector<std::vector<int>>& hosts) {
+    ReductionOrders orders(n, HostLayout{hosts});
+    std::vector<OrderedRange> ranges;
+    orders.ranges(Algorithm(algo), size_t(64 * n), 0, ranges);
+    std::vector<std::string> out;
+    for (const OrderedRange& r : ranges) out.push_back(orders.program(r.program).describe());
+    return out;
+  }, py::arg("algorithm"), py::arg("n"), py::arg("hosts") = std::vector<std::vector<int>>{});
   m.def("all_reduce_coalesced",
         [](Communicator& c, const std::vector<uintptr_t>& ptrs, const std::vector<size_t>& counts,
            const std::vector<int>& dtypes, int op, size_t bucket_bytes, int float32_wire,
