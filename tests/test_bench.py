@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,6 +104,11 @@ def test_bench_wire_and_plot_refuse_what_they_cannot_do():
         bench.main(["--wire", "--ranks", "1"])
     with pytest.raises(SystemExit, match="all_reduce_coalesced has one row"):
         bench.main(["--plot", "x.png", "--coll", "all_reduce_coalesced"])
+    with pytest.raises(SystemExit, match="--compare nccl times ncclAllReduce"):
+        bench.main(["--compare", "nccl", "--coll", "broadcast"])
+    if torch.cuda.device_count() < 2:  # this machine: no GPU
+        with pytest.raises(SystemExit, match="every rank on a GPU of its own: 2 local ranks"):
+            bench.main(["--compare", "nccl", "--ranks", "2"])
 
 
 def test_bench_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):

@@ -39,6 +39,7 @@ const char* algorithm_name(Algorithm a) {
     case Algorithm::kSparseGather: return "sparse_gather";
     case Algorithm::kSparseRanges: return "sparse_ranges";
     case Algorithm::kHierarchical: return "hierarchical";
+    case Algorithm::kNccl: return "nccl";
   }
   return "unknown-algorithm";
 }

@@ -44,6 +44,7 @@ enum class Algorithm : uint8_t {
   kSparseGather = 8,
   kSparseRanges = 9,
   kHierarchical = 10,
+  kNccl = 11,  // NCCL's own ncclAllReduce, beside ringcomm's schedules over NCCL
 };
 const char* algorithm_name(Algorithm a);
 

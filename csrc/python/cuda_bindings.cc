@@ -13,6 +13,7 @@
 #include "kernels/cuda/reduce.h"
 #include "kernels/cuda/topk.h"
 #include "python/kernel_args.h"
+#include "transport/nccl/nccl_transport.h"
 
 namespace py = pybind11;
 
@@ -111,4 +112,43 @@ PYBIND11_MODULE(_C_cuda, m) {
                       static_cast<const int32_t*>(address(indices)), address(values), k,
                       static_cast<int*>(address(bad_index)), stream_of(stream));
   }, G());
+
+  // NCCL (transport/nccl/), from the library at `library` (ringcomm/nccl.py finds it).
+  m.def("nccl_unique_id", [](const std::string& library) {
+    const nccl::Library& lib = nccl::Library::load(library);
+    nccl::UniqueId id;
+    {
+      py::gil_scoped_release release;
+      lib.check(lib.get_unique_id(&id), "ncclGetUniqueId");
+    }
+    return py::bytes(id.internal, sizeof(id.internal));
+  });
+  py::class_<nccl::NcclTransport>(m, "NcclTransport")
+      .def(py::init([](const std::string& library, const py::bytes& id, int rank, int size,
+                       int device) {
+             const std::string raw = id;
+             RC_CHECK_ARG(raw.size() == nccl::kUniqueIdBytes, "an NCCL unique id has ",
+                          nccl::kUniqueIdBytes, " bytes, got ", raw.size());
+             nccl::UniqueId uid;
+             std::copy(raw.begin(), raw.end(), uid.internal);
+             const nccl::Library& lib = nccl::Library::load(library);
+             py::gil_scoped_release release;  // joining blocks until every rank has joined
+             return std::make_unique<nccl::NcclTransport>(lib, uid, rank, size, device);
+           }),
+           py::arg("library"), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
+           py::arg("device"))
+      .def_property_readonly("rank", &nccl::NcclTransport::rank)
+      .def_property_readonly("size", &nccl::NcclTransport::size)
+      .def_property_readonly("device", &nccl::NcclTransport::device)
+      .def("all_reduce", [](nccl::NcclTransport& t, uintptr_t data, size_t count, int dtype, int op,
+                            int algo, uintptr_t stream) {
+             const DType d = checked_dtype(dtype);
+             t.all_reduce(address(data), count, d, checked_op(op, d), Algorithm(algo),
+                          stream_of(stream));
+           }, G())
+      .def("synchronize", [](nccl::NcclTransport& t, uintptr_t stream, double timeout_s) {
+             t.synchronize(stream_of(stream), timeout_s);
+           }, G())
+      .def("close", &nccl::NcclTransport::close, G())
+      .def("abort", &nccl::NcclTransport::abort, G());
 }

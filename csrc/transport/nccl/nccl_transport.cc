@@ -1,0 +1,166 @@
+#include "transport/nccl/nccl_transport.h"
+
+#include <chrono>
+#include <thread>
+
+#include "algorithms/algorithms.h"
+#include "algorithms/stream_plan.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/reduce.h"
+
+namespace ringcomm {
+namespace nccl {
+namespace {
+
+constexpr Result kInProgress = 7;  // ncclInProgress
+
+// Makes `device` current for the scope of a call and restores the caller's.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    RC_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) RC_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace
+
+NcclTransport::NcclTransport(const Library& lib, const UniqueId& id, int rank, int size,
+                             int device)
+    : lib_(lib), rank_(rank), size_(size), device_(device) {
+  RC_CHECK_ARG(size >= 1 && rank >= 0 && rank < size, "rank ", rank, " of ", size);
+  int devices = 0;
+  RC_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  RC_CHECK_ARG(device >= 0 && device < devices, "CUDA device ", device, " of ", devices);
+  DeviceScope scope(device);
+  lib_.check(lib_.comm_init_rank(&comm_, size, id, rank), "ncclCommInitRank");
+}
+
+NcclTransport::~NcclTransport() {
+  if (comm_ != nullptr) lib_.comm_abort(comm_);
+}
+
+Comm NcclTransport::live() const {
+  if (comm_ == nullptr) RC_THROW("the NCCL communicator is closed or aborted");
+  return comm_;
+}
+
+void NcclTransport::close() {
+  if (comm_ == nullptr) return;
+  DeviceScope scope(device_);
+  Comm comm = comm_;
+  comm_ = nullptr;
+  lib_.check(lib_.comm_destroy(comm), "ncclCommDestroy");
+}
+
+void NcclTransport::abort() {
+  if (comm_ == nullptr) return;
+  Comm comm = comm_;
+  comm_ = nullptr;
+  lib_.comm_abort(comm);
+}
+
+void NcclTransport::synchronize(cudaStream_t stream, double timeout_s) {
+  DeviceScope scope(device_);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_s));
+  for (;;) {
+    const cudaError_t done = cudaStreamQuery(stream);
+    if (done != cudaSuccess && done != cudaErrorNotReady) RC_CUDA_CHECK(done);
+    Result async = 0;
+    lib_.check(lib_.comm_get_async_error(live(), &async), "ncclCommGetAsyncError", comm_);
+    if (async != 0 && async != kInProgress) {
+      const std::string what = lib_.get_error_string(async);
+      abort();
+      RC_THROW("NCCL failed while running this rank's work: ", what,
+               " (the communicator is aborted)");
+    }
+    if (done == cudaSuccess) return;
+    if (std::chrono::steady_clock::now() > deadline) {
+      abort();
+      RC_THROW("NCCL work did not finish within ", timeout_s,
+               " s (a peer may have failed or be running other collectives); the communicator "
+               "is aborted");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+void NcclTransport::all_reduce(void* data, size_t count, DType dtype, ReduceOp op, Algorithm algo,
+                               cudaStream_t stream) {
+  Comm comm = live();
+  DeviceScope scope(device_);
+  if (algo == Algorithm::kNccl) {
+    lib_.check(lib_.all_reduce(data, data, count, data_type(dtype), red_op(dtype, op), comm, stream),
+               "ncclAllReduce", comm);
+    return;
+  }
+  if (algo == Algorithm::kAuto)
+    algo = count * dtype_size(dtype) <= kSmallBytes ? Algorithm::kRecursiveDoubling
+                                                    : Algorithm::kRing;
+  if (size_ == 1) {
+    RC_CHECK_ARG(op != ReduceOp::kAvg || dtype != DType::kBool, "op avg is undefined on bool");
+    return;  // every op of one contribution is that contribution
+  }
+  run_schedule(static_cast<char*>(data), count, dtype, op, algo, stream);
+}
+
+// The schedule's groups one after another on `stream`: the group's messages between
+// ncclGroupStart/End, then the reduction of what it received into staging.
+void NcclTransport::run_schedule(char* data, size_t count, DType dtype, ReduceOp op,
+                                 Algorithm algo, cudaStream_t stream) {
+  const size_t e = dtype_size(dtype);
+  const AllReduceSchedule s = all_reduce_schedule(algo, size_, rank_, count, e);
+  const std::vector<StreamGroup> groups = stream_groups(s.schedule, s.blocks, s.slice);
+  // Room for the receives of one group: the stream runs a group's reductions before the next
+  // group receives.
+  size_t staging_elems = 1;
+  for (const StreamGroup& g : groups)
+    if (g.reduce) staging_elems = std::max(staging_elems, (g.last - g.first) * s.slice);
+  staging_elems = std::min(staging_elems, std::max<size_t>(1, s.blocks.max_count()));
+  char* staging = nullptr;
+  RC_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&staging), staging_elems * e, stream));
+  // Slice j of a step: where it lives in `data`, and its length.
+  auto slice_of = [&](int step, size_t j) {
+    const Step& st = s.schedule.steps[size_t(step)];
+    const size_t block = s.blocks.count(st.block), first = std::min(block, j * s.slice);
+    return std::make_pair(data + (s.blocks.offset(st.block) + first) * e,
+                          std::min(s.slice, block - first));
+  };
+  try {
+    for (const StreamGroup& g : groups) {
+      lib_.check(lib_.group_start(), "ncclGroupStart", comm_);
+      for (const StreamMessage& m : g.messages) {
+        auto [at, n] = slice_of(m.step, m.slice);
+        if (m.send) {
+          lib_.check(lib_.send(at, n * e, kUint8, m.peer, comm_, stream), "ncclSend", comm_);
+        } else {
+          char* into = m.to_staging ? staging + (m.slice - g.first) * s.slice * e : at;
+          lib_.check(lib_.recv(into, n * e, kUint8, m.peer, comm_, stream), "ncclRecv", comm_);
+        }
+      }
+      lib_.check(lib_.group_end(), "ncclGroupEnd", comm_);
+      if (!g.reduce) continue;
+      const Step& step = s.schedule.steps[size_t(g.step)];
+      for (size_t j = g.first; j < g.last; ++j) {
+        auto [mine, n] = slice_of(g.step, j);
+        const char* incoming = staging + (j - g.first) * s.slice * e;
+        cuda::reduce(dtype, op, mine, step.incoming_first ? incoming : mine,
+                     step.incoming_first ? mine : incoming, n, stream);
+        if (step.completes && op == ReduceOp::kAvg) cuda::divide(dtype, mine, n, size_, stream);
+      }
+    }
+  } catch (...) {
+    cudaFreeAsync(staging, stream);
+    throw;
+  }
+  RC_CUDA_CHECK(cudaFreeAsync(staging, stream));
+}
+
+}  // namespace nccl
+}  // namespace ringcomm

@@ -1,0 +1,114 @@
+"""ringcomm over NCCL, for CUDA tensors (csrc/transport/nccl/): ringcomm's own all-reduce
+schedules (ring, double binary tree, recursive doubling) with NCCL's point-to-point calls as the
+wire and ringcomm's CUDA kernels combining what arrives, or NCCL's own all-reduce beside them.
+
+    comm = ringcomm.nccl.NcclCommunicator(store, rank, world_size)  # on torch.cuda.current_device()
+    comm.all_reduce(t)                         # algorithm="auto" | "ring" | "tree" |
+                                               # "recursive_doubling" | "nccl" (NCCL's own)
+    comm.synchronize(timeout=60)               # a failed peer raises instead of hanging
+    comm.close()
+
+Every call enqueues work on the tensor's current CUDA stream and returns, as torch's own NCCL
+collectives do. NCCL allows one rank per GPU in a communicator.
+
+NCCL is loaded when the first communicator (or unique id) is made, not at import: from
+RINGCOMM_NCCL_LIBRARY if set, else the nvidia-nccl wheel that torch's CUDA builds bring, else
+libnccl.so.2 from the dynamic loader's path.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from . import cuda
+from ._buffers import TORCH_DTYPES, op_code
+
+ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "recursive_doubling": 3, "nccl": 11}
+
+
+def library_path() -> str:
+    """The NCCL library that ringcomm loads (see the module's docstring)."""
+    explicit = os.environ.get("RINGCOMM_NCCL_LIBRARY")
+    if explicit:
+        return explicit
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except ModuleNotFoundError:  # no nvidia namespace package at all
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = os.path.join(folder, "lib", "libnccl.so.2")
+        if os.path.exists(candidate):
+            return candidate
+    return "libnccl.so.2"
+
+
+def _extension():
+    try:
+        from . import _C_cuda
+    except ImportError as e:
+        raise RuntimeError(f"ringcomm was built without its CUDA extension ({e}): reinstall with "
+                           "nvcc on PATH or RINGCOMM_CUDA=1") from e
+    return _C_cuda
+
+
+def unique_id() -> bytes:
+    """A new NCCL communicator id (ncclGetUniqueId): made by one rank, shared with the others.
+    Needs the NCCL library, not a GPU."""
+    return _extension().nccl_unique_id(library_path())
+
+
+class NcclCommunicator:
+    """`world_size` ranks, one CUDA device each, joined through `store` (a torch.distributed
+    Store): rank 0 makes the NCCL id and publishes it under `name`, the others read it. Blocks
+    until every rank has joined."""
+
+    def __init__(self, store, rank: int, world_size: int, device: Optional[torch.device] = None,
+                 name: str = "ringcomm-nccl", timeout: timedelta = timedelta(minutes=10)):
+        _, reason = cuda._load()
+        if reason:
+            raise RuntimeError(f"no NCCL communicator: {reason}")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+            else torch.device(device)
+        if self.device.type != "cuda" or self.device.index is None:
+            raise ValueError(f"device must be a CUDA device with an index, got {self.device}")
+        self.timeout = timeout
+        key = f"{name}/unique_id"
+        if rank == 0:
+            store.set(key, unique_id())
+        store.wait([key], timeout)
+        self._transport = _extension().NcclTransport(library_path(), store.get(key), rank,
+                                                     world_size, self.device.index)
+        self.rank, self.world_size = rank, world_size
+
+    def all_reduce(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:
+        """In place, enqueued on the current stream of the tensor's device. "auto": recursive
+        doubling up to 256 KiB, the ring above (not calibrated on a GPU yet)."""
+        code = ALGORITHMS.get(algorithm)
+        if code is None:
+            raise ValueError(f"unknown algorithm {algorithm!r}; expected one of "
+                             + ", ".join(ALGORITHMS))
+        cuda._check(tensor, "tensor", device=self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._transport.all_reduce(tensor.data_ptr(), tensor.numel(), TORCH_DTYPES[tensor.dtype],
+                                   op_code(op), code, stream)
+        return tensor
+
+    def synchronize(self, timeout: Optional[timedelta] = None) -> None:
+        """Waits for this communicator's work on the current stream. A peer that failed, or the
+        deadline (default: the communicator's timeout), raises RingcommError and aborts the
+        communicator."""
+        timeout = self.timeout if timeout is None else timeout
+        self._transport.synchronize(torch.cuda.current_stream(self.device).cuda_stream,
+                                    timeout.total_seconds())
+
+    def close(self) -> None:
+        """Frees the NCCL communicator (after its work is done)."""
+        self._transport.close()
+
+    def abort(self) -> None:
+        """Drops the NCCL communicator at once, unfinished work included."""
+        self._transport.abort()
