@@ -35,7 +35,9 @@ class Buffer:
             # Cheapest checks first: this runs on every call, and small all-reduces take ~1 us.
             # (is_cpu, not device.type: building the device object costs 300 ns.)
             if not obj.is_cpu:
-                raise ValueError(f"{name} must be a CPU tensor, got device {obj.device}")
+                raise ValueError(f"{name} must be a CPU tensor, got device {obj.device} "
+                                 "(ringcomm stages CUDA tensors for all_reduce and "
+                                 "sparse_all_reduce; ringcomm.nccl runs all_reduce over NCCL)")
             if obj.layout is not torch.strided:
                 raise ValueError(f"{name} must be a dense (strided) tensor, got {obj.layout}")
             code = TORCH_DTYPES.get(obj.dtype)

@@ -66,9 +66,12 @@ class GradientAverager:
                 raise TypeError(f"params[{i}] is a {type(p).__name__}, not a tensor")
             if not (p.requires_grad and p.is_leaf):
                 raise ValueError(f"params[{i}] must be a leaf tensor that requires grad")
-            if p.device.type != "cpu" or not p.dtype.is_floating_point:
-                raise ValueError(f"params[{i}] must be a floating CPU tensor, got {p.dtype} on "
-                                 f"{p.device}")
+            if p.device.type not in ("cpu", "cuda") or not p.dtype.is_floating_point:
+                raise ValueError(f"params[{i}] must be a floating CPU or CUDA tensor, got "
+                                 f"{p.dtype} on {p.device}")
+            if unique and p.device != unique[0].device:
+                raise ValueError(f"params[{i}] is on {p.device}, params[0] on "
+                                 f"{unique[0].device}: one device per GradientAverager")
             if id(p) not in seen:  # shared parameters are averaged once
                 seen.add(id(p))
                 unique.append(p)
@@ -153,11 +156,27 @@ class GradientAverager:
             work, finished = average_compressed(self._topk, self._comm, flat, b)
             self._works.append((work, grads, finished))
             return
+        if grads[0].is_cuda:
+            self._works.append(self._launch_cuda(grads))
+            return
         bufs = BufferList(grads, "gradients")
         work = _C.all_reduce_coalesced(self._comm._core, bufs.ptrs, bufs.counts, bufs.dtypes, SUM,
                                        self._bucket_bytes, self._wire, 1.0 / self._comm.world_size,
                                        True)
         self._works.append((work, grads, None))  # the gradients stay alive until it is done
+
+    def _launch_cuda(self, grads):
+        """A bucket of CUDA gradients: packed on the GPU (scaled by 1/world_size, cast to the wire
+        dtype), summed through the communicator's staged all_reduce, unpacked in step()."""
+        dtype = grads[0].dtype
+        wire = {FLOAT32: dtype, COMPRESSION["fp16"]: torch.float16,
+                COMPRESSION["bf16"]: torch.bfloat16}[self._wire]
+        if dtype != torch.float32:
+            wire = dtype  # the compressions are for float32 gradients, as on the CPU
+        flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / self._comm.world_size)
+        flat = flat.to(wire)
+        work = self._comm.all_reduce(flat, op="sum", async_op=True)
+        return work, grads, lambda result: result.to(dtype)
 
     def step(self):
         """Starts the buckets backward has not, waits for all, and readies the next step. Every

@@ -94,7 +94,9 @@ def _create(store, rank: int, world_size: int, timeout: timedelta):
 def register_backend():
     """Registers "ringcomm" with torch.distributed (done on `import ringcomm`; idempotent)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+        # One backend serves both device types: CUDA tensors are staged through pinned host
+        # memory (csrc/torch/backend.cc).
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
 
 
 def backend_of(group=None):

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C, fusion, trace
+from . import _C, fusion, staging, trace
 from .stats import BucketStats
 from .compress import TOPK_DTYPES
 from ._buffers import FLOATING, SPARSE_ALGORITHMS, TORCH_DTYPES, Buffer, algorithm_code, op_code
@@ -206,11 +206,24 @@ class Communicator:
     # -- collectives ----------------------------------------------------------------------
 
     def all_reduce(self, tensor, op="sum", algorithm: str = "auto", async_op: bool = False):
+        """In place. A CUDA tensor is staged through pinned host memory in slices, in the order
+        of its current stream (ringcomm/staging.py)."""
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            return staging.all_reduce(self, tensor, op, algorithm, async_op)
         buf = Buffer(tensor)
         code = self._check_op(op, buf)
         w = self._core.all_reduce(buf.ptr, buf.numel, buf.dtype, code,
                                   algorithm_code(algorithm), async_op)
         return Work(w, tensor) if async_op else None
+
+    def _host_all_reduce(self, tensor: torch.Tensor, op, algorithm: str, on_success) -> Work:
+        """all_reduce of a CPU tensor with async_op=True, running on_success() (on the progress
+        thread) once it succeeds, before its waiters learn it is done."""
+        buf = Buffer(tensor)
+        code = self._check_op(op, buf)
+        w = self._core.all_reduce(buf.ptr, buf.numel, buf.dtype, code, algorithm_code(algorithm),
+                                  True)
+        return Work(w, tensor, on_success=on_success)
 
     def reduce_scatter(self, output, input, op="sum", async_op: bool = False):
         """Reduces `input` (world_size blocks of output.numel() elements, as one tensor or a list
@@ -271,7 +284,19 @@ class Communicator:
         float16 or bfloat16 values; ranks may pass different k. The result goes to `out` (numel
         elements, float32/float16/bfloat16; default a new float32 tensor), which is returned.
         algorithm: "auto" (cheapest estimate), "sparse_gather", "sparse_ranges" or "ring" (dense).
+        CUDA indices and values are staged through the host (ringcomm/staging.py); `out` is then
+        a CUDA tensor too.
         """
+        if isinstance(values, torch.Tensor) and values.is_cuda:
+            return staging.sparse_all_reduce(self, indices, values, numel, out, op, algorithm,
+                                             async_op)
+        return self._host_sparse_all_reduce(indices, values, numel, out, op, algorithm, None,
+                                            async_op)
+
+    def _host_sparse_all_reduce(self, indices, values, numel: int, out, op, algorithm: str,
+                                on_success, async_op: bool = True):
+        """sparse_all_reduce of CPU tensors: a Work (running on_success() once it succeeds) with
+        async_op, else the result."""
         idx, val = Buffer(indices, "indices"), Buffer(values, "values")
         if idx.dtype != TORCH_DTYPES[torch.int32]:
             raise TypeError(f"indices must be int32, got {idx.obj.dtype}")
@@ -287,7 +312,7 @@ class Communicator:
                                          res.dtype, code, algorithm_code(algorithm, SPARSE_ALGORITHMS),
                                          async_op)
         if async_op:
-            return Work(w, out, keep=(indices, values))
+            return Work(w, out, keep=(indices, values), on_success=on_success)
         return out
 
     def compression_costs(self, numel: int, k: int, value_dtype=torch.float32,

@@ -51,7 +51,7 @@ class BucketStats:
         """Adds what the operation behind `work` (a ringcomm Work) sent, received and spent, once
         it is done and before its waiters learn so."""
         def done():
-            if work._core.error():
+            if work.exception() is not None:
                 return
             s = work.stats()
             with self._lock:

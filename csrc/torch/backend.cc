@@ -54,9 +54,9 @@ rc::DType dtype_of(const at::Tensor& t) {
 }
 
 void check_tensor(const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "ringcomm moves CPU tensors, got one on ", t.device(),
-                    "; name a backend for that device, e.g. init_process_group("
-                    "\"cpu:ringcomm,cuda:nccl\")");
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), "ringcomm moves CPU and CUDA "
+                    "tensors, got one on ", t.device(), "; name a backend for that device, e.g. "
+                    "init_process_group(\"cpu:ringcomm,", t.device().type(), ":...\")");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ringcomm: tensors must be dense, got ",
                     t.layout());
   dtype_of(t);
@@ -98,13 +98,23 @@ void run_signal_handlers() {
 
 // A completion handle: done once every core operation it tracks has finished and the copies out
 // of staging buffers have run. Its future's value is the output tensors (what DDP reads).
+// The CUDA devices of `tensors`: a future over them records, as it completes, an event on each
+// one's current stream (the copies back from staging), and its waiters' streams wait for it.
+std::vector<c10::Device> cuda_devices(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::Device> devices;
+  for (const at::Tensor& t : tensors)
+    if (t.is_cuda() && std::find(devices.begin(), devices.end(), t.device()) == devices.end())
+      devices.push_back(t.device());
+  return devices;
+}
+
 class RingcommWork : public c10d::Work {
  public:
   RingcommWork(int rank, c10d::OpType type, std::shared_ptr<rc::Communicator> comm,
                std::vector<at::Tensor> outputs)
       : c10d::Work(rank, type), comm_(std::move(comm)), outputs_(std::move(outputs)),
         future_(c10::make_intrusive<c10::ivalue::Future>(
-            c10::ListType::create(c10::TensorType::get()))) {}
+            c10::ListType::create(c10::TensorType::get()), cuda_devices(outputs_))) {}
 
   // Tracks `ops`; `finish` runs (on the thread that finishes the last one) if all succeeded.
   // `keep`: tensors the operations read or write, alive until then.
@@ -169,6 +179,9 @@ class RingcommWork : public c10d::Work {
       lk.lock();
     }
     if (exception_) std::rethrow_exception(exception_);
+    lk.unlock();
+    // CUDA outputs: the caller's current streams wait for the copies back from staging.
+    if (!future_->devices().empty()) future_->wait();
     return true;
   }
 
@@ -205,12 +218,21 @@ class RingcommWork : public c10d::Work {
   rc::WorkPtr source_;  // the first core operation, whose source() a receive sets
 };
 
-// A tensor as the core sees it: contiguous. `dense` is the tensor itself when it already is.
+// A tensor as the core sees it: contiguous, in host memory. `dense` is the tensor itself when it
+// already is; a CUDA tensor is copied to pinned host memory, after the work already on its
+// current stream (a blocking copy: the host waits for it), and back once the operation is done.
+at::Tensor host_dense(const at::Tensor& t) {
+  if (t.is_cuda()) {
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(t);
+    return host;
+  }
+  return t.is_contiguous() ? t : t.contiguous();
+}
+
 struct Staged {
   at::Tensor user, dense;
-  explicit Staged(const at::Tensor& t) : user(t), dense(t.is_contiguous() ? t : t.contiguous()) {
-    check_tensor(t);
-  }
+  explicit Staged(const at::Tensor& t) : user(t), dense((check_tensor(t), host_dense(t))) {}
   bool copied() const { return !dense.is_same(user); }
   void* data() const { return dense.data_ptr(); }
   size_t count() const { return size_t(dense.numel()); }
@@ -223,8 +245,10 @@ std::function<void()> copy_back(std::vector<Staged> outputs) {
                                [](const Staged& s) { return !s.copied(); }),
                 outputs.end());
   if (outputs.empty()) return nullptr;
+  // On the thread that completes the operation; a copy to CUDA is enqueued on that thread's
+  // current stream (pinned memory: asynchronous), which the Work's future then records.
   return [outputs] {
-    for (const Staged& s : outputs) s.user.copy_(s.dense);
+    for (const Staged& s : outputs) s.user.copy_(s.dense, /*non_blocking=*/s.user.is_cuda());
   };
 }
 
@@ -382,7 +406,7 @@ class RingcommBackend : public c10d::Backend {
       TORCH_CHECK_VALUE(inputs.size() == 1, "ringcomm scatter: expected one input list");
       per_rank(inputs[0], out, "scatter input");
       for (auto& i : inputs[0]) {
-        keep.push_back(i.contiguous());
+        keep.push_back(host_dense(i));
         pointers.push_back(keep.back().data_ptr());
       }
     }
@@ -464,7 +488,7 @@ class RingcommBackend : public c10d::Backend {
       check_same(outputs[q], inputs[0], "alltoall");
       check_same(inputs[q], inputs[0], "alltoall");
       check_tensor(inputs[q]);
-      keep.push_back(inputs[q].contiguous());
+      keep.push_back(host_dense(inputs[q]));
       in_ptrs.push_back(keep.back().data_ptr());
       in_counts.push_back(size_t(keep.back().numel()));
       out_ptrs.push_back(outs[q].data());

@@ -273,7 +273,8 @@ def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int, la
         started = time.perf_counter()
         # The gradient is consumed: the average can take its place (no 4-bytes-per-element
         # allocation, and its page faults, per step).
-        out = flat if flat.is_contiguous() else torch.empty(numel, dtype=flat.dtype)
+        out = flat if flat.is_contiguous() else torch.empty(numel, dtype=flat.dtype,
+                                                            device=flat.device)
         work = comm.sparse_all_reduce(indices, wire_values, numel, out=out, op="avg", async_op=True)
 
     def finished(result: torch.Tensor) -> torch.Tensor:
