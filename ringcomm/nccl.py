@@ -5,6 +5,9 @@ wire and ringcomm's CUDA kernels combining what arrives, or NCCL's own all-reduc
     comm = ringcomm.nccl.NcclCommunicator(store, rank, world_size)  # on torch.cuda.current_device()
     comm.all_reduce(t)                         # algorithm="auto" | "ring" | "tree" |
                                                # "recursive_doubling" | "nccl" (NCCL's own)
+    comm.all_gather(out, t)                    # the ring's all-gather
+    comm.all_reduce_coalesced(tensors)         # fused: packed by ringcomm's kernels, one all_reduce
+    comm.sparse_all_reduce(indices, values, n) # top-k exchange: pairs gathered, scatter-added
     comm.synchronize(timeout=60)               # a failed peer raises instead of hanging
     comm.close()
 
@@ -96,6 +99,72 @@ class NcclCommunicator:
         self._transport.all_reduce(tensor.data_ptr(), tensor.numel(), TORCH_DTYPES[tensor.dtype],
                                    op_code(op), code, stream)
         return tensor
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """output (world_size x input.numel() elements, flat or not) gets every rank's input, in
+        rank order, by the ring all-gather's step list over NCCL."""
+        n = input.numel()
+        cuda._check(input, "input", device=self.device)
+        cuda._check(output, "output", (input.dtype,), device=self.device)
+        if output.numel() != n * self.world_size:
+            raise ValueError(f"output has {output.numel()} elements for {self.world_size} x {n}")
+        flat = output.view(-1)
+        flat[self.rank * n:(self.rank + 1) * n].copy_(input.view(-1))
+        self._all_gather_blocks(flat, [n] * self.world_size)
+        return output
+
+    def _all_gather_blocks(self, flat: torch.Tensor, counts: list) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._transport.all_gather(flat.data_ptr(), counts, TORCH_DTYPES[flat.dtype], stream)
+
+    def all_reduce_coalesced(self, tensors, op="sum", algorithm: str = "auto") -> None:
+        """Each tensor reduced in place: packed back to back by ringcomm's pack kernel (one
+        dtype), one all_reduce, unpacked."""
+        if not tensors:
+            return
+        flat = cuda.pack(tensors)
+        self.all_reduce(flat, op, algorithm)
+        cuda.unpack(flat, tensors)
+
+    def sparse_all_reduce(self, indices: torch.Tensor, values: torch.Tensor, numel: int,
+                          out: Optional[torch.Tensor] = None, op="sum") -> torch.Tensor:
+        """Dense sum (op="avg": average) over ranks of every rank's (int32 indices, values)
+        pairs, into `out` (default a new float32 tensor of numel elements), returned: the counts
+        of pairs are exchanged first (one host synchronisation, so that ranks may send different
+        numbers), the pairs gathered by the ring's all-gather, then added rank by rank with
+        ringcomm's scatter-add kernel (indices distinct within a rank, as top-k gives them), in
+        the same order on every rank."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"sparse_all_reduce sums or averages, got op {op!r}")
+        cuda._check(indices, "indices", (torch.int32,), device=self.device)
+        cuda._check(values, "values", cuda.TOPK_DTYPES, device=self.device)
+        if indices.numel() != values.numel():
+            raise ValueError(f"{indices.numel()} indices but {values.numel()} values")
+        numel = int(numel)
+        out = torch.empty(numel, dtype=torch.float32, device=self.device) if out is None else out
+        cuda._check(out, "out", cuda.TOPK_DTYPES, device=self.device)
+        if out.numel() != numel:
+            raise ValueError(f"out has {out.numel()} elements, expected numel = {numel}")
+        counts = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        counts[self.rank] = indices.numel()
+        self._all_gather_blocks(counts, [1] * self.world_size)
+        counts = counts.tolist()  # waits for the exchange
+        starts = [sum(counts[:r]) for r in range(self.world_size)]
+        all_indices = torch.empty(sum(counts), dtype=torch.int32, device=self.device)
+        all_values = torch.empty(sum(counts), dtype=out.dtype, device=self.device)
+        mine = slice(starts[self.rank], starts[self.rank] + counts[self.rank])
+        all_indices[mine].copy_(indices.view(-1))
+        all_values[mine].copy_(values.view(-1))
+        self._all_gather_blocks(all_indices, counts)
+        self._all_gather_blocks(all_values, counts)
+        dense = out.view(-1)
+        dense.zero_()
+        for r in range(self.world_size):
+            part = slice(starts[r], starts[r] + counts[r])
+            cuda.scatter_add_(dense, all_indices[part], all_values[part])  # checks indices
+        if op == "avg":
+            dense.div_(self.world_size)
+        return out
 
     def synchronize(self, timeout: Optional[timedelta] = None) -> None:
         """Waits for this communicator's work on the current stream. A peer that failed, or the

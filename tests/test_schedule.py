@@ -143,6 +143,20 @@ def test_stream_groups_complete(algorithm, n, count, slice):
         assert received == set(range(count))
 
 
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("count,slice", [(0, 1), (100, 7), (37, 3)])
+def test_all_gather_stream_groups_complete(n, count, slice):
+    groups = [_C.stream_groups(0, n, r, count, slice, all_gather=True) for r in range(n)]
+    assert run_stream_groups(groups) > 0
+    blocks = [count // n + (1 if r < count % n else 0) for r in range(n)]
+    for r in range(n):
+        own = range(sum(blocks[:r]), sum(blocks[:r + 1]))
+        received = {i for messages, reduce in groups[r] for kind, _, first, cnt in messages
+                    if kind == "recv" for i in range(first, first + cnt)}
+        assert not any(reduce for _, reduce in groups[r])
+        assert received == set(range(count)) - set(own)
+
+
 def test_stream_groups_catch_a_deadlock():
     # The check above can fail: a ring whose ranks post their sends alone, each in its own group
     # before the receive, would block every stream on a send.

@@ -146,6 +146,10 @@ PYBIND11_MODULE(_C_cuda, m) {
              t.all_reduce(address(data), count, d, checked_op(op, d), Algorithm(algo),
                           stream_of(stream));
            }, G())
+      .def("all_gather", [](nccl::NcclTransport& t, uintptr_t data,
+                            const std::vector<size_t>& counts, int dtype, uintptr_t stream) {
+             t.all_gather(address(data), counts, checked_dtype(dtype), stream_of(stream));
+           }, G())
       .def("synchronize", [](nccl::NcclTransport& t, uintptr_t stream, double timeout_s) {
              t.synchronize(stream_of(stream), timeout_s);
            }, G())

@@ -43,10 +43,14 @@ void bind_fusion(py::module_& m) {
   });
   // The groups in which the stream-ordered (NCCL) executor posts rank `rank`'s messages
   // (stream_plan.h) for `count` elements in slices of `slice`: per group, its messages as
-  // ("send" or "recv", peer, first element, elements), and whether a reduction follows.
-  m.def("stream_groups", [](int algo, int n, int rank, size_t count, size_t slice) {
+  // ("send" or "recv", peer, first element, elements), and whether a reduction follows. Of
+  // all_reduce by `algo`, or with `all_gather` of the ring all-gather over Segments(count, n).
+  m.def("stream_groups", [](int algo, int n, int rank, size_t count, size_t slice,
+                            bool all_gather) {
     RC_CHECK_ARG(n >= 1 && rank >= 0 && rank < n && slice > 0, "rank ", rank, " of ", n);
-    const AllReduceSchedule s = all_reduce_schedule(Algorithm(algo), n, rank, count, 1);
+    const AllReduceSchedule s =
+        all_gather ? AllReduceSchedule{ring_all_gather_schedule(n, rank), Segments(count, n), slice}
+                   : all_reduce_schedule(Algorithm(algo), n, rank, count, 1);
     py::list out;
     for (const StreamGroup& g : stream_groups(s.schedule, s.blocks, slice)) {
       py::list messages;
@@ -60,7 +64,8 @@ void bind_fusion(py::module_& m) {
       out.append(py::make_tuple(messages, g.reduce));
     }
     return out;
-  });
+  }, py::arg("algorithm"), py::arg("n"), py::arg("rank"), py::arg("count"), py::arg("slice"),
+     py::arg("all_gather") = false);
   // Each block's order, "((0 1) 2)" for (x0 op x1) op x2; `hosts` for the hierarchical one.
   m.def("reduction_orders", [](int algo, int n, const std::vector<std::vector<int>>& hosts) {
     ReductionOrders orders(n, HostLayout{hosts});

@@ -1,8 +1,6 @@
 """ringcomm's all-reduce over NCCL (ringcomm/nccl.py): its schedules with NCCL as the wire and
 its kernels reducing, and NCCL's own all-reduce, on real ranks (one process per GPU), against the
 sum computed on the host from the same inputs."""
-import os
-import sys
 
 import pytest
 import torch
@@ -58,6 +56,26 @@ def rank_main(rank, world, port, errors):
                         ok = torch.equal(got, want)
                     if not ok:
                         raise AssertionError(f"{algorithm} {dtype} {op} n={n}: wrong result")
+        # all_gather: every rank's block in rank order.
+        mine = torch.full((5,), float(rank), device="cuda")
+        out = torch.empty(5 * world, device="cuda")
+        comm.all_gather(out, mine)
+        assert out.cpu().tolist() == [float(r) for r in range(world) for _ in range(5)]
+        # coalesced: tensors of several sizes, each reduced in place.
+        tensors = [contribution(rank, n, torch.float32).cuda() for n in (1, 33, 4096)]
+        comm.all_reduce_coalesced(tensors)
+        for t, n in zip(tensors, (1, 33, 4096)):
+            assert torch.equal(t.cpu(), expected(world, n, torch.float32, "sum"))
+        # sparse: rank r sends r + 1 pairs (different counts), some positions shared.
+        k = rank + 1
+        indices = torch.arange(k, dtype=torch.int32, device="cuda") * 3
+        vals = torch.full((k,), 1.0 + rank, device="cuda")
+        dense = comm.sparse_all_reduce(indices, vals, 64, op="avg")
+        want = torch.zeros(64)
+        for r in range(world):
+            want[torch.arange(r + 1) * 3] += 1.0 + r
+        assert torch.allclose(dense.cpu(), want / world)
+        comm.synchronize()
         comm.close()
     except BaseException as e:  # reported to the parent, which fails the test with it
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")

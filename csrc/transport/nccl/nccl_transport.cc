@@ -107,30 +107,41 @@ void NcclTransport::all_reduce(void* data, size_t count, DType dtype, ReduceOp o
     RC_CHECK_ARG(op != ReduceOp::kAvg || dtype != DType::kBool, "op avg is undefined on bool");
     return;  // every op of one contribution is that contribution
   }
-  run_schedule(static_cast<char*>(data), count, dtype, op, algo, stream);
+  const AllReduceSchedule s = all_reduce_schedule(algo, size_, rank_, count, dtype_size(dtype));
+  run_schedule(s.schedule, s.blocks, s.slice, static_cast<char*>(data), dtype, op, stream);
+}
+
+void NcclTransport::all_gather(void* data, const std::vector<size_t>& counts, DType dtype,
+                               cudaStream_t stream) {
+  live();
+  RC_CHECK_ARG(int(counts.size()) == size_, counts.size(), " block sizes for ", size_, " ranks");
+  if (size_ == 1) return;
+  DeviceScope scope(device_);
+  run_schedule(ring_all_gather_schedule(size_, rank_), Segments(counts),
+               ring_slice(dtype_size(dtype)), static_cast<char*>(data), dtype, ReduceOp::kSum,
+               stream);
 }
 
 // The schedule's groups one after another on `stream`: the group's messages between
 // ncclGroupStart/End, then the reduction of what it received into staging.
-void NcclTransport::run_schedule(char* data, size_t count, DType dtype, ReduceOp op,
-                                 Algorithm algo, cudaStream_t stream) {
+void NcclTransport::run_schedule(const Schedule& schedule, const Segments& blocks, size_t slice,
+                                 char* data, DType dtype, ReduceOp op, cudaStream_t stream) {
   const size_t e = dtype_size(dtype);
-  const AllReduceSchedule s = all_reduce_schedule(algo, size_, rank_, count, e);
-  const std::vector<StreamGroup> groups = stream_groups(s.schedule, s.blocks, s.slice);
+  const std::vector<StreamGroup> groups = stream_groups(schedule, blocks, slice);
   // Room for the receives of one group: the stream runs a group's reductions before the next
   // group receives.
   size_t staging_elems = 1;
   for (const StreamGroup& g : groups)
-    if (g.reduce) staging_elems = std::max(staging_elems, (g.last - g.first) * s.slice);
-  staging_elems = std::min(staging_elems, std::max<size_t>(1, s.blocks.max_count()));
+    if (g.reduce) staging_elems = std::max(staging_elems, (g.last - g.first) * slice);
+  staging_elems = std::min(staging_elems, std::max<size_t>(1, blocks.max_count()));
   char* staging = nullptr;
   RC_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&staging), staging_elems * e, stream));
   // Slice j of a step: where it lives in `data`, and its length.
   auto slice_of = [&](int step, size_t j) {
-    const Step& st = s.schedule.steps[size_t(step)];
-    const size_t block = s.blocks.count(st.block), first = std::min(block, j * s.slice);
-    return std::make_pair(data + (s.blocks.offset(st.block) + first) * e,
-                          std::min(s.slice, block - first));
+    const Step& st = schedule.steps[size_t(step)];
+    const size_t block = blocks.count(st.block), first = std::min(block, j * slice);
+    return std::make_pair(data + (blocks.offset(st.block) + first) * e,
+                          std::min(slice, block - first));
   };
   try {
     for (const StreamGroup& g : groups) {
@@ -140,16 +151,16 @@ void NcclTransport::run_schedule(char* data, size_t count, DType dtype, ReduceOp
         if (m.send) {
           lib_.check(lib_.send(at, n * e, kUint8, m.peer, comm_, stream), "ncclSend", comm_);
         } else {
-          char* into = m.to_staging ? staging + (m.slice - g.first) * s.slice * e : at;
+          char* into = m.to_staging ? staging + (m.slice - g.first) * slice * e : at;
           lib_.check(lib_.recv(into, n * e, kUint8, m.peer, comm_, stream), "ncclRecv", comm_);
         }
       }
       lib_.check(lib_.group_end(), "ncclGroupEnd", comm_);
       if (!g.reduce) continue;
-      const Step& step = s.schedule.steps[size_t(g.step)];
+      const Step& step = schedule.steps[size_t(g.step)];
       for (size_t j = g.first; j < g.last; ++j) {
         auto [mine, n] = slice_of(g.step, j);
-        const char* incoming = staging + (j - g.first) * s.slice * e;
+        const char* incoming = staging + (j - g.first) * slice * e;
         cuda::reduce(dtype, op, mine, step.incoming_first ? incoming : mine,
                      step.incoming_first ? mine : incoming, n, stream);
         if (step.completes && op == ReduceOp::kAvg) cuda::divide(dtype, mine, n, size_, stream);

@@ -11,6 +11,10 @@
 
 #include <cuda_runtime.h>
 
+#include <vector>
+
+#include "algorithms/context.h"
+#include "algorithms/schedule.h"
 #include "common/dtype.h"
 #include "common/signature.h"
 #include "transport/nccl/nccl_library.h"
@@ -37,6 +41,10 @@ class NcclTransport {
   void all_reduce(void* data, size_t count, DType dtype, ReduceOp op, Algorithm algo,
                   cudaStream_t stream);
   static constexpr size_t kSmallBytes = 256 << 10;
+  // Enqueues on `stream` the all-gather into `data`, which holds every rank's block back to back
+  // (block q: counts[q] elements, this rank's already in place), by the ring's step list.
+  void all_gather(void* data, const std::vector<size_t>& counts, DType dtype,
+                  cudaStream_t stream);
 
   // Waits for the work enqueued on `stream`. Raises if NCCL reports an error or `timeout_s`
   // passes, aborting the communicator first: it cannot be used after that.
@@ -46,8 +54,9 @@ class NcclTransport {
   void abort();
 
  private:
-  void run_schedule(char* data, size_t count, DType dtype, ReduceOp op, Algorithm algo,
-                    cudaStream_t stream);
+  // Runs `schedule` over `blocks` of `data` (in place) in slices of `slice` elements.
+  void run_schedule(const Schedule& schedule, const Segments& blocks, size_t slice, char* data,
+                    DType dtype, ReduceOp op, cudaStream_t stream);
   Comm live() const;  // the communicator, or an error once it is closed or aborted
 
   const Library& lib_;
