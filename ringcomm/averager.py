@@ -75,6 +75,10 @@ class GradientAverager:
             if id(p) not in seen:  # shared parameters are averaged once
                 seen.add(id(p))
                 unique.append(p)
+        if self._powersgd is not None and unique and unique[0].is_cuda:
+            from .hooks.powersgd import CUDA_REFUSED
+
+            raise ValueError(CUDA_REFUSED)
         self._buckets = self._make_buckets(unique[::-1])
         self._bucket_of = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket}
         self._missing = [len(bucket) for bucket in self._buckets]  # gradients not yet ready

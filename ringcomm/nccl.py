@@ -79,7 +79,11 @@ class NcclCommunicator:
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"device must be a CUDA device with an index, got {self.device}")
         self.timeout = timeout
-        key = f"{name}/unique_id"
+        # A communicator made again under the same name (after an abort) must not read the id
+        # of the one before: every rank's join is counted, and each world_size joins make one
+        # generation (a generation's ranks all join before any can start the next).
+        generation = (store.add(f"{name}/joins", 1) - 1) // world_size
+        key = f"{name}/{generation}/unique_id"
         if rank == 0:
             store.set(key, unique_id())
         store.wait([key], timeout)

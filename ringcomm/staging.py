@@ -24,6 +24,8 @@ import torch
 
 _streams = {}  # device index -> (device-to-host stream, host-to-device stream)
 _streams_lock = threading.Lock()
+_pending = {}  # (device index, data_ptr) -> the StagedWork still copying back into it
+_pending_lock = threading.Lock()
 
 
 def slice_bytes() -> int:
@@ -43,11 +45,14 @@ def _copy_streams(device: torch.device):
 
 
 class StagedWork:
-    """The Work of a staged all-reduce: done when every slice is reduced and copied back."""
+    """The Work of a staged operation: done when every host operation is done and copied back."""
 
     def __init__(self, tensor: torch.Tensor, slices: list, done: torch.cuda.Event,
                  future: torch.futures.Future):
         self._tensor, self._slices, self._done, self._future = tensor, slices, done, future
+        self._lock = threading.Lock()
+        self._observers = []  # _on_finish's functions, run before the future completes
+        self._finished = False
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Blocks until every slice is reduced (raising RingcommError if one failed), then makes
@@ -91,8 +96,23 @@ class StagedWork:
         return self._future
 
     def _on_finish(self, fn):
-        # Slices run in order on the communicator: the last one finishes last.
-        self._slices[-1]._on_finish(fn)
+        """As Work._on_finish: fn() runs once the operation is done, before the future
+        completes (ringcomm.stats counts the bytes first)."""
+        with self._lock:
+            if not self._finished:
+                self._observers.append(fn)
+                return
+        fn()
+
+    def _run_observers(self):
+        while True:  # observers added meanwhile run too
+            with self._lock:
+                observers, self._observers = self._observers, []
+                if not observers:
+                    self._finished = True
+                    return
+            for fn in observers:
+                fn()
 
 
 class _Staging:
@@ -126,8 +146,10 @@ class _Staging:
         done = torch.cuda.Event()
         future = torch.futures.Future(devices=[self.device])
         staged = StagedWork(result, works, done, future)
+        key = (self.device.index, result.data_ptr())
 
         def finished():  # after the last operation: every copy back is enqueued (or it failed)
+            staged._run_observers()
             error = staged.exception()
             with torch.cuda.stream(self.to_device):
                 done.record(self.to_device)
@@ -135,12 +157,27 @@ class _Staging:
                     future.set_exception(error)
                 else:
                     future.set_result(result)  # records an event on to_device for its waiters
+            with _pending_lock:
+                if _pending.get(key) is staged:
+                    del _pending[key]
 
+        with _pending_lock:
+            _pending[key] = staged
         works[-1]._on_finish(finished)
         if async_op:
             return staged
         staged.wait()
         return None
+
+
+def _after_pending(tensor: torch.Tensor) -> None:
+    """Waits for a staged operation still writing `tensor` (a second async call on the same
+    tensor must see the first one's result, as on the CPU, where operations run in order); its
+    wait() also orders the current stream after that operation's copies back."""
+    with _pending_lock:
+        pending = _pending.get((tensor.device.index, tensor.data_ptr()))
+    if pending is not None:
+        pending.wait()
 
 
 def all_reduce(comm, tensor: torch.Tensor, op, algorithm: str, async_op: bool):
@@ -152,6 +189,7 @@ def all_reduce(comm, tensor: torch.Tensor, op, algorithm: str, async_op: bool):
     bounds = [(a, min(a + per_slice, flat.numel())) for a in range(0, flat.numel(), per_slice)]
     bounds = bounds or [(0, 0)]  # an empty tensor still travels, and is checked
     host = torch.empty(flat.numel(), dtype=tensor.dtype, pin_memory=True)
+    _after_pending(tensor)
     stage = _Staging(tensor.device)
     ready = [stage.out(flat[a:b], host[a:b]) for a, b in bounds]
     works = []
@@ -176,12 +214,15 @@ def sparse_all_reduce(comm, indices, values, numel: int, out, op, algorithm: str
         raise ValueError(f"out is on {out.device}, values on {device}")
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
+    # Made contiguous on the current stream before the side stream is ordered after it.
+    indices, values = indices.reshape(-1).contiguous(), values.reshape(-1).contiguous()
+    _after_pending(out)
     stage = _Staging(device)
     host_indices = torch.empty(indices.numel(), dtype=indices.dtype, pin_memory=True)
     host_values = torch.empty(values.numel(), dtype=values.dtype, pin_memory=True)
     host_out = torch.empty(out.numel(), dtype=out.dtype, pin_memory=True)
-    stage.out(indices.reshape(-1), host_indices)
-    stage.out(values.reshape(-1), host_values).synchronize()
+    stage.out(indices, host_indices)
+    stage.out(values, host_values).synchronize()
     work = comm._host_sparse_all_reduce(
         host_indices, host_values, numel, host_out, op, algorithm,
         on_success=lambda: stage.back(out.view(-1), host_out))

@@ -460,6 +460,11 @@ def start_powersgd(state: PowerSGDState, comm, grads, slot: int, result=None,
     return outer
 
 
+# Its factors and error memory live in host memory, and its futures are not CUDA-aware.
+CUDA_REFUSED = ("ringcomm's PowerSGD runs on CPU gradients only; for CUDA gradients use "
+                "allreduce_hook, bf16_compress_hook or topk_hook")
+
+
 @_ringcomm_named
 def powersgd_hook(state: PowerSGDState,
                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -469,6 +474,9 @@ def powersgd_hook(state: PowerSGDState,
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"powersgd_hook needs a ringcomm.hooks.PowerSGDState, got "
                         f"{type(state).__name__}")
+    grad = bucket[0] if isinstance(bucket, tuple) else bucket.buffer()
+    if grad.is_cuda:
+        raise ValueError(CUDA_REFUSED)
     if isinstance(bucket, tuple):  # compiled DDP discards the future: finish in place now
         grad, param = bucket
         comm = communicator_for(state.comm)

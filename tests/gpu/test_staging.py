@@ -38,7 +38,7 @@ def test_all_reduce_of_cuda_tensors_in_slices():
     # 4 KiB slices: 0, one partial, exactly one, several and a ragged tail.
     sizes = [0, 5, 1024, 1024 * 7 + 3, 300_000]
     assert all(run_ranks(2, all_reduce_rank, sizes, timeout=240,
-                         env={"RINGCOMM_STAGING_SLICE_BYTES": "4096"}).values())
+                         env={"RINGCOMM_STAGING_SLICE_BYTES": "4096"}))
 
 
 def sparse_rank(comm):
@@ -57,7 +57,7 @@ def sparse_rank(comm):
 
 
 def test_sparse_all_reduce_of_cuda_pairs():
-    assert all(run_ranks(2, sparse_rank, timeout=240).values())
+    assert all(run_ranks(2, sparse_rank, timeout=240))
 
 
 def ddp_rank(store, rank, world, hook_name):
@@ -85,7 +85,7 @@ def ddp_rank(store, rank, world, hook_name):
 
 def test_ddp_hooks_take_cuda_gradients():
     for hook in ("allreduce_hook", "bf16_compress_hook", "topk_hook"):
-        assert all(run_ranks(2, ddp_rank, hook, make_comm=False, timeout=300).values()), hook
+        assert all(run_ranks(2, ddp_rank, hook, make_comm=False, timeout=300)), hook
 
 
 def backend_rank(store, rank, world):
@@ -116,7 +116,7 @@ def backend_rank(store, rank, world):
 
 
 def test_backend_serves_cuda_tensors():
-    assert all(run_ranks(2, backend_rank, make_comm=False, timeout=300).values())
+    assert all(run_ranks(2, backend_rank, make_comm=False, timeout=300))
 
 
 def averager_rank(comm, compression):
@@ -135,4 +135,15 @@ def averager_rank(comm, compression):
 
 def test_gradient_averager_on_cuda():
     for compression in (None, "bf16"):
-        assert all(run_ranks(2, averager_rank, compression, timeout=240).values()), compression
+        assert all(run_ranks(2, averager_rank, compression, timeout=240)), compression
+
+
+def test_powersgd_refuses_cuda_gradients():
+    import pytest
+
+    from ringcomm import GradientAverager
+    from ringcomm.hooks import PowerSGDState
+
+    p = torch.nn.Parameter(torch.ones(4, 4, device="cuda"))
+    with pytest.raises(ValueError, match="PowerSGD runs on CPU gradients only"):
+        GradientAverager([p], None, compression=PowerSGDState())

@@ -14,6 +14,13 @@ namespace {
 
 constexpr Result kInProgress = 7;  // ncclInProgress
 
+// The slice length on a stream: a step pipelined by step (the ring) is one group whichever way
+// it is cut, and NCCL pipelines each message itself, so it goes whole, one message per step; the
+// trees keep their slices, which pipeline across levels.
+size_t stream_slice(const Schedule& schedule, const Segments& blocks, size_t slice) {
+  return schedule.pipeline == Pipeline::kByStep ? std::max<size_t>(1, blocks.max_count()) : slice;
+}
+
 // Makes `device` current for the scope of a call and restores the caller's.
 class DeviceScope {
  public:
@@ -37,7 +44,15 @@ NcclTransport::NcclTransport(const Library& lib, const UniqueId& id, int rank, i
   RC_CUDA_CHECK(cudaGetDeviceCount(&devices));
   RC_CHECK_ARG(device >= 0 && device < devices, "CUDA device ", device, " of ", devices);
   DeviceScope scope(device);
-  lib_.check(lib_.comm_init_rank(&comm_, size, id, rank), "ncclCommInitRank");
+  const Result joined = lib_.comm_init_rank(&comm_, size, id, rank);
+  if (joined != 0 && comm_ != nullptr) {  // no destructor runs after a throwing constructor
+    const char* last = lib_.get_last_error(comm_);
+    const std::string why = last != nullptr ? last : "";
+    lib_.comm_abort(comm_);
+    comm_ = nullptr;
+    RC_THROW("ncclCommInitRank failed: ", lib_.get_error_string(joined), " (", why, ")");
+  }
+  lib_.check(joined, "ncclCommInitRank");
 }
 
 NcclTransport::~NcclTransport() {
@@ -71,7 +86,10 @@ void NcclTransport::synchronize(cudaStream_t stream, double timeout_s) {
                             std::chrono::duration<double>(timeout_s));
   for (;;) {
     const cudaError_t done = cudaStreamQuery(stream);
-    if (done != cudaSuccess && done != cudaErrorNotReady) RC_CUDA_CHECK(done);
+    if (done != cudaSuccess && done != cudaErrorNotReady) {
+      abort();  // the stream's NCCL work will not finish; peers see this rank leave
+      RC_CUDA_CHECK(done);
+    }
     Result async = 0;
     lib_.check(lib_.comm_get_async_error(live(), &async), "ncclCommGetAsyncError", comm_);
     if (async != 0 && async != kInProgress) {
@@ -108,7 +126,8 @@ void NcclTransport::all_reduce(void* data, size_t count, DType dtype, ReduceOp o
     return;  // every op of one contribution is that contribution
   }
   const AllReduceSchedule s = all_reduce_schedule(algo, size_, rank_, count, dtype_size(dtype));
-  run_schedule(s.schedule, s.blocks, s.slice, static_cast<char*>(data), dtype, op, stream);
+  run_schedule(s.schedule, s.blocks, stream_slice(s.schedule, s.blocks, s.slice),
+               static_cast<char*>(data), dtype, op, stream);
 }
 
 void NcclTransport::all_gather(void* data, const std::vector<size_t>& counts, DType dtype,
@@ -117,9 +136,10 @@ void NcclTransport::all_gather(void* data, const std::vector<size_t>& counts, DT
   RC_CHECK_ARG(int(counts.size()) == size_, counts.size(), " block sizes for ", size_, " ranks");
   if (size_ == 1) return;
   DeviceScope scope(device_);
-  run_schedule(ring_all_gather_schedule(size_, rank_), Segments(counts),
-               ring_slice(dtype_size(dtype)), static_cast<char*>(data), dtype, ReduceOp::kSum,
-               stream);
+  const Schedule schedule = ring_all_gather_schedule(size_, rank_);
+  const Segments blocks(counts);
+  run_schedule(schedule, blocks, stream_slice(schedule, blocks, ring_slice(dtype_size(dtype))),
+               static_cast<char*>(data), dtype, ReduceOp::kSum, stream);
 }
 
 // The schedule's groups one after another on `stream`: the group's messages between
@@ -143,9 +163,11 @@ void NcclTransport::run_schedule(const Schedule& schedule, const Segments& block
     return std::make_pair(data + (blocks.offset(st.block) + first) * e,
                           std::min(slice, block - first));
   };
+  bool in_group = false;
   try {
     for (const StreamGroup& g : groups) {
       lib_.check(lib_.group_start(), "ncclGroupStart", comm_);
+      in_group = true;
       for (const StreamMessage& m : g.messages) {
         auto [at, n] = slice_of(m.step, m.slice);
         if (m.send) {
@@ -155,6 +177,7 @@ void NcclTransport::run_schedule(const Schedule& schedule, const Segments& block
           lib_.check(lib_.recv(into, n * e, kUint8, m.peer, comm_, stream), "ncclRecv", comm_);
         }
       }
+      in_group = false;
       lib_.check(lib_.group_end(), "ncclGroupEnd", comm_);
       if (!g.reduce) continue;
       const Step& step = schedule.steps[size_t(g.step)];
@@ -167,7 +190,11 @@ void NcclTransport::run_schedule(const Schedule& schedule, const Segments& block
       }
     }
   } catch (...) {
+    // NCCL's group depth is per thread: close the group, or the thread's later NCCL calls would
+    // join it. Messages already posted may never be matched: the communicator is done.
+    if (in_group) lib_.group_end();
     cudaFreeAsync(staging, stream);
+    abort();
     throw;
   }
   RC_CUDA_CHECK(cudaFreeAsync(staging, stream));
