@@ -11,10 +11,13 @@
 //
 // all_reduce, 3 stages; a slice is n parts of S, part k owned by rank k:
 //   0. pack part `me`; send part k to rank k (every k != me), packed as it goes out
-//      (Context::send_produce); receive every rank's part `me`.
+//      (Context::send_produce); receive every rank's part `me` (with two ranks, the one other
+//      contribution is reduced into part `me` as it arrives, Context::recv_apply: from a
+//      shared-memory peer's slots without a copy).
 //   1. reduce part `me` from the n contributions, element by element in the order that one
 //      all_reduce per buffer would have used (reduction_order.h), so the results are bitwise
-//      those of per-buffer all_reduce; send it to every rank; unpack it.
+//      those of per-buffer all_reduce (two ranks: done in stage 0); send it to every rank;
+//      unpack it.
 //   2. receive every other part from its owner, unpacked as it arrives (Context::recv_apply).
 //   Bytes on the wire per rank: 2(n-1)/n of the data (sent and received), as a ring all-reduce,
 //   in two message latencies per slice. Every rank gets the owner's bits.
@@ -170,8 +173,28 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
       }
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
-        slot.contributions[size_t(q)] =
-            ctx.recv(q, incoming_of(slot, q), parts.count(me) * e, sig);
+        if (n == 2) {
+          // One other contribution: reduced into my part where it arrives (a shared-memory
+          // peer's slots), without a copy into `incoming` first.
+          const CoalescedAllReduce* p = &plan;
+          const FusedBucket* bucket = &b;
+          const size_t first = slice.begin + parts.offset(me);
+          slot.contributions[size_t(q)] = ctx.recv_apply(
+              q, incoming_of(slot, q), parts.count(me) * e, sig,
+              [p, bucket, first, mine, me](size_t offset, const char* data, size_t bytes) {
+                trace::Span span("reduce", bytes, 1 - me);
+                const size_t esize = dtype_size(bucket->sig.dtype);
+                const char* inputs[2];
+                inputs[me] = mine + offset;
+                inputs[1 - me] = data;
+                // Two ranks: one combination per element, no temporaries.
+                reduce_in_order(*p, *bucket, first + offset / esize, bytes / esize, inputs,
+                                mine + offset, nullptr, 2);
+              });
+        } else {
+          slot.contributions[size_t(q)] =
+              ctx.recv(q, incoming_of(slot, q), parts.count(me) * e, sig);
+        }
         // Part q is packed straight into q's shared memory, or staged in the slice buffer.
         const FusedBucket* bucket = &b;
         const CoalescedAllReduce* p = &plan;
@@ -185,17 +208,21 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
                          });
       }
     } else if (stage == 1) {
-      std::vector<const char*> inputs(static_cast<size_t>(n));
-      for (int q = 0; q < n; ++q) {
-        if (q == me) {
-          inputs[size_t(q)] = mine;
-          continue;
+      if (n == 2) {
+        ctx.wait(slot.contributions[size_t(1 - me)]);  // reduced as it arrived (stage 0)
+      } else {
+        std::vector<const char*> inputs(static_cast<size_t>(n));
+        for (int q = 0; q < n; ++q) {
+          if (q == me) {
+            inputs[size_t(q)] = mine;
+            continue;
+          }
+          ctx.wait(slot.contributions[size_t(q)]);
+          inputs[size_t(q)] = incoming_of(slot, q);
         }
-        ctx.wait(slot.contributions[size_t(q)]);
-        inputs[size_t(q)] = incoming_of(slot, q);
+        reduce_in_order(plan, b, slice.begin + parts.offset(me), parts.count(me), inputs.data(),
+                        mine, temps, n);
       }
-      reduce_in_order(plan, b, slice.begin + parts.offset(me), parts.count(me), inputs.data(),
-                      mine, temps, n);
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
         ctx.send(q, mine, parts.count(me) * e, sig);
