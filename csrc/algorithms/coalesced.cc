@@ -166,7 +166,11 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
                   begin + parts.count(k), plan.unpack_scaling);
     };
     if (stage == 0) {
-      {
+      // Two ranks, and my part needs no cast or scaling: the reduction reads it straight from
+      // the buffers, so it is not packed first.
+      const bool from_buffers = n == 2 && plan.pack_scaling.kind == cpu::ScaleKind::kNone &&
+                                b.buffers.dtype() == sig.dtype;
+      if (!from_buffers) {
         trace::Span span("pack", parts.count(me) * e);
         const size_t begin = slice.begin + parts.offset(me);
         cpu::pack(b.buffers, begin, begin + parts.count(me), mine, sig.dtype, plan.pack_scaling);
@@ -181,15 +185,29 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
           const size_t first = slice.begin + parts.offset(me);
           slot.contributions[size_t(q)] = ctx.recv_apply(
               q, incoming_of(slot, q), parts.count(me) * e, sig,
-              [p, bucket, first, mine, me](size_t offset, const char* data, size_t bytes) {
+              [p, bucket, first, mine, me, from_buffers](size_t offset, const char* data,
+                                                         size_t bytes) {
                 trace::Span span("reduce", bytes, 1 - me);
-                const size_t esize = dtype_size(bucket->sig.dtype);
-                const char* inputs[2];
-                inputs[me] = mine + offset;
-                inputs[1 - me] = data;
+                const size_t esize = dtype_size(bucket->sig.dtype), begin = first + offset / esize;
                 // Two ranks: one combination per element, no temporaries.
-                reduce_in_order(*p, *bucket, first + offset / esize, bytes / esize, inputs,
-                                mine + offset, nullptr, 2);
+                auto reduce = [&](const char* own, const char* incoming, char* out, size_t pos,
+                                  size_t count) {
+                  const char* inputs[2];
+                  inputs[me] = own;
+                  inputs[1 - me] = incoming;
+                  reduce_in_order(*p, *bucket, pos, count, inputs, out, nullptr, 2);
+                };
+                if (!from_buffers) {
+                  reduce(mine + offset, data, mine + offset, begin, bytes / esize);
+                  return;
+                }
+                const cpu::PackList& list = bucket->buffers;
+                kernels::for_parts(list, begin, begin + bytes / esize,
+                               [&](size_t i, size_t pos, size_t count) {
+                                 const size_t at = (pos - begin) * esize;
+                                 reduce(list.data(i) + (pos - list.offset(i)) * esize, data + at,
+                                        mine + offset + at, pos, count);
+                               });
               });
         } else {
           slot.contributions[size_t(q)] =
