@@ -17,7 +17,10 @@
 //   1. reduce part `me` from the n contributions, element by element in the order that one
 //      all_reduce per buffer would have used (reduction_order.h), so the results are bitwise
 //      those of per-buffer all_reduce (two ranks: done in stage 0); send it to every rank;
-//      unpack it.
+//      unpack it. With two ranks and no cast or scaling, part `me` is never packed: the
+//      reduction reads my contribution from the buffers and writes the result back into them,
+//      and it is sent from there, packed straight into the peer's memory (the bytes a flat
+//      all-reduce moves, plus packing the peer's part and unpacking its result).
 //   2. receive every other part from its owner, unpacked as it arrives (Context::recv_apply).
 //   Bytes on the wire per rank: 2(n-1)/n of the data (sent and received), as a ring all-reduce,
 //   in two message latencies per slice. Every rank gets the owner's bits.
@@ -165,11 +168,13 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
       cpu::unpack(slot.buffer + parts.offset(k) * e, sig.dtype, b.buffers, begin,
                   begin + parts.count(k), plan.unpack_scaling);
     };
+    // Two ranks, and my part needs no cast or scaling on the way in: the reduction reads it
+    // straight from the buffers, so it is not packed first; nor on the way out: the reduction
+    // writes the result into the buffers, and my result is sent from there.
+    const bool from_buffers = n == 2 && plan.pack_scaling.kind == cpu::ScaleKind::kNone &&
+                              b.buffers.dtype() == sig.dtype;
+    const bool in_place = from_buffers && plan.unpack_scaling.kind == cpu::ScaleKind::kNone;
     if (stage == 0) {
-      // Two ranks, and my part needs no cast or scaling: the reduction reads it straight from
-      // the buffers, so it is not packed first.
-      const bool from_buffers = n == 2 && plan.pack_scaling.kind == cpu::ScaleKind::kNone &&
-                                b.buffers.dtype() == sig.dtype;
       if (!from_buffers) {
         trace::Span span("pack", parts.count(me) * e);
         const size_t begin = slice.begin + parts.offset(me);
@@ -185,8 +190,8 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
           const size_t first = slice.begin + parts.offset(me);
           slot.contributions[size_t(q)] = ctx.recv_apply(
               q, incoming_of(slot, q), parts.count(me) * e, sig,
-              [p, bucket, first, mine, me, from_buffers](size_t offset, const char* data,
-                                                         size_t bytes) {
+              [p, bucket, first, mine, me, from_buffers, in_place](
+                  size_t offset, const char* data, size_t bytes) {
                 trace::Span span("reduce", bytes, 1 - me);
                 const size_t esize = dtype_size(bucket->sig.dtype), begin = first + offset / esize;
                 // Two ranks: one combination per element, no temporaries.
@@ -205,8 +210,9 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
                 kernels::for_parts(list, begin, begin + bytes / esize,
                                [&](size_t i, size_t pos, size_t count) {
                                  const size_t at = (pos - begin) * esize;
-                                 reduce(list.data(i) + (pos - list.offset(i)) * esize, data + at,
-                                        mine + offset + at, pos, count);
+                                 char* own = list.data(i) + (pos - list.offset(i)) * esize;
+                                 reduce(own, data + at, in_place ? own : mine + offset + at, pos,
+                                        count);
                                });
               });
         } else {
@@ -243,7 +249,18 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
       }
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
-        ctx.send(q, mine, parts.count(me) * e, sig);
+        if (in_place) {
+          const FusedBucket* bucket = &b;
+          const size_t begin = slice.begin + parts.offset(me);
+          ctx.send_produce(q, mine, parts.count(me) * e, sig,
+                           [bucket, begin, e](size_t offset, char* dst, size_t bytes) {
+                             trace::Span span("pack", bytes);
+                             cpu::pack(bucket->buffers, begin + offset / e,
+                                       begin + (offset + bytes) / e, dst, bucket->sig.dtype, {});
+                           });
+        } else {
+          ctx.send(q, mine, parts.count(me) * e, sig);
+        }
         // Unpacked where it arrives (a shared-memory peer's slots), or staged where my
         // contribution to q was: q sends its result only after it has all of it.
         const FusedBucket* bucket = &b;
@@ -257,7 +274,7 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
                           begin + (offset + bytes) / e, p->unpack_scaling);
             });
       }
-      unpack_part(me);
+      if (!in_place) unpack_part(me);
     } else {
       for (int q = 0; q < n; ++q)
         if (q != me) ctx.wait(slot.results[size_t(q)]);
