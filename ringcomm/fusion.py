@@ -28,17 +28,20 @@ class BufferList:
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(items).__name__}")
         # Lists of hundreds of small tensors are the point of coalescing, so the common case (all
         # contiguous CPU tensors of supported dtypes) is checked and read with map(), one pass per
-        # property: about 0.3 us per tensor, a tenth of a Buffer's.
-        if all(issubclass(t, torch.Tensor) for t in set(map(type, items))):
+        # property at about 50 ns per tensor each: for 1000 tensors that is more than the core's
+        # fused all-reduce takes beyond a flat one, so no pass is spent on what the others catch.
+        # A numpy array, or a sparse tensor (the unbound Tensor methods raise on them), or a
+        # failed check, goes to the per-item path, which names the first bad item.
+        try:
             codes = list(map(TORCH_DTYPES.get, map(_dtype, items)))
             if (None not in codes and all(map(_is_cpu, items))
-                    and set(map(_layout, items)) <= {torch.strided}
                     and all(map(torch.Tensor.is_contiguous, items))):
                 self.ptrs = list(map(torch.Tensor.data_ptr, items))
                 self.counts = list(map(torch.Tensor.numel, items))
                 self.dtypes = codes
                 return
-        # Otherwise numpy arrays, or an error naming the first bad element.
+        except (TypeError, RuntimeError, AttributeError):
+            pass
         bufs = [Buffer(t, f"{name}[{i}]") for i, t in enumerate(items)]
         self.ptrs = [b.ptr for b in bufs]
         self.counts = [b.numel for b in bufs]
@@ -50,7 +53,6 @@ class BufferList:
 
 _dtype = operator.attrgetter("dtype")
 _is_cpu = operator.attrgetter("is_cpu")
-_layout = operator.attrgetter("layout")
 
 
 def check_bucket_bytes(bucket_bytes) -> int:
