@@ -17,9 +17,9 @@
 //   1. reduce part `me` from the n contributions, element by element in the order that one
 //      all_reduce per buffer would have used (reduction_order.h), so the results are bitwise
 //      those of per-buffer all_reduce (two ranks: done in stage 0); send it to every rank;
-//      unpack it. With two ranks and no cast or scaling, part `me` is never packed: the
-//      reduction reads my contribution from the buffers and writes the result back into them,
-//      and it is sent from there, packed straight into the peer's memory (the bytes a flat
+//      unpack it. With no cast or scaling, part `me` is never packed: the reduction reads my
+//      contribution from the buffers and writes the result back into them, and it is sent from
+//      there, packed straight into the peers' memory (with two ranks, the bytes a flat
 //      all-reduce moves, plus packing the peer's part and unpacking its result).
 //   2. receive every other part from its owner, unpacked as it arrives (Context::recv_apply).
 //   Bytes on the wire per rank: 2(n-1)/n of the data (sent and received), as a ring all-reduce,
@@ -168,10 +168,10 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
       cpu::unpack(slot.buffer + parts.offset(k) * e, sig.dtype, b.buffers, begin,
                   begin + parts.count(k), plan.unpack_scaling);
     };
-    // Two ranks, and my part needs no cast or scaling on the way in: the reduction reads it
-    // straight from the buffers, so it is not packed first; nor on the way out: the reduction
-    // writes the result into the buffers, and my result is sent from there.
-    const bool from_buffers = n == 2 && plan.pack_scaling.kind == cpu::ScaleKind::kNone &&
+    // My part needs no cast or scaling on the way in: the reduction reads it straight from the
+    // buffers, so it is not packed first; nor on the way out: the reduction writes the result
+    // into the buffers, and my result is sent from there.
+    const bool from_buffers = plan.pack_scaling.kind == cpu::ScaleKind::kNone &&
                               b.buffers.dtype() == sig.dtype;
     const bool in_place = from_buffers && plan.unpack_scaling.kind == cpu::ScaleKind::kNone;
     if (stage == 0) {
@@ -244,8 +244,23 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
           ctx.wait(slot.contributions[size_t(q)]);
           inputs[size_t(q)] = incoming_of(slot, q);
         }
-        reduce_in_order(plan, b, slice.begin + parts.offset(me), parts.count(me), inputs.data(),
-                        mine, temps, n);
+        const size_t begin = slice.begin + parts.offset(me);
+        if (!from_buffers) {
+          reduce_in_order(plan, b, begin, parts.count(me), inputs.data(), mine, temps, n);
+        } else {
+          // Buffer by buffer: my contribution (and, in place, the result) is that buffer's part.
+          std::vector<const char*> shifted(inputs.size());
+          const cpu::PackList& list = b.buffers;
+          kernels::for_parts(list, begin, begin + parts.count(me),
+                             [&](size_t i, size_t pos, size_t count) {
+                               const size_t at = (pos - begin) * e;
+                               char* own = list.data(i) + (pos - list.offset(i)) * e;
+                               for (int q = 0; q < n; ++q)
+                                 shifted[size_t(q)] = q == me ? own : inputs[size_t(q)] + at;
+                               reduce_in_order(plan, b, pos, count, shifted.data(),
+                                               in_place ? own : mine + at, temps, n);
+                             });
+        }
       }
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
