@@ -123,6 +123,23 @@ void reduce_in_order(const CoalescedAllReduce& plan, const FusedBucket& b, size_
   }
 }
 
+// reduce_in_order with my contribution (rank `me`) read from the bucket's buffers and the
+// others' from inputs[q] (contiguous over the range; inputs[me] is not read); the result goes
+// back into the buffers (`out` null) or to `out`.
+void reduce_from_buffers(const CoalescedAllReduce& plan, const FusedBucket& b, size_t begin,
+                         size_t count, int me, const char* const* inputs, char* out, char* temps,
+                         int n) {
+  const size_t e = dtype_size(b.sig.dtype);
+  const cpu::PackList& list = b.buffers;
+  std::vector<const char*> shifted(static_cast<size_t>(n));
+  kernels::for_parts(list, begin, begin + count, [&](size_t i, size_t pos, size_t len) {
+    const size_t at = (pos - begin) * e;
+    char* own = list.data(i) + (pos - list.offset(i)) * e;
+    for (int q = 0; q < n; ++q) shifted[size_t(q)] = q == me ? own : inputs[q] + at;
+    reduce_in_order(plan, b, pos, len, shifted.data(), out ? out + at : own, temps, n);
+  });
+}
+
 }  // namespace
 
 void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
@@ -194,26 +211,16 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
                   size_t offset, const char* data, size_t bytes) {
                 trace::Span span("reduce", bytes, 1 - me);
                 const size_t esize = dtype_size(bucket->sig.dtype), begin = first + offset / esize;
+                const char* inputs[2];
+                inputs[me] = mine + offset;
+                inputs[1 - me] = data;
                 // Two ranks: one combination per element, no temporaries.
-                auto reduce = [&](const char* own, const char* incoming, char* out, size_t pos,
-                                  size_t count) {
-                  const char* inputs[2];
-                  inputs[me] = own;
-                  inputs[1 - me] = incoming;
-                  reduce_in_order(*p, *bucket, pos, count, inputs, out, nullptr, 2);
-                };
-                if (!from_buffers) {
-                  reduce(mine + offset, data, mine + offset, begin, bytes / esize);
-                  return;
-                }
-                const cpu::PackList& list = bucket->buffers;
-                kernels::for_parts(list, begin, begin + bytes / esize,
-                               [&](size_t i, size_t pos, size_t count) {
-                                 const size_t at = (pos - begin) * esize;
-                                 char* own = list.data(i) + (pos - list.offset(i)) * esize;
-                                 reduce(own, data + at, in_place ? own : mine + offset + at, pos,
-                                        count);
-                               });
+                if (from_buffers)
+                  reduce_from_buffers(*p, *bucket, begin, bytes / esize, me, inputs,
+                                      in_place ? nullptr : mine + offset, nullptr, 2);
+                else
+                  reduce_in_order(*p, *bucket, begin, bytes / esize, inputs, mine + offset,
+                                  nullptr, 2);
               });
         } else {
           slot.contributions[size_t(q)] =
@@ -245,22 +252,11 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
           inputs[size_t(q)] = incoming_of(slot, q);
         }
         const size_t begin = slice.begin + parts.offset(me);
-        if (!from_buffers) {
+        if (from_buffers)
+          reduce_from_buffers(plan, b, begin, parts.count(me), me, inputs.data(),
+                              in_place ? nullptr : mine, temps, n);
+        else
           reduce_in_order(plan, b, begin, parts.count(me), inputs.data(), mine, temps, n);
-        } else {
-          // Buffer by buffer: my contribution (and, in place, the result) is that buffer's part.
-          std::vector<const char*> shifted(inputs.size());
-          const cpu::PackList& list = b.buffers;
-          kernels::for_parts(list, begin, begin + parts.count(me),
-                             [&](size_t i, size_t pos, size_t count) {
-                               const size_t at = (pos - begin) * e;
-                               char* own = list.data(i) + (pos - list.offset(i)) * e;
-                               for (int q = 0; q < n; ++q)
-                                 shifted[size_t(q)] = q == me ? own : inputs[size_t(q)] + at;
-                               reduce_in_order(plan, b, pos, count, shifted.data(),
-                                               in_place ? own : mine + at, temps, n);
-                             });
-        }
       }
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
