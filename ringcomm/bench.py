@@ -17,7 +17,9 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
   --compare backend
                    the same ringcomm core through torch.distributed: dist.all_reduce etc. on a
                    process group with the "ringcomm" backend; its ratio is the cost of torch's
-                   dispatch, Work and future over calling the core directly.
+                   dispatch, Work and future over calling the core directly. With
+                   --coll all_reduce_coalesced: dist.all_reduce_coalesced and one flat
+                   dist.all_reduce on that group.
   --compare nccl   GPUs: the ringcomm column becomes ringcomm's all_reduce of CUDA tensors over NCCL
                    (its schedules with ncclSend/ncclRecv as the wire and its kernels reducing,
                    ringcomm/nccl.py), beside NCCL's own ncclAllReduce through the same
@@ -465,13 +467,16 @@ class MpiCase:
         return self.anchor.wrong() if self.anchor else 0
 
 
-def coalesced_row(args, comm, rank: int, world: int, libs) -> dict:
+def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     """--tensors tensors with random sizes in --tensor-bytes (seed --seed), reduced in the same
     run, samples interleaved: ringcomm all_reduce_coalesced, one ringcomm all_reduce per tensor,
-    gloo's dist.all_reduce_coalesced (with --compare gloo), and for reference one ringcomm
+    gloo's dist.all_reduce_coalesced (with --compare gloo), the backend's coalesced and flat
+    calls (with --compare backend), and for reference one ringcomm
     all_reduce of a single tensor of the same total size (no packing: the transport's floor for
     these bytes). Ratios: each variant's time over all_reduce_coalesced's."""
     import warnings
+
+    from . import backend
 
     dtype = DTYPES[args.datatype]
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -492,6 +497,12 @@ def coalesced_row(args, comm, rank: int, world: int, libs) -> dict:
         warnings.filterwarnings("ignore", message=".*all_reduce_coalesced.*deprecated")
         variants["gloo all_reduce_coalesced"] = lambda: dist.all_reduce_coalesced(
             tensors, op=DIST_OPS[args.op])
+    if "backend" in libs:
+        group = groups["backend"]
+        variants["backend all_reduce_coalesced"] = lambda: dist.all_reduce_coalesced(
+            tensors, op=DIST_OPS[args.op], group=group)
+        variants["backend all_reduce, one flat tensor"] = lambda: dist.all_reduce(
+            flat, op=DIST_OPS[args.op], group=group)
     variants["ringcomm all_reduce, one flat tensor"] = lambda: comm.all_reduce(flat, op=args.op)
     iters = args.iters or 20
     for run in variants.values():
@@ -532,6 +543,10 @@ def coalesced_row(args, comm, rank: int, world: int, libs) -> dict:
         print(f"# {args.tensors} {args.datatype} tensors of {args.tensor_bytes} B (seed {args.seed}, "
               f"{nbytes} B in all), {world} ranks, op {args.op}, {iters} calls per sample, "
               f"{args.repeats} repeats (median); ratio = time / all_reduce_coalesced's", flush=True)
+        reader = ("in C++ (the torch backend's module is built)" if backend.built() else
+                  "in Python (the torch backend's module is not built yet: first use of the "
+                  "backend builds it)")
+        print(f"# tensor lists read {reader}", flush=True)
         print(f"# {'variant':<36} {'time(us)':>10} {'algbw':>7} {'#wrong':>6} {'ratio':>7}")
         for name in variants:
             r = row[name]
@@ -608,7 +623,7 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
     # rank 0's: the row it prints and saves says what it used
     transport = "nccl" if gpu is not None else transport_label(comm)
     if coalesced:
-        rows.append(coalesced_row(args, comm, rank, world, libs))
+        rows.append(coalesced_row(args, comm, rank, world, libs, groups))
     elif rank == 0:
         print(f"# ringcomm {args.coll}, {world} ranks, {args.datatype}, op {args.op}, "
               f"algorithm {args.algo}, transport {transport}, {args.repeats} repeats (median)",

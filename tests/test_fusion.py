@@ -4,13 +4,15 @@
 and the last bit of a rounding count. Inputs are finite.
 """
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 import ringcomm
-from ringcomm import _C
+from ringcomm import _C, fusion
 from ringcomm._buffers import TORCH_DTYPES
 from ranks import run_ranks
 
@@ -204,6 +206,45 @@ def many_tiny_tensors(comm):
 
 def test_1000_tiny_tensors():
     assert all(run_ranks(3, many_tiny_tensors))
+
+
+# ---- reading the tensor lists ----------------------------------------------------------------
+
+class Marked(torch.Tensor):
+    pass
+
+
+def test_buffer_list_reads_in_cpp_what_python_reads(monkeypatch):
+    module = ringcomm.backend.load()
+    assert ringcomm.backend.built() is module
+    items = ([torch.arange(5).to(dtype) for dtype in TORCH_DTYPES]
+             + [torch.empty(0), torch.empty(0, 3), torch.nn.Parameter(torch.ones(3)),
+                torch.ones(2, 3), torch.arange(10.0)[4:], torch.ones(1, requires_grad=True)])
+    read = fusion.BufferList(items)
+    monkeypatch.setattr(fusion, "_torch_module", lambda: None)
+    expect = fusion.BufferList(items)
+    assert (read.ptrs, read.counts, read.dtypes) == (expect.ptrs, expect.counts, expect.dtypes)
+    assert module.tensor_lists(tuple(items)) == (expect.ptrs, expect.counts, expect.dtypes)
+    assert module.tensor_lists([]) == ([], [], [])
+    # anything else is left to the Python path, which names the item or reads it
+    for other in ([torch.ones(4, 4).t()], [torch.ones(2, dtype=torch.complex64)],
+                  [torch.ones(2).as_subclass(Marked)], [torch.ones(3).to_sparse()],
+                  [torch.ones(2, device="meta")], [np.ones(3)], [torch.ones(2), 1.0],
+                  "tensors", iter([torch.ones(2)])):
+        assert module.tensor_lists(other) is None, other
+    with pytest.raises(ValueError, match=r"tensors\[1\]"):
+        fusion.BufferList([torch.ones(2), torch.ones(4, 4).t()])
+
+
+def test_built_never_starts_a_build(tmp_path):
+    # a cache without this torch's build: the coalesced path reads its lists in Python
+    code = ("import torch, ringcomm\n"
+            "from ringcomm import backend, fusion\n"
+            "assert backend.built() is None and backend.built() is None\n"
+            "assert fusion.BufferList([torch.ones(3)]).counts == [3]\n")
+    env = dict(os.environ, RINGCOMM_TORCH_BUILD_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- empty lists, async, broadcast, all_gather -------------------------------------------------

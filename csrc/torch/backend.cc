@@ -17,6 +17,7 @@
 #include <pybind11/chrono.h>
 
 #include <cstdlib>
+#include <optional>
 
 #include "communicator.h"
 
@@ -36,8 +37,9 @@ std::exception_ptr error_of(const std::string& message) {
   }
 }
 
-rc::DType dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
+// The core's dtype of a torch dtype (the codes of ringcomm._buffers.TORCH_DTYPES), if it has one.
+std::optional<rc::DType> core_dtype(at::ScalarType type) {
+  switch (type) {
     case at::kFloat: return rc::DType::kFloat32;
     case at::kDouble: return rc::DType::kFloat64;
     case at::kHalf: return rc::DType::kFloat16;
@@ -47,10 +49,48 @@ rc::DType dtype_of(const at::Tensor& t) {
     case at::kInt: return rc::DType::kInt32;
     case at::kLong: return rc::DType::kInt64;
     case at::kBool: return rc::DType::kBool;
-    default:
-      TORCH_CHECK_TYPE(false, "ringcomm: unsupported dtype ", t.scalar_type(), " (supported: "
-                       "float32, float64, float16, bfloat16, int8, uint8, int32, int64, bool)");
+    default: return std::nullopt;
   }
+}
+
+rc::DType dtype_of(const at::Tensor& t) {
+  std::optional<rc::DType> dtype = core_dtype(t.scalar_type());
+  TORCH_CHECK_TYPE(dtype, "ringcomm: unsupported dtype ", t.scalar_type(), " (supported: float32, "
+                   "float64, float16, bfloat16, int8, uint8, int32, int64, bool)");
+  return *dtype;
+}
+
+// (addresses, element counts, dtype codes) of a list or tuple of contiguous CPU tensors, for the
+// core's list arguments (ringcomm.fusion.BufferList), or None when an item is anything else
+// (a subclass, a numpy array, a strided view, ...): the caller's per-item path then names it.
+// torch's Python accessors cost about 50 ns per attribute and tensor, and BufferList needs five;
+// here a list of 1000 tensors takes a few tens of microseconds.
+py::object tensor_lists(py::handle items) {
+  if (!PyList_Check(items.ptr()) && !PyTuple_Check(items.ptr())) return py::none();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
+  PyObject** item = PySequence_Fast_ITEMS(items.ptr());
+  py::list ptrs(n), counts(n), dtypes(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    // Tensor or Parameter, not a subclass whose methods may mean something else
+    if (!THPVariable_CheckExact(item[i])) return py::none();
+    const at::Tensor& t = THPVariable_Unpack(item[i]);
+    std::optional<rc::DType> dtype = core_dtype(t.scalar_type());
+    if (!dtype || !t.device().is_cpu() || t.layout() != at::kStrided || !t.has_storage() ||
+        !t.is_contiguous())
+      return py::none();
+    PyObject* ptr = PyLong_FromVoidPtr(t.data_ptr());
+    PyObject* count = ptr ? PyLong_FromSsize_t(t.numel()) : nullptr;
+    PyObject* code = count ? PyLong_FromLong(long(*dtype)) : nullptr;
+    if (code == nullptr) {
+      Py_XDECREF(ptr);
+      Py_XDECREF(count);
+      throw py::error_already_set();
+    }
+    PyList_SET_ITEM(ptrs.ptr(), i, ptr);
+    PyList_SET_ITEM(counts.ptr(), i, count);
+    PyList_SET_ITEM(dtypes.ptr(), i, code);
+  }
+  return py::make_tuple(ptrs, counts, dtypes);
 }
 
 void check_tensor(const at::Tensor& t) {
@@ -763,6 +803,7 @@ void release_capsule(PyObject* capsule) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ringcomm's c10d::Backend, built against the installed torch";
+  m.def("tensor_lists", &tensor_lists, py::arg("items"));
   py::class_<RingcommBackend, c10d::Backend, c10::intrusive_ptr<RingcommBackend>>(
       m, "RingcommBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
