@@ -501,16 +501,18 @@ def test_bench_coalesced_mode_checks_results(tmp_path):
     out_file = tmp_path / "coalesced.json"
     cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--coll", "all_reduce_coalesced",
            "--tensors", "50", "--tensor-bytes", "4-2K", "-n", "2", "-w", "1", "--repeats", "2",
-           "--compare", "gloo", "--json", str(out_file)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+           "--compare", "gloo,backend", "--json", str(out_file)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     (row,) = json.loads(out_file.read_text())["rows"]
     variants = ["ringcomm all_reduce_coalesced", "ringcomm all_reduce per tensor",
-                "gloo all_reduce_coalesced"]
+                "gloo all_reduce_coalesced", "backend all_reduce_coalesced",
+                "backend all_reduce, one flat tensor", "ringcomm all_reduce, one flat tensor"]
     for name in variants:
         assert name in run.stdout
         assert row[name]["wrong"] == 0 and len(row[name]["samples_us"]) == 2
     assert row[variants[0]]["ratio"] == 1.0
+    assert "# tensor lists read in " in run.stdout
 
 
 def scratch_held(comm):
