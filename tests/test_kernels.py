@@ -76,6 +76,30 @@ def test_divide_is_true_division(dtype):
     assert torch.equal(out, (x.float() / 3).to(dtype) if dtype != torch.float64 else x / 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("divisor", [1, 2, 4, 8, 64, 1 << 20, 6])
+def test_divide_by_powers_of_two_gives_the_quotients_bits(dtype, divisor):
+    # powers of two take a multiply by the exact reciprocal: the bits must still be x / divisor's,
+    # across the range, subnormals, zeros, infinities and NaN
+    bits = {torch.float32: torch.int32, torch.float64: torch.int64}.get(dtype, torch.int16)
+    gen = torch.Generator().manual_seed(divisor)
+    if bits is torch.int16:
+        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    else:
+        info = torch.finfo(dtype)
+        x = torch.cat([torch.randn(100_000, generator=gen, dtype=torch.float64).to(dtype) *
+                       torch.tensor(10.0, dtype=dtype) ** torch.randint(-40, 40, (100_000,), generator=gen).to(dtype),
+                       torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 3, info.max,
+                                     -info.max, float("inf"), float("-inf"), float("nan")],
+                                    dtype=dtype)])
+    out = x.clone()
+    _C.divide_kernel(TORCH_DTYPES[dtype], out.data_ptr(), out.numel(), divisor)
+    expect = x / divisor if dtype in (torch.float32, torch.float64) else (x.float() / divisor).to(dtype)
+    nan = expect.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(bits), expect[~nan].view(bits))
+
+
 def test_divide_truncates_integers_and_rejects_bool():
     x = torch.tensor([-7, -4, 3, 7], dtype=torch.int32)
     _C.divide_kernel(TORCH_DTYPES[torch.int32], x.data_ptr(), 4, 2)
