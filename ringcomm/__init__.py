@@ -8,9 +8,9 @@
 """
 import atexit
 import logging
-import os
 
 from . import _C
+from ._env import env_flag
 from ._C import RingcommError
 from .communicator import Communicator, Work, init, shm_bytes_sent
 from .averager import GradientAverager
@@ -22,7 +22,7 @@ register_backend()  # dist.init_process_group("ringcomm") works from here on
 # What the core reports under RINGCOMM_DEBUG goes to the "ringcomm" logger at INFO. Without any
 # handler configured, Python would drop it: then it is printed to stderr as before.
 logger = logging.getLogger("ringcomm")
-if os.environ.get("RINGCOMM_DEBUG", "0") not in ("", "0"):
+if env_flag("RINGCOMM_DEBUG"):
     if not logger.hasHandlers():
         _stderr = logging.StreamHandler()
         _stderr.setFormatter(logging.Formatter("[ringcomm] %(message)s"))

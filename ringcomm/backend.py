@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._env import env_flag
 from .communicator import Communicator
 
 BACKEND_NAME = "ringcomm"
@@ -83,7 +84,7 @@ def load():
                 # installation of the same sources and the process has one core.
                 extra_ldflags=[f"-L{_PACKAGE}", "-lringcomm"],
                 build_directory=str(build_dir),
-                verbose=bool(os.environ.get("RINGCOMM_DEBUG")),
+                verbose=env_flag("RINGCOMM_DEBUG"),
             )
         return _module
 

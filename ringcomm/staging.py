@@ -16,11 +16,12 @@ by the signature check, as any other).
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Optional
 
 import torch
+
+from ._env import env_int
 
 _streams = {}  # device index -> (device-to-host stream, host-to-device stream)
 _streams_lock = threading.Lock()
@@ -30,7 +31,7 @@ _pending_lock = threading.Lock()
 
 def slice_bytes() -> int:
     """RINGCOMM_STAGING_SLICE_BYTES (default 4 MiB): one staged operation's payload."""
-    value = int(os.environ.get("RINGCOMM_STAGING_SLICE_BYTES", 4 << 20))
+    value = env_int("RINGCOMM_STAGING_SLICE_BYTES", 4 << 20)
     if value < 1:
         raise ValueError(f"RINGCOMM_STAGING_SLICE_BYTES must be positive, got {value}")
     return value

@@ -37,6 +37,7 @@ import time
 from typing import Optional
 
 from . import _C
+from ._env import env_int
 
 DEFAULT_MAX_EVENTS = 1_000_000
 # C++ span names by category (docs: the list above).
@@ -56,7 +57,7 @@ def start(path: str, max_events: Optional[int] = None) -> None:
     """Starts recording (dropping anything recorded before); stop() writes to `path`."""
     global _path, on
     if max_events is None:
-        max_events = int(os.environ.get("RINGCOMM_TIMELINE_MAX_EVENTS", DEFAULT_MAX_EVENTS))
+        max_events = env_int("RINGCOMM_TIMELINE_MAX_EVENTS", DEFAULT_MAX_EVENTS)
     if max_events < 1:
         raise ValueError(f"max_events must be positive, got {max_events}")
     with _lock:

@@ -243,3 +243,18 @@ def test_timeline_script_merges_parts_and_draws_a_window(tmp_path):
     subprocess.run([sys.executable, TIMELINE, "plot", str(out), str(png), "--ranks", "1",
                     "--from", "0", "--to", "12"], check=True, timeout=60, capture_output=True)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_python_knobs_are_parsed_like_the_cores(monkeypatch, tmp_path):
+    from ringcomm import staging
+
+    monkeypatch.setenv("RINGCOMM_TIMELINE_MAX_EVENTS", "lots")
+    with pytest.raises(ValueError, match="RINGCOMM_TIMELINE_MAX_EVENTS=lots is not an integer"):
+        ringcomm.trace.start(str(tmp_path / "t.json"))
+    monkeypatch.setenv("RINGCOMM_STAGING_SLICE_BYTES", "4M")
+    with pytest.raises(ValueError, match="RINGCOMM_STAGING_SLICE_BYTES=4M is not an integer"):
+        staging.slice_bytes()
+    monkeypatch.setenv("RINGCOMM_STAGING_SLICE_BYTES", "")  # empty: the default, as in the core
+    assert staging.slice_bytes() == 4 << 20
+    monkeypatch.setenv("RINGCOMM_STAGING_SLICE_BYTES", "65536")
+    assert staging.slice_bytes() == 65536
