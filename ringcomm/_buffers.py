@@ -46,7 +46,12 @@ class Buffer:
                                 + ", ".join(str(d) for d in TORCH_DTYPES))
             if not obj.is_contiguous():
                 raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+            if obj.is_neg():  # its memory holds the values' negatives
+                raise ValueError(f"{name} is a negated view (call .resolve_neg() first)")
             self.ptr, self.numel, self.dtype = obj.data_ptr(), obj.numel(), code
+            if self.ptr == 0 and self.numel:
+                raise ValueError(f"{name} has no memory for its {self.numel} elements (a "
+                                 "ZeroTensor, or a storage freed under it)")
         elif isinstance(obj, np.ndarray):
             if obj.dtype not in NUMPY_DTYPES:
                 raise TypeError(f"{name} has unsupported dtype {obj.dtype}")

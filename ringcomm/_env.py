@@ -4,16 +4,19 @@ listed in docs/configuration.md."""
 from __future__ import annotations
 
 import os
+import re
+
+_DECIMAL = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+")
 
 
 def env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
     if not value:
         return default
-    try:
-        return int(value, 10)
-    except ValueError:
-        raise ValueError(f"{name}={value} is not an integer") from None
+    # strtoll's decimal form, as the core takes it: leading blanks, a sign, ASCII digits, no more
+    if not _DECIMAL.fullmatch(value):
+        raise ValueError(f"{name}={value} is not an integer")
+    return int(value)
 
 
 def env_flag(name: str) -> bool:

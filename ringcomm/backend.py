@@ -34,8 +34,12 @@ from .communicator import Communicator
 BACKEND_NAME = "ringcomm"
 _PACKAGE = Path(__file__).resolve().parent
 
+_MODULE_NAME = "ringcomm_C_torch"
+_BUILT_STAMP = "ringcomm.built"  # there once a build has loaded: its library is whole
 _module = None
 _module_lock = threading.Lock()
+_not_built = False  # built() found no finished build of this process's sources and torch
+_cache_dir = None  # built()'s _build_dir, computed once
 
 
 def _sources() -> Path:
@@ -74,6 +78,7 @@ def load():
         with open(build_dir / "ringcomm.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
+            (build_dir / _BUILT_STAMP).unlink(missing_ok=True)  # until this build has loaded
             _module = cpp_extension.load(
                 name=_MODULE_NAME,
                 sources=[str(csrc / "torch" / "backend.cc")],
@@ -86,41 +91,44 @@ def load():
                 build_directory=str(build_dir),
                 verbose=env_flag("RINGCOMM_DEBUG"),
             )
+            (build_dir / _BUILT_STAMP).touch()
         return _module
-
-
-_MODULE_NAME = "ringcomm_C_torch"
-_not_built = False  # built() found no build of this process's sources and torch
 
 
 def built():
-    """ringcomm._C_torch if this process has loaded it or its build is in the cache (loaded then,
-    in about 0.1 s), else None. For callers that use it only to go faster (fusion.BufferList):
-    this never starts the minute-long build, and asks the cache once per process."""
-    global _module, _not_built
+    """ringcomm._C_torch if this process has loaded it or a finished build of it is in the cache
+    (loaded then, in about 0.1 s), else None. For callers that use it only to go faster
+    (fusion.BufferList): this never starts the minute-long build and never waits for one; a
+    process that finds no finished build in the cache stops looking."""
+    global _module, _not_built, _cache_dir
     if _module is not None or _not_built:
         return _module
-    with _module_lock:
+    if not _module_lock.acquire(blocking=False):  # load() is building or loading it
+        return None
+    try:
         if _module is not None or _not_built:
             return _module
-        _not_built = True
-        try:
-            build_dir = _build_dir(_sources())
-        except RuntimeError:
+        if _cache_dir is None:
+            _cache_dir = _build_dir(_sources())
+        path = _cache_dir / f"{_MODULE_NAME}.so"
+        if not (_cache_dir / _BUILT_STAMP).is_file() or not path.is_file():
+            _not_built = True
             return None
-        path = build_dir / f"{_MODULE_NAME}.so"
-        try:
-            with open(build_dir / "ringcomm.lock", "r") as lock:
-                # a build in progress holds it exclusively: its library may be half written
-                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                if path.is_file():
-                    spec = importlib.util.spec_from_file_location(_MODULE_NAME, path)
-                    module = importlib.util.module_from_spec(spec)
-                    spec.loader.exec_module(module)
-                    _module, _not_built = module, False
-        except (OSError, ImportError):
-            pass
-        return _module
+        with open(_cache_dir / "ringcomm.lock", "r") as lock:
+            # a rebuild in progress holds it exclusively (its library may be half written):
+            # look again on a later call
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            spec = importlib.util.spec_from_file_location(_MODULE_NAME, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _module = module
+    except BlockingIOError:
+        pass
+    except Exception:  # best effort, once: the caller has a path without it
+        _not_built = True
+    finally:
+        _module_lock.release()
+    return _module
 
 
 def _create(store, rank: int, world_size: int, timeout: timedelta):

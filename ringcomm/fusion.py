@@ -27,28 +27,32 @@ class BufferList:
         if not isinstance(items, (list, tuple)):
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(items).__name__}")
         # Lists of hundreds of small tensors are the point of coalescing, and torch's Python
-        # accessors cost about 50 ns per tensor and attribute, five of them here: for 1000
-        # tensors, more than the core's fused all-reduce takes beyond a flat one. So the common
-        # case (contiguous CPU tensors of supported dtypes) is read in C++ by the torch backend's
-        # module where it is built, else checked and read with map(), one pass per property, no
-        # pass spent on what the others catch. A numpy array, or a sparse tensor (the unbound
-        # Tensor methods raise on them), or a failed check, goes to the per-item path, which
-        # names the first bad item.
+        # accessors cost about 50 ns per tensor and attribute: for 1000 tensors, more than the
+        # core's fused all-reduce takes beyond a flat one. So the common case (contiguous CPU
+        # tensors of supported dtypes) is read in C++ by the torch backend's module where it is
+        # built, else checked and read with map(), one pass per property, no pass spent on what
+        # the others catch. Anything else (a numpy array, a sparse tensor, on which the unbound
+        # Tensor methods raise, a failed check, an address of 0: an empty tensor's, or a
+        # tensor's without memory) goes to the per-item path, which names the first bad item.
         module = _torch_module()
-        lists = module.tensor_lists(items) if module is not None else None
-        if lists is not None:
-            self.ptrs, self.counts, self.dtypes = lists
-            return
-        try:
-            codes = list(map(TORCH_DTYPES.get, map(_dtype, items)))
-            if (None not in codes and all(map(_is_cpu, items))
-                    and all(map(torch.Tensor.is_contiguous, items))):
-                self.ptrs = list(map(torch.Tensor.data_ptr, items))
-                self.counts = list(map(torch.Tensor.numel, items))
-                self.dtypes = codes
+        if module is not None:
+            lists = module.tensor_lists(items)
+            if lists is not None:
+                self.ptrs, self.counts, self.dtypes = lists
                 return
-        except (TypeError, RuntimeError, AttributeError):
-            pass
+        else:
+            try:
+                codes = list(map(TORCH_DTYPES.get, map(_dtype, items)))
+                if (None not in codes and all(map(_is_cpu, items))
+                        and all(map(torch.Tensor.is_contiguous, items))
+                        and not any(map(torch.Tensor.is_neg, items))):
+                    ptrs = list(map(torch.Tensor.data_ptr, items))
+                    if 0 not in ptrs:
+                        self.ptrs, self.dtypes = ptrs, codes
+                        self.counts = list(map(torch.Tensor.numel, items))
+                        return
+            except (TypeError, RuntimeError, AttributeError):
+                pass
         bufs = [Buffer(t, f"{name}[{i}]") for i, t in enumerate(items)]
         self.ptrs = [b.ptr for b in bufs]
         self.counts = [b.numel for b in bufs]

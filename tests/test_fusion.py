@@ -13,7 +13,7 @@ import torch
 
 import ringcomm
 from ringcomm import _C, fusion
-from ringcomm._buffers import TORCH_DTYPES
+from ringcomm._buffers import TORCH_DTYPES, Buffer
 from ranks import run_ranks
 
 BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
@@ -234,6 +234,49 @@ def test_buffer_list_reads_in_cpp_what_python_reads(monkeypatch):
         assert module.tensor_lists(other) is None, other
     with pytest.raises(ValueError, match=r"tensors\[1\]"):
         fusion.BufferList([torch.ones(2), torch.ones(4, 4).t()])
+    # memory that does not hold the values, or no memory: refused on both paths, named
+    freed = torch.ones(6)[2:]
+    freed.untyped_storage().resize_(0)
+    for bad, why in ((torch._neg_view(torch.ones(3)), "negated view"),
+                     (torch._efficientzerotensor(4), "no memory"), (freed, None)):
+        assert module.tensor_lists([torch.ones(2), bad]) is None
+        if why:
+            for reader in (lambda: module, lambda: None):
+                monkeypatch.setattr(fusion, "_torch_module", reader)
+                with pytest.raises(ValueError, match=rf"tensors\[1\] .*{why}"):
+                    fusion.BufferList([torch.ones(2), bad])
+            with pytest.raises(ValueError, match=why):  # one tensor: all_reduce's own check
+                Buffer(bad)
+
+
+def test_built_loads_only_a_finished_build_and_never_waits(tmp_path):
+    import fcntl
+    import shutil
+
+    ringcomm.backend.load()  # built, in this process's cache
+    real = ringcomm.backend._build_dir(ringcomm.backend._sources())
+    code = ("import ringcomm.backend as b\n"
+            "m = b.built()\n"
+            "print('loaded' if m is not None and m.tensor_lists([]) == ([], [], []) else 'none')\n")
+
+    def built_in_a_fresh_process(cache):
+        env = dict(os.environ, RINGCOMM_TORCH_BUILD_DIR=str(cache))
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+        return run.stdout.strip()
+
+    assert built_in_a_fresh_process(real.parent) == "loaded"
+    with open(real / "ringcomm.lock") as lock:  # a rebuild under way: not loaded, not waited on
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert built_in_a_fresh_process(real.parent) == "none"
+    # the library without the stamp that load() leaves once it has loaded: as if a build died
+    copy = tmp_path / real.name
+    copy.mkdir()
+    shutil.copy(real / "ringcomm_C_torch.so", copy)
+    (copy / "ringcomm.lock").touch()
+    assert built_in_a_fresh_process(tmp_path) == "none"
+    (copy / "ringcomm.built").touch()
+    assert built_in_a_fresh_process(tmp_path) == "loaded"
 
 
 def test_built_never_starts_a_build(tmp_path):
@@ -512,7 +555,7 @@ def test_bench_coalesced_mode_checks_results(tmp_path):
         assert name in run.stdout
         assert row[name]["wrong"] == 0 and len(row[name]["samples_us"]) == 2
     assert row[variants[0]]["ratio"] == 1.0
-    assert "# tensor lists read in " in run.stdout
+    assert "# tensor lists read in C++" in run.stdout  # the backend's use has loaded the module
 
 
 def scratch_held(comm):

@@ -87,7 +87,11 @@ def test_divide_by_powers_of_two_gives_the_quotients_bits(dtype, divisor):
         x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
     else:
         info = torch.finfo(dtype)
-        x = torch.cat([torch.randn(100_000, generator=gen, dtype=torch.float64).to(dtype) *
+        # results that are subnormal: random mantissas just above the smallest normal
+        near_tiny = (1 + torch.rand(10_000, generator=gen, dtype=torch.float64)) * info.tiny * \
+            2.0 ** torch.randint(0, 21, (10_000,), generator=gen)
+        x = torch.cat([near_tiny.to(dtype), -near_tiny.to(dtype),
+                       torch.randn(100_000, generator=gen, dtype=torch.float64).to(dtype) *
                        torch.tensor(10.0, dtype=dtype) ** torch.randint(-40, 40, (100_000,), generator=gen).to(dtype),
                        torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 3, info.max,
                                      -info.max, float("inf"), float("-inf"), float("nan")],

@@ -251,9 +251,10 @@ def test_python_knobs_are_parsed_like_the_cores(monkeypatch, tmp_path):
     monkeypatch.setenv("RINGCOMM_TIMELINE_MAX_EVENTS", "lots")
     with pytest.raises(ValueError, match="RINGCOMM_TIMELINE_MAX_EVENTS=lots is not an integer"):
         ringcomm.trace.start(str(tmp_path / "t.json"))
-    monkeypatch.setenv("RINGCOMM_STAGING_SLICE_BYTES", "4M")
-    with pytest.raises(ValueError, match="RINGCOMM_STAGING_SLICE_BYTES=4M is not an integer"):
-        staging.slice_bytes()
+    for value in ("4M", "1_000", "12 ", "0x10"):  # what strtoll, as the core uses it, refuses
+        monkeypatch.setenv("RINGCOMM_STAGING_SLICE_BYTES", value)
+        with pytest.raises(ValueError, match=f"RINGCOMM_STAGING_SLICE_BYTES={value} is not an"):
+            staging.slice_bytes()
     monkeypatch.setenv("RINGCOMM_STAGING_SLICE_BYTES", "")  # empty: the default, as in the core
     assert staging.slice_bytes() == 4 << 20
     monkeypatch.setenv("RINGCOMM_STAGING_SLICE_BYTES", "65536")

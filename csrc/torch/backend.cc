@@ -62,11 +62,13 @@ rc::DType dtype_of(const at::Tensor& t) {
 
 // (addresses, element counts, dtype codes) of a list or tuple of contiguous CPU tensors, for the
 // core's list arguments (ringcomm.fusion.BufferList), or None when an item is anything else
-// (a subclass, a numpy array, a strided view, ...): the caller's per-item path then names it.
+// (a subclass, a numpy array, a strided view, a negated view, a tensor without the storage its
+// elements need, ...): the caller's per-item path then names it.
 // torch's Python accessors cost about 50 ns per attribute and tensor, and BufferList needs five;
 // here a list of 1000 tensors takes a few tens of microseconds.
 py::object tensor_lists(py::handle items) {
-  if (!PyList_Check(items.ptr()) && !PyTuple_Check(items.ptr())) return py::none();
+  // exactly list or tuple: a subclass may iterate differently from its items
+  if (!PyList_CheckExact(items.ptr()) && !PyTuple_CheckExact(items.ptr())) return py::none();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
   PyObject** item = PySequence_Fast_ITEMS(items.ptr());
   py::list ptrs(n), counts(n), dtypes(n);
@@ -76,18 +78,23 @@ py::object tensor_lists(py::handle items) {
     const at::Tensor& t = THPVariable_Unpack(item[i]);
     std::optional<rc::DType> dtype = core_dtype(t.scalar_type());
     if (!dtype || !t.device().is_cpu() || t.layout() != at::kStrided || !t.has_storage() ||
-        !t.is_contiguous())
+        !t.is_contiguous() || t.is_neg() || t._is_zerotensor())
       return py::none();
-    PyObject* ptr = PyLong_FromVoidPtr(t.data_ptr());
-    PyObject* count = ptr ? PyLong_FromSsize_t(t.numel()) : nullptr;
-    PyObject* code = count ? PyLong_FromLong(long(*dtype)) : nullptr;
+    const int64_t count = t.numel();
+    // A storage freed or shrunk under the tensor (FSDP resizes them to nothing) has no room
+    if (t.storage().nbytes() < size_t(t.storage_offset() + count) * t.itemsize())
+      return py::none();
+    void* data = t.data_ptr();
+    PyObject* ptr = PyLong_FromVoidPtr(data);
+    PyObject* size = ptr ? PyLong_FromLongLong(count) : nullptr;
+    PyObject* code = size ? PyLong_FromLong(long(*dtype)) : nullptr;
     if (code == nullptr) {
       Py_XDECREF(ptr);
-      Py_XDECREF(count);
+      Py_XDECREF(size);
       throw py::error_already_set();
     }
     PyList_SET_ITEM(ptrs.ptr(), i, ptr);
-    PyList_SET_ITEM(counts.ptr(), i, count);
+    PyList_SET_ITEM(counts.ptr(), i, size);
     PyList_SET_ITEM(dtypes.ptr(), i, code);
   }
   return py::make_tuple(ptrs, counts, dtypes);
