@@ -1,15 +1,20 @@
 """The torch.distributed backend "ringcomm": every op against gloo's result, subgroups, mixed
 configs, torchrun, async futures, errors."""
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import ringcomm
+from ringcomm import fusion
+from ringcomm._buffers import TORCH_DTYPES, Buffer
 from ranks import run_ranks, run_torchrun, seconds_until_handler_runs
 
 
@@ -581,3 +586,85 @@ def test_torchrun_restarts_the_group_after_a_rank_dies(tmp_path):
                           extra=["--max-restarts", "1"])
     for r in range(2):
         assert f"rank {r} attempt 1 sum 4.0" in stdout, stdout
+
+
+# ---- the module's other use: reading tensor lists for the coalesced collectives ----------------------------------------------------------------
+
+class Marked(torch.Tensor):
+    pass
+
+
+def test_buffer_list_reads_in_cpp_what_python_reads(monkeypatch):
+    module = ringcomm.backend.load()
+    assert ringcomm.backend.built() is module
+    items = ([torch.arange(5).to(dtype) for dtype in TORCH_DTYPES]
+             + [torch.empty(0), torch.empty(0, 3), torch.nn.Parameter(torch.ones(3)),
+                torch.ones(2, 3), torch.arange(10.0)[4:], torch.ones(1, requires_grad=True)])
+    read = fusion.BufferList(items)
+    monkeypatch.setattr(fusion, "_torch_module", lambda: None)
+    expect = fusion.BufferList(items)
+    assert (read.ptrs, read.counts, read.dtypes) == (expect.ptrs, expect.counts, expect.dtypes)
+    assert module.tensor_lists(tuple(items)) == (expect.ptrs, expect.counts, expect.dtypes)
+    assert module.tensor_lists([]) == ([], [], [])
+    # anything else is left to the Python path, which names the item or reads it
+    for other in ([torch.ones(4, 4).t()], [torch.ones(2, dtype=torch.complex64)],
+                  [torch.ones(2).as_subclass(Marked)], [torch.ones(3).to_sparse()],
+                  [torch.ones(2, device="meta")], [np.ones(3)], [torch.ones(2), 1.0],
+                  "tensors", iter([torch.ones(2)])):
+        assert module.tensor_lists(other) is None, other
+    with pytest.raises(ValueError, match=r"tensors\[1\]"):
+        fusion.BufferList([torch.ones(2), torch.ones(4, 4).t()])
+    # memory that does not hold the values, or no memory: refused on both paths, named
+    freed = torch.ones(6)[2:]
+    freed.untyped_storage().resize_(0)
+    for bad, why in ((torch._neg_view(torch.ones(3)), "negated view"),
+                     (torch._efficientzerotensor(4), "no memory"), (freed, None)):
+        assert module.tensor_lists([torch.ones(2), bad]) is None
+        if why:
+            for reader in (lambda: module, lambda: None):
+                monkeypatch.setattr(fusion, "_torch_module", reader)
+                with pytest.raises(ValueError, match=rf"tensors\[1\] .*{why}"):
+                    fusion.BufferList([torch.ones(2), bad])
+            with pytest.raises(ValueError, match=why):  # one tensor: all_reduce's own check
+                Buffer(bad)
+
+
+def test_built_loads_only_a_finished_build_and_never_waits(tmp_path):
+    import fcntl
+    import shutil
+
+    ringcomm.backend.load()  # built, in this process's cache
+    real = ringcomm.backend._build_dir(ringcomm.backend._sources())
+    code = ("import ringcomm.backend as b\n"
+            "m = b.built()\n"
+            "print('loaded' if m is not None and m.tensor_lists([]) == ([], [], []) else 'none')\n")
+
+    def built_in_a_fresh_process(cache):
+        env = dict(os.environ, RINGCOMM_TORCH_BUILD_DIR=str(cache))
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+        return run.stdout.strip()
+
+    assert built_in_a_fresh_process(real.parent) == "loaded"
+    with open(real / "ringcomm.lock") as lock:  # a rebuild under way: not loaded, not waited on
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert built_in_a_fresh_process(real.parent) == "none"
+    # the library without the stamp that load() leaves once it has loaded: as if a build died
+    copy = tmp_path / real.name
+    copy.mkdir()
+    shutil.copy(real / "ringcomm_C_torch.so", copy)
+    (copy / "ringcomm.lock").touch()
+    assert built_in_a_fresh_process(tmp_path) == "none"
+    (copy / "ringcomm.built").touch()
+    assert built_in_a_fresh_process(tmp_path) == "loaded"
+
+
+def test_built_never_starts_a_build(tmp_path):
+    # a cache without this torch's build: the coalesced path reads its lists in Python
+    code = ("import torch, ringcomm\n"
+            "from ringcomm import backend, fusion\n"
+            "assert backend.built() is None and backend.built() is None\n"
+            "assert fusion.BufferList([torch.ones(3)]).counts == [3]\n")
+    env = dict(os.environ, RINGCOMM_TORCH_BUILD_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert list(tmp_path.iterdir()) == []
