@@ -12,7 +12,7 @@ import logging
 from . import _C
 from ._env import env_flag
 from ._C import RingcommError
-from .communicator import Communicator, Work, init, shm_bytes_sent
+from .communicator import Communicator, Work, init, shm_bytes_read, shm_bytes_sent
 from .averager import GradientAverager
 from .backend import communicator_of, register_backend
 from . import hooks, trace
@@ -33,5 +33,5 @@ if env_flag("RINGCOMM_DEBUG"):
     atexit.register(_C.set_log_sink, None)
 
 __all__ = ["Communicator", "GradientAverager", "RingcommError", "Work", "communicator_of", "hooks",
-           "init", "register_backend", "shm_bytes_sent", "trace"]
+           "init", "register_backend", "shm_bytes_read", "shm_bytes_sent", "trace"]
 __version__ = "0.1.0"

@@ -554,9 +554,16 @@ def init(store=None, rank: Optional[int] = None, world_size: Optional[int] = Non
 
 
 def shm_bytes_sent() -> int:
-    """Bytes this process has written to shared memory so far, through every communicator (the
-    torch backend's and closed ones included; the kernel's socket counters do not see them)."""
+    """Bytes this process has sent through shared memory so far, through every communicator (the
+    torch backend's and closed ones included; the kernel's socket counters do not see them):
+    written to a peer's slots, or read by the peer out of this process's memory (single copy)."""
     return _C.shm_bytes_sent()
+
+
+def shm_bytes_read() -> int:
+    """Bytes this process has read out of its peers' memory by single copy so far
+    (RINGCOMM_SHM_SINGLE_COPY_BYTES), through every communicator."""
+    return _C.shm_bytes_read()
 
 
 def _close_all():

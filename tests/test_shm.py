@@ -69,11 +69,15 @@ def die_in_the_middle(comm, victim, stamp_dir):
     return None
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_killed_rank_leaves_nothing_and_the_others_raise_within_a_second(world, tmp_path):
+# 2 ranks on this 2-core machine move the 512 KiB halves by single copy by default; 4 ranks
+# only when it is forced.
+@pytest.mark.parametrize("world,single_copy", [(2, None), (3, None), (4, None), (4, "4096")])
+def test_killed_rank_leaves_nothing_and_the_others_raise_within_a_second(world, single_copy,
+                                                                          tmp_path):
     before = set(os.listdir("/dev/shm"))
+    env = {"RINGCOMM_SHM_SINGLE_COPY_BYTES": single_copy} if single_copy else None
     results = run_ranks(world, die_in_the_middle, world - 1, str(tmp_path), allow_errors=True,
-                        timeout=60, comm_timeout=30)
+                        timeout=60, comm_timeout=30, env=env)
     killed_at = float((tmp_path / "killed").read_text())
     for rank, result in enumerate(results[:-1]):
         assert result is not None and result[0] != "error", f"rank {rank}: {result}"
@@ -98,3 +102,63 @@ def test_messages_across_slot_boundaries(slot_bytes):
     for result in run_ranks(3, large_and_odd_sizes, env={"RINGCOMM_SHM_SLOT_BYTES": slot_bytes,
                                                           "RINGCOMM_SHM_SLOTS": "2"}):
         assert all(result), result
+
+
+def by_single_copy(comm):
+    """Collectives whose messages are large enough for single copy; each result checked exactly,
+    and how many bytes this rank read out of its peers' memory."""
+    before = ringcomm.shm_bytes_read()
+    n, r, w = (1 << 18) + 5, comm.rank, comm.world_size  # ~1 MiB of float32, not divisible by w
+    ok = []
+    base = torch.arange(n, dtype=torch.float32) % 7
+    for algo in ("ring", "tree", "recursive_doubling"):
+        t = base + r
+        comm.all_reduce(t, algorithm=algo)
+        ok.append(torch.equal(t, base * w + sum(range(w))))
+    m = n - n % w
+    out = torch.empty(m * w)
+    comm.all_gather(out, base[:m] + r)
+    ok.append(torch.equal(out, torch.cat([base[:m] + q for q in range(w)])))
+    part = torch.empty(m // w)
+    comm.reduce_scatter(part, base[:m] + r)
+    ok.append(torch.equal(part, (base[:m] * w + sum(range(w)))[r * (m // w):(r + 1) * (m // w)]))
+    t = base + r
+    comm.broadcast(t, 1)
+    ok.append(torch.equal(t, base + 1))
+    got = torch.empty(n)
+    works = [comm.irecv(got, (r - 1) % w), comm.isend(base * (r + 1), (r + 1) % w)]
+    for work in works:
+        work.wait()
+    ok.append(torch.equal(got, base * ((r - 1) % w + 1)))
+    # Coalesced: the receiver hands each piece to a consumer (unpacking) instead of a buffer.
+    tensors = [torch.full((40_000 + 1000 * i,), float(r + i)) for i in range(20)]
+    comm.all_reduce_coalesced(tensors)
+    ok.append(all(torch.equal(x, torch.full_like(x, float(sum(range(w)) + w * i)))
+                  for i, x in enumerate(tensors)))
+    return ok, ringcomm.shm_bytes_read() - before
+
+
+@pytest.mark.parametrize("setting,reads", [
+    # on for every rank: everyone reads its peers' large messages
+    (lambda r: "4096", lambda r: True),
+    # off for every rank: only slots
+    (lambda r: "0", lambda r: False),
+    # on for even ranks only: the two kinds of message mix on one channel; the ring's rank r
+    # receives from r-1, so odd ranks read their even senders' memory
+    (lambda r: "4096" if r % 2 == 0 else "0", lambda r: True if r % 2 else None),
+])
+def test_single_copy_gives_the_same_results_and_mixes_with_slots(setting, reads):
+    results = run_ranks(4, by_single_copy, per_rank_env={
+        r: {"RINGCOMM_SHM_SINGLE_COPY_BYTES": setting(r), "RINGCOMM_TRANSPORT": "shm"}
+        for r in range(4)})
+    for r, (ok, read) in enumerate(results):
+        assert all(ok), (r, ok)
+        if reads(r) is not None:
+            assert (read > 0) == reads(r), (r, read)
+
+
+def test_single_copy_setting_is_checked():
+    results = run_ranks(2, transports, allow_errors=True, timeout=60,
+                        env={"RINGCOMM_SHM_SINGLE_COPY_BYTES": "-5"})
+    for status, text in results:
+        assert status == "error" and "RINGCOMM_SHM_SINGLE_COPY_BYTES must be >= 0" in text, text

@@ -233,6 +233,7 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &Communicator::close, G());
 
   m.def("shm_bytes_sent", &shm::ShmTransport::bytes_sent_by_process);
+  m.def("shm_bytes_read", &shm::ShmTransport::bytes_pulled_by_process);
   // Where RC_LOG lines go: a Python callable taking the line (ringcomm/__init__.py hands them to
   // the "ringcomm" logger and takes the sink back at exit), or None for stderr.
   m.def("set_log_sink", [](py::object fn) {

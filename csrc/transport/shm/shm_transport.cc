@@ -7,15 +7,18 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <climits>
 #include <new>
 #include <random>
+#include <thread>
 
 #include "common/env.h"
 #include "common/error.h"
+#include "common/logging.h"
 
 namespace ringcomm {
 namespace shm {
@@ -38,14 +41,30 @@ struct Control {
 struct Inbox {
   alignas(kLine) std::atomic<uint64_t> head;  // slots published by the sender
   alignas(kLine) std::atomic<uint64_t> tail;  // slots consumed by the receiver
+  // Written by the receiver: single-copy messages read so far, and whether it can read the
+  // sender's memory at all.
+  alignas(kLine) std::atomic<uint64_t> pulled;
+  std::atomic<uint32_t> can_pull;
 };
 
 struct SlotHeader {
   WireHeader header;        // of the whole message; checked on its first slot
   uint64_t fragment_bytes;  // payload in this slot
   uint32_t first;           // 1 on a message's first slot
-  uint32_t reserved;
+  uint32_t by_address;      // 1: the payload is an Address, the message stays in the sender
 };
+
+// A single-copy message's one slot: where the sender's bytes are, in the sender's memory.
+struct Address {
+  uint64_t address;
+  uint64_t bytes;
+};
+
+// Single-copy receives into a consumer read this much of the sender's memory at a time: large
+// enough that a system call moves plenty, small enough to stay in cache for the consumer.
+constexpr size_t kPullChunk = 256 << 10;
+// The default threshold: the ring's slice, so a large all-reduce moves every slice by single copy.
+constexpr int64_t kSingleCopyBytes = 512 << 10;
 static_assert(sizeof(SlotHeader) == kLine, "a slot's payload starts on a cache line");
 static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4,
               "the doorbell must be a plain 32-bit futex word");
@@ -53,6 +72,7 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<u
 namespace {
 
 std::atomic<uint64_t> process_bytes_sent{0};
+std::atomic<uint64_t> process_bytes_pulled{0};
 
 constexpr size_t kControlBytes = (sizeof(Control) + kLine - 1) / kLine * kLine;
 
@@ -76,6 +96,10 @@ ShmOptions ShmOptions::from_env() {
   ShmOptions o;
   o.slot_bytes = size_t(env_int("RINGCOMM_SHM_SLOT_BYTES", int64_t(o.slot_bytes)));
   o.slots = int(env_int("RINGCOMM_SHM_SLOTS", o.slots));
+  o.single_copy_bytes = env_int("RINGCOMM_SHM_SINGLE_COPY_BYTES", o.single_copy_bytes);
+  RC_CHECK_ARG(o.single_copy_bytes >= 0 || env_string("RINGCOMM_SHM_SINGLE_COPY_BYTES").empty(),
+               "RINGCOMM_SHM_SINGLE_COPY_BYTES must be >= 0 (0: never), got ",
+               o.single_copy_bytes);
   RC_CHECK_ARG(o.slot_bytes >= 4096 && o.slot_bytes <= (64u << 20) && o.slot_bytes % kLine == 0,
                "RINGCOMM_SHM_SLOT_BYTES must be a multiple of 64 in [4096, 64 MiB], got ",
                o.slot_bytes);
@@ -89,16 +113,21 @@ ShmTransport::ShmTransport(int rank, int world_size, ShmOptions options, PartSin
   fd_ = int(syscall(SYS_memfd_create, "ringcomm-shm", unsigned(MFD_CLOEXEC)));
   std::random_device random;
   nonce_ = (uint64_t(random()) << 32) ^ random();
+  probe_word_ = nonce_;
 }
 
 ShmTransport::~ShmTransport() { close(); }
 
 std::string ShmTransport::address() const {
-  return fd_ < 0 ? "" : str_cat(getpid(), ":", fd_, ":", nonce_);
+  return fd_ < 0 ? "" : str_cat(getpid(), ":", fd_, ":", nonce_, ":",
+                                reinterpret_cast<uintptr_t>(&probe_word_));
 }
 
 bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
   local_ = local;
+  if (options_.single_copy_bytes < 0)
+    options_.single_copy_bytes =
+        local.size() <= std::thread::hardware_concurrency() ? kSingleCopyBytes : 0;
   local_index_ = int(std::find(local.begin(), local.end(), rank_) - local.begin());
   inbox_bytes_ = sizeof(Inbox) + size_t(options_.slots) * (sizeof(SlotHeader) + options_.slot_bytes);
   size_t total = kControlBytes + local.size() * inbox_bytes_;
@@ -129,8 +158,8 @@ bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
 
 bool ShmTransport::map_peer(int peer, const std::string& address, std::string* why) {
   long pid = 0, fd = 0;
-  unsigned long long nonce = 0;
-  if (sscanf(address.c_str(), "%ld:%ld:%llu", &pid, &fd, &nonce) != 3) {
+  unsigned long long nonce = 0, probe_address = 0;
+  if (sscanf(address.c_str(), "%ld:%ld:%llu:%llu", &pid, &fd, &nonce, &probe_address) != 4) {
     *why = str_cat("rank ", peer, " has no shared-memory segment");
     return false;
   }
@@ -165,7 +194,24 @@ bool ShmTransport::map_peer(int peer, const std::string& address, std::string* w
   p.control = control;
   p.out = reinterpret_cast<Inbox*>(p.segment.base + kControlBytes + local_index_ * inbox_bytes_);
   p.in = reinterpret_cast<Inbox*>(own_.base + kControlBytes + peer_index * inbox_bytes_);
+  p.pid = pid;
+  // The probe reads the word the peer announced; only its nonce proves the read reached the
+  // peer's memory.
+  uint64_t word = 0;
+  iovec local{&word, sizeof word};
+  iovec remote{reinterpret_cast<void*>(uintptr_t(probe_address)), sizeof word};
+  ssize_t got = process_vm_readv(pid_t(pid), &local, 1, &remote, 1, 0);
+  bool can_pull = got == ssize_t(sizeof word) && word == nonce;
+  if (!can_pull && debug_enabled())
+    RC_LOG("rank ", rank_, ": no single copy from rank ", peer, ": ",
+           got < 0 ? str_cat("process_vm_readv: ", strerror(errno)) : std::string("wrong word"));
+  p.in->can_pull.store(can_pull ? 1 : 0, std::memory_order_release);
   return true;
+}
+
+bool ShmTransport::pulls_from(int peer) const {
+  const Peer& p = peers_[peer];
+  return p.in && p.in->can_pull.load(std::memory_order_acquire);
 }
 
 void ShmTransport::enable(int peer) {
@@ -176,7 +222,8 @@ void ShmTransport::enable(int peer) {
 bool ShmTransport::enabled(int peer) const { return peers_[peer].enabled; }
 
 bool ShmTransport::waits_on(int peer) const {
-  return !peers_[peer].sends.empty() || !peers_[peer].recvs.empty();
+  const Peer& p = peers_[peer];
+  return !p.sends.empty() || !p.recvs.empty() || !p.pulling.empty();
 }
 
 void ShmTransport::set_current(const Signature& sig) {
@@ -220,10 +267,23 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
     if (p.out_head - p.out->tail.load(std::memory_order_acquire) >= uint64_t(options_.slots)) break;
     char* s = slot(p.out, p.out_head);
     auto* sh = reinterpret_cast<SlotHeader*>(s);
-    size_t len = std::min(options_.slot_bytes, part.bytes - part.done);
     sh->header = part.header;
-    sh->fragment_bytes = len;
     sh->first = part.started ? 0 : 1;
+    if (send_by_address(p, part)) {
+      Address where{reinterpret_cast<uintptr_t>(part.data), part.bytes};
+      sh->fragment_bytes = sizeof where;
+      sh->by_address = 1;
+      memcpy(s + sizeof(SlotHeader), &where, sizeof where);
+      p.out->head.store(++p.out_head, std::memory_order_release);
+      ++p.pulls_sent;
+      p.pulling.push_back(std::move(part));
+      p.sends.pop_front();
+      moved = true;
+      continue;
+    }
+    size_t len = std::min(options_.slot_bytes, part.bytes - part.done);
+    sh->fragment_bytes = len;
+    sh->by_address = 0;
     if (len && part.produce)
       part.produce(part.done, s + sizeof(SlotHeader), len);
     else if (len)
@@ -241,6 +301,60 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
   }
   if (moved) ring(p.control);
   return moved;
+}
+
+bool ShmTransport::send_by_address(Peer& p, Part& part) const {
+  return !part.started && part.data && !part.produce && options_.single_copy_bytes > 0 &&
+         part.bytes >= uint64_t(options_.single_copy_bytes) &&
+         p.out->can_pull.load(std::memory_order_relaxed);
+}
+
+// Reads a single-copy message out of `peer`'s memory. The kernel checks the range against the
+// peer's mappings: a bad address fails here, it cannot reach anything but the peer's own memory.
+void ShmTransport::pull(int peer, const Peer& p, Part& part, uint64_t address) {
+  auto read = [&](char* to, uint64_t from, size_t bytes) {
+    while (bytes) {
+      iovec local{to, bytes};
+      iovec remote{reinterpret_cast<void*>(uintptr_t(from)), bytes};
+      ssize_t got = process_vm_readv(pid_t(p.pid), &local, 1, &remote, 1, 0);
+      if (got <= 0)
+        RC_THROW("cannot read rank ", peer, "'s message of ", part.bytes, " bytes at 0x", std::hex,
+                 from, std::dec, ": ", got < 0 ? strerror(errno) : "nothing read");
+      to += got;
+      from += uint64_t(got);
+      bytes -= size_t(got);
+    }
+  };
+  if (!part.consume) {
+    read(part.data, address, part.bytes);
+  } else {
+    if (scratch_.empty()) scratch_.resize(kPullChunk);
+    for (size_t done = 0; done < part.bytes; done += kPullChunk) {
+      size_t len = std::min(kPullChunk, part.bytes - done);
+      read(scratch_.data(), address + done, len);
+      part.consume(done, scratch_.data(), len);
+    }
+  }
+  part.done = part.bytes;
+  process_bytes_pulled.fetch_add(part.bytes, std::memory_order_relaxed);
+}
+
+// A single-copy send completes once the receiver has counted it pulled.
+bool ShmTransport::reap_pulled(int peer, Peer& p) {
+  uint64_t pulled = p.out->pulled.load(std::memory_order_acquire);
+  if (pulled == p.pulls_done) return false;
+  if (pulled < p.pulls_done || pulled > p.pulls_sent)
+    RC_THROW("protocol error: rank ", peer, " counts ", pulled, " messages read of ", p.pulls_sent,
+             " sent");
+  for (; p.pulls_done < pulled; ++p.pulls_done) {
+    int64_t op = p.pulling.front().op;
+    size_t bytes = p.pulling.front().bytes;
+    p.pulling.pop_front();
+    bytes_sent_.fetch_add(bytes, std::memory_order_relaxed);
+    process_bytes_sent.fetch_add(bytes, std::memory_order_relaxed);
+    sink_.part_done(op);
+  }
+  return true;
 }
 
 // Everything in a slot is the peer's word: checked before it is used.
@@ -274,6 +388,28 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
         RC_THROW("protocol error: rank ", peer, " sent ", sh.header.payload_bytes, " bytes for ",
                  theirs.describe(), ", rank ", rank_, " expected ", part.bytes);
     }
+    if (sh.by_address) {
+      Address where;
+      if (!sh.first || sh.by_address != 1 || sh.fragment_bytes != sizeof where ||
+          !p.in->can_pull.load(std::memory_order_relaxed))
+        RC_THROW("protocol error: rank ", peer, " sent a malformed single-copy slot for ",
+                 theirs.describe());
+      memcpy(&where, s + sizeof(SlotHeader), sizeof where);
+      if (where.bytes != part.bytes)
+        RC_THROW("protocol error: rank ", peer, " offered ", where.bytes, " bytes for ",
+                 theirs.describe(), ", rank ", rank_, " expected ", part.bytes);
+      p.in->tail.store(++p.in_tail, std::memory_order_release);
+      pull(peer, p, part, where.address);
+      // A sender that failed meanwhile may have handed its buffer back: what was read may be
+      // stale, so it is not used. It sets the flag before any buffer is released.
+      if (p.control->aborted.load(std::memory_order_acquire)) throw_peer_abort(peer, p);
+      p.in->pulled.fetch_add(1, std::memory_order_release);
+      moved = true;
+      int64_t op = part.op;
+      p.recvs.pop_front();
+      sink_.part_done(op);
+      break;  // a pull is long: let the caller publish sends and reap before the next
+    }
     if ((sh.first != 0) == part.started || sh.fragment_bytes > options_.slot_bytes ||
         sh.fragment_bytes > part.bytes - part.done ||
         (sh.fragment_bytes == 0 && part.bytes != 0))
@@ -298,6 +434,10 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
 
 uint64_t ShmTransport::bytes_sent_by_process() {
   return process_bytes_sent.load(std::memory_order_relaxed);
+}
+
+uint64_t ShmTransport::bytes_pulled_by_process() {
+  return process_bytes_pulled.load(std::memory_order_relaxed);
 }
 
 bool ShmTransport::peek(int peer, Signature* sig) const {
@@ -325,6 +465,7 @@ bool ShmTransport::progress() {
     Peer& p = peers_[peer];
     if (p.control->aborted.load(std::memory_order_acquire)) throw_peer_abort(peer, p);
     if (!p.sends.empty()) moved |= pump_send(peer, p);
+    if (!p.pulling.empty()) moved |= reap_pulled(peer, p);
     moved |= pump_recv(peer, p);
   }
   return moved;
@@ -343,6 +484,8 @@ bool ShmTransport::ready() const {
     if (!p.recvs.empty() && p.in->head.load(std::memory_order_acquire) != p.in_tail) return true;
     if (!p.sends.empty() &&
         p.out_head - p.out->tail.load(std::memory_order_acquire) < uint64_t(options_.slots))
+      return true;
+    if (!p.pulling.empty() && p.out->pulled.load(std::memory_order_acquire) != p.pulls_done)
       return true;
   }
   return false;
@@ -383,6 +526,7 @@ void ShmTransport::abort(const std::string& reason) {
     futex(&p.control->doorbell, FUTEX_WAKE, INT_MAX, nullptr);
     p.sends.clear();
     p.recvs.clear();
+    p.pulling.clear();
   }
 }
 

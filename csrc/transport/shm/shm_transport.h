@@ -10,6 +10,13 @@
 // in the segment proves it is the one announced. Waiting: the mesh sleeps on this rank's doorbell
 // (a futex); a rank that publishes a slot, frees one or aborts rings the peer's doorbell when the
 // peer sleeps.
+//
+// Single copy: a send of at least `single_copy_bytes` from a buffer puts only the buffer's address
+// in a slot; the receiver reads the bytes out of the sender's memory with process_vm_readv (into
+// the receive buffer, or through a cache-sized scratch buffer into a consumer), then counts the
+// message as pulled, which completes the send. Each receiver probes at mapping time whether the
+// kernel lets it read its peer (containers and Yama's ptrace_scope may not) and says so in the
+// inbox; senders use single copy only towards receivers that can.
 #pragma once
 
 #include <atomic>
@@ -27,6 +34,10 @@ namespace shm {
 struct ShmOptions {
   size_t slot_bytes = 64 << 10;  // RINGCOMM_SHM_SLOT_BYTES
   int slots = 8;                 // RINGCOMM_SHM_SLOTS: per inbox
+  // RINGCOMM_SHM_SINGLE_COPY_BYTES; 0: never; unset: 512 KiB while every local rank has a core
+  // of its own, else never (with more ranks than cores, a sender waits for its receiver to be
+  // scheduled to move its bytes; through the slots it moves them itself).
+  int64_t single_copy_bytes = -1;
   static ShmOptions from_env();
 };
 
@@ -38,12 +49,14 @@ class ShmTransport final : public Transport {
   ShmTransport(int rank, int world_size, ShmOptions options, PartSink& sink);
   ~ShmTransport() override;
 
-  // What a local peer needs to map this rank's segment: "pid:fd:nonce".
+  // What a local peer needs to map this rank's segment and probe single copy:
+  // "pid:fd:nonce:address of a word holding the nonce".
   std::string address() const;
   // Sizes this rank's segment for `local` (the ranks of this host, this one included, in rank
   // order; every local rank passes the same list). False, with `why`, if memory is short.
   bool allocate(const std::vector<int>& local, std::string* why);
   // Maps `peer`'s segment from its address; false, with `why`, if this host does not allow it.
+  // Then probes whether this rank can read the peer's memory (single copy from it).
   bool map_peer(int peer, const std::string& address, std::string* why);
   // Data to `peer` goes through shared memory from now on (both sides mapped).
   void enable(int peer);
@@ -71,7 +84,12 @@ class ShmTransport final : public Transport {
   // Bytes every shared-memory transport of this process has written so far (the kernel's socket
   // counters do not see them): communicators of torch process groups and closed ones included.
   static uint64_t bytes_sent_by_process();
+  // Of the bytes this process received through shared memory, those it read out of its peers'
+  // memory by single copy.
+  static uint64_t bytes_pulled_by_process();
   void waiting_on(std::vector<int>& peers) const override;
+  // Whether messages from `peer` may come by single copy (the probe succeeded).
+  bool pulls_from(int peer) const;
 
  private:
   struct Part {
@@ -95,11 +113,17 @@ class ShmTransport final : public Transport {
     Inbox* out = nullptr;             // my inbox in its segment: I send here
     Inbox* in = nullptr;              // its inbox in my segment: I receive here
     uint64_t out_head = 0, in_tail = 0;  // my copies of the counters only I write
+    long pid = 0;
     Fifo<Part> sends, recvs;
+    Fifo<Part> pulling;               // single-copy sends waiting for the peer to read them
+    uint64_t pulls_sent = 0, pulls_done = 0;
   };
 
   bool pump_send(int peer, Peer& p);
   bool pump_recv(int peer, Peer& p);
+  bool send_by_address(Peer& p, Part& part) const;
+  void pull(int peer, const Peer& p, Part& part, uint64_t address);
+  bool reap_pulled(int peer, Peer& p);
   bool ready() const;  // something for progress() to do
   [[noreturn]] void throw_peer_abort(int peer, const Peer& p) const;
   char* slot(Inbox* box, uint64_t index) const;
@@ -109,6 +133,8 @@ class ShmTransport final : public Transport {
   PartSink& sink_;
   int fd_ = -1;
   uint64_t nonce_;
+  uint64_t probe_word_;       // the nonce, read by peers probing single copy
+  std::vector<char> scratch_;  // single-copy receives into a consumer go through it
   Mapping own_;
   Control* control_ = nullptr;
   std::vector<int> local_;    // local ranks, in rank order
