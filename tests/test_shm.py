@@ -69,8 +69,8 @@ def die_in_the_middle(comm, victim, stamp_dir):
     return None
 
 
-# 2 ranks on this 2-core machine move the 512 KiB halves by single copy by default; 4 ranks
-# only when it is forced.
+# 2 ranks on this 2-core machine move the 1 MiB slices of their 2 MiB halves by single copy by
+# default; 4 ranks only when it is forced.
 @pytest.mark.parametrize("world,single_copy", [(2, None), (3, None), (4, None), (4, "4096")])
 def test_killed_rank_leaves_nothing_and_the_others_raise_within_a_second(world, single_copy,
                                                                           tmp_path):

@@ -64,7 +64,7 @@ struct Address {
 // enough that a system call moves plenty, small enough to stay in cache for the consumer.
 constexpr size_t kPullChunk = 256 << 10;
 // The default threshold: the ring's slice, so a large all-reduce moves every slice by single copy.
-constexpr int64_t kSingleCopyBytes = 512 << 10;
+constexpr int64_t kSingleCopyBytes = 1 << 20;
 static_assert(sizeof(SlotHeader) == kLine, "a slot's payload starts on a cache line");
 static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4,
               "the doorbell must be a plain 32-bit futex word");

@@ -34,7 +34,7 @@ namespace shm {
 struct ShmOptions {
   size_t slot_bytes = 64 << 10;  // RINGCOMM_SHM_SLOT_BYTES
   int slots = 8;                 // RINGCOMM_SHM_SLOTS: per inbox
-  // RINGCOMM_SHM_SINGLE_COPY_BYTES; 0: never; unset: 512 KiB while every local rank has a core
+  // RINGCOMM_SHM_SINGLE_COPY_BYTES; 0: never; unset: 1 MiB while every local rank has a core
   // of its own, else never (with more ranks than cores, a sender waits for its receiver to be
   // scheduled to move its bytes; through the slots it moves them itself).
   int64_t single_copy_bytes = -1;
