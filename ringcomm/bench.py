@@ -7,7 +7,11 @@
 
 Without RANK in the environment it launches `--ranks` local ranks itself (each one this module
 under the env:// variables torchrun sets). Times are medians over --repeats samples of --iters
-back-to-back operations (rank 0's clock, after a barrier). algbw = size / time; busbw = algbw x
+back-to-back operations (rank 0's clock, after a barrier), each sample after --sample-warmup
+untimed ones: samples of several libraries interleave, and on this kind of machine memory left
+alone for the length of another library's sample comes back slowly (a 16 MiB torch.add takes
+2.3x its steady time on the first call after 50 ms idle and 7 calls to recover), so each
+library's sample starts from the same warm state. algbw = size / time; busbw = algbw x
 2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter and all_gather, 1 for broadcast and reduce.
 #wrong counts result elements that differ from a float64 reference (with -c 1).
 
@@ -117,6 +121,10 @@ def sizes_from(args) -> list[int]:
     return sizes
 
 
+def sample_warmup_iters(args, iters: int) -> int:
+    return args.sample_warmup if args.sample_warmup >= 0 else iters // 2
+
+
 def default_iters(nbytes: int) -> int:
     return 200 if nbytes <= 65536 else max(3, (256 << 20) // nbytes)
 
@@ -223,8 +231,11 @@ class Case:
         return int((~ok).sum())
 
 
-def time_case(case: Case, iters: int, barrier) -> float:
+def time_case(case: Case, iters: int, barrier, warmup: int) -> float:
     gpu = case.device != "cpu"
+    barrier()
+    for _ in range(warmup):
+        case.run()
     if gpu:
         torch.cuda.synchronize()
     barrier()
@@ -425,9 +436,11 @@ class MpiAnchor:
         self.proc.stdin.flush()
         return self.receive()
 
-    def sample(self, count: int, iters: int, warmup: int) -> float:
-        """Seconds per MPI_Allreduce of `count` elements (buffers made and warmed up on a new count)."""
-        return self.request(cmd="sample", count=count, iters=iters, warmup=warmup)["time_s"]
+    def sample(self, count: int, iters: int, warmup: int, sample_warmup: int) -> float:
+        """Seconds per MPI_Allreduce of `count` elements (buffers made and warmed up on a new count;
+        `sample_warmup` untimed operations before this sample)."""
+        return self.request(cmd="sample", count=count, iters=iters, warmup=warmup,
+                            sample_warmup=sample_warmup)["time_s"]
 
     def wrong(self) -> int:
         return self.request(cmd="check")["wrong"]
@@ -460,8 +473,9 @@ class MpiCase:
     def run(self):  # warm-up happens in the MPI job, when it first sees this size
         pass
 
-    def sample(self, iters: int) -> float:
-        return self.anchor.sample(self.count, iters, self.warmup) if self.anchor else float("nan")
+    def sample(self, iters: int, sample_warmup: int) -> float:
+        return (self.anchor.sample(self.count, iters, self.warmup, sample_warmup) if self.anchor
+                else float("nan"))
 
     def wrong(self) -> int:
         return self.anchor.wrong() if self.anchor else 0
@@ -626,8 +640,9 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
         rows.append(coalesced_row(args, comm, rank, world, libs, groups))
     elif rank == 0:
         print(f"# ringcomm {args.coll}, {world} ranks, {args.datatype}, op {args.op}, "
-              f"algorithm {args.algo}, transport {transport}, {args.repeats} repeats (median)",
-              flush=True)
+              f"algorithm {args.algo}, transport {transport}, {args.repeats} repeats (median), "
+              f"each after {args.sample_warmup if args.sample_warmup >= 0 else 'iters / 2'} "
+              "untimed operations", flush=True)
         if mpi is not None:
             print(f"# mpi: MPI_Allreduce in place, {world} processes of its own under mpiexec "
                   f"(shared memory), {mpi.library}", flush=True)
@@ -701,14 +716,15 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
     cases = {lib: case(lib) for lib in timed}
     ringcomm_case = cases["ringcomm"]
     iters = args.iters or default_iters(ringcomm_case.nbytes)
+    sample_warmup = sample_warmup_iters(args, iters)
     for case in cases.values():
         for _ in range(args.warmup_iters):
             case.run()
     samples = {lib: [] for lib in timed}
     for _ in range(args.repeats):  # interleaved, so drift hits every library alike
         for case in cases.values():
-            samples[case.lib].append(case.sample(iters) if case.lib == "mpi"
-                                     else time_case(case, iters, comm.barrier))
+            samples[case.lib].append(case.sample(iters, sample_warmup) if case.lib == "mpi"
+                                     else time_case(case, iters, comm.barrier, sample_warmup))
     if "floor" in samples:
         samples["floor"] = slowest_rank(comm, samples["floor"])
     if wire is not None:
@@ -779,6 +795,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="operations per sample (default: 200 up to 64 KiB, else 256 MiB / size; "
                         "all_reduce_coalesced: 20)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5)
+    p.add_argument("--sample-warmup", type=int, default=-1,
+                   help="untimed operations before each sample, for every library alike "
+                        "(default: half the sample's --iters)")
     p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong results")
     p.add_argument("-o", "--op", choices=OPS, default="sum")
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float")

@@ -6,8 +6,9 @@
 
 ringcomm.bench starts this file under mpiexec from its rank 0 with --serve and drives it over
 stdin/stdout, one JSON line each way per request, so that its samples interleave with ringcomm's
-(and gloo's) in the same run: {"cmd": "sample", "count": N, "iters": I, "warmup": W} times one
-sample (buffers of N elements, made and warmed up with W operations when N changes),
+(and gloo's) in the same run: {"cmd": "sample", "count": N, "iters": I, "warmup": W,
+"sample_warmup": S} times one sample (buffers of N elements, made and warmed up with W operations
+when N changes; S untimed operations before the sample, as the bench runs before each library's),
 {"cmd": "check"} counts wrong elements, {"cmd": "quit"} (or end of input) ends the job. Between
 requests every rank waits without spinning (rank 0 in a blocking read of stdin, the others
 polling a non-blocking broadcast with growing sleeps), so an idle MPI job takes no CPU from the
@@ -40,7 +41,7 @@ DTYPES = {"float": np.float32, "float32": np.float32, "double": np.float64, "flo
           "uint8": np.uint8}
 OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 REFERENCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-# Commands as broadcast to every rank: [command, count, iters, warmup].
+# Commands as broadcast to every rank: [command, count, iters, warmup, sample_warmup].
 QUIT, SAMPLE, CHECK = 0, 1, 2
 
 
@@ -101,7 +102,8 @@ def next_command(comm, cmd) -> None:
         line = sys.stdin.readline()
         req = json.loads(line) if line.strip() else {"cmd": "quit"}
         cmd[:] = [{"quit": QUIT, "sample": SAMPLE, "check": CHECK}[req["cmd"]],
-                  req.get("count", 0), req.get("iters", 0), req.get("warmup", 0)]
+                  req.get("count", 0), req.get("iters", 0), req.get("warmup", 0),
+                  req.get("sample_warmup", 0)]
     request = comm.Ibcast(cmd, root=0)
     delay = 50e-6
     while not request.Test():  # a blocking MPI call would busy-poll for as long as it waits
@@ -110,20 +112,21 @@ def next_command(comm, cmd) -> None:
 
 
 def serve(comm, dtype, op: str) -> None:
-    cmd = np.zeros(4, dtype=np.int64)
+    cmd = np.zeros(5, dtype=np.int64)
     case = None
     if comm.Get_rank() == 0:
         send({"ready": True, "ranks": comm.Get_size(),
               "library": MPI.Get_library_version().splitlines()[0].strip()})
     while True:
         next_command(comm, cmd)
-        what, count, iters, warmup = (int(x) for x in cmd)
+        what, count, iters, warmup, sample_warmup = (int(x) for x in cmd)
         if what == QUIT:
             return
         if what == SAMPLE:
             if case is None or case.count != count:
                 case = Allreduce(comm, count, dtype, op)
                 case.run(warmup)
+            case.run(sample_warmup)
             t = case.sample(iters)
             if comm.Get_rank() == 0:
                 send({"time_s": t})
