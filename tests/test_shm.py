@@ -162,3 +162,29 @@ def test_single_copy_setting_is_checked():
                         env={"RINGCOMM_SHM_SINGLE_COPY_BYTES": "-5"})
     for status, text in results:
         assert status == "error" and "RINGCOMM_SHM_SINGLE_COPY_BYTES must be >= 0" in text, text
+
+
+def single_copy_within(store, rank, world, cpus):
+    """Bytes read by single copy in a 4 MiB all-reduce by a communicator made while this process
+    may run only on `cpus` (None: unchanged)."""
+    from datetime import timedelta
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
+    before = ringcomm.shm_bytes_read()
+    t = torch.ones(1 << 20)
+    comm.all_reduce(t)
+    read = ringcomm.shm_bytes_read() - before
+    comm.close()
+    return bool(torch.all(t == world)), read
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_single_copy_by_default_only_while_every_local_rank_has_a_cpu():
+    # The CPUs the process may run on count (a container's cpuset), not the machine's.
+    one_cpu = {min(os.sched_getaffinity(0))}
+    for cpus, reads in ((None, True), (one_cpu, False)):
+        results = run_ranks(2, single_copy_within, cpus, make_comm=False,
+                            env={"RINGCOMM_TRANSPORT": "shm"})
+        for ok, read in results:
+            assert ok and (read > 0) == reads, (cpus, ok, read)

@@ -140,7 +140,7 @@ void Mesh::connect(const std::vector<std::string>& addresses, const std::string&
   if (shm_) agree_on_shm(hosts, shm_addresses, deadline);
 
   long local = std::count(hosts.begin(), hosts.end(), host_);
-  bool oversubscribed = local > long(std::thread::hardware_concurrency());
+  bool oversubscribed = local > long(usable_cpus());
   if (options_.spin_us < 0) options_.spin_us = oversubscribed ? 0 : 5;
   if (options_.yield_us < 0) options_.yield_us = 1000;
   if (debug_enabled()) {

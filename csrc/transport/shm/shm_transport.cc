@@ -14,7 +14,6 @@
 #include <climits>
 #include <new>
 #include <random>
-#include <thread>
 
 #include "common/env.h"
 #include "common/error.h"
@@ -127,7 +126,7 @@ bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
   local_ = local;
   if (options_.single_copy_bytes < 0)
     options_.single_copy_bytes =
-        local.size() <= std::thread::hardware_concurrency() ? kSingleCopyBytes : 0;
+        local.size() <= size_t(usable_cpus()) ? kSingleCopyBytes : 0;
   local_index_ = int(std::find(local.begin(), local.end(), rank_) - local.begin());
   inbox_bytes_ = sizeof(Inbox) + size_t(options_.slots) * (sizeof(SlotHeader) + options_.slot_bytes);
   size_t total = kControlBytes + local.size() * inbox_bytes_;
