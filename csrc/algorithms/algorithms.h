@@ -39,8 +39,9 @@ Schedule ring_all_gather_schedule(int n, int rank);
 Schedule double_tree_all_reduce_schedule(int n, int rank);
 Segments tree_halves(size_t count);
 Schedule recursive_doubling_schedule(int n, int rank);
-// Slice lengths in elements of `elem` bytes: RINGCOMM_RING_SLICE_BYTES, RINGCOMM_TREE_CHUNK_BYTES.
-size_t ring_slice(size_t elem);
+// Slice lengths in elements of `elem` bytes: RINGCOMM_RING_SLICE_BYTES (for a ring of n ranks),
+// RINGCOMM_TREE_CHUNK_BYTES.
+size_t ring_slice(size_t elem, int n);
 size_t tree_slice(size_t elem);
 
 // How all_reduce by `algo` (ring, tree or recursive doubling) runs on rank `rank` of n over

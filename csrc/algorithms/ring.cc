@@ -52,8 +52,14 @@ void append_all_gather(std::vector<Step>& steps, int n, int r, bool own_sent) {
 
 }  // namespace
 
-size_t ring_slice(size_t elem) {
-  return std::max<size_t>(1, AlgorithmTuning::get().ring_slice_bytes / elem);
+// Unset, 512 KiB, but 1 MiB for two ranks. A slice crosses n-1 links before the ring is full, so
+// more ranks want smaller slices (4 ranks, 64 MiB: 1.40-1.44x the memory floor with 512 KiB,
+// 1.50-1.57x with 1 MiB); two ranks have one link, and their slices are what shared memory's
+// single copy pulls (RINGCOMM_SHM_SINGLE_COPY_BYTES, from 1 MiB), one system call each.
+size_t ring_slice(size_t elem, int n) {
+  size_t bytes = AlgorithmTuning::get().ring_slice_bytes;
+  if (!bytes) bytes = n == 2 ? (1 << 20) : (512 << 10);
+  return std::max<size_t>(1, bytes / elem);
 }
 
 Schedule ring_all_reduce_schedule(int n, int rank) {
@@ -89,7 +95,8 @@ void ring_reduce_scatter_in_place(Context& ctx, void* buf, size_t count, DType d
   if (ctx.size() == 1) return;
   char* data = static_cast<char*>(buf);
   run_schedule(ctx, ring_reduce_scatter_schedule(ctx.size(), ctx.rank()),
-               Segments(count, ctx.size()), {data, data}, dtype, op, ring_slice(dtype_size(dtype)));
+               Segments(count, ctx.size()), {data, data}, dtype, op,
+               ring_slice(dtype_size(dtype), ctx.size()));
 }
 
 void ring_reduce_scatter(Context& ctx, const void* in, void* out, size_t count, DType dtype,
@@ -104,7 +111,7 @@ void ring_reduce_scatter(Context& ctx, const void* in, void* out, size_t count, 
   char* work = ctx.scratch(count * size_t(n) * dtype_size(dtype));
   run_schedule(ctx, ring_reduce_scatter_schedule(n, ctx.rank()), Segments(count * size_t(n), n),
                {static_cast<const char*>(in), work, static_cast<char*>(out)}, dtype, op,
-               ring_slice(dtype_size(dtype)));
+               ring_slice(dtype_size(dtype), ctx.size()));
   ctx.finish();
 }
 
@@ -112,7 +119,8 @@ void ring_all_gather(Context& ctx, void* out, const std::vector<size_t>& counts,
   if (ctx.size() == 1) return;
   char* data = static_cast<char*>(out);
   run_schedule(ctx, ring_all_gather_schedule(ctx.size(), ctx.rank()), Segments(counts),
-               {data, data}, dtype, ReduceOp::kSum, ring_slice(dtype_size(dtype)));
+               {data, data}, dtype, ReduceOp::kSum,
+               ring_slice(dtype_size(dtype), ctx.size()));
   ctx.finish();
 }
 

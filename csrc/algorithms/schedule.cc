@@ -165,7 +165,8 @@ void run_schedule(Context& ctx, const Schedule& schedule, const Segments& blocks
 
 AllReduceSchedule all_reduce_schedule(Algorithm algo, int n, int rank, size_t count, size_t elem) {
   switch (algo) {
-    case Algorithm::kRing: return {ring_all_reduce_schedule(n, rank), Segments(count, n), ring_slice(elem)};
+    case Algorithm::kRing:
+      return {ring_all_reduce_schedule(n, rank), Segments(count, n), ring_slice(elem, n)};
     case Algorithm::kTree:
       return {double_tree_all_reduce_schedule(n, rank), tree_halves(count), tree_slice(elem)};
     case Algorithm::kRecursiveDoubling:

@@ -11,7 +11,7 @@ namespace ringcomm {
 
 const AlgorithmTuning& AlgorithmTuning::get() {
   static const AlgorithmTuning tuning{
-      size_t(env_int("RINGCOMM_RING_SLICE_BYTES", 1 << 20)),
+      size_t(env_int("RINGCOMM_RING_SLICE_BYTES", 0)),  // 0: by ring size (ring.cc)
       size_t(env_int("RINGCOMM_TREE_CHUNK_BYTES", 256 << 10)),
       size_t(env_int("RINGCOMM_FUSION_SLICE_BYTES", 128 << 10)),
   };

@@ -138,7 +138,8 @@ void NcclTransport::all_gather(void* data, const std::vector<size_t>& counts, DT
   DeviceScope scope(device_);
   const Schedule schedule = ring_all_gather_schedule(size_, rank_);
   const Segments blocks(counts);
-  run_schedule(schedule, blocks, stream_slice(schedule, blocks, ring_slice(dtype_size(dtype))),
+  run_schedule(schedule, blocks,
+               stream_slice(schedule, blocks, ring_slice(dtype_size(dtype), size_)),
                static_cast<char*>(data), dtype, ReduceOp::kSum, stream);
 }
 
