@@ -130,7 +130,8 @@ def by_single_copy(comm):
     for work in works:
         work.wait()
     ok.append(torch.equal(got, base * ((r - 1) % w + 1)))
-    # Coalesced: the receiver hands each piece to a consumer (unpacking) instead of a buffer.
+    # Coalesced: its parts are packed into the slots (never by single copy), on the same
+    # channels as the single-copy messages above.
     tensors = [torch.full((40_000 + 1000 * i,), float(r + i)) for i in range(20)]
     comm.all_reduce_coalesced(tensors)
     ok.append(all(torch.equal(x, torch.full_like(x, float(sum(range(w)) + w * i)))
@@ -164,12 +165,11 @@ def test_single_copy_setting_is_checked():
         assert status == "error" and "RINGCOMM_SHM_SINGLE_COPY_BYTES must be >= 0" in text, text
 
 
-def single_copy_within(store, rank, world, cpus):
+def single_copy_within(store, rank, world, cpus_of):
     """Bytes read by single copy in a 4 MiB all-reduce by a communicator made while this process
-    may run only on `cpus` (None: unchanged)."""
+    may run only on cpus_of[rank]."""
     from datetime import timedelta
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
+    os.sched_setaffinity(0, cpus_of[rank])
     comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
     before = ringcomm.shm_bytes_read()
     t = torch.ones(1 << 20)
@@ -181,10 +181,13 @@ def single_copy_within(store, rank, world, cpus):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_single_copy_by_default_only_while_every_local_rank_has_a_cpu():
-    # The CPUs the process may run on count (a container's cpuset), not the machine's.
-    one_cpu = {min(os.sched_getaffinity(0))}
-    for cpus, reads in ((None, True), (one_cpu, False)):
-        results = run_ranks(2, single_copy_within, cpus, make_comm=False,
+    # What counts is the CPUs the local ranks may run on between them (affinity masks: a
+    # container's cpuset, a launcher binding each rank to its own CPU), not the machine's.
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    every = set(os.sched_getaffinity(0))
+    for cpus_of, reads in (({0: every, 1: every}, True), ({0: {a}, 1: {b}}, True),
+                           ({0: {a}, 1: {a}}, False)):
+        results = run_ranks(2, single_copy_within, cpus_of, make_comm=False,
                             env={"RINGCOMM_TRANSPORT": "shm"})
         for ok, read in results:
-            assert ok and (read > 0) == reads, (cpus, ok, read)
+            assert ok and (read > 0) == reads, (cpus_of, ok, read)

@@ -36,6 +36,39 @@ std::string read_first_line(const char* path) {
   return line;
 }
 
+// The CPUs this process may run on (its affinity mask: a container's cpuset, taskset, a
+// launcher's per-rank binding), in hex, four CPUs per digit, lowest first; "" if unknown.
+std::string cpu_mask() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return "";
+  std::string hex;
+  for (int cpu = 0; cpu < CPU_SETSIZE; cpu += 4) {
+    int digit = 0;
+    for (int b = 0; b < 4; ++b) digit |= CPU_ISSET(cpu + b, &set) ? 1 << b : 0;
+    hex += "0123456789abcdef"[digit];
+  }
+  return hex.substr(0, hex.find_last_not_of('0') + 1);
+}
+
+// CPUs in the union of `masks` (cpu_mask()'s, from the ranks of one host): what those ranks
+// share, whether each is bound to CPUs of its own or all may use all. The machine's count if a
+// mask is unknown.
+int cpus_in(const std::vector<std::string>& masks) {
+  std::vector<unsigned> all;  // one hex digit's four CPUs each
+  for (const std::string& m : masks) {
+    if (m.empty()) return int(std::max(1u, std::thread::hardware_concurrency()));
+    if (m.size() > all.size()) all.resize(m.size(), 0);
+    for (size_t i = 0; i < m.size(); ++i) {
+      const char* at = m[i] ? strchr("0123456789abcdef", m[i]) : nullptr;
+      RC_CHECK_ARG(at, "bad CPU mask '", m, "' in a rank address");
+      all[i] |= unsigned(at - "0123456789abcdef");
+    }
+  }
+  int count = 0;
+  for (unsigned digit : all) count += __builtin_popcount(digit);
+  return std::max(1, count);
+}
+
 // "host=...;tcp=...;shm=..." -> {"host": ..., "tcp": ..., "shm": ...}
 std::map<std::string, std::string> parse_address(const std::string& text) {
   std::map<std::string, std::string> fields;
@@ -115,7 +148,7 @@ void Mesh::throw_if_interrupted() const {
 }
 
 std::string Mesh::address() const {
-  std::string text = str_cat("host=", host_, ";tcp=", tcp_->address());
+  std::string text = str_cat("host=", host_, ";cpus=", cpu_mask(), ";tcp=", tcp_->address());
   if (shm_) text += ";shm=" + shm_->address();
   return text;
 }
@@ -123,13 +156,14 @@ std::string Mesh::address() const {
 void Mesh::connect(const std::vector<std::string>& addresses, const std::string& token,
                    Clock::time_point deadline) {
   RC_CHECK_ARG(int(addresses.size()) == world_size_, "expected ", world_size_, " addresses");
-  std::vector<std::string> hosts, endpoints, shm_addresses;
+  std::vector<std::string> hosts, endpoints, shm_addresses, masks;
   for (const std::string& a : addresses) {
     auto fields = parse_address(a);
     RC_CHECK_ARG(fields.count("host") && fields.count("tcp"), "bad rank address '", a, "'");
     hosts.push_back(fields["host"]);
     endpoints.push_back(fields["tcp"]);
     shm_addresses.push_back(fields.count("shm") ? fields["shm"] : "");
+    masks.push_back(fields.count("cpus") ? fields["cpus"] : "");
   }
   host_of_.clear();
   for (const std::string& h : hosts)
@@ -137,10 +171,13 @@ void Mesh::connect(const std::vector<std::string>& addresses, const std::string&
   tcp_->connect(endpoints, token, deadline);
   for (int peer = 0; peer < world_size_; ++peer)
     if (peer != rank_) route_[peer] = tcp_.get();
-  if (shm_) agree_on_shm(hosts, shm_addresses, deadline);
-
-  long local = std::count(hosts.begin(), hosts.end(), host_);
-  bool oversubscribed = local > long(usable_cpus());
+  // More ranks on this host than CPUs they may run on between them. Every local rank computes
+  // the same answer from the same addresses.
+  std::vector<std::string> local_masks;
+  for (int r = 0; r < world_size_; ++r)
+    if (hosts[r] == host_) local_masks.push_back(masks[r]);
+  const bool oversubscribed = local_masks.size() > size_t(cpus_in(local_masks));
+  if (shm_) agree_on_shm(hosts, shm_addresses, !oversubscribed, deadline);
   if (options_.spin_us < 0) options_.spin_us = oversubscribed ? 0 : 5;
   if (options_.yield_us < 0) options_.yield_us = 1000;
   if (debug_enabled()) {
@@ -155,7 +192,8 @@ void Mesh::connect(const std::vector<std::string>& addresses, const std::string&
 // one-byte exchanges over TCP with every rank of this host: "my segment is ready", then "I mapped
 // yours". A pair that cannot map stays on TCP, unless RINGCOMM_TRANSPORT=shm demands it.
 void Mesh::agree_on_shm(const std::vector<std::string>& hosts,
-                        const std::vector<std::string>& shm_addresses, Clock::time_point deadline) {
+                        const std::vector<std::string>& shm_addresses, bool cpu_each,
+                        Clock::time_point deadline) {
   std::vector<int> local, peers;
   for (int r = 0; r < world_size_; ++r) {
     if (hosts[r] != host_) continue;
@@ -164,7 +202,7 @@ void Mesh::agree_on_shm(const std::vector<std::string>& hosts,
   }
   if (peers.empty()) return;
   std::string why;
-  char allocated = shm_->allocate(local, &why) ? 1 : 0;
+  char allocated = shm_->allocate(local, cpu_each, &why) ? 1 : 0;
   std::vector<char> theirs;
   tcp_->exchange(peers, std::vector<char>(peers.size(), allocated), theirs, deadline);
   std::vector<char> mapped(peers.size(), 0);

@@ -122,11 +122,9 @@ std::string ShmTransport::address() const {
                                 reinterpret_cast<uintptr_t>(&probe_word_));
 }
 
-bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
+bool ShmTransport::allocate(const std::vector<int>& local, bool cpu_each, std::string* why) {
   local_ = local;
-  if (options_.single_copy_bytes < 0)
-    options_.single_copy_bytes =
-        local.size() <= size_t(usable_cpus()) ? kSingleCopyBytes : 0;
+  if (options_.single_copy_bytes < 0) options_.single_copy_bytes = cpu_each ? kSingleCopyBytes : 0;
   local_index_ = int(std::find(local.begin(), local.end(), rank_) - local.begin());
   inbox_bytes_ = sizeof(Inbox) + size_t(options_.slots) * (sizeof(SlotHeader) + options_.slot_bytes);
   size_t total = kControlBytes + local.size() * inbox_bytes_;
@@ -208,10 +206,6 @@ bool ShmTransport::map_peer(int peer, const std::string& address, std::string* w
   return true;
 }
 
-bool ShmTransport::pulls_from(int peer) const {
-  const Peer& p = peers_[peer];
-  return p.in && p.in->can_pull.load(std::memory_order_acquire);
-}
 
 void ShmTransport::enable(int peer) {
   peers_[peer].enabled = true;
@@ -389,7 +383,7 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
     }
     if (sh.by_address) {
       Address where;
-      if (!sh.first || sh.by_address != 1 || sh.fragment_bytes != sizeof where ||
+      if (!sh.first || part.started || sh.by_address != 1 || sh.fragment_bytes != sizeof where ||
           !p.in->can_pull.load(std::memory_order_relaxed))
         RC_THROW("protocol error: rank ", peer, " sent a malformed single-copy slot for ",
                  theirs.describe());
@@ -398,9 +392,12 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
         RC_THROW("protocol error: rank ", peer, " offered ", where.bytes, " bytes for ",
                  theirs.describe(), ", rank ", rank_, " expected ", part.bytes);
       p.in->tail.store(++p.in_tail, std::memory_order_release);
+      ring(p.control);  // the slot is free: a sender waiting for one need not wait for the pull
       pull(peer, p, part, where.address);
       // A sender that failed meanwhile may have handed its buffer back: what was read may be
-      // stale, so it is not used. It sets the flag before any buffer is released.
+      // stale, so it is not used. It sets the flag before any buffer is released; the fence
+      // keeps the reads above from moving after the flag's load.
+      std::atomic_thread_fence(std::memory_order_acquire);
       if (p.control->aborted.load(std::memory_order_acquire)) throw_peer_abort(peer, p);
       p.in->pulled.fetch_add(1, std::memory_order_release);
       moved = true;
