@@ -206,7 +206,6 @@ bool ShmTransport::map_peer(int peer, const std::string& address, std::string* w
   return true;
 }
 
-
 void ShmTransport::enable(int peer) {
   peers_[peer].enabled = true;
   active_.push_back(peer);
