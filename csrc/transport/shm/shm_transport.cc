@@ -309,9 +309,15 @@ void ShmTransport::pull(int peer, const Peer& p, Part& part, uint64_t address) {
       iovec local{to, bytes};
       iovec remote{reinterpret_cast<void*>(uintptr_t(from)), bytes};
       ssize_t got = process_vm_readv(pid_t(p.pid), &local, 1, &remote, 1, 0);
-      if (got <= 0)
+      if (got <= 0) {
+        const int error = errno;
+        // A sender that failed (a mismatch another peer reported, a timeout) releases its
+        // buffers after setting its flag: its reason is the one to report, not the bad address.
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (p.control->aborted.load(std::memory_order_acquire)) throw_peer_abort(peer, p);
         RC_THROW("cannot read rank ", peer, "'s message of ", part.bytes, " bytes at 0x", std::hex,
-                 from, std::dec, ": ", got < 0 ? strerror(errno) : "nothing read");
+                 from, std::dec, ": ", got < 0 ? strerror(error) : "nothing read");
+      }
       to += got;
       from += uint64_t(got);
       bytes -= size_t(got);
