@@ -36,6 +36,8 @@ std::string read_first_line(const char* path) {
   return line;
 }
 
+constexpr char kHexDigits[] = "0123456789abcdef";
+
 // The CPUs this process may run on (its affinity mask: a container's cpuset, taskset, a
 // launcher's per-rank binding), in hex, four CPUs per digit, lowest first; "" if unknown.
 std::string cpu_mask() {
@@ -45,7 +47,7 @@ std::string cpu_mask() {
   for (int cpu = 0; cpu < CPU_SETSIZE; cpu += 4) {
     int digit = 0;
     for (int b = 0; b < 4; ++b) digit |= CPU_ISSET(cpu + b, &set) ? 1 << b : 0;
-    hex += "0123456789abcdef"[digit];
+    hex += kHexDigits[digit];
   }
   return hex.substr(0, hex.find_last_not_of('0') + 1);
 }
@@ -59,9 +61,9 @@ int cpus_in(const std::vector<std::string>& masks) {
     if (m.empty()) return int(std::max(1u, std::thread::hardware_concurrency()));
     if (m.size() > all.size()) all.resize(m.size(), 0);
     for (size_t i = 0; i < m.size(); ++i) {
-      const char* at = m[i] ? strchr("0123456789abcdef", m[i]) : nullptr;
+      const char* at = m[i] ? strchr(kHexDigits, m[i]) : nullptr;
       RC_CHECK_ARG(at, "bad CPU mask '", m, "' in a rank address");
-      all[i] |= unsigned(at - "0123456789abcdef");
+      all[i] |= unsigned(at - kHexDigits);
     }
   }
   int count = 0;

@@ -62,7 +62,8 @@ struct Address {
 // Single-copy receives into a consumer read this much of the sender's memory at a time: large
 // enough that a system call moves plenty, small enough to stay in cache for the consumer.
 constexpr size_t kPullChunk = 256 << 10;
-// The default threshold: the ring's slice, so a large all-reduce moves every slice by single copy.
+// The default threshold: the 2-rank ring's slice, so its large all-reduces move every slice by
+// single copy, while its 1 MiB all-reduce (512 KiB halves) stays in the slots.
 constexpr int64_t kSingleCopyBytes = 1 << 20;
 static_assert(sizeof(SlotHeader) == kLine, "a slot's payload starts on a cache line");
 static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4,
@@ -313,8 +314,7 @@ void ShmTransport::pull(int peer, const Peer& p, Part& part, uint64_t address) {
         const int error = errno;
         // A sender that failed (a mismatch another peer reported, a timeout) releases its
         // buffers after setting its flag: its reason is the one to report, not the bad address.
-        std::atomic_thread_fence(std::memory_order_acquire);
-        if (p.control->aborted.load(std::memory_order_acquire)) throw_peer_abort(peer, p);
+        check_peer(peer, p);
         RC_THROW("cannot read rank ", peer, "'s message of ", part.bytes, " bytes at 0x", std::hex,
                  from, std::dec, ": ", got < 0 ? strerror(error) : "nothing read");
       }
@@ -400,10 +400,8 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
       ring(p.control);  // the slot is free: a sender waiting for one need not wait for the pull
       pull(peer, p, part, where.address);
       // A sender that failed meanwhile may have handed its buffer back: what was read may be
-      // stale, so it is not used. It sets the flag before any buffer is released; the fence
-      // keeps the reads above from moving after the flag's load.
-      std::atomic_thread_fence(std::memory_order_acquire);
-      if (p.control->aborted.load(std::memory_order_acquire)) throw_peer_abort(peer, p);
+      // stale, so it is not used. It sets the flag before any buffer is released.
+      check_peer(peer, p);
       p.in->pulled.fetch_add(1, std::memory_order_release);
       moved = true;
       int64_t op = part.op;
@@ -460,11 +458,17 @@ bool ShmTransport::peek(int peer, Signature* sig) const {
   RC_THROW("rank ", peer, " aborted: ", text);
 }
 
+void ShmTransport::check_peer(int peer, const Peer& p) const {
+  // The fence keeps reads of the peer's memory made before this check from moving after it.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (p.control->aborted.load(std::memory_order_acquire)) throw_peer_abort(peer, p);
+}
+
 bool ShmTransport::progress() {
   bool moved = false;
   for (int peer : active_) {
     Peer& p = peers_[peer];
-    if (p.control->aborted.load(std::memory_order_acquire)) throw_peer_abort(peer, p);
+    check_peer(peer, p);
     if (!p.sends.empty()) moved |= pump_send(peer, p);
     if (!p.pulling.empty()) moved |= reap_pulled(peer, p);
     moved |= pump_recv(peer, p);

@@ -125,6 +125,8 @@ class ShmTransport final : public Transport {
   bool reap_pulled(int peer, Peer& p);
   bool ready() const;  // something for progress() to do
   [[noreturn]] void throw_peer_abort(int peer, const Peer& p) const;
+  // Throws the peer's reason if it has aborted.
+  void check_peer(int peer, const Peer& p) const;
   char* slot(Inbox* box, uint64_t index) const;
 
   const int rank_, world_size_;
