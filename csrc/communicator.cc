@@ -226,7 +226,9 @@ Algorithm Communicator::choose_rooted(size_t bytes) const {
 
 // Every rank reads RINGCOMM_TUNING alike. "off": the default model, nothing exchanged. Else the
 // ranks agree first on whether all of them hold a saved model (a path naming an existing file),
-// and if one does not, all probe; either way on the slowest rank's figures.
+// and if one does not, all probe; either way on the slowest rank's figures. Single copy between
+// local ranks is probed first (the links' figures depend on it), and only if every rank with
+// local peers leaves it to its default.
 LinkModel Communicator::calibrate(Clock::time_point deadline) {
   const std::string tuning = env_string("RINGCOMM_TUNING");
   LinkModel model;
@@ -236,26 +238,41 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
   }
   LinkModel saved;
   const bool have = !tuning.empty() && load_link_model(tuning, &saved);
-  // Maxima: of "missing", alpha, seconds per byte sent and per byte reduced, and inside a host
-  // alpha and seconds per byte sent.
-  double agreed[6] = {have ? 0.0 : 1.0,
+  const std::vector<int>& host = layout_.local(rank_);
+  const size_t single_copy = mesh_->single_copy_to_probe();
+  // Maxima: of "missing", alpha, seconds per byte sent and per byte reduced, inside a host alpha
+  // and seconds per byte sent, "single copy set by hand" and "single copy off".
+  double agreed[8] = {have ? 0.0 : 1.0,
                       have ? saved.alpha_s : 0.0,
                       have ? 1 / saved.bytes_per_s : 0.0,
                       have ? 1 / saved.reduce_bytes_per_s : 0.0,
                       have ? saved.local_alpha_s : 0.0,
-                      have ? 1 / saved.local_bytes_per_s : 0.0};
+                      have ? 1 / saved.local_bytes_per_s : 0.0,
+                      host.size() > 1 && single_copy == 0 ? 1.0 : 0.0,
+                      have && !saved.single_copy ? 1.0 : 0.0};
   auto agree = [&](double* values, size_t count) {
     connect_step(count, [&](Context& ctx) {
       recursive_doubling_all_reduce(ctx, values, count, DType::kFloat64, ReduceOp::kMax);
     }, deadline);
   };
-  agree(agreed, 6);
+  agree(agreed, 8);
   const char* source = "loaded from RINGCOMM_TUNING";
   if (agreed[0] > 0) {
     source = "probed";
     const auto start = Clock::now();
-    const std::vector<int>* host = layout_.uniform() ? &layout_.local(rank_) : nullptr;
-    connect_step(0, [&](Context& ctx) { model = probe_links(ctx, host); }, deadline);
+    if (agreed[6] == 0) {
+      connect_step(0, [&](Context& ctx) {
+        if (host.size() < 2) return;
+        Context local = ctx.view(host);
+        const bool faster = probe_single_copy(local, single_copy,
+                                              [&](bool on) { mesh_->use_single_copy(on); });
+        agreed[7] = faster ? 0.0 : 1.0;
+      }, deadline);
+      agree(agreed + 7, 1);
+      mesh_->use_single_copy(agreed[7] == 0);
+    }
+    const std::vector<int>* links_host = layout_.uniform() ? &host : nullptr;
+    connect_step(0, [&](Context& ctx) { model = probe_links(ctx, links_host); }, deadline);
     agreed[1] = model.alpha_s;
     agreed[2] = 1 / model.bytes_per_s;
     agreed[3] = 1 / model.reduce_bytes_per_s;
@@ -270,6 +287,8 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
   model.reduce_bytes_per_s = 1 / agreed[3];
   model.local_alpha_s = agreed[4];
   model.local_bytes_per_s = 1 / agreed[5];
+  model.single_copy = agreed[7] == 0;
+  mesh_->use_single_copy(model.single_copy);
   if (!tuning.empty() && agreed[0] > 0 && !save_link_model(tuning, model))
     RC_LOG("rank ", rank_, ": cannot write RINGCOMM_TUNING file '", tuning, "'");
   RC_LOG("rank ", rank_, ": links (", source, ", slowest rank): ", model.describe());

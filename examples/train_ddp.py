@@ -2,13 +2,14 @@
 
     torchrun --nproc-per-node 2 examples/train_ddp.py --hook allreduce --width 2048
     torchrun --nproc-per-node 2 examples/train_ddp.py --backend ringcomm --hook none
-    torchrun --nproc-per-node 2 examples/train_ddp.py --hook allreduce --width 2048 --compare-gloo
+    torchrun --nproc-per-node 2 examples/train_ddp.py --hook allreduce --width 2048 --compare-gloo --compare-floor
 
 --backend picks the process group DDP runs on; --hook registers a ringcomm comm hook on it ("none":
 DDP's own all-reduce through that backend; "local": no communication, the floor of the step time). --width 2048 gives two hidden layers of 2048, about
 4.3M parameters, enough for communication to matter. --compare-gloo also trains gloo's default DDP
 from the same initial weights on the same batches, alternating steps with the run above so both
-see the same machine load, and prints both. Rank 0 prints test accuracy, the mean step time
+see the same machine load, and prints both; --compare-floor does the same with the "local" hook (no
+communication), so the floor of the step time is measured in the same run. Rank 0 prints test accuracy, the mean step time
 (forward, backward with its communication, optimizer step; after --warmup steps), the CPU time
 of all ranks per step (every thread; with more ranks than cores it bounds the step from below: CPU
 time / cores) and the bytes this rank sent per step: over TCP (Linux's per-socket counters, all of the process's connections)
@@ -63,6 +64,8 @@ def parse_args():
                         "warmup_steps=0, value_dtype=float32, adaptive=False (repeatable)")
     p.add_argument("--compare-gloo", action="store_true",
                    help="also train gloo's default DDP, alternating steps, and print both")
+    p.add_argument("--compare-floor", action="store_true",
+                   help="also train with no communication (the local hook), alternating steps")
     args = p.parse_args()
     if args.width < 1 or args.epochs < 1 or args.batch_size < 1 or args.warmup < 0:
         p.error("--width, --epochs and --batch-size must be positive, --warmup non-negative")
@@ -190,6 +193,8 @@ def main():
         if args.backend != "gloo":
             groups.append(dist.new_group(backend="gloo"))
         runs.append(Run("gloo, DDP's all-reduce", args, process_group=groups[-1]))
+    if args.compare_floor:
+        runs.append(Run("no communication (floor)", args, hook=local_hook))
 
     per_rank = args.batch_size // world
     steps_per_epoch = len(train_y) // args.batch_size
@@ -222,9 +227,9 @@ def main():
             print(f"{run.name:<34} {100 * run.accuracy(test_x, test_y):>8.2f}% {1e3 * mean:>9.2f} "
                   f"{1 / mean:>8.2f} {run.bytes_sent / timed / 1e6:>13.2f} "
                   f"{1e3 * cpu_seconds / timed:>23.1f}")
-        if len(runs) == 2:
-            ratio = sum(runs[1].step_times) / sum(runs[0].step_times)
-            print(f"steps/s, {runs[0].name} over {runs[1].name}: {ratio:.2f}x")
+        for other in runs[1:]:
+            ratio = sum(other.step_times) / sum(runs[0].step_times)
+            print(f"steps/s, {runs[0].name} over {other.name}: {ratio:.2f}x")
         print(f"step time on rank 0, ms per step (waiting: backward after its last gradient, "
               f"for the averages)")
         print(f"{'run':<34} " + " ".join(f"{p:>16}" for p in runs[0].phases) + f" {'waiting share':>14}")

@@ -83,7 +83,7 @@ def test_hierarchical_is_chosen_by_its_cost(tmp_path):
 def test_off_is_the_default_model_and_exchanges_nothing():
     (model, choices), *_ = run_ranks(2, model_and_choices, env={"RINGCOMM_TUNING": "off"})
     assert model == {"alpha_s": 16e-6, "bytes_per_s": 4e9, "reduce_bytes_per_s": 4e9,
-                     "local_alpha_s": 16e-6, "local_bytes_per_s": 4e9}
+                     "local_alpha_s": 16e-6, "local_bytes_per_s": 4e9, "single_copy": True}
 
 
 def test_a_probed_model_is_saved_and_loaded(tmp_path):

@@ -191,3 +191,36 @@ def test_single_copy_by_default_only_while_every_local_rank_has_a_cpu():
                             env={"RINGCOMM_TRANSPORT": "shm"})
         for ok, read in results:
             assert ok and (read > 0) == reads, (cpus_of, ok, read)
+
+
+def single_copy_kept(store, rank, world):
+    """The link model's single-copy verdict, and the bytes read by single copy in a 4 MiB
+    all-reduce."""
+    from datetime import timedelta
+    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
+    before = ringcomm.shm_bytes_read()
+    t = torch.ones(1 << 20)
+    comm.all_reduce(t)
+    read = ringcomm.shm_bytes_read() - before
+    verdict = comm.link_model()["single_copy"]
+    comm.close()
+    return bool(torch.all(t == world)), verdict, read
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_single_copy_is_kept_only_where_measured_faster(tmp_path):
+    # Which way is faster depends on the machine; what must hold is that the ranks agree, follow
+    # the verdict and save it, and that a saved verdict is followed both ways unless
+    # RINGCOMM_SHM_SINGLE_COPY_BYTES is set by hand.
+    path = tmp_path / "links"
+    env = {"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_TUNING": str(path)}
+    results = run_ranks(2, single_copy_kept, make_comm=False, env=env)
+    verdict = results[0][1]
+    for ok, agreed, read in results:
+        assert ok and agreed == verdict and (read > 0) == verdict, results
+    assert f"single_copy {int(verdict)}" in path.read_text()
+    for saved, by_hand, reads in ((1, None, True), (0, None, False), (0, "1048576", True)):
+        path.write_text(f"alpha_us 1\nbytes_per_s 1e10\nreduce_bytes_per_s 1e10\nsingle_copy {saved}\n")
+        case = dict(env, **({"RINGCOMM_SHM_SINGLE_COPY_BYTES": by_hand} if by_hand else {}))
+        for ok, _, read in run_ranks(2, single_copy_kept, make_comm=False, env=case):
+            assert ok and (read > 0) == reads, (saved, by_hand, read)

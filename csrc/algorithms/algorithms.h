@@ -3,6 +3,7 @@
 // broadcast/reduce), recursive_doubling.cc, barrier.cc, gather.cc, scatter.cc, alltoall.cc.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "algorithms/context.h"
@@ -20,8 +21,9 @@ struct AlgorithmTuning {
 };
 
 // RINGCOMM_TUNING=path: the link model saved there (alpha_us, bytes_per_s, reduce_bytes_per_s,
-// and optionally local_alpha_us and local_bytes_per_s, else the same as the first two; one
-// "name value" per line), if the file exists and holds the first three.
+// and optionally local_alpha_us and local_bytes_per_s, else the same as the first two, and
+// single_copy, 1 or 0, else 1; one "name value" per line), if the file exists and holds the
+// first three.
 bool load_link_model(const std::string& path, LinkModel* model);
 // Writes it (whole: through a temporary file renamed over it). False if it cannot.
 bool save_link_model(const std::string& path, const LinkModel& model);
@@ -30,6 +32,13 @@ bool save_link_model(const std::string& path, const LinkModel& model);
 // and, given `host` (this rank's host's ranks, when the layout is uniform), around each host's
 // ring for the links inside a host (probe.cc); every rank must call it at once.
 LinkModel probe_links(Context& ctx, const std::vector<int>* host);
+
+// Whether messages of `message` bytes between the ranks of `local` (one host's) go faster by
+// single copy than through shared memory's slots: a ring all-reduce timed both ways, switched by
+// `use_single_copy(on)`; true on the slowest rank's figures (probe.cc). Every rank of `local`
+// must call it at once.
+bool probe_single_copy(Context& local, size_t message,
+                       const std::function<void(bool)>& use_single_copy);
 
 // Rank `rank`'s steps (schedule.h) among n ranks. Ring schedules run over Segments(count, n);
 // the double binary tree over tree_halves(count); recursive doubling over the whole buffer.

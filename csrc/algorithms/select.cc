@@ -11,7 +11,8 @@ std::string LinkModel::describe() const {
   return str_cat("alpha ", alpha_s * 1e6, " us per round, beta ", bytes_per_s / 1e9,
                  " GB/s per link, reduce ", reduce_bytes_per_s / 1e9, " GB/s (a round = ",
                  size_t(round_bytes()), " bytes); inside a host: alpha ", local_alpha_s * 1e6,
-                 " us, beta ", local_bytes_per_s / 1e9, " GB/s");
+                 " us, beta ", local_bytes_per_s / 1e9, " GB/s, single copy ",
+                 single_copy ? "on" : "off");
 }
 
 namespace {

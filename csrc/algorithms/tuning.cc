@@ -37,6 +37,7 @@ bool load_link_model(const std::string& path, LinkModel* model) {
       values.count("local_alpha_us") ? values["local_alpha_us"] * 1e-6 : model->alpha_s;
   model->local_bytes_per_s =
       values.count("local_bytes_per_s") ? values["local_bytes_per_s"] : model->bytes_per_s;
+  model->single_copy = !values.count("single_copy") || values["single_copy"] != 0;
   RC_CHECK_ARG(model->local_alpha_s >= 0 && model->local_bytes_per_s > 0,
                "RINGCOMM_TUNING: '", path, "' holds a negative or zero figure");
   return true;
@@ -49,7 +50,8 @@ bool save_link_model(const std::string& path, const LinkModel& model) {
     file.precision(9);
     file << "alpha_us " << model.alpha_s * 1e6 << "\nbytes_per_s " << model.bytes_per_s
          << "\nreduce_bytes_per_s " << model.reduce_bytes_per_s << "\nlocal_alpha_us "
-         << model.local_alpha_s * 1e6 << "\nlocal_bytes_per_s " << model.local_bytes_per_s << "\n";
+         << model.local_alpha_s * 1e6 << "\nlocal_bytes_per_s " << model.local_bytes_per_s
+         << "\nsingle_copy " << int(model.single_copy) << "\n";
     if (!file.good()) return false;
   }
   return std::rename(tmp.c_str(), path.c_str()) == 0;

@@ -218,6 +218,7 @@ PYBIND11_MODULE(_C, m) {
              d["reduce_bytes_per_s"] = m.reduce_bytes_per_s;
              d["local_alpha_s"] = m.local_alpha_s;
              d["local_bytes_per_s"] = m.local_bytes_per_s;
+             d["single_copy"] = m.single_copy;
              return d;
            })
       .def("stats",

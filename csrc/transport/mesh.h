@@ -46,6 +46,12 @@ class Mesh final : public PartSink {
   // Connects to every peer, then agrees with each local peer on shared memory.
   void connect(const std::vector<std::string>& addresses, const std::string& token,
                Clock::time_point deadline);
+  // Shared memory's single copy while its default is on: its size, else 0; and turning it off
+  // or back on (shm::ShmTransport::use_single_copy).
+  size_t single_copy_to_probe() const { return shm_ ? shm_->single_copy_to_probe() : 0; }
+  void use_single_copy(bool on) {
+    if (shm_) shm_->use_single_copy(on);
+  }
   // Name of the transport that carries data to `peer` ("tcp", "shm"; "self" for this rank).
   const char* transport_of(int peer) const;
   // After connect(): each rank's host, as the lowest rank on that host (same on every rank).

@@ -16,7 +16,10 @@
 // the receive buffer, or through a cache-sized scratch buffer into a consumer), then counts the
 // message as pulled, which completes the send. Each receiver probes at mapping time whether the
 // kernel lets it read its peer (containers and Yama's ptrace_scope may not) and says so in the
-// inbox; senders use single copy only towards receivers that can.
+// inbox; senders use single copy only towards receivers that can. Whether one read beats two
+// copies depends on the machine (the kernel's copy ran at 6-8 GB/s on one host where memcpy ran
+// at 18-40), so when the size is left to its default the communicator measures both ways once
+// and keeps the faster (Communicator::calibrate, use_single_copy).
 #pragma once
 
 #include <atomic>
@@ -59,6 +62,14 @@ class ShmTransport final : public Transport {
   // Maps `peer`'s segment from its address; false, with `why`, if this host does not allow it.
   // Then probes whether this rank can read the peer's memory (single copy from it).
   bool map_peer(int peer, const std::string& address, std::string* why);
+  // The single-copy size when RINGCOMM_SHM_SINGLE_COPY_BYTES left it to its default and the
+  // default turned it on (so a measurement may turn it off), else 0.
+  size_t single_copy_to_probe() const { return single_copy_auto_ ? size_t(options_.single_copy_bytes) : 0; }
+  // Sends by address from now on (on) or only through the slots; only while single_copy_to_probe.
+  // Between operations: a receiver takes either kind at any time.
+  void use_single_copy(bool on) {
+    if (single_copy_auto_) single_copy_on_ = on;
+  }
   // Data to `peer` goes through shared memory from now on (both sides mapped).
   void enable(int peer);
   bool enabled(int peer) const;
@@ -131,6 +142,7 @@ class ShmTransport final : public Transport {
 
   const int rank_, world_size_;
   ShmOptions options_;
+  bool single_copy_auto_ = false, single_copy_on_ = true;
   PartSink& sink_;
   int fd_ = -1;
   uint64_t nonce_;
