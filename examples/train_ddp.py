@@ -9,7 +9,9 @@ DDP's own all-reduce through that backend; "local": no communication, the floor 
 4.3M parameters, enough for communication to matter. --compare-gloo also trains gloo's default DDP
 from the same initial weights on the same batches, alternating steps with the run above so both
 see the same machine load, and prints both; --compare-floor does the same with the "local" hook (no
-communication), so the floor of the step time is measured in the same run. Rank 0 prints test accuracy, the mean step time
+communication) and with "reduce-floor" (the ranks wait for each other, then each adds a local
+tensor into its bucket: the memory any all-reduce must move), so the floor of the step time and
+the limit of an averaged step are measured in the same run. Rank 0 prints test accuracy, the mean step time
 (forward, backward with its communication, optimizer step; after --warmup steps), the CPU time
 of all ranks per step (every thread; with more ranks than cores it bounds the step from below: CPU
 time / cores) and the bytes this rank sent per step: over TCP (Linux's per-socket counters, all of the process's connections)
@@ -42,8 +44,23 @@ def local_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Ten
     return fut
 
 
+_peer_stand_ins = {}
+
+
+def reduce_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Not training either: the least any all-reduce of the bucket costs. The ranks wait for each
+    other (an 8-byte all-reduce), then each adds a stand-in for its peer's gradient into the bucket:
+    the memory traffic of a reduction that could read the peer's data in place (read two, write
+    one), with no copy, no transport and no second phase."""
+    buffer = bucket.buffer()
+    stand_in = _peer_stand_ins.setdefault(buffer.numel(), torch.zeros_like(buffer))  # buckets are rebuilt after step 1
+    work = hooks.communicator_for(None).all_reduce(torch.zeros(2), async_op=True)
+    return work.get_future().then(lambda _: buffer.add_(stand_in))  # off the autograd thread
+
+
 HOOKS = {"none": None, "allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
-         "bf16": hooks.bf16_compress_hook, "topk": hooks.topk_hook, "local": local_hook}
+         "bf16": hooks.bf16_compress_hook, "topk": hooks.topk_hook, "local": local_hook,
+         "reduce-floor": reduce_floor_hook}
 TCP_INFO_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64, Linux >= 4.19) in struct tcp_info
 
 
@@ -185,7 +202,8 @@ def main():
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {world} ranks")
 
-    hook_name = {"none": "DDP's all-reduce", "local": "no communication (floor)"}.get(
+    hook_name = {"none": "DDP's all-reduce", "local": "no communication (floor)",
+                 "reduce-floor": "wait + local a+b (limit)"}.get(
         args.hook, f"ringcomm {args.hook} hook")
     runs = [Run(f"{args.backend}, {hook_name}", args, hook=HOOKS[args.hook])]
     groups = [None]  # the default group, and a gloo group when that is not gloo already
@@ -195,6 +213,7 @@ def main():
         runs.append(Run("gloo, DDP's all-reduce", args, process_group=groups[-1]))
     if args.compare_floor:
         runs.append(Run("no communication (floor)", args, hook=local_hook))
+        runs.append(Run("wait + local a+b (limit)", args, hook=reduce_floor_hook))
 
     per_rank = args.batch_size // world
     steps_per_epoch = len(train_y) // args.batch_size
