@@ -34,9 +34,9 @@ bool save_link_model(const std::string& path, const LinkModel& model);
 LinkModel probe_links(Context& ctx, const std::vector<int>* host);
 
 // Whether messages of `message` bytes between the ranks of `local` (one host's) go faster by
-// single copy than through shared memory's slots: a ring all-reduce timed both ways, switched by
-// `use_single_copy(on)`; true on the slowest rank's figures (probe.cc). Every rank of `local`
-// must call it at once.
+// single copy than through shared memory's slots: a ring all-reduce of 16 MiB timed both ways,
+// switched by `use_single_copy(on)`; true on the slowest rank's figures (probe.cc). Every rank
+// of `local` must call it at once.
 bool probe_single_copy(Context& local, size_t message,
                        const std::function<void(bool)>& use_single_copy);
 

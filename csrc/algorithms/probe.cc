@@ -11,8 +11,8 @@
 //      step 1 and 2 is then held to the pace of the links between hosts.
 //   4. gamma: the best of 3 local float32 sums of 256 KiB.
 // And, before them where local ranks may single-copy (probe_single_copy): inside each host, a ring
-// all-reduce of 2 x n messages of the single-copy size, 1 + 3 times with single copy off and on
-// in turn; the slower side's median on the slowest rank decides. Why measure instead of assuming:
+// all-reduce of 16 MiB (at least 2 x n messages) in slices of the single-copy size, 1 + 3 times
+// with single copy off and on in turn; the slower side's median on the slowest rank decides. Why measure instead of assuming:
 // on one host single copy made a 2-rank 16 MiB all-reduce 1.5x faster, on another 1.9x slower
 // (its kernel copied at 6-8 GB/s where memcpy ran at 18-40).
 // Bytes on the wire per rank: at most 11 x 64 KiB + 4 x 512 KiB + 4 x 4 MiB. Each rank times
@@ -100,7 +100,11 @@ bool probe_single_copy(Context& local, size_t message,
                        const std::function<void(bool)>& use_single_copy) {
   constexpr int kTimed = 3;
   const int n = local.size();
-  const size_t slice = message / sizeof(float), count = 2 * size_t(n) * slice;
+  // 16 MiB at least: where single copy loses, it loses as the data leaves the caches (4 MiB was
+  // within noise on a host where 16 MiB took 2.5x as long), and where it wins it wins there too.
+  constexpr size_t kLeast = 16 << 20;
+  const size_t slice = message / sizeof(float);
+  const size_t count = std::max(kLeast / sizeof(float), 2 * size_t(n) * slice);
   char* data = local.scratch(count * sizeof(float));
   std::memset(data, 0, count * sizeof(float));
   const Schedule schedule = ring_all_reduce_schedule(n, local.rank());
