@@ -132,6 +132,14 @@ def _store_from_env(rank: int, world_size: int, timeout: timedelta):
                          timeout=timeout, wait_for_workers=False)
 
 
+def _tensor_path(core):
+    """(ringcomm._C_torch.all_reduce_tensor, core's capsule) where the torch backend's module is
+    built already (fusion reads tensor lists with it too), else None: a blocking all_reduce of a
+    plain CPU tensor then reads it in C++, 0.5 us sooner than Buffer does."""
+    module = fusion.torch_module()
+    return None if module is None else (module.all_reduce_tensor, core.capsule())
+
+
 class Communicator:
     """One rank of a group of `world_size` processes that rendezvous through `store`.
 
@@ -156,6 +164,7 @@ class Communicator:
             return store.get(key).decode()
 
         self._core.rendezvous(lambda key, value: store.set(key, value), get)
+        self._tensor_path = _tensor_path(self._core)
         trace.note_rank(self.rank)
         self.bucket_stats = BucketStats()
         self._closed = False
@@ -168,6 +177,7 @@ class Communicator:
         ringcomm backend): close() leaves it to its owner."""
         self = cls.__new__(cls)
         self._core = core
+        self._tensor_path = _tensor_path(core)
         self.rank, self.world_size, self.timeout = core.rank, core.world_size, timeout
         self.bucket_stats = BucketStats()
         self._closed = True
@@ -208,6 +218,10 @@ class Communicator:
     def all_reduce(self, tensor, op="sum", algorithm: str = "auto", async_op: bool = False):
         """In place. A CUDA tensor is staged through pinned host memory in slices, in the order
         of its current stream (ringcomm/staging.py)."""
+        if self._tensor_path is not None and not async_op:
+            all_reduce_tensor, core = self._tensor_path
+            if all_reduce_tensor(core, tensor, op_code(op), algorithm_code(algorithm)):
+                return None
         try:
             buf = Buffer(tensor)
         except ValueError:  # not a CPU buffer: checked here, off the CPU path's ~2 us

@@ -34,7 +34,7 @@ class BufferList:
         # the others catch. Anything else (a numpy array, a sparse tensor, on which the unbound
         # Tensor methods raise, a failed check, an address of 0: an empty tensor's, or a
         # tensor's without memory) goes to the per-item path, which names the first bad item.
-        module = _torch_module()
+        module = torch_module()
         if module is not None:
             lists = module.tensor_lists(items)
             if lists is not None:
@@ -62,7 +62,7 @@ class BufferList:
         return len(self.ptrs)
 
 
-def _torch_module():
+def torch_module():
     """ringcomm._C_torch where it is built already (backend.built()), whose tensor_lists reads a
     list of tensors in C++, else None."""
     from . import backend  # not at the top: backend imports communicator, which imports this

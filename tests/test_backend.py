@@ -601,7 +601,7 @@ def test_buffer_list_reads_in_cpp_what_python_reads(monkeypatch):
              + [torch.empty(0), torch.empty(0, 3), torch.nn.Parameter(torch.ones(3)),
                 torch.ones(2, 3), torch.arange(10.0)[4:], torch.ones(1, requires_grad=True)])
     read = fusion.BufferList(items)
-    monkeypatch.setattr(fusion, "_torch_module", lambda: None)
+    monkeypatch.setattr(fusion, "torch_module", lambda: None)
     expect = fusion.BufferList(items)
     assert (read.ptrs, read.counts, read.dtypes) == (expect.ptrs, expect.counts, expect.dtypes)
     assert module.tensor_lists(tuple(items)) == (expect.ptrs, expect.counts, expect.dtypes)
@@ -622,11 +622,50 @@ def test_buffer_list_reads_in_cpp_what_python_reads(monkeypatch):
         assert module.tensor_lists([torch.ones(2), bad]) is None
         if why:
             for reader in (lambda: module, lambda: None):
-                monkeypatch.setattr(fusion, "_torch_module", reader)
+                monkeypatch.setattr(fusion, "torch_module", reader)
                 with pytest.raises(ValueError, match=rf"tensors\[1\] .*{why}"):
                     fusion.BufferList([torch.ones(2), bad])
             with pytest.raises(ValueError, match=why):  # one tensor: all_reduce's own check
                 Buffer(bad)
+
+
+def both_paths(comm):
+    """A blocking all_reduce read in C++ and the same through Buffer: equal results; what the C++
+    reader leaves to Buffer named as before; a failure raised as RingcommError."""
+    assert comm._tensor_path is not None  # the module is built: the C++ reader is in use
+    same = []
+    for dtype, op in ((torch.float32, "sum"), (torch.float32, "avg"), (torch.bfloat16, "max"),
+                      (torch.int64, "bxor"), (torch.int32, "min"), (torch.bool, "bor")):
+        given = (torch.arange(7) * (comm.rank + 2)).to(dtype)
+        read_in_cpp, by_buffer = given.clone(), given.clone()
+        comm.all_reduce(read_in_cpp, op)
+        path, comm._tensor_path = comm._tensor_path, None
+        comm.all_reduce(by_buffer, op)
+        comm._tensor_path = path
+        same.append(torch.equal(read_in_cpp, by_buffer))
+    total = torch.arange(7.0)
+    comm.all_reduce(total)
+    same.append(torch.equal(total, torch.arange(7.0) * comm.world_size))
+    errors = []
+    for bad, op in ((torch.ones(4, 4).t(), "sum"), (torch.ones(3, dtype=torch.bool), "avg"),
+                    (torch.ones(3), "band")):
+        try:
+            comm.all_reduce(bad, op)
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+    try:  # a mismatch (4 elements against 8): the communicator is broken after it
+        comm.all_reduce(torch.ones(4 * (comm.rank + 1)))
+    except ringcomm.RingcommError as e:
+        errors.append(type(e).__name__)
+    return same, errors
+
+
+def test_a_blocking_all_reduce_reads_its_tensor_in_cpp():
+    ringcomm.backend.load()  # built, in the cache the ranks look in
+    for same, errors in run_ranks(2, both_paths):
+        assert all(same), same
+        assert len(errors) == 4 and "contiguous" in errors[0] and "bool" in errors[1] and \
+            "integer" in errors[2] and errors[3] == "RingcommError", errors
 
 
 def test_built_loads_only_a_finished_build_and_never_waits(tmp_path):

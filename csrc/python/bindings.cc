@@ -104,6 +104,13 @@ PYBIND11_MODULE(_C, m) {
                      "not a ringcomm communicator capsule");
         return *static_cast<std::shared_ptr<Communicator>*>(c.get_pointer());
       })
+      // The other way: this communicator for ringcomm._C_torch's all_reduce_tensor.
+      .def("capsule", [](const std::shared_ptr<Communicator>& self) {
+        auto* held = new std::shared_ptr<Communicator>(self);
+        return py::capsule(held, kCommunicatorCapsule, [](void* p) {
+          delete static_cast<std::shared_ptr<Communicator>*>(p);
+        });
+      })
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def("address", &Communicator::address)
