@@ -103,6 +103,20 @@ void run_pipeline(Context& ctx, const std::vector<Slice>& slices,
   ctx.finish();
 }
 
+// n pointers, on the stack for up to 16 ranks: the reductions below take one list per buffer
+// piece, a thousand per call for a thousand small tensors, where a heap allocation each showed.
+class Pointers {
+ public:
+  explicit Pointers(int n) : heap_(n > kOnStack ? size_t(n) : 0) {}
+  const char** data() { return heap_.empty() ? stack_ : heap_.data(); }
+  const char*& operator[](int q) { return data()[q]; }
+
+ private:
+  static constexpr int kOnStack = 16;
+  const char* stack_[kOnStack];
+  std::vector<const char*> heap_;
+};
+
 // out = my part's reduction, for fused elements [begin, begin + count) of bucket `b`, each
 // element by its own range's program. inputs[q]: rank q's contribution to those elements.
 void reduce_in_order(const CoalescedAllReduce& plan, const FusedBucket& b, size_t begin,
@@ -113,11 +127,11 @@ void reduce_in_order(const CoalescedAllReduce& plan, const FusedBucket& b, size_
   auto it = std::upper_bound(ranges.begin(), ranges.end(), first,
                              [](size_t pos, const OrderedRange& r) { return pos < r.begin; });
   if (it != ranges.begin()) --it;
-  std::vector<const char*> shifted(static_cast<size_t>(n));
+  Pointers shifted(n);
   for (; it != ranges.end() && it->begin < last; ++it) {
     size_t lo = std::max(first, it->begin), hi = std::min(last, it->begin + it->count);
     if (lo >= hi) continue;
-    for (int q = 0; q < n; ++q) shifted[size_t(q)] = inputs[q] + (lo - first) * e;
+    for (int q = 0; q < n; ++q) shifted[q] = inputs[q] + (lo - first) * e;
     plan.orders.program(it->program)
         .run(dtype, plan.op, shifted.data(), out + (lo - first) * e, hi - lo, temps);
   }
@@ -131,11 +145,11 @@ void reduce_from_buffers(const CoalescedAllReduce& plan, const FusedBucket& b, s
                          int n) {
   const size_t e = dtype_size(b.sig.dtype);
   const cpu::PackList& list = b.buffers;
-  std::vector<const char*> shifted(static_cast<size_t>(n));
+  Pointers shifted(n);
   kernels::for_parts(list, begin, begin + count, [&](size_t i, size_t pos, size_t len) {
     const size_t at = (pos - begin) * e;
     char* own = list.data(i) + (pos - list.offset(i)) * e;
-    for (int q = 0; q < n; ++q) shifted[size_t(q)] = q == me ? own : inputs[q] + at;
+    for (int q = 0; q < n; ++q) shifted[q] = q == me ? own : inputs[q] + at;
     reduce_in_order(plan, b, pos, len, shifted.data(), out ? out + at : own, temps, n);
   });
 }
