@@ -5,13 +5,14 @@
     torchrun --nproc-per-node 2 examples/train_ddp.py --hook allreduce --width 2048 --compare-gloo --compare-floor
 
 --backend picks the process group DDP runs on; --hook registers a ringcomm comm hook on it ("none":
-DDP's own all-reduce through that backend; "local": no communication, the floor of the step time). --width 2048 gives two hidden layers of 2048, about
-4.3M parameters, enough for communication to matter. --compare-gloo also trains gloo's default DDP
-from the same initial weights on the same batches, alternating steps with the run above so both
-see the same machine load, and prints both; --compare-floor does the same with the "local" hook (no
-communication) and with "reduce-floor" (the ranks wait for each other, then each adds a local
-tensor into its bucket: the memory any all-reduce must move), so the floor of the step time and
-the limit of an averaged step are measured in the same run. Rank 0 prints test accuracy, the mean step time
+DDP's own all-reduce through that backend; "local": no communication, the floor of the step time;
+"reduce-floor": the ranks wait for each other, then each adds a local tensor into its bucket, the
+least any all-reduce costs). --width 2048 gives two hidden layers of 2048, about 4.3M parameters,
+enough for communication to matter. --compare-gloo also trains gloo's default DDP from the same
+initial weights on the same batches, alternating steps with the run above so both see the same
+machine load, and prints both; --compare-floor does the same with "local" and "reduce-floor", so
+the floor of the step time and the limit of an averaged step are measured in the same run. Rank 0
+prints test accuracy, the mean step time
 (forward, backward with its communication, optimizer step; after --warmup steps), the CPU time
 of all ranks per step (every thread; with more ranks than cores it bounds the step from below: CPU
 time / cores) and the bytes this rank sent per step: over TCP (Linux's per-socket counters, all of the process's connections)
@@ -53,7 +54,8 @@ def reduce_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[to
     the memory traffic of a reduction that could read the peer's data in place (read two, write
     one), with no copy, no transport and no second phase."""
     buffer = bucket.buffer()
-    stand_in = _peer_stand_ins.setdefault(buffer.numel(), torch.zeros_like(buffer))  # buckets are rebuilt after step 1
+    # by size: DDP rebuilds its buckets after the first step
+    stand_in = _peer_stand_ins.setdefault(buffer.numel(), torch.zeros_like(buffer))
     work = hooks.communicator_for(None).all_reduce(torch.zeros(2), async_op=True)
     return work.get_future().then(lambda _: buffer.add_(stand_in))  # off the autograd thread
 

@@ -12,9 +12,9 @@
 //   4. gamma: the best of 3 local float32 sums of 256 KiB.
 // And, before them where local ranks may single-copy (probe_single_copy): inside each host, a ring
 // all-reduce of 16 MiB (at least 2 x n messages) in slices of the single-copy size, 1 + 3 times
-// with single copy off and on in turn; the slower side's median on the slowest rank decides. Why measure instead of assuming:
-// on one host single copy made a 2-rank 16 MiB all-reduce 1.5x faster, on another 1.9x slower
-// (its kernel copied at 6-8 GB/s where memcpy ran at 18-40).
+// with single copy off and on in turn; single copy stays if its median is the lower one on the
+// slowest rank. Measured, not assumed: on one host single copy made a 2-rank 16 MiB all-reduce
+// 1.5x faster, on another 1.9x slower (its kernel copied at 6-8 GB/s, memcpy at 18-40).
 // Bytes on the wire per rank: at most 11 x 64 KiB + 4 x 512 KiB + 4 x 4 MiB. Each rank times
 // its own links; the caller agrees on the slowest rank's figures (a collective crosses every
 // link in lockstep).
@@ -116,7 +116,8 @@ bool probe_single_copy(Context& local, size_t message,
       const auto start = Clock::now();
       run_schedule(local, schedule, blocks, {data, data}, DType::kFloat32, ReduceOp::kSum, slice);
       local.finish();
-      if (round > 0) seconds[on].push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      const double took = std::chrono::duration<double>(Clock::now() - start).count();
+      if (round > 0) seconds[on].push_back(took);
     }
   }
   double slowest[2] = {median(seconds[0]), median(seconds[1])};

@@ -64,7 +64,9 @@ class ShmTransport final : public Transport {
   bool map_peer(int peer, const std::string& address, std::string* why);
   // The single-copy size when RINGCOMM_SHM_SINGLE_COPY_BYTES left it to its default and the
   // default turned it on (so a measurement may turn it off), else 0.
-  size_t single_copy_to_probe() const { return single_copy_auto_ ? size_t(options_.single_copy_bytes) : 0; }
+  size_t single_copy_to_probe() const {
+    return single_copy_auto_ ? size_t(options_.single_copy_bytes) : 0;
+  }
   // Sends by address from now on (on) or only through the slots; only while single_copy_to_probe.
   // Between operations: a receiver takes either kind at any time.
   void use_single_copy(bool on) {
