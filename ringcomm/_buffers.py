@@ -25,6 +25,12 @@ ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "recursive_doubling": 3, "hierarc
 SPARSE_ALGORITHMS = {"auto": 0, "ring": 1, "sparse_gather": 8, "sparse_ranges": 9}
 
 
+def has_memory(t: torch.Tensor) -> bool:
+    """Whether the tensor's storage holds its elements: not one freed or shrunk under it (FSDP
+    resizes storages to nothing), whose address still looks valid at a non-zero offset."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
 class Buffer:
     """A contiguous CPU buffer: address, element count and dtype code of a tensor or array."""
 
@@ -49,7 +55,7 @@ class Buffer:
             if obj.is_neg():  # its memory holds the values' negatives
                 raise ValueError(f"{name} is a negated view (call .resolve_neg() first)")
             self.ptr, self.numel, self.dtype = obj.data_ptr(), obj.numel(), code
-            if self.ptr == 0 and self.numel:
+            if self.numel and (self.ptr == 0 or not has_memory(obj)):
                 raise ValueError(f"{name} has no memory for its {self.numel} elements (a "
                                  "ZeroTensor, or a storage freed under it)")
         elif isinstance(obj, np.ndarray):

@@ -11,7 +11,7 @@ import operator
 import torch
 
 from . import _C
-from ._buffers import FLOATING, TORCH_DTYPES, Buffer, op_code
+from ._buffers import FLOATING, TORCH_DTYPES, Buffer, has_memory, op_code
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 FLOAT32 = TORCH_DTYPES[torch.float32]
@@ -47,7 +47,7 @@ class BufferList:
                         and all(map(torch.Tensor.is_contiguous, items))
                         and not any(map(torch.Tensor.is_neg, items))):
                     ptrs = list(map(torch.Tensor.data_ptr, items))
-                    if 0 not in ptrs:
+                    if 0 not in ptrs and all(map(has_memory, items)):
                         self.ptrs, self.dtypes = ptrs, codes
                         self.counts = list(map(torch.Tensor.numel, items))
                         return

@@ -618,15 +618,14 @@ def test_buffer_list_reads_in_cpp_what_python_reads(monkeypatch):
     freed = torch.ones(6)[2:]
     freed.untyped_storage().resize_(0)
     for bad, why in ((torch._neg_view(torch.ones(3)), "negated view"),
-                     (torch._efficientzerotensor(4), "no memory"), (freed, None)):
+                     (torch._efficientzerotensor(4), "no memory"), (freed, "no memory")):
         assert module.tensor_lists([torch.ones(2), bad]) is None
-        if why:
-            for reader in (lambda: module, lambda: None):
-                monkeypatch.setattr(fusion, "torch_module", reader)
-                with pytest.raises(ValueError, match=rf"tensors\[1\] .*{why}"):
-                    fusion.BufferList([torch.ones(2), bad])
-            with pytest.raises(ValueError, match=why):  # one tensor: all_reduce's own check
-                Buffer(bad)
+        for reader in (lambda: module, lambda: None):
+            monkeypatch.setattr(fusion, "torch_module", reader)
+            with pytest.raises(ValueError, match=rf"tensors\[1\] .*{why}"):
+                fusion.BufferList([torch.ones(2), bad])
+        with pytest.raises(ValueError, match=why):  # one tensor: all_reduce's own check
+            Buffer(bad)
 
 
 def both_paths(comm):
@@ -647,8 +646,10 @@ def both_paths(comm):
     comm.all_reduce(total)
     same.append(torch.equal(total, torch.arange(7.0) * comm.world_size))
     errors = []
+    freed = torch.ones(6)[2:]
+    freed.untyped_storage().resize_(0)  # its address still looks valid
     for bad, op in ((torch.ones(4, 4).t(), "sum"), (torch.ones(3, dtype=torch.bool), "avg"),
-                    (torch.ones(3), "band")):
+                    (torch.ones(3), "band"), (freed, "sum")):
         try:
             comm.all_reduce(bad, op)
         except (ValueError, TypeError) as e:
@@ -664,8 +665,9 @@ def test_a_blocking_all_reduce_reads_its_tensor_in_cpp():
     ringcomm.backend.load()  # built, in the cache the ranks look in
     for same, errors in run_ranks(2, both_paths):
         assert all(same), same
-        assert len(errors) == 4 and "contiguous" in errors[0] and "bool" in errors[1] and \
-            "integer" in errors[2] and errors[3] == "RingcommError", errors
+        assert len(errors) == 5 and "contiguous" in errors[0] and "bool" in errors[1] and \
+            "integer" in errors[2] and "no memory" in errors[3] and errors[4] == "RingcommError", \
+            errors
 
 
 def test_built_loads_only_a_finished_build_and_never_waits(tmp_path):
