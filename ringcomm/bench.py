@@ -232,16 +232,21 @@ class Case:
 
 
 def time_case(case: Case, iters: int, barrier, warmup: int) -> float:
-    gpu = case.device != "cpu"
+    return time_calls(case.run, iters, barrier, warmup, gpu=case.device != "cpu")
+
+
+def time_calls(run, iters: int, barrier, warmup: int, gpu: bool = False) -> float:
+    """Seconds per call of `iters` calls of run(), after `warmup` untimed ones (memory left alone
+    for another sample's length comes back slowly: --sample-warmup)."""
     barrier()
     for _ in range(warmup):
-        case.run()
+        run()
     if gpu:
         torch.cuda.synchronize()
     barrier()
     start = time.perf_counter()
     for _ in range(iters):
-        case.run()
+        run()
     if gpu:  # the work was only enqueued
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters
@@ -523,13 +528,10 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
         for _ in range(args.warmup_iters):
             run()
     samples = {name: [] for name in variants}
+    sample_warmup = sample_warmup_iters(args, iters)
     for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
         for name, run in variants.items():
-            comm.barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                run()
-            samples[name].append((time.perf_counter() - start) / iters)
+            samples[name].append(time_calls(run, iters, comm.barrier, sample_warmup))
     stacked = [torch.cat(inputs(r)).double() for r in range(world)]
     expect = {"sum": sum(stacked), "avg": sum(stacked) / world,
               "prod": torch.stack(stacked).prod(0), "min": torch.stack(stacked).min(0).values,
@@ -556,7 +558,8 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     if rank == 0:
         print(f"# {args.tensors} {args.datatype} tensors of {args.tensor_bytes} B (seed {args.seed}, "
               f"{nbytes} B in all), {world} ranks, op {args.op}, {iters} calls per sample, "
-              f"{args.repeats} repeats (median); ratio = time / all_reduce_coalesced's", flush=True)
+              f"{args.repeats} repeats (median), each after {sample_warmup} untimed calls; "
+              f"ratio = time / all_reduce_coalesced's", flush=True)
         reader = ("in C++ (the torch backend's module is built)" if backend.built() else
                   "in Python (the torch backend's module is not built yet: first use of the "
                   "backend builds it)")
