@@ -84,7 +84,8 @@ def parse_args():
     p.add_argument("--compare-gloo", action="store_true",
                    help="also train gloo's default DDP, alternating steps, and print both")
     p.add_argument("--compare-floor", action="store_true",
-                   help="also train with no communication (the local hook), alternating steps")
+                   help="also train with no communication (the local hook) and with the limit of "
+                        "an averaged step (reduce-floor), alternating steps")
     args = p.parse_args()
     if args.width < 1 or args.epochs < 1 or args.batch_size < 1 or args.warmup < 0:
         p.error("--width, --epochs and --batch-size must be positive, --warmup non-negative")

@@ -127,7 +127,7 @@ bool ShmTransport::allocate(const std::vector<int>& local, bool cpu_each, std::s
   local_ = local;
   if (options_.single_copy_bytes < 0) {
     options_.single_copy_bytes = cpu_each ? kSingleCopyBytes : 0;
-    single_copy_auto_ = cpu_each;
+    single_copy_default_ = size_t(options_.single_copy_bytes);
   }
   local_index_ = int(std::find(local.begin(), local.end(), rank_) - local.begin());
   inbox_bytes_ = sizeof(Inbox) + size_t(options_.slots) * (sizeof(SlotHeader) + options_.slot_bytes);
@@ -300,8 +300,7 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
 }
 
 bool ShmTransport::send_by_address(Peer& p, Part& part) const {
-  return single_copy_on_ && !part.started && part.data && !part.produce &&
-         options_.single_copy_bytes > 0 &&
+  return !part.started && part.data && !part.produce && options_.single_copy_bytes > 0 &&
          part.bytes >= uint64_t(options_.single_copy_bytes) &&
          p.out->can_pull.load(std::memory_order_relaxed);
 }

@@ -64,13 +64,11 @@ class ShmTransport final : public Transport {
   bool map_peer(int peer, const std::string& address, std::string* why);
   // The single-copy size when RINGCOMM_SHM_SINGLE_COPY_BYTES left it to its default and the
   // default turned it on (so a measurement may turn it off), else 0.
-  size_t single_copy_to_probe() const {
-    return single_copy_auto_ ? size_t(options_.single_copy_bytes) : 0;
-  }
+  size_t single_copy_to_probe() const { return single_copy_default_; }
   // Sends by address from now on (on) or only through the slots; only while single_copy_to_probe.
   // Between operations: a receiver takes either kind at any time.
   void use_single_copy(bool on) {
-    if (single_copy_auto_) single_copy_on_ = on;
+    if (single_copy_default_) options_.single_copy_bytes = on ? int64_t(single_copy_default_) : 0;
   }
   // Data to `peer` goes through shared memory from now on (both sides mapped).
   void enable(int peer);
@@ -144,7 +142,7 @@ class ShmTransport final : public Transport {
 
   const int rank_, world_size_;
   ShmOptions options_;
-  bool single_copy_auto_ = false, single_copy_on_ = true;
+  size_t single_copy_default_ = 0;  // the default's size, when it turned single copy on
   PartSink& sink_;
   int fd_ = -1;
   uint64_t nonce_;
