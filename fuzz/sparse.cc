@@ -35,7 +35,7 @@ namespace {
 constexpr DType kTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 constexpr uint8_t kUntouched = 0xa5;  // `out` bytes nothing may write
 
-// Whether the gather blocks are well-formed, decoded independently of add_gathered.
+// Whether the gather blocks are well-formed, decoded independently of reduce_gathered.
 bool gather_blocks_valid(const SparseSizes& s, const char* blocks) {
   for (int q = 0; q < s.n; ++q) {
     const size_t k = s.k[q], index_bytes = s.packed[q] - k * s.value_size;
@@ -88,9 +88,8 @@ void run(Input& in) {
     std::vector<int32_t> decoded(std::max<size_t>(1, total_k), 0);
     bool ok = false;
     try {
-      add_gathered(s, blocks.get(), decoded.data(), out.get());
       std::vector<uint64_t> seen((numel + 63) / 64 + 1);
-      divide_gathered(s, decoded.data(), seen.data(), out.get());
+      reduce_gathered(s, blocks.get(), decoded.data(), seen.data(), out.get(), ReduceOp::kAvg);
       ok = true;
     } catch (const Error&) {
     }

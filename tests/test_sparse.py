@@ -85,3 +85,47 @@ def bad_sparse_input(comm):
 
 def test_bad_sparse_input_is_rejected_before_sending():
     assert run_ranks(2, bad_sparse_input) == [[0.0, 2.0, 0.0, 0.0, 0.0]] * 2
+
+
+def ordered_and_shuffled_pairs(comm):
+    """The gather decode's two ways (ascending indices, as top-k sends them: `out` built chunk by
+    chunk; any other order: scatter-add over all of it) on float values, whose sums depend on the
+    order of the additions."""
+    n, results = comm.world_size, []
+    # 300k positions: several of the decode's chunks (64k float32 elements); 3000 pairs a rank:
+    # AVG divides the sent positions only; 60k: the whole vector.
+    for numel, k in ((300_000, 3000), (300_000, 60_000), (70_001, 70_001)):
+        gen = torch.Generator().manual_seed(comm.rank * 7 + k)
+        idx = torch.randperm(numel, generator=gen)[:k].sort().values.to(torch.int32)
+        val = torch.randn(k, generator=gen)
+        shuffle = torch.randperm(k, generator=gen)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            got = {}
+            for order, (i, v) in (("ascending", (idx, val)), ("shuffled", (idx[shuffle], val[shuffle]))):
+                for op in ("sum", "avg"):
+                    out = torch.full((numel,), float("nan"), dtype=out_dtype)
+                    comm.sparse_all_reduce(i, v, numel, out=out, op=op, algorithm="sparse_gather")
+                    got[order, op] = out
+            assert torch.equal(got["ascending", "sum"], got["shuffled", "sum"]), (numel, k, out_dtype)
+            assert torch.equal(got["ascending", "avg"], got["shuffled", "avg"]), (numel, k, out_dtype)
+            if out_dtype == torch.float32:  # AVG is the sum, divided (a true division)
+                assert torch.equal(got["ascending", "avg"], got["ascending", "sum"] / n)
+            results.append(got["ascending", "avg"].float().numpy().tobytes())
+    # ascending with repeats: each rank's repeated positions add up in its order
+    gen = torch.Generator().manual_seed(comm.rank)
+    idx = torch.randint(0, 200_000, (50_000,), generator=gen).sort().values.to(torch.int32)
+    val = torch.randint(-8, 9, (50_000,), generator=gen).float()
+    ref = torch.zeros(200_000, dtype=torch.float64)
+    for r in range(n):
+        g = torch.Generator().manual_seed(r)
+        i = torch.randint(0, 200_000, (50_000,), generator=g).sort().values
+        ref.index_add_(0, i, torch.randint(-8, 9, (50_000,), generator=g).double())
+    out = comm.sparse_all_reduce(idx, val, 200_000, algorithm="sparse_gather")
+    assert torch.equal(out.double(), ref)
+    return results
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_ascending_and_shuffled_pairs_give_the_same_bits(world):
+    results = run_ranks(world, ordered_and_shuffled_pairs, timeout=120)
+    assert all(r == results[0] for r in results)

@@ -80,11 +80,8 @@ void gather_all_reduce(Context& ctx, const SparseSizes& s, const char* packed, v
   for (size_t k : s.k) total += k;
   auto* decoded = reinterpret_cast<int32_t*>(ctx.scratch(total * 4));
   trace::Span span("decode", s.numel * s.out_size);
-  add_gathered(s, all, decoded, out);
-  if (op == ReduceOp::kAvg) {
-    auto* seen = reinterpret_cast<uint64_t*>(ctx.scratch((s.numel + 63) / 64 * 8));
-    divide_gathered(s, decoded, seen, out);
-  }
+  auto* seen = reinterpret_cast<uint64_t*>(ctx.scratch((s.numel + 63) / 64 * 8));
+  reduce_gathered(s, all, decoded, seen, out, op);
 }
 
 void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mine, void* out,

@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "kernels/cpu/index_codec.h"
+#include "kernels/cpu/reduce.h"
 #include "kernels/reduce_math.h"
 
 namespace ringcomm {
@@ -35,6 +36,14 @@ void scatter_add_out(DType value_dtype, O* out, const SparsePairs& p) {
 [[noreturn]] void bad_size(int from, const char* what, uint64_t value, const char* limit) {
   RC_THROW("sparse_all_reduce: rank ", from, " sent ", what, " ", value, ", ", limit);
 }
+
+// reduce_gathered's chunk of `out`: it and the pairs being added stay in a core's L2.
+constexpr size_t kChunkBytes = 256 << 10;
+
+// Unordered pairs: dividing one sent position (a cache line of its own, found through the bitmap,
+// behind a branch that mispredicts) costs about as much as this many positions of one streaming
+// pass over the whole vector, which is taken instead when there are that many pairs.
+constexpr size_t kDenseDivideRatio = 32;
 
 }  // namespace
 
@@ -69,9 +78,11 @@ void check_peer_sizes(SparseSizes& s, const std::vector<size_t>& words) {
   }
 }
 
-void add_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded, void* out) {
-  // (An empty `out` may be null, which not even a memset of 0 bytes may be given.)
-  if (s.numel > 0) std::memset(out, 0, s.numel * s.out_size);
+void reduce_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded, uint64_t* seen,
+                     void* out, ReduceOp op) {
+  std::vector<SparsePairs> pairs;
+  pairs.reserve(size_t(s.n));
+  bool ascending = true;
   for (int q = 0; q < s.n; ++q) {
     size_t index_bytes = s.packed[q] - s.k[q] * s.value_size;
     // decode_indices returns 0 on failure: with k > 0 that is never a success, or the decode
@@ -80,27 +91,54 @@ void add_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded, vo
                                       s.k[q], decoded);
     if (used != index_bytes || (s.k[q] > 0 && used == 0))
       RC_THROW("sparse_all_reduce: malformed index encoding from rank ", q);
-    SparsePairs p{reinterpret_cast<const char*>(decoded), blocks + index_bytes, s.k[q]};
+    pairs.push_back({reinterpret_cast<const char*>(decoded), blocks + index_bytes, s.k[q]});
+    check_indices(pairs.back(), 0, s.numel, q);
+    ascending = ascending && std::is_sorted(decoded, decoded + s.k[q]);
     blocks += s.packed[q];
     decoded += s.k[q];
-    check_indices(p, 0, s.numel, q);
-    scatter_add(s.value_dtype, s.out_dtype, out, p);
   }
-}
-
-void divide_gathered(const SparseSizes& s, const int32_t* decoded, uint64_t* seen, void* out) {
+  char* const bytes = static_cast<char*>(out);
+  if (ascending) {
+    const size_t chunk = std::max<size_t>(1, kChunkBytes / s.out_size);
+    std::vector<size_t> next(size_t(s.n), 0);  // each rank's first pair not added yet
+    for (size_t begin = 0; begin < s.numel; begin += chunk) {
+      const size_t end = std::min(s.numel, begin + chunk);
+      std::memset(bytes + begin * s.out_size, 0, (end - begin) * s.out_size);
+      for (int q = 0; q < s.n; ++q) {
+        const SparsePairs& p = pairs[size_t(q)];
+        size_t first = next[size_t(q)], last = first;
+        while (last < p.count && size_t(p.index_at(last)) < end) ++last;
+        scatter_add(s.value_dtype, s.out_dtype, out,
+                    {p.index + first * sizeof(int32_t), p.value + first * s.value_size, last - first});
+        next[size_t(q)] = last;
+      }
+      if (op == ReduceOp::kAvg) cpu::divide(s.out_dtype, bytes + begin * s.out_size, end - begin, s.n);
+    }
+    return;
+  }
+  // (An empty `out` may be null, which not even a memset of 0 bytes may be given.)
+  if (s.numel > 0) std::memset(out, 0, s.numel * s.out_size);
   size_t total = 0;
-  for (size_t k : s.k) total += k;
+  for (const SparsePairs& p : pairs) {
+    scatter_add(s.value_dtype, s.out_dtype, out, p);
+    total += p.count;
+  }
+  if (op != ReduceOp::kAvg) return;
+  if (total >= s.numel / kDenseDivideRatio) {
+    cpu::divide(s.out_dtype, out, s.numel, s.n);
+    return;
+  }
   std::memset(seen, 0, (s.numel + 63) / 64 * sizeof(uint64_t));
   auto divide_at = [&](auto* typed) {
-    for (size_t i = 0; i < total; ++i) {
-      const uint32_t index = uint32_t(decoded[i]);  // checked by add_gathered
-      uint64_t& word = seen[index / 64];
-      const uint64_t bit = uint64_t(1) << (index % 64);
-      if (word & bit) continue;
-      word |= bit;
-      typed[index] = math::divide_one(typed[index], s.n);
-    }
+    for (const SparsePairs& p : pairs)
+      for (size_t i = 0; i < p.count; ++i) {
+        const uint32_t index = uint32_t(p.index_at(i));  // checked above
+        uint64_t& word = seen[index / 64];
+        const uint64_t bit = uint64_t(1) << (index % 64);
+        if (word & bit) continue;
+        word |= bit;
+        typed[index] = math::divide_one(typed[index], s.n);
+      }
   };
   switch (s.out_dtype) {
     case DType::kFloat32: return divide_at(static_cast<float*>(out));

@@ -71,16 +71,19 @@ void scatter_add(DType value_dtype, DType out_dtype, void* out, const SparsePair
 // what is possible, then appends them to s.k and s.packed.
 void check_peer_sizes(SparseSizes& s, const std::vector<size_t>& words);
 
-// gather: `blocks` holds every rank's packed pairs back to back (s.packed[q] bytes each). Zeroes
-// `out` (numel elements) and scatter-adds every rank's pairs into it, in rank order, decoding
-// the indices into `decoded` (room for the sum of s.k: every rank's stay, back to back).
-void add_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded, void* out);
-
-// AVG after add_gathered: out[i] /= s.n at every position some rank sent, once each. Every other
-// position holds the +0 it was zeroed to, which the division would leave as it is, so this gives
-// the bits of dividing the whole vector while touching only the sent positions. `decoded` is
-// add_gathered's; `seen` has room for numel bits.
-void divide_gathered(const SparseSizes& s, const int32_t* decoded, uint64_t* seen, void* out);
+// gather: `blocks` holds every rank's packed pairs back to back (s.packed[q] bytes each). Decodes
+// every rank's indices into `decoded` (room for the sum of s.k: every rank's stay, back to back),
+// checks them, and writes into `out` (numel elements) the sum of every rank's pairs, added at each
+// position in rank order onto +0; AVG then divides every position by s.n. `seen` has room for
+// numel bits.
+//
+// Where every rank's indices ascend (top-k's do), `out` is made in cache-sized chunks: each is
+// zeroed, gets its pairs of every rank, and is divided while it is in cache, so `out` is written
+// once, in order. Otherwise every rank's pairs are scatter-added over the whole of `out`, and AVG
+// divides only the positions sent (found through `seen`): every other one holds +0, which the
+// division leaves as it is. The bits are the same either way.
+void reduce_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded, uint64_t* seen,
+                     void* out, ReduceOp op);
 
 // ranges step 1: `from[q]` is the number of pairs rank q sends this owner; at most its count.
 void check_owner_counts(const SparseSizes& s, const std::vector<size_t>& from);
