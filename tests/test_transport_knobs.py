@@ -56,3 +56,33 @@ def test_unknown_interface_is_a_clear_error():
     messages = run_ranks(2, bad_interface, make_comm=False, env={"RINGCOMM_SOCKET_IFNAME": "nosuch0"},
                          timeout=30)
     assert all("nosuch0" in m for m in messages), messages
+
+
+def cpu_while_waiting(comm, hold_s):
+    """Rank 1 joins an all_reduce hold_s late; returns rank 0's CPU seconds spent in it."""
+    import time
+
+    buf = torch.ones(4)
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(hold_s)
+    started = time.process_time()
+    comm.all_reduce(buf)
+    spent = time.process_time() - started
+    assert buf.tolist() == [2.0] * 4
+    return spent
+
+
+@pytest.mark.parametrize("same_host", [True, False])
+def test_a_rank_yields_its_cpu_only_to_ranks_of_its_host(same_host):
+    # RINGCOMM_YIELD_US far above the wait: a rank on the waited-for rank's host yields (and,
+    # the CPU being otherwise idle, burns most of the wait); one on another host blocks at once.
+    hold = 0.4
+    hosts = {0: {"RINGCOMM_HOST_ID": "a"}, 1: {"RINGCOMM_HOST_ID": "a" if same_host else "b"}}
+    spent = run_ranks(2, cpu_while_waiting, hold, env={"RINGCOMM_YIELD_US": "5000000",
+                                                        "RINGCOMM_TRANSPORT": "tcp"},
+                      per_rank_env=hosts)[0]
+    if same_host:
+        assert spent > 0.25 * hold, spent
+    else:
+        assert spent < 0.05 * hold, spent

@@ -137,6 +137,8 @@ class Mesh final : public PartSink {
   void check_usable() const;
   void throw_if_interrupted() const;
   std::vector<int> waiting_on() const;
+  // Whether every rank waiting_on() names is on another host (false when it names none).
+  bool waits_only_on_other_hosts() const;
   std::string describe_waiting() const;
   std::string describe_timeout(Clock::duration notice_every);
   // `cpu_each`: every rank of this host has a CPU of its own (shared memory's single copy).
