@@ -35,7 +35,7 @@ namespace ringcomm {
 namespace shm {
 
 struct ShmOptions {
-  size_t slot_bytes = 64 << 10;  // RINGCOMM_SHM_SLOT_BYTES
+  size_t slot_bytes = 0;  // RINGCOMM_SHM_SLOT_BYTES; 0: chosen by allocate() from the local ranks
   int slots = 8;                 // RINGCOMM_SHM_SLOTS: per inbox
   // RINGCOMM_SHM_SINGLE_COPY_BYTES; 0: never; unset: 1 MiB while every local rank has a core
   // of its own, else never (with more ranks than cores, a sender waits for its receiver to be
