@@ -94,7 +94,7 @@ def ordered_and_shuffled_pairs(comm):
     n, results = comm.world_size, []
     # 300k positions: several of the decode's chunks (64k float32 elements); 3000 pairs a rank:
     # AVG divides the sent positions only; 60k: the whole vector.
-    for numel, k in ((300_000, 3000), (300_000, 60_000), (70_001, 70_001)):
+    for numel, k in ((300_000, 3000), (300_000, 40_000), (70_001, 70_001)):
         gen = torch.Generator().manual_seed(comm.rank * 7 + k)
         idx = torch.randperm(numel, generator=gen)[:k].sort().values.to(torch.int32)
         val = torch.randn(k, generator=gen)
@@ -125,7 +125,7 @@ def ordered_and_shuffled_pairs(comm):
     return results
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_ascending_and_shuffled_pairs_give_the_same_bits(world):
-    results = run_ranks(world, ordered_and_shuffled_pairs, timeout=120)
+def test_ascending_and_shuffled_pairs_give_the_same_bits():
+    # 3 ranks: AVG divides by 3, a true division (a power of two is a multiply)
+    results = run_ranks(3, ordered_and_shuffled_pairs, timeout=120)
     assert all(r == results[0] for r in results)

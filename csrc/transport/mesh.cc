@@ -390,9 +390,11 @@ bool Mesh::block(int wake_fd, Clock::time_point deadline, bool sleep) {
   return true;
 }
 
-bool Mesh::waits_only_on_other_hosts() const {
-  const std::vector<int> peers = waiting_on();
-  return !peers.empty() && std::none_of(peers.begin(), peers.end(), [&](int peer) {
+bool Mesh::waits_only_on_other_hosts() {
+  waited_.clear();  // kept from wait to wait: posting and waiting allocate nothing
+  tcp_->waiting_on(waited_);
+  if (shm_) shm_->waiting_on(waited_);
+  return !waited_.empty() && std::none_of(waited_.begin(), waited_.end(), [&](int peer) {
     return host_of_[size_t(peer)] == host_of_[size_t(rank_)];
   });
 }

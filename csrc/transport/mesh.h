@@ -137,8 +137,8 @@ class Mesh final : public PartSink {
   void check_usable() const;
   void throw_if_interrupted() const;
   std::vector<int> waiting_on() const;
-  // Whether every rank waiting_on() names is on another host (false when it names none).
-  bool waits_only_on_other_hosts() const;
+  // Whether every rank waiting_on() would name is on another host (false when it names none).
+  bool waits_only_on_other_hosts();
   std::string describe_waiting() const;
   std::string describe_timeout(Clock::duration notice_every);
   // `cpu_each`: every rank of this host has a CPU of its own (shared memory's single copy).
@@ -153,6 +153,7 @@ class Mesh final : public PartSink {
   std::unique_ptr<shm::ShmTransport> shm_;
   std::vector<Transport*> route_;  // by peer; nullptr for this rank
   std::vector<int> host_of_;
+  std::vector<int> waited_;  // waits_only_on_other_hosts()'s list
   std::vector<Op> ops_;
   std::vector<uint32_t> free_slots_;
   size_t live_ops_ = 0;
