@@ -390,10 +390,14 @@ bool Mesh::block(int wake_fd, Clock::time_point deadline, bool sleep) {
   return true;
 }
 
+void Mesh::append_waited(std::vector<int>& peers) const {
+  tcp_->waiting_on(peers);
+  if (shm_) shm_->waiting_on(peers);
+}
+
 bool Mesh::waits_only_on_other_hosts() {
   waited_.clear();  // kept from wait to wait: posting and waiting allocate nothing
-  tcp_->waiting_on(waited_);
-  if (shm_) shm_->waiting_on(waited_);
+  append_waited(waited_);
   return !waited_.empty() && std::none_of(waited_.begin(), waited_.end(), [&](int peer) {
     return host_of_[size_t(peer)] == host_of_[size_t(rank_)];
   });
@@ -401,8 +405,7 @@ bool Mesh::waits_only_on_other_hosts() {
 
 std::vector<int> Mesh::waiting_on() const {
   std::vector<int> peers;
-  tcp_->waiting_on(peers);
-  if (shm_) shm_->waiting_on(peers);
+  append_waited(peers);
   std::sort(peers.begin(), peers.end());
   peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
   return peers;

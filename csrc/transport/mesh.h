@@ -136,7 +136,10 @@ class Mesh final : public PartSink {
   bool block(int wake_fd, Clock::time_point deadline, bool sleep = true);
   void check_usable() const;
   void throw_if_interrupted() const;
+  // The ranks this rank's pending messages wait on, sorted, once each.
   std::vector<int> waiting_on() const;
+  // Appends them as the transports list them (repeats possible).
+  void append_waited(std::vector<int>& peers) const;
   // Whether every rank waiting_on() would name is on another host (false when it names none).
   bool waits_only_on_other_hosts();
   std::string describe_waiting() const;
