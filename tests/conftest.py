@@ -12,6 +12,12 @@ import ranks  # noqa: E402
 # tests/test_select.py probes.
 os.environ["RINGCOMM_TUNING"] = "off"
 
+# One OpenMP thread per process, as torchrun sets for several ranks per host: the tests run up to
+# 5 ranks on 2 cores, and torch's idle OpenMP workers spin after every parallel op, taking the
+# CPU from the ranks that do the work (58% of the samples of a 5-rank test, 3.7x its time). Set
+# before ranks.py starts its fork server, so every rank and every launched script inherits it.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 # Modules whose tests run once per transport (ranks.TRANSPORTS); the others use the default
 # (RINGCOMM_TRANSPORT=auto: shared memory between the local ranks).
 TRANSPORT_MODULES = {"test_all_reduce", "test_collectives", "test_errors", "test_sparse",

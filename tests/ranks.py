@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "ringcomm", "numpy"])
+CTX.set_forkserver_preload(["torch", "ringcomm", "numpy", "pytest"])
 
 
 class RankFailed(AssertionError):

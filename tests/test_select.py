@@ -7,7 +7,6 @@ import torch
 
 from ranks import TRANSPORTS, run_ranks
 
-PROBE = {"RINGCOMM_TUNING": ""}  # the suite runs with the fixed model (conftest.py)
 SIZES = (8, 4096, 65536, 1 << 20, 64 << 20)
 
 
@@ -19,16 +18,26 @@ def model_and_choices(comm):
 
 
 @pytest.mark.parametrize("transport,world", [("shm", 2), ("shm", 4), ("tcp", 3), ("mixed", 4)])
-def test_probe_agrees_on_every_rank(transport, world):
-    results = run_ranks(world, model_and_choices, env=PROBE,
-                        per_rank_env={r: TRANSPORTS[transport](r) for r in range(world)})
+def test_probe_agrees_on_every_rank(transport, world, tmp_path):
+    saved = tmp_path / "tuning"  # not there yet: probed, then saved (docs/configuration.md)
+    hosts = {r: TRANSPORTS[transport](r) for r in range(world)}
+    results = run_ranks(world, model_and_choices, env={"RINGCOMM_TUNING": str(saved)},
+                        per_rank_env=hosts)
     model, choices = results[0]
     assert all(r == results[0] for r in results)  # the slowest rank's figures, everywhere
     assert 0 < model["alpha_s"] < 0.1 and 1e6 < model["bytes_per_s"] < 1e12
     assert model["reduce_bytes_per_s"] > 1e6
-    # 64 MiB: bandwidth-bound, the ring sends the fewest bytes; on two hosts of two ranks the
-    # hierarchical all-reduce sends them inside the hosts
-    assert choices[-1] == ("hierarchical" if transport == "mixed" else "ring")
+    # The choices are the model's alone: loaded back from the file, it chooses the same.
+    (loaded, loaded_choices), *_ = run_ranks(world, model_and_choices,
+                                             env={"RINGCOMM_TUNING": str(saved)},
+                                             per_rank_env=hosts)
+    assert loaded == pytest.approx(model, rel=1e-8) and loaded_choices == choices
+    # 64 MiB is bandwidth-bound: the ring sends the fewest bytes. On two fake hosts of two ranks
+    # the hierarchical all-reduce moves half of them inside the hosts, and which of the two wins
+    # depends on how fast this run measured shared memory against loopback TCP (on a busy
+    # machine they come close); test_hierarchical_is_chosen_by_its_cost fixes the links.
+    expect = {"ring", "hierarchical"} if transport == "mixed" else {"ring"}
+    assert choices[-1] in expect, model
     if transport == "mixed":  # the links inside a host (shared memory) were probed on their own
         assert 0 < model["local_alpha_s"] < 0.1 and 1e6 < model["local_bytes_per_s"] < 1e12
         assert (model["local_alpha_s"], model["local_bytes_per_s"]) != \
