@@ -88,7 +88,10 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduc
 OPS = ("sum", "avg", "prod", "min", "max")
 DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
             "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
-COMPARE = ("gloo", "backend", "mpi", "nccl")  # --compare: a comma-separated list of these, or "none"
+# --compare: a comma-separated list of these, or "none". The algorithms are ringcomm's own
+# all_reduce forced to one algorithm: beside the default "auto" column, whether auto picks the best.
+ALGORITHMS = ("ring", "tree", "recursive_doubling")
+COMPARE = ("gloo", "backend", "mpi", "nccl", *ALGORITHMS)
 MPI_DTYPES = ("float", "float32", "double", "float64", "int", "int32", "int64", "int8", "uint8")
 MPI_INSTALL = "pip install 'ringcomm[mpi]'"
 TIMEOUT = timedelta(minutes=5)  # of the Store, the communicators and the wire's sockets
@@ -713,6 +716,8 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
         if lib in on_gpu:
             return Case(lib, gpu, args.coll, nbytes, dtype, args.op, args.algo, rank, world,
                         device=gpu.device)
+        if lib in ALGORITHMS:
+            return Case("ringcomm", comm, args.coll, nbytes, dtype, args.op, lib, rank, world)
         return Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype, args.op,
                     args.algo, rank, world, groups.get(lib))
 
@@ -725,9 +730,9 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
             case.run()
     samples = {lib: [] for lib in timed}
     for _ in range(args.repeats):  # interleaved, so drift hits every library alike
-        for case in cases.values():
-            samples[case.lib].append(case.sample(iters, sample_warmup) if case.lib == "mpi"
-                                     else time_case(case, iters, comm.barrier, sample_warmup))
+        for lib, case in cases.items():
+            samples[lib].append(case.sample(iters, sample_warmup) if lib == "mpi"
+                                else time_case(case, iters, comm.barrier, sample_warmup))
     if "floor" in samples:
         samples["floor"] = slowest_rank(comm, samples["floor"])
     if wire is not None:
@@ -805,12 +810,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--op", choices=OPS, default="sum")
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float")
     p.add_argument("--coll", choices=COLLECTIVES, default="all_reduce")
-    p.add_argument("--algo", choices=("auto", "ring", "tree", "recursive_doubling"), default="auto")
+    p.add_argument("--algo", choices=("auto", *ALGORITHMS), default="auto")
     p.add_argument("--repeats", type=int, default=5, help="samples per size; the median is shown")
     p.add_argument("--ranks", type=int, default=2, help="local ranks to launch (without torchrun)")
     p.add_argument("--compare", type=compare_list, default="none",
-                   help="anchors to run in the same run, comma-separated: gloo, mpi (Open MPI's "
-                        "MPI_Allreduce; pip install 'ringcomm[mpi]'), e.g. gloo,mpi")
+                   help="anchors to run in the same run, comma-separated: gloo, backend "
+                        "(ringcomm through torch.distributed), mpi (Open MPI's MPI_Allreduce; "
+                        "pip install 'ringcomm[mpi]'), nccl, or ring, tree, recursive_doubling "
+                        "(ringcomm's all_reduce forced to that algorithm, against --algo), "
+                        "e.g. gloo,mpi or ring,tree,recursive_doubling")
     p.add_argument("--floor", action="store_true",
                    help="also time the memory floor: torch.add(a, b, out=out) over each size on "
                         "every rank at once (all_reduce)")
@@ -843,6 +851,10 @@ def main(argv=None) -> int:
             raise SystemExit(f"--compare mpi: MPI reduces no float16 or bfloat16 and has no avg; "
                              f"use -d one of {', '.join(MPI_DTYPES)} and -o sum, prod, min or max")
         check_mpi()
+    forced = [a for a in anchors if a in ALGORITHMS]
+    if forced and (args.coll != "all_reduce" or "nccl" in anchors):
+        raise SystemExit(f"--compare {','.join(forced)} forces ringcomm's all_reduce algorithm on "
+                         "the host transports: use it with --coll all_reduce, without nccl")
     if "nccl" in anchors:
         if args.coll != "all_reduce":
             raise SystemExit("--compare nccl times ncclAllReduce: use it with --coll all_reduce")

@@ -11,18 +11,24 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_compares_with_gloo_and_writes_json(tmp_path):
+def test_bench_compares_with_gloo_and_forced_algorithms_and_writes_json(tmp_path):
     out_file = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "8,64K,1M",
-           "-n", "3", "-w", "1", "--repeats", "2", "--compare", "gloo", "--json", str(out_file)]
+           "-n", "3", "-w", "1", "--repeats", "2", "--compare", "gloo,ring,tree",
+           "--json", str(out_file)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "busbw" in run.stdout and "time ratio" in run.stdout
+    assert "busbw" in run.stdout and "gloo time ratio" in run.stdout
+    assert "ring time ratio" in run.stdout and "tree time ratio" in run.stdout
     rows = json.loads(out_file.read_text())["rows"]
     assert [r["size"] for r in rows] == [8, 65536, 1 << 20]
     for r in rows:
-        assert r["ringcomm"]["wrong"] == 0 and r["gloo"]["wrong"] == 0
-        assert r["ringcomm"]["time_us"] > 0 and len(r["ringcomm"]["samples_us"]) == 2
+        assert r["algo"] == "auto"
+        for lib in ("ringcomm", "gloo", "ring", "tree"):  # forced algorithms are checked too
+            assert r[lib]["wrong"] == 0 and len(r[lib]["samples_us"]) == 2, (lib, r)
+        for lib in ("gloo", "ring", "tree"):
+            assert r["ratios"][lib]["time"] == pytest.approx(r["ringcomm"]["time_us"] /
+                                                             r[lib]["time_us"])
 
 
 def test_bench_other_collectives_check_results(tmp_path):
@@ -106,6 +112,8 @@ def test_bench_wire_and_plot_refuse_what_they_cannot_do():
         bench.main(["--plot", "x.png", "--coll", "all_reduce_coalesced"])
     with pytest.raises(SystemExit, match="--compare nccl times ncclAllReduce"):
         bench.main(["--compare", "nccl", "--coll", "broadcast"])
+    with pytest.raises(SystemExit, match="--compare ring,tree forces ringcomm's all_reduce"):
+        bench.main(["--compare", "ring,tree", "--coll", "broadcast"])
     if torch.cuda.device_count() < 2:  # this machine: no GPU
         with pytest.raises(SystemExit, match="every rank on a GPU of its own: 2 local ranks"):
             bench.main(["--compare", "nccl", "--ranks", "2"])
