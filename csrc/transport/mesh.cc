@@ -379,12 +379,14 @@ bool Mesh::block(int wake_fd, Clock::time_point deadline, bool sleep) {
   tcp_->on_poll(fds_.data());
   if (shm_) {
     // A peer reached over shared memory that has exited is seen as its closed TCP connection;
-    // what it wrote before (the data we wait for, or an abort reason) is taken first.
+    // what it wrote before (the data we wait for, or an abort reason, in its shared memory or
+    // on the socket behind a message this rank has not taken yet) is taken first.
     for (int peer = 0; peer < world_size_; ++peer) {
       if (route_[peer] != shm_.get() || !shm_->waits_on(peer) || !tcp_->peer_closed(peer)) continue;
       shm_->progress();
-      if (shm_->waits_on(peer))
-        RC_THROW("connection to rank ", peer, " closed (peer exited or aborted)");
+      if (!shm_->waits_on(peer)) continue;
+      tcp_->throw_if_peer_aborted(peer);
+      RC_THROW("connection to rank ", peer, " closed (peer exited or aborted)");
     }
   }
   return true;

@@ -488,10 +488,13 @@ bool ShmTransport::progress() {
   bool moved = false;
   for (int peer : active_) {
     Peer& p = peers_[peer];
-    check_peer(peer, p);
+    // What a peer published in its slots before it aborted is taken first: an operation whose
+    // data has all arrived completes, and only one that still needs the peer fails, with its
+    // reason (single-copy reads check the flag themselves: the peer may release its buffers).
     if (!p.sends.empty()) moved |= pump_send(peer, p);
     if (!p.pulling.empty()) moved |= reap_pulled(peer, p);
     moved |= pump_recv(peer, p);
+    if (waits_on(peer)) check_peer(peer, p);
   }
   return moved;
 }

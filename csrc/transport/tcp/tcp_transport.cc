@@ -284,6 +284,13 @@ bool TcpTransport::peer_closed(int peer) const {
   return false;
 }
 
+void TcpTransport::throw_if_peer_aborted(int peer) {
+  for (int s = 0; s < sockets_; ++s) {
+    Channel& ch = channels_[size_t(peer) * sockets_ + s];
+    if (ch.fd >= 0) throw_if_peer_aborted(ch);
+  }
+}
+
 void TcpTransport::set_current(const Signature& sig) {
   current_ = sig;
   has_current_ = true;

@@ -42,6 +42,9 @@ class TcpTransport final : public Transport {
                 Clock::time_point deadline);
   // True once the peer has closed its connection (it exited or aborted).
   bool peer_closed(int peer) const;
+  // For a closed peer: throws its abort reason if it sent one before closing, reading past any
+  // messages nobody will receive now (a held header stops reads until a receive is posted).
+  void throw_if_peer_aborted(int peer);
   // Tells every peer that this rank is waiting on rank `on` (a kWaitingMessage, sent between
   // messages).
   void announce_waiting(int on);
