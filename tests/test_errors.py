@@ -266,6 +266,27 @@ def test_abort_fails_pending_operations_at_once_and_tells_peers():
     assert "preempted" in peer, peer
 
 
+def send_then_abort(comm):
+    """Rank 1 sends, then aborts; rank 0 receives only after both: the message it already holds
+    arrives, the next receive fails with rank 1's reason."""
+    if comm.rank == 1:
+        comm.send(torch.arange(100.0), 0)
+        comm.abort("stopped after sending")
+        time.sleep(1.5)  # alive while rank 0 reads (gone, it would read a close)
+        return None
+    time.sleep(0.5)
+    t = torch.zeros(100)
+    comm.recv(t, 1)
+    message, elapsed = expect_error(lambda: comm.recv(torch.zeros(100), 1))
+    return t, message, elapsed
+
+
+def test_what_a_peer_sent_before_aborting_still_arrives():
+    (t, message, elapsed), _ = run_ranks(2, send_then_abort, timeout=60, comm_timeout=30)
+    assert torch.equal(t, torch.arange(100.0))
+    assert "stopped after sending" in message and elapsed < 2, (message, elapsed)
+
+
 def abort_blocking_call(comm):
     """A blocking call runs on the caller's thread; abort from a timer thread interrupts it."""
     if comm.rank == 1:
