@@ -508,7 +508,9 @@ bool ShmTransport::busy() const {
 bool ShmTransport::ready() const {
   for (int peer : active_) {
     const Peer& p = peers_[peer];
-    if (p.control->aborted.load(std::memory_order_acquire)) return true;
+    // An aborted peer counts only while something is owed by it, as in progress(): else every
+    // sleep would return at once (its abort frame on the socket fails the rest).
+    if (waits_on(peer) && p.control->aborted.load(std::memory_order_acquire)) return true;
     if (!p.recvs.empty() && p.in->head.load(std::memory_order_acquire) != p.in_tail) return true;
     if (!p.sends.empty() &&
         p.out_head - p.out->tail.load(std::memory_order_acquire) < uint64_t(options_.slots))
