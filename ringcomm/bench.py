@@ -74,7 +74,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .plot import LIMITS, bench_plot, check_matplotlib, format_size, run_title
+from .plot import ALGORITHMS, LIMITS, bench_plot, check_matplotlib, format_size, run_title
 
 DTYPES = {"float": torch.float32, "float32": torch.float32, "double": torch.float64,
           "float64": torch.float64, "half": torch.float16, "float16": torch.float16,
@@ -90,7 +90,6 @@ DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist
             "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
 # --compare: a comma-separated list of these, or "none". The algorithms are ringcomm's own
 # all_reduce forced to one algorithm: beside the default "auto" column, whether auto picks the best.
-ALGORITHMS = ("ring", "tree", "recursive_doubling")
 COMPARE = ("gloo", "backend", "mpi", "nccl", *ALGORITHMS)
 MPI_DTYPES = ("float", "float32", "double", "float64", "int", "int32", "int64", "int8", "uint8")
 MPI_INSTALL = "pip install 'ringcomm[mpi]'"

@@ -15,12 +15,14 @@ import math
 PLOT_INSTALL = "pip install 'ringcomm[plot]'"
 # The series of a bench row that are physical limits, not libraries: drawn dashed, never checked.
 LIMITS = ("floor", "wire")
+# The series of ringcomm's all_reduce forced to one algorithm (bench --compare ring,...), beside
+# its --algo (default auto) column.
+ALGORITHMS = ("ring", "tree", "recursive_doubling")
 # Bench series: (name in table heads and legends, short name in "vs ..." ratio heads)
 NAMES = {"ringcomm": ("ringcomm", "ringcomm"), "backend": ("ringcomm backend", "backend"),
          "gloo": ("gloo", "gloo"), "mpi": ("Open MPI", "Open MPI"),
          "floor": ("memory floor", "floor"), "wire": ("wire", "wire"),
-         "ring": ("ringcomm", "ring"), "tree": ("ringcomm", "tree"),
-         "recursive_doubling": ("ringcomm", "recursive doubling")}
+         **{algo: ("ringcomm", algo.replace("_", " ")) for algo in ALGORITHMS}}
 
 
 def check_matplotlib():
@@ -54,8 +56,8 @@ def series_label(lib: str, row: dict) -> str:
         details = [row.get("algo"), row.get("transport")]
     elif lib == "backend":
         details = ["auto", row.get("transport")]  # dist.all_reduce passes no algorithm
-    elif lib in ("ring", "tree", "recursive_doubling"):  # bench --compare: a forced algorithm
-        details = [lib.replace("_", " "), row.get("transport")]
+    elif lib in ALGORITHMS:
+        details = [NAMES[lib][1], row.get("transport")]
     elif lib == "wire":
         details = ["plain TCP", f"{row['wire']['busbw']:.3g} GB/s per link"]
     else:  # the bench runs gloo over TCP, Open MPI over its shared-memory BTL only
