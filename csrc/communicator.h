@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "algorithms/algorithms.h"
+#include "algorithms/reduction_order.h"
 #include "transport/mesh.h"
 
 namespace ringcomm {
@@ -274,6 +275,10 @@ class Communicator {
   HostLayout layout_;  // ranks by host, from connect()
   // RINGCOMM_DEBUG: the power-of-two size classes whose all-reduce choice was logged
   mutable std::atomic<uint64_t> logged_choices_{0};
+  // all_reduce_coalesced's reduction orders, built once per algorithm and shared with the
+  // operations planned from them; a call that needs one more algorithm swaps in a grown copy.
+  std::mutex orders_mu_;
+  std::shared_ptr<const ReductionOrders> orders_;
 
   std::mutex mu_;                 // guards everything below
   std::condition_variable cv_;

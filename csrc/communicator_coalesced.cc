@@ -166,7 +166,7 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
                "float32 buffers travel as float32, float16 or bfloat16, not ",
                dtype_name(f32_wire));
   auto wire_of = [&](DType t) { return t == DType::kFloat32 ? f32_wire : t; };
-  auto plan = std::make_shared<CoalescedAllReduce>(world_size_, layout_);
+  auto plan = std::make_shared<CoalescedAllReduce>();
   plan->op = op;
   if (options.prescale != 1.0) plan->pack_scaling = {cpu::ScaleKind::kMultiply, options.prescale};
   if (op == ReduceOp::kAvg) plan->unpack_scaling = {cpu::ScaleKind::kDivide, double(world_size_)};
@@ -184,11 +184,26 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
   for (const BufferRef& b : buffers)
     algos.push_back(choose_all_reduce(b.count * dtype_size(wire_of(b.dtype)), Algorithm::kAuto));
   if (world_size_ > 1) {
+    {
+      std::lock_guard<std::mutex> lk(orders_mu_);
+      std::shared_ptr<ReductionOrders> grown;
+      for (Algorithm a : {Algorithm::kRing, Algorithm::kTree, Algorithm::kRecursiveDoubling,
+                          Algorithm::kHierarchical}) {
+        if (std::find(algos.begin(), algos.end(), a) == algos.end()) continue;
+        if (orders_ && orders_->has(a)) continue;
+        if (!grown)
+          grown = orders_ ? std::make_shared<ReductionOrders>(*orders_)
+                          : std::make_shared<ReductionOrders>(world_size_, layout_);
+        grown->require(a);
+      }
+      if (grown) orders_ = std::move(grown);
+      plan->orders = orders_;
+    }
     for (const auto& members : group_by_dtype(buffers)) {
       plan->ranges.emplace_back();
       size_t offset = 0;
       for (size_t i : members) {
-        plan->orders.ranges(algos[i], buffers[i].count, offset, plan->ranges.back());
+        plan->orders->ranges(algos[i], buffers[i].count, offset, plan->ranges.back());
         offset += buffers[i].count;
       }
     }

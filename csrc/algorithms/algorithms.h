@@ -62,6 +62,9 @@ struct AllReduceSchedule {
   size_t slice;
 };
 AllReduceSchedule all_reduce_schedule(Algorithm algo, int n, int rank, size_t count, size_t elem);
+// Its blocks alone, without building the step list (the coalesced planner asks for a thousand
+// buffers' a call).
+Segments all_reduce_blocks(Algorithm algo, int n, size_t count);
 
 // all_reduce
 void ring_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);

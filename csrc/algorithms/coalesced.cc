@@ -132,7 +132,7 @@ void reduce_in_order(const CoalescedAllReduce& plan, const FusedBucket& b, size_
     size_t lo = std::max(first, it->begin), hi = std::min(last, it->begin + it->count);
     if (lo >= hi) continue;
     for (int q = 0; q < n; ++q) shifted[q] = inputs[q] + (lo - first) * e;
-    plan.orders.program(it->program)
+    plan.orders->program(it->program)
         .run(dtype, plan.op, shifted.data(), out + (lo - first) * e, hi - lo, temps);
   }
 }
@@ -167,7 +167,7 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
   const size_t part_bytes = max_message_bytes(plan.buckets, part_elems);
   size_t temp_bytes = 1;
   for (const FusedBucket& b : plan.buckets)
-    temp_bytes = std::max(temp_bytes, plan.orders.scratch_bytes(b.sig.dtype));
+    temp_bytes = std::max(temp_bytes, plan.orders->scratch_bytes(b.sig.dtype));
   char* temps = ctx.scratch(temp_bytes);
   constexpr size_t depth = 3;
   struct SlotState {

@@ -27,9 +27,10 @@ struct CoalescedAllReduce {
   std::vector<FusedBucket> buckets;
   ReduceOp op = ReduceOp::kSum;
   cpu::Scaling pack_scaling, unpack_scaling;
-  ReductionOrders orders;
+  // The communicator's, as they were when this call was planned: later calls may add to them
+  // while this one runs.
+  std::shared_ptr<const ReductionOrders> orders;
   std::vector<std::vector<OrderedRange>> ranges;  // per dtype group, sorted
-  CoalescedAllReduce(int n, const HostLayout& layout) : orders(n, layout) {}
 };
 
 // Every element is reduced at one rank from all contributions, in plan.orders' order, and the

@@ -57,7 +57,7 @@ std::string ReductionProgram::describe() const {
 }
 
 void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
-                             std::vector<OrderedRange>& out) {
+                             std::vector<OrderedRange>& out) const {
   auto append = [&](size_t begin, size_t n, int program) {
     if (n == 0) return;
     if (!out.empty() && out.back().program == program &&
@@ -71,7 +71,7 @@ void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
     case Algorithm::kRecursiveDoubling:
     case Algorithm::kRing:
     case Algorithm::kTree: {
-      const Segments blocks = all_reduce_schedule(algo, n_, 0, count, 1).blocks;
+      const Segments blocks = all_reduce_blocks(algo, n_, count);
       for (int b = 0; b < blocks.size(); ++b)
         append(blocks.offset(b), blocks.count(b), program_id(algo, b));
       return;
@@ -90,16 +90,15 @@ void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
   }
 }
 
-int ReductionOrders::program_id(Algorithm algo, int piece) {
-  auto key = std::make_pair(algo, piece);
-  auto it = std::find(keys_.begin(), keys_.end(), key);
-  if (it == keys_.end()) {
-    build(algo);
-    it = std::find(keys_.begin(), keys_.end(), key);
-    RC_CHECK_ARG(it != keys_.end(), "no reduction order for piece ", piece, " of ",
-                 algorithm_name(algo));
-  }
+int ReductionOrders::program_id(Algorithm algo, int piece) const {
+  auto it = std::find(keys_.begin(), keys_.end(), std::make_pair(algo, piece));
+  RC_CHECK_ARG(it != keys_.end(), "no reduction order for piece ", piece, " of ",
+               algorithm_name(algo));
   return int(it - keys_.begin());
+}
+
+bool ReductionOrders::has(Algorithm algo) const {
+  return std::any_of(keys_.begin(), keys_.end(), [&](const auto& key) { return key.first == algo; });
 }
 
 namespace {
@@ -127,7 +126,8 @@ std::vector<int> run_all(ScheduleOf schedule_of, int blocks, const std::vector<i
 
 // Pieces: the ring's segments, the tree's halves, recursive doubling's one block, or for the
 // hierarchical algorithm j * hosts + h (host segment j, piece h of it).
-void ReductionOrders::build(Algorithm algo) {
+void ReductionOrders::require(Algorithm algo) {
+  if (has(algo)) return;
   const int n = n_;
   RC_CHECK_ARG(n >= 2, "reduction orders need at least two ranks");
   Expressions expr;

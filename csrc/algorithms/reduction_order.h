@@ -65,14 +65,19 @@ struct OrderedRange {
   int program;
 };
 
-// The programs of all_reduce's algorithms for n ranks, built as they are first needed.
+// The programs of all_reduce's algorithms for n ranks, each algorithm's built by require().
 class ReductionOrders {
  public:
   // `layout`: the hosts, for the hierarchical algorithm's order.
   explicit ReductionOrders(int n, HostLayout layout = {}) : n_(n), layout_(std::move(layout)) {}
-  // Appends the ranges of a `count`-element buffer that all_reduce with `algo` (ring, tree or
-  // recursive doubling) reduces in one order each, shifted by `base`.
-  void ranges(Algorithm algo, size_t count, size_t base, std::vector<OrderedRange>& out);
+  bool has(Algorithm algo) const;
+  // Builds the programs of every piece of `algo` (derived from its step lists, schedule.h)
+  // unless they are there.
+  void require(Algorithm algo);
+  // Appends the ranges of a `count`-element buffer that all_reduce with `algo` (ring, tree,
+  // recursive doubling or hierarchical; required first) reduces in one order each, shifted by
+  // `base`.
+  void ranges(Algorithm algo, size_t count, size_t base, std::vector<OrderedRange>& out) const;
   const ReductionProgram& program(int id) const { return programs_[size_t(id)]; }
   // Scratch that any of the programs built so far needs.
   size_t scratch_bytes(DType dtype) const {
@@ -82,9 +87,7 @@ class ReductionOrders {
   }
 
  private:
-  int program_id(Algorithm algo, int piece);
-  // The programs of every piece of `algo`, derived from its step lists (schedule.h).
-  void build(Algorithm algo);
+  int program_id(Algorithm algo, int piece) const;
 
   int n_;
   HostLayout layout_;

@@ -163,16 +163,23 @@ void run_schedule(Context& ctx, const Schedule& schedule, const Segments& blocks
                 [&](size_t i, size_t first, size_t last) { exec.run(i, first, last); });
 }
 
-AllReduceSchedule all_reduce_schedule(Algorithm algo, int n, int rank, size_t count, size_t elem) {
+Segments all_reduce_blocks(Algorithm algo, int n, size_t count) {
   switch (algo) {
-    case Algorithm::kRing:
-      return {ring_all_reduce_schedule(n, rank), Segments(count, n), ring_slice(elem, n)};
-    case Algorithm::kTree:
-      return {double_tree_all_reduce_schedule(n, rank), tree_halves(count), tree_slice(elem)};
-    case Algorithm::kRecursiveDoubling:
-      // One message per exchange, however large: this algorithm is for small ones.
-      return {recursive_doubling_schedule(n, rank), Segments(count, 1), std::max<size_t>(1, count)};
+    case Algorithm::kRing: return Segments(count, n);
+    case Algorithm::kTree: return tree_halves(count);
+    case Algorithm::kRecursiveDoubling: return Segments(count, 1);
     default: RC_INVALID("all_reduce by ", algorithm_name(algo), " has no step list");
+  }
+}
+
+AllReduceSchedule all_reduce_schedule(Algorithm algo, int n, int rank, size_t count, size_t elem) {
+  Segments blocks = all_reduce_blocks(algo, n, count);
+  switch (algo) {
+    case Algorithm::kRing: return {ring_all_reduce_schedule(n, rank), blocks, ring_slice(elem, n)};
+    case Algorithm::kTree: return {double_tree_all_reduce_schedule(n, rank), blocks, tree_slice(elem)};
+    default:
+      // Recursive doubling: one message per exchange, however large: it is for small ones.
+      return {recursive_doubling_schedule(n, rank), blocks, std::max<size_t>(1, count)};
   }
 }
 

@@ -59,8 +59,11 @@ double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
 
 Algorithm Selector::all_reduce(size_t bytes) const {
   Algorithm best = Algorithm::kRing;
-  for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHierarchical})
-    if (all_reduce_cost(a, double(bytes)) < all_reduce_cost(best, double(bytes))) best = a;
+  double best_cost = all_reduce_cost(best, double(bytes));
+  for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHierarchical}) {
+    const double cost = all_reduce_cost(a, double(bytes));
+    if (cost < best_cost) best = a, best_cost = cost;
+  }
   return best;
 }
 

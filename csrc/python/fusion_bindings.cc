@@ -69,6 +69,7 @@ void bind_fusion(py::module_& m) {
   // Each block's order, "((0 1) 2)" for (x0 op x1) op x2; `hosts` for the hierarchical one.
   m.def("reduction_orders", [](int algo, int n, const std::vector<std::vector<int>>& hosts) {
     ReductionOrders orders(n, HostLayout{hosts});
+    orders.require(Algorithm(algo));
     std::vector<OrderedRange> ranges;
     orders.ranges(Algorithm(algo), size_t(64 * n), 0, ranges);
     std::vector<std::string> out;
