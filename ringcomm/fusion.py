@@ -7,6 +7,7 @@ given tensors and are bitwise those of one collective per tensor (docs/algorithm
 from __future__ import annotations
 
 import operator
+from array import array
 
 import torch
 
@@ -19,7 +20,8 @@ FLOAT32 = TORCH_DTYPES[torch.float32]
 
 class BufferList:
     """Addresses, element counts and dtype codes of a list of contiguous CPU tensors (or numpy
-    arrays), for the core's list arguments."""
+    arrays), for the core's list arguments: each a sequence of uint64 with the buffer protocol
+    (format "Q"), which ringcomm._C reads in place."""
 
     __slots__ = ("ptrs", "counts", "dtypes")
 
@@ -38,7 +40,7 @@ class BufferList:
         if module is not None:
             lists = module.tensor_lists(items)
             if lists is not None:
-                self.ptrs, self.counts, self.dtypes = lists
+                self.ptrs, self.counts, self.dtypes = (memoryview(b).cast("Q") for b in lists)
                 return
         else:
             try:
@@ -48,15 +50,15 @@ class BufferList:
                         and not any(map(torch.Tensor.is_neg, items))):
                     ptrs = list(map(torch.Tensor.data_ptr, items))
                     if 0 not in ptrs and all(map(has_memory, items)):
-                        self.ptrs, self.dtypes = ptrs, codes
-                        self.counts = list(map(torch.Tensor.numel, items))
+                        self.ptrs, self.dtypes = array("Q", ptrs), array("Q", codes)
+                        self.counts = array("Q", map(torch.Tensor.numel, items))
                         return
             except (TypeError, RuntimeError, AttributeError):
                 pass
         bufs = [Buffer(t, f"{name}[{i}]") for i, t in enumerate(items)]
-        self.ptrs = [b.ptr for b in bufs]
-        self.counts = [b.numel for b in bufs]
-        self.dtypes = [b.dtype for b in bufs]
+        self.ptrs = array("Q", [b.ptr for b in bufs])
+        self.counts = array("Q", [b.numel for b in bufs])
+        self.dtypes = array("Q", [b.dtype for b in bufs])
 
     def __len__(self):
         return len(self.ptrs)

@@ -4,6 +4,7 @@
 and the last bit of a rounding count. Inputs are finite.
 """
 import os
+from array import array
 
 import numpy as np
 import pytest
@@ -267,7 +268,20 @@ def test_broadcast_and_all_gather_coalesced(world):
 
 def bad_arguments(comm):
     t = torch.ones(8)
+    f32 = TORCH_DTYPES[torch.float32]
+
+    def core_call(ptrs, counts, dtypes):  # the core's list arguments: buffers of uint64
+        return lambda: _C.all_reduce_coalesced(comm._core, ptrs, counts, dtypes, 0, 1 << 20, f32,
+                                               1.0, False)
+
     cases = [
+        (TypeError, "incompatible function arguments", core_call([t.data_ptr()], [8], [f32])),
+        (ValueError, r"counts must be a contiguous buffer of uint64 \(format Q\), got format 'i'",
+         core_call(array("Q", [t.data_ptr()]), array("i", [8]), array("Q", [f32]))),
+        (ValueError, "differ in length",
+         core_call(array("Q", [t.data_ptr()] * 2), array("Q", [4, 4]), array("Q", [f32]))),
+        (ValueError, "dtype", core_call(array("Q", [t.data_ptr()]), array("Q", [8]),
+                                        array("Q", [1 << 40]))),
         (TypeError, "list or tuple", lambda: comm.all_reduce_coalesced(t)),
         (TypeError, r"tensors\[1\] must be a torch.Tensor", lambda: comm.all_reduce_coalesced([t, 3])),
         (ValueError, r"tensors\[1\] must be contiguous",

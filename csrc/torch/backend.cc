@@ -8,6 +8,7 @@
 // copy that is copied back once the operation has finished.
 //
 // Built against the installed torch on first use (ringcomm/torch_backend.py).
+#include <cstring>
 #include <Python.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -75,8 +76,9 @@ std::optional<rc::DType> plain_cpu_dtype(PyObject* item) {
   return dtype;
 }
 
-// (addresses, element counts, dtype codes) of a list or tuple of contiguous CPU tensors, for the
-// core's list arguments (ringcomm.fusion.BufferList), or None when an item is anything else
+// (addresses, element counts, dtype codes) of a list or tuple of contiguous CPU tensors, each a
+// bytes object of native uint64s, for the core's list arguments (ringcomm.fusion.BufferList), or
+// None when an item is anything else
 // (a subclass, a numpy array, a strided view, a negated view, a tensor without the storage its
 // elements need, ...): the caller's per-item path then names it.
 // torch's Python accessors cost about 50 ns per attribute and tensor, and BufferList needs five;
@@ -86,24 +88,25 @@ py::object tensor_lists(py::handle items) {
   if (!PyList_CheckExact(items.ptr()) && !PyTuple_CheckExact(items.ptr())) return py::none();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
   PyObject** item = PySequence_Fast_ITEMS(items.ptr());
-  py::list ptrs(n), counts(n), dtypes(n);
+  // Filled in place: no int object per tensor and property, which cost as much again.
+  auto words = [n] {
+    PyObject* b = PyBytes_FromStringAndSize(nullptr, n * Py_ssize_t(sizeof(uint64_t)));
+    if (b == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::bytes>(b);
+  };
+  py::bytes ptrs = words(), counts = words(), dtypes = words();
+  auto at = [](const py::bytes& b, Py_ssize_t i) {
+    return PyBytes_AS_STRING(b.ptr()) + i * Py_ssize_t(sizeof(uint64_t));
+  };
   for (Py_ssize_t i = 0; i < n; ++i) {
     std::optional<rc::DType> dtype = plain_cpu_dtype(item[i]);
     if (!dtype) return py::none();
     const at::Tensor& t = THPVariable_Unpack(item[i]);
-    const int64_t count = t.numel();
-    void* data = t.data_ptr();
-    PyObject* ptr = PyLong_FromVoidPtr(data);
-    PyObject* size = ptr ? PyLong_FromLongLong(count) : nullptr;
-    PyObject* code = size ? PyLong_FromLong(long(*dtype)) : nullptr;
-    if (code == nullptr) {
-      Py_XDECREF(ptr);
-      Py_XDECREF(size);
-      throw py::error_already_set();
-    }
-    PyList_SET_ITEM(ptrs.ptr(), i, ptr);
-    PyList_SET_ITEM(counts.ptr(), i, size);
-    PyList_SET_ITEM(dtypes.ptr(), i, code);
+    const uint64_t fields[3] = {uint64_t(reinterpret_cast<uintptr_t>(t.data_ptr())),
+                                uint64_t(t.numel()), uint64_t(*dtype)};
+    std::memcpy(at(ptrs, i), &fields[0], sizeof(uint64_t));
+    std::memcpy(at(counts, i), &fields[1], sizeof(uint64_t));
+    std::memcpy(at(dtypes, i), &fields[2], sizeof(uint64_t));
   }
   return py::make_tuple(ptrs, counts, dtypes);
 }
