@@ -76,13 +76,23 @@ class CMakeBuild(build_ext):
             shutil.copy2(path, target)
 
     def copy_extensions_to_source(self):
-        # In-place and editable builds: the core library _C links against goes beside it too.
-        super().copy_extensions_to_source()
+        # In-place and editable builds: each extension, and the core library _C links against
+        # beside it, replaced by renaming a copy into place. Copying over them would rewrite
+        # files that running ranks have mapped, which kills those with SIGBUS.
         build_py = self.get_finalized_command("build_py")
         for ext in self.extensions:
             inplace_file, built_file = self._get_inplace_equivalent(build_py, ext)
-            core = Path(built_file).parent / CORE_LIBRARY
-            shutil.copy2(core, Path(inplace_file).parent / CORE_LIBRARY)
+            if not os.path.exists(built_file) and ext.optional:
+                continue
+            replace_file(Path(built_file), Path(inplace_file))
+            replace_file(Path(built_file).parent / CORE_LIBRARY,
+                         Path(inplace_file).parent / CORE_LIBRARY)
+
+
+def replace_file(source: Path, target: Path):
+    staged = target.with_name(f".{target.name}.{os.getpid()}.new")
+    shutil.copy2(source, staged)
+    os.replace(staged, target)
 
 
 setup(
