@@ -176,6 +176,29 @@ def test_all_reduce_coalesced_is_bitwise_per_tensor_all_reduce(world, algo):
         assert naive_fusion_equal == (world == 2)
 
 
+def orders_grow_under_a_running_call(comm):
+    # The communicator builds reduction orders as calls first need them: the first call needs
+    # recursive doubling's only (tensors of at most 307 bytes under SMALL at 3 ranks), the next
+    # ring's too, and is planned while the first may still be running on its snapshot.
+    gen = torch.Generator().manual_seed(comm.rank)
+    first = [torch.randn(50, generator=gen) * 1e3 for _ in range(400)]
+    second = [torch.randn(20, generator=gen), torch.randn(5000, generator=gen) * 1e-3]
+    expect = [t.clone() for t in first + second]
+    for t in expect:
+        comm.all_reduce(t)
+    works = [comm.all_reduce_coalesced(first, async_op=True),
+             comm.all_reduce_coalesced(second, async_op=True)]
+    for w in works:
+        w.wait()
+    return (comm.algorithm_for(50 * 4), comm.algorithm_for(5000 * 4),
+            all(same(a, b) for a, b in zip(first + second, expect)))
+
+
+def test_reduction_orders_grow_under_a_running_call():
+    for small, large, equal in run_ranks(3, orders_grow_under_a_running_call, env=SMALL):
+        assert (small, large, equal) == ("recursive_doubling", "ring", True)
+
+
 def coalesced_under_default_knobs(comm):
     r = comm.rank
     tensors = mixed_tensors(r, 5)
