@@ -277,6 +277,8 @@ class Communicator {
   mutable std::atomic<uint64_t> logged_choices_{0};
   // all_reduce_coalesced's reduction orders, built once per algorithm and shared with the
   // operations planned from them; a call that needs one more algorithm swaps in a grown copy.
+  // `algorithms`: a bit (1 << Algorithm) for each the call chose.
+  std::shared_ptr<const ReductionOrders> reduction_orders(uint32_t algorithms);
   std::mutex orders_mu_;
   std::shared_ptr<const ReductionOrders> orders_;
 

@@ -157,6 +157,21 @@ void complete(Signature& sig, Collective coll, ReduceOp op, Algorithm algo, int 
 
 }  // namespace
 
+std::shared_ptr<const ReductionOrders> Communicator::reduction_orders(uint32_t algorithms) {
+  std::lock_guard<std::mutex> lk(orders_mu_);
+  std::shared_ptr<ReductionOrders> grown;
+  for (Algorithm a : {Algorithm::kRing, Algorithm::kTree, Algorithm::kRecursiveDoubling,
+                      Algorithm::kHierarchical}) {
+    if (!(algorithms & (1u << unsigned(a))) || (orders_ && orders_->has(a))) continue;
+    if (!grown)
+      grown = orders_ ? std::make_shared<ReductionOrders>(*orders_)
+                      : std::make_shared<ReductionOrders>(world_size_, layout_);
+    grown->require(a);
+  }
+  if (grown) orders_ = std::move(grown);
+  return orders_;
+}
+
 WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers, ReduceOp op,
                                            size_t bucket_bytes, const FusedReduceOptions& options,
                                            bool async) {
@@ -181,24 +196,13 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
 
   // Each buffer is reduced in the order all_reduce would use on its packed bytes.
   std::vector<Algorithm> algos;
-  for (const BufferRef& b : buffers)
+  uint32_t used = 0;  // a bit per algorithm chosen
+  for (const BufferRef& b : buffers) {
     algos.push_back(choose_all_reduce(b.count * dtype_size(wire_of(b.dtype)), Algorithm::kAuto));
+    used |= 1u << unsigned(algos.back());
+  }
   if (world_size_ > 1) {
-    {
-      std::lock_guard<std::mutex> lk(orders_mu_);
-      std::shared_ptr<ReductionOrders> grown;
-      for (Algorithm a : {Algorithm::kRing, Algorithm::kTree, Algorithm::kRecursiveDoubling,
-                          Algorithm::kHierarchical}) {
-        if (std::find(algos.begin(), algos.end(), a) == algos.end()) continue;
-        if (orders_ && orders_->has(a)) continue;
-        if (!grown)
-          grown = orders_ ? std::make_shared<ReductionOrders>(*orders_)
-                          : std::make_shared<ReductionOrders>(world_size_, layout_);
-        grown->require(a);
-      }
-      if (grown) orders_ = std::move(grown);
-      plan->orders = orders_;
-    }
+    plan->orders = reduction_orders(used);
     for (const auto& members : group_by_dtype(buffers)) {
       plan->ranges.emplace_back();
       size_t offset = 0;

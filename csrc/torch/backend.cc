@@ -8,7 +8,6 @@
 // copy that is copied back once the operation has finished.
 //
 // Built against the installed torch on first use (ringcomm/torch_backend.py).
-#include <cstring>
 #include <Python.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -18,6 +17,7 @@
 #include <pybind11/chrono.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 
 #include "communicator.h"
