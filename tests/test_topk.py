@@ -112,6 +112,31 @@ def test_error_feedback_invariant_is_exact(dtype, n, k):
     assert bool((residual[indices.long()] == 0).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_threshold_set_too_high_is_lowered_and_scanned_again(dtype):
+    """Large values in a few long blocks: the sample's runs hit them or miss them wholesale, and
+    with these shapes and seeds (found by instrumenting the kernel) the first scan collects fewer
+    than k, so it scans again with a lower threshold, after writing the first scan's candidates
+    (zeroed in the residual during the scan) back."""
+    n = 1_000_000
+    for blocks, size, k, seed in ((2, 16384, 30000, 3), (8, 4096, 31000, 4), (3, 8192, 24000, 1)):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, generator=gen) * 1e-3
+        for start in torch.randint(0, n - size, (blocks,), generator=gen).tolist():
+            x[start:start + size] = torch.randn(size, generator=gen) * 10
+        x = x.to(dtype)
+        values, indices = compress.topk(x, k)
+        check_exact(x, k, values, indices)
+        residual = (torch.randn(n, generator=gen) * 1e-4).to(dtype)
+        acc = (x.float() + residual.float()).to(dtype)
+        values, indices = compress.topk_with_residual(x, residual, k)
+        check_exact(acc, k, values, indices)
+        sent = torch.zeros_like(acc)
+        sent[indices.long()] = values
+        assert torch.equal((sent.float() + residual.float()).to(dtype), acc)
+        assert bool((residual[indices.long()] == 0).all())
+
+
 def test_error_feedback_accumulates_over_steps():
     gen = torch.Generator().manual_seed(0)
     residual = torch.zeros(200_000)

@@ -2,21 +2,25 @@
 //
 // 1. Sample: estimate from a fixed pseudo-random sample of keys a threshold t that a little more
 //    than k elements reach (over-selecting on purpose).
-// 2. Scan (the only full pass): collect every index whose key is >= t. In the error-feedback
-//    variant the same pass computes acc = grad + residual and stores it.
+// 2. Scan (the only full pass): collect every element whose key is >= t, its bits and index. In
+//    the error-feedback variant the same pass computes acc = grad + residual and stores it, the
+//    candidates zeroed; the candidates not selected in step 4 are written back.
 // 3. If fewer than k were collected, the estimate was too high: lower t and scan again (rare;
 //    this is what makes the result exact, not probabilistic). t stays at least 1: where fewer
 //    than k elements are non-zero, the zeros of lowest index complete the selection.
 // 4. Among the candidates, which contain every element of the true top-k whenever there are at
 //    least k of them, find the k-th by (key descending, index ascending) and keep every candidate
-//    that ranks up to it, in index order.
+//    that ranks up to it, in index order, its value taken from the candidate's bits.
 // Memory traffic: one read of the input (plus one read and one write of the residual), against
-// torch.topk's heap or sort over the whole tensor.
+// torch.topk's heap or sort over the whole tensor; then the candidates, not the input. The radix
+// passes after the first count only the candidates still in the running. So the cost grows little
+// with k: a 6.25% warm-up step's selection against a 1% one.
 #include "kernels/cpu/topk.h"
 #include "kernels/cpu/multiversion.h"
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -40,9 +44,58 @@ constexpr size_t kSampleSize = 1 << 16;
 // Small inputs, or k a large fraction of n: select directly over every element.
 constexpr size_t kDirectBelow = 1 << 17;
 
-struct Candidate {
-  Key key;
-  uint32_t index;
+// An element's bit pattern, widened to 32 bits, and back: the key is these bits with the sign
+// cleared (magnitude_key), and the value is rebuilt from them.
+RC_TOPK_INLINE uint32_t raw_bits(float x) { return math::float_bits(x); }
+RC_TOPK_INLINE uint32_t raw_bits(math::Half x) { return x.bits; }
+RC_TOPK_INLINE uint32_t raw_bits(math::BFloat16 x) { return x.bits; }
+
+template <typename T>
+RC_TOPK_INLINE T from_bits(uint32_t bits) {
+  if constexpr (std::is_same_v<T, float>) return math::bits_float(bits);
+  else return T{uint16_t(bits)};
+}
+
+template <typename T>
+constexpr Key key_mask() { return (Key(1) << topk::key_bits<T>()) - 1; }
+
+// Elements at or above a threshold, in ascending index order: each one's bits and index, in two
+// arrays so that the AVX2 scan stores eight of each at once. Uninitialised storage: a vector's
+// zero fill would write a warm-up step's megabytes for nothing.
+class Candidates {
+ public:
+  size_t size() const { return size_; }
+  uint32_t bits(size_t j) const { return bits_[j]; }
+  uint32_t index(size_t j) const { return index_[j]; }
+  void set(size_t j, uint32_t bits, uint32_t index) {
+    bits_[j] = bits;
+    index_[j] = index;
+  }
+  void clear() { size_ = 0; }
+  void reserve(size_t capacity) {
+    if (capacity <= capacity_) return;
+    std::unique_ptr<uint32_t[]> bits(new uint32_t[capacity]), index(new uint32_t[capacity]);
+    std::copy(bits_.get(), bits_.get() + size_, bits.get());
+    std::copy(index_.get(), index_.get() + size_, index.get());
+    bits_.swap(bits);
+    index_.swap(index);
+    capacity_ = capacity;
+  }
+  void push(uint32_t bits, uint32_t index) {
+    if (size_ == capacity_) reserve(2 * capacity_ + 64);
+    bits_[size_] = bits;
+    index_[size_++] = index;
+  }
+  // Writing past the end directly: entries [size(), size() + room()) may be written through
+  // end_bits() and end_index(), and grow_to(the bits' new end) counts them in.
+  size_t room() const { return capacity_ - size_; }
+  uint32_t* end_bits() { return bits_.get() + size_; }
+  uint32_t* end_index() { return index_.get() + size_; }
+  void grow_to(const uint32_t* bits_end) { size_ = size_t(bits_end - bits_.get()); }
+
+ private:
+  std::unique_ptr<uint32_t[]> bits_, index_;
+  size_t size_ = 0, capacity_ = 0;
 };
 
 // Threshold key that about `want` of n elements reach, estimated from a sample of keys: short
@@ -67,59 +120,95 @@ Key estimate_threshold(size_t n, size_t want, KeyAt key_at) {
   return sample[rank];
 }
 
-// Appends (key, index) for every element of [0, n) with key >= t. Blocks of 16 are tested with a
-// branch-free (vectorisable) "any" first: almost all blocks hold no candidate.
-template <typename KeyAt>
-RC_TOPK_INLINE void collect_at_least(size_t n, Key t, KeyAt key_at, std::vector<Candidate>& out) {
-  constexpr size_t kBlock = 16;
-  size_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    bool any = false;
-    for (size_t j = 0; j < kBlock; ++j) any |= key_at(i + j) >= t;
-    if (!any) continue;
-    for (size_t j = i; j < i + kBlock; ++j)
-      if (key_at(j) >= t) out.push_back({key_at(j), uint32_t(j)});
+// The scans (step 2) read an input `in` with, for error feedback, the residual `add` added to
+// it: acc = in + add, one IEEE add as topk::accumulate. They append every element whose acc has
+// key >= t to `out` and, where `keep` is given, store acc into it with those candidates zeroed:
+// a candidate's value lives on in the candidate list, and the few that are not selected are
+// written back afterwards (select's `drop`), which touches far fewer cache lines than zeroing
+// the selected ones would (at 6.25% density nearly every line of the residual holds one).
+
+// The portable scan. Blocks of 16 are tested with a branch-free (vectorisable) "any" first when
+// nothing is stored: almost all blocks hold no candidate.
+template <typename T>
+RC_TOPK_INLINE void collect_at_least(const T* in, const T* add, T* keep, size_t begin, size_t n,
+                                     Key t, Candidates& out) {
+  auto acc_at = [&](size_t i) { return add ? topk::accumulate(in[i], add[i]) : in[i]; };
+  auto take = [&](size_t i) {
+    const T acc = acc_at(i);
+    const bool hit = magnitude_key(acc) >= t;
+    if (hit) out.push(raw_bits(acc), uint32_t(i));
+    if (keep) keep[i] = hit ? T{} : acc;
+  };
+  size_t i = begin;
+  if (!keep) {
+    constexpr size_t kBlock = 16;
+    for (; i + kBlock <= n; i += kBlock) {
+      bool any = false;
+      for (size_t j = 0; j < kBlock; ++j) any |= magnitude_key(in[i + j]) >= t;
+      if (!any) continue;
+      for (size_t j = i; j < i + kBlock; ++j) take(j);
+    }
   }
-  for (; i < n; ++i)
-    if (key_at(i) >= t) out.push_back({key_at(i), uint32_t(i)});
+  for (; i < n; ++i) take(i);
 }
 
 #ifdef RC_TOPK_X86
-// float32 with AVX2, 8 elements a step: with `residual`, acc = grad + residual is stored back
-// into it (one IEEE add, as topk::accumulate) and keyed; without, grad is. Keys (sign cleared)
-// are below 2^31, so a signed compare with t - 1 is key >= t. A step with no key >= t, nearly
-// every step at 1% density, costs the add, the store, an and, a compare and a movemask: no
-// branch per element, unlike the scalar loop, whose push_back branch the compiler cannot
-// vectorise around. noinline: the callers are flattened into target_clones, and inlining an
+// kLanes[m]: the lanes set in the 8-bit mask m, lowest first, one per byte (the rest 0): the
+// permutation that packs a vector's selected lanes to its front.
+struct LaneTable {
+  uint64_t lanes[256];
+  constexpr LaneTable() : lanes() {
+    for (unsigned m = 0; m < 256; ++m)
+      for (unsigned lane = 0, out = 0; lane < 8; ++lane)
+        if (m & (1u << lane)) lanes[m] |= uint64_t(lane) << (8 * out++);
+  }
+};
+constexpr LaneTable kLanes;
+
+// The scan over float32 with AVX2, 8 elements a step. Keys (sign cleared) are below 2^31, so a
+// signed compare with t - 1 is key >= t. A step with no key >= t, nearly every step at 1%
+// density, costs the add, an and, a compare, a movemask and the store; one with any packs its
+// selected lanes to the front (kLanes) and stores all eight, bits and indices, the end advancing
+// by how many were selected: no branch per hit, so that a 6.25% warm-up step's scan costs little
+// more than a 1% one. noinline: the callers are flattened into target_clones, and inlining an
 // AVX2 function into the baseline clone is refused.
-__attribute__((target("avx2"), noinline)) void collect_float32_avx2(const float* grad,
-                                                                   float* residual, size_t n, Key t,
-                                                                   std::vector<Candidate>& out) {
+__attribute__((target("avx2"), noinline)) void collect_float32_avx2(const float* in,
+                                                                   const float* add, float* keep,
+                                                                   size_t n, Key t,
+                                                                   Candidates& out) {
   const __m256i sign_off = _mm256_set1_epi32(0x7fffffff);
   const __m256i below = _mm256_set1_epi32(int32_t(t) - 1);
-  alignas(32) uint32_t keys[8];
+  // The output's end and room in locals: its members, reached through the vector stores (which
+  // may alias anything), would be reloaded every step.
+  uint32_t *bits_out = out.end_bits(), *index_out = out.end_index();
+  size_t room = out.room();
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 x = _mm256_loadu_ps(grad + i);
-    if (residual) {
-      x = _mm256_add_ps(x, _mm256_loadu_ps(residual + i));
-      _mm256_storeu_ps(residual + i, x);
-    }
-    const __m256i key = _mm256_and_si256(_mm256_castps_si256(x), sign_off);
-    unsigned hits = unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, below))));
+    __m256 x = _mm256_loadu_ps(in + i);
+    if (add) x = _mm256_add_ps(x, _mm256_loadu_ps(add + i));
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(bits, sign_off), below);
+    if (keep) _mm256_storeu_ps(keep + i, _mm256_castsi256_ps(_mm256_andnot_si256(hit, bits)));
+    const unsigned hits = unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
     if (!hits) continue;
-    _mm256_store_si256(reinterpret_cast<__m256i*>(keys), key);
-    for (; hits; hits &= hits - 1) {
-      const unsigned j = unsigned(__builtin_ctz(hits));
-      out.push_back({keys[j], uint32_t(i + j)});
+    if (room < 8) {
+      out.grow_to(bits_out);
+      out.reserve(2 * out.size() + 64);
+      bits_out = out.end_bits();
+      index_out = out.end_index();
+      room = out.room();
     }
+    const __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(kLanes.lanes[hits])));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits_out), _mm256_permutevar8x32_epi32(bits, lanes));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(index_out),
+                        _mm256_add_epi32(_mm256_set1_epi32(int32_t(i)), lanes));
+    const unsigned selected = unsigned(__builtin_popcount(hits));
+    bits_out += selected;
+    index_out += selected;
+    room -= selected;
   }
-  for (; i < n; ++i) {
-    float x = grad[i];
-    if (residual) residual[i] = x = topk::accumulate(x, residual[i]);
-    const Key key = magnitude_key(x);
-    if (key >= t) out.push_back({key, uint32_t(i)});
-  }
+  out.grow_to(bits_out);
+  collect_at_least(in, add, keep, i, n, t, out);
 }
 
 bool avx2_available() {
@@ -128,125 +217,137 @@ bool avx2_available() {
 }
 #endif
 
-// `cands` are in ascending index order (the scan's). Finds the k-th in selection order by the
-// radix passes of kernels/topk_math.h (the CUDA kernel's own steps), then keeps every candidate
-// up to it in one more walk: the winners come out sorted by index without a sort.
-void select_exact(const std::vector<Candidate>& cands, size_t k, int key_bits, int32_t* indices) {
-  if (k == 0) return;
+template <typename T>
+void collect(const T* in, const T* add, T* keep, size_t n, Key t, Candidates& out) {
+#ifdef RC_TOPK_X86
+  if constexpr (std::is_same_v<T, float>) {
+    if (avx2_available()) return collect_float32_avx2(in, add, keep, n, t, out);
+  }
+#endif
+  collect_at_least(in, add, keep, 0, n, t, out);
+}
+
+// Finds the k-th in selection order among `cands` (ascending index order) by the radix passes of
+// kernels/topk_math.h (the CUDA kernel's own steps), each pass counting only the keys still in
+// the running, then walks the candidates once more: the selected ones go to `indices` and
+// `values`, sorted by index without a sort, the others to the front of `cands`; returns how many
+// those are. Both walks are branch-free (a store and a conditional advance), as a hit's branch
+// would be a coin toss.
+template <typename T>
+size_t select_exact(Candidates& cands, size_t k, int32_t* indices, T* values) {
+  constexpr Key mask = key_mask<T>();
+  constexpr int key_bits = topk::key_bits<T>();
   topk::RadixState state = topk::radix_start(uint32_t(k));
-  std::vector<uint32_t> count(topk::kRadixBins);
-  for (int pass = 0; pass < topk::radix_passes(key_bits); ++pass) {
-    const topk::RadixPass p = topk::radix_pass(key_bits, pass);
-    std::fill(count.begin(), count.end(), 0u);
-    for (const Candidate& c : cands)
-      if (topk::radix_matches(c.key, state)) ++count[topk::radix_digit(c.key, p)];
-    uint32_t above = 0;
-    for (unsigned digit = 1u << p.bits; digit-- > 0; above += count[digit]) {
-      if (topk::radix_is_pick(above, count[digit], state.remaining)) {
-        topk::radix_advance(state, p, digit, above);
-        break;
+  if (k > 0) {
+    std::vector<uint32_t> count(topk::kRadixBins);
+    std::vector<Key> running;  // after the first pass: the keys that match the prefix so far
+    size_t in_running = 0;
+    for (int pass = 0; pass < topk::radix_passes(key_bits); ++pass) {
+      const topk::RadixPass p = topk::radix_pass(key_bits, pass);
+      std::fill(count.begin(), count.end(), 0u);
+      if (pass == 0) {
+        for (size_t j = 0; j < cands.size(); ++j) ++count[topk::radix_digit(cands.bits(j) & mask, p)];
+      } else {
+        for (size_t j = 0; j < in_running; ++j) ++count[topk::radix_digit(running[j], p)];
       }
+      uint32_t above = 0;
+      for (unsigned digit = 1u << p.bits; digit-- > 0; above += count[digit]) {
+        if (topk::radix_is_pick(above, count[digit], state.remaining)) {
+          topk::radix_advance(state, p, digit, above);
+          break;
+        }
+      }
+      size_t kept = 0;
+      if (pass == 0) {
+        running.resize(count[topk::radix_digit(state.prefix, p)] + 1);
+        for (size_t j = 0; j < cands.size(); ++j) {
+          running[kept] = cands.bits(j) & mask;
+          kept += topk::radix_matches(running[kept], state);
+        }
+      } else {
+        for (size_t j = 0; j < in_running; ++j) {
+          running[kept] = running[j];
+          kept += topk::radix_matches(running[kept], state);
+        }
+      }
+      in_running = kept;
     }
   }
+  // The selected come in index order, so each goes to the next slot; one not selected writes
+  // there too, before a later selected one overwrites it, and is moved to the front of `cands`.
   uint32_t greater_before = 0, equal_before = 0;
-  for (const Candidate& c : cands) {
-    if (topk::radix_keeps(c.key, equal_before, state))
-      indices[topk::radix_slot(greater_before, equal_before, state)] = int32_t(c.index);
-    greater_before += c.key > state.prefix;
-    equal_before += c.key == state.prefix;
+  size_t j = 0, selected = 0, dropped = 0;
+  for (; j < cands.size() && selected < k; ++j) {
+    const uint32_t bits = cands.bits(j), index = cands.index(j);
+    const Key key = bits & mask;
+    const bool keeps = topk::radix_keeps(key, equal_before, state);
+    indices[selected] = int32_t(index);
+    values[selected] = from_bits<T>(bits);
+    cands.set(dropped, bits, index);
+    selected += keeps;
+    dropped += !keeps;
+    greater_before += key > state.prefix;
+    equal_before += key == state.prefix;
   }
+  for (; j < cands.size(); ++j) cands.set(dropped++, cands.bits(j), cands.index(j));
+  return dropped;
 }
 
 // `cands` holds every non-zero element, fewer than k: merges in, in index order, the `missing`
-// zero elements of lowest index (ties go to the lower index), which complete the top k.
-template <typename KeyAt>
-void add_first_zeros(size_t n, size_t missing, KeyAt key_at, std::vector<Candidate>& cands) {
-  std::vector<Candidate> merged;
+// zero elements of lowest index (ties go to the lower index), which complete the top k. `acc`:
+// the scanned values of the elements that are not candidates; `keep`, where given, gets the
+// added ones zeroed as the scan zeroes candidates (-0 becomes +0).
+template <typename T>
+void add_first_zeros(size_t n, size_t missing, const T* acc, T* keep, Candidates& cands) {
+  Candidates merged;
   merged.reserve(cands.size() + missing);
   size_t next = 0;  // next non-zero candidate
   for (size_t i = 0; i < n && missing > 0; ++i) {
-    if (next < cands.size() && cands[next].index == i) {
-      merged.push_back(cands[next++]);
-    } else if (key_at(i) == 0) {
-      merged.push_back({0, uint32_t(i)});
+    if (next < cands.size() && cands.index(next) == i) {
+      merged.push(cands.bits(next), cands.index(next));
+      ++next;
+    } else if (magnitude_key(acc[i]) == 0) {
+      merged.push(raw_bits(acc[i]), uint32_t(i));
+      if (keep) keep[i] = T{};
       --missing;
     }
   }
-  merged.insert(merged.end(), cands.begin() + long(next), cands.end());
-  cands.swap(merged);
+  for (; next < cands.size(); ++next) merged.push(cands.bits(next), cands.index(next));
+  std::swap(cands, merged);
 }
 
-// The shared selection driver. `scan(t, out)` appends every (key, index) with key >= t, for the
-// whole input, and may be called again with a lower t.
-template <typename T, typename KeyAt, typename Scan>
-void select(size_t n, size_t k, int32_t* indices, KeyAt key_at, Scan scan) {
-  std::vector<Candidate> cands;
+// The selection: top-k of acc = data (+ add), writing acc back into `keep` with the selected
+// elements zeroed where `keep` is given (error feedback: data = grad, add = keep = residual).
+template <typename T>
+void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* indices,
+            T* values) {
+  Candidates cands;
+  // The first `count` candidates' bits back into `keep`, where collect zeroed them.
+  auto restore = [&](size_t count) {
+    if (keep)
+      for (size_t j = 0; j < count; ++j) keep[cands.index(j)] = from_bits<T>(cands.bits(j));
+  };
   if (n < kDirectBelow || k * 4 >= n) {
-    scan(Key(0), cands);
+    cands.reserve(n);
+    collect(data, add, keep, n, Key(0), cands);
   } else {
     // Never below 1: zeros (the least key) are not collected wholesale when fewer than k
     // elements are non-zero (a sparse gradient), only as many as k needs, below.
-    Key t = std::max<Key>(1, estimate_threshold(n, k, key_at));
+    Key t = std::max<Key>(1, estimate_threshold(n, k, [&](size_t i) {
+                            return magnitude_key(add ? topk::accumulate(data[i], add[i]) : data[i]);
+                          }));
     cands.reserve(k * 2);
-    scan(t, cands);
+    collect(data, add, keep, n, t, cands);
+    if (keep) data = keep, add = nullptr;  // acc is in `keep` now (candidates aside)
     while (cands.size() < k && t > 1) {  // too few reached t: lower it and look again
+      restore(cands.size());
       t = t / 2;
       cands.clear();
-      scan(t, cands);
+      collect(data, add, keep, n, t, cands);
     }
-    if (cands.size() < k) add_first_zeros(n, k - cands.size(), key_at, cands);
+    if (cands.size() < k) add_first_zeros(n, k - cands.size(), data, keep, cands);
   }
-  select_exact(cands, k, topk::key_bits<T>(), indices);
-}
-
-// The scan over float32 data (AVX2 where there is one), else the portable loop.
-template <typename T, typename KeyAt>
-void collect(const T* data, size_t n, Key t, KeyAt key_at, std::vector<Candidate>& out) {
-#ifdef RC_TOPK_X86
-  if constexpr (std::is_same_v<T, float>) {
-    if (avx2_available()) return collect_float32_avx2(data, nullptr, n, t, out);
-  }
-#endif
-  collect_at_least(n, t, key_at, out);
-}
-
-template <typename T>
-void topk_typed(const T* data, size_t n, size_t k, int32_t* indices, T* values) {
-  auto key_at = [&](size_t i) { return magnitude_key(data[i]); };
-  select<T>(n, k, indices, key_at,
-         [&](Key t, std::vector<Candidate>& out) { collect(data, n, t, key_at, out); });
-  for (size_t i = 0; i < k; ++i) values[i] = data[indices[i]];
-}
-
-template <typename T>
-void topk_with_residual_typed(const T* grad, T* residual, size_t n, size_t k, int32_t* indices,
-                              T* values) {
-  bool accumulated = false;
-  auto key_at = [&](size_t i) {
-    return magnitude_key(accumulated ? residual[i] : topk::accumulate(grad[i], residual[i]));
-  };
-  select<T>(n, k, indices, key_at, [&](Key t, std::vector<Candidate>& out) {
-    if (!accumulated) {  // first scan: accumulate and collect in one pass
-      accumulated = true;
-#ifdef RC_TOPK_X86
-      if constexpr (std::is_same_v<T, float>) {
-        if (avx2_available()) return collect_float32_avx2(grad, residual, n, t, out);
-      }
-#endif
-      for (size_t i = 0; i < n; ++i) {
-        T acc = topk::accumulate(grad[i], residual[i]);
-        residual[i] = acc;
-        Key key = magnitude_key(acc);
-        if (key >= t) out.push_back({key, uint32_t(i)});
-      }
-    } else {
-      collect(residual, n, t, [&](size_t i) { return magnitude_key(residual[i]); }, out);
-    }
-  });
-  for (size_t i = 0; i < k; ++i) {
-    values[i] = residual[indices[i]];
-    residual[indices[i]] = T{};
-  }
+  restore(select_exact(cands, k, indices, values));
 }
 
 void check(DType dtype, size_t n, size_t k) {
@@ -264,13 +365,14 @@ void topk(DType dtype, const void* data, size_t n, size_t k, int32_t* indices, v
   if (k == 0) return;
   switch (dtype) {
     case DType::kFloat32:
-      return topk_typed(static_cast<const float*>(data), n, k, indices, static_cast<float*>(values));
+      return select<float>(static_cast<const float*>(data), nullptr, nullptr, n, k, indices,
+                           static_cast<float*>(values));
     case DType::kFloat16:
-      return topk_typed(static_cast<const math::Half*>(data), n, k, indices,
-                        static_cast<math::Half*>(values));
+      return select<math::Half>(static_cast<const math::Half*>(data), nullptr, nullptr, n, k,
+                                indices, static_cast<math::Half*>(values));
     default:
-      return topk_typed(static_cast<const math::BFloat16*>(data), n, k, indices,
-                        static_cast<math::BFloat16*>(values));
+      return select<math::BFloat16>(static_cast<const math::BFloat16*>(data), nullptr, nullptr, n,
+                                    k, indices, static_cast<math::BFloat16*>(values));
   }
 }
 
@@ -279,17 +381,21 @@ void topk_with_residual(DType dtype, const void* grad, void* residual, size_t n,
                         int32_t* indices, void* values) {
   check(dtype, n, k);
   switch (dtype) {
-    case DType::kFloat32:
-      return topk_with_residual_typed(static_cast<const float*>(grad), static_cast<float*>(residual),
-                                      n, k, indices, static_cast<float*>(values));
-    case DType::kFloat16:
-      return topk_with_residual_typed(static_cast<const math::Half*>(grad),
-                                      static_cast<math::Half*>(residual), n, k, indices,
-                                      static_cast<math::Half*>(values));
-    default:
-      return topk_with_residual_typed(static_cast<const math::BFloat16*>(grad),
-                                      static_cast<math::BFloat16*>(residual), n, k, indices,
-                                      static_cast<math::BFloat16*>(values));
+    case DType::kFloat32: {
+      float* r = static_cast<float*>(residual);
+      return select<float>(static_cast<const float*>(grad), r, r, n, k, indices,
+                           static_cast<float*>(values));
+    }
+    case DType::kFloat16: {
+      math::Half* r = static_cast<math::Half*>(residual);
+      return select<math::Half>(static_cast<const math::Half*>(grad), r, r, n, k, indices,
+                                static_cast<math::Half*>(values));
+    }
+    default: {
+      math::BFloat16* r = static_cast<math::BFloat16*>(residual);
+      return select<math::BFloat16>(static_cast<const math::BFloat16*>(grad), r, r, n, k, indices,
+                                    static_cast<math::BFloat16*>(values));
+    }
   }
 }
 
