@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "kernels/cpu/index_codec.h"
+#include "kernels/cpu/reduce.h"
 #include "kernels/reduce_math.h"
 
 namespace ringcomm {
@@ -43,15 +44,6 @@ constexpr size_t kChunkBytes = 256 << 10;
 // behind a branch that mispredicts) costs about as much as this many positions of one streaming
 // pass over the whole vector, which is taken instead when there are that many pairs.
 constexpr size_t kDenseDivideRatio = 32;
-
-// AVG's division of out[begin, end) (math::divide_range, as cpu::divide).
-void divide_out(DType out_dtype, void* out, size_t begin, size_t end, int n) {
-  switch (out_dtype) {
-    case DType::kFloat32: return math::divide_range(static_cast<float*>(out), n, begin, end);
-    case DType::kFloat16: return math::divide_range(static_cast<math::Half*>(out), n, begin, end);
-    default: return math::divide_range(static_cast<math::BFloat16*>(out), n, begin, end);
-  }
-}
 
 }  // namespace
 
@@ -120,7 +112,8 @@ void reduce_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded,
                     {p.index + first * sizeof(int32_t), p.value + first * s.value_size, last - first});
         next[size_t(q)] = last;
       }
-      if (op == ReduceOp::kAvg) divide_out(s.out_dtype, out, begin, end, s.n);
+      if (op == ReduceOp::kAvg)
+        cpu::divide(s.out_dtype, bytes + begin * s.out_size, end - begin, s.n);
     }
     return;
   }
@@ -132,7 +125,7 @@ void reduce_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded,
     total += p.count;
   }
   if (op != ReduceOp::kAvg) return;
-  if (total >= s.numel / kDenseDivideRatio) return divide_out(s.out_dtype, out, 0, s.numel, s.n);
+  if (total >= s.numel / kDenseDivideRatio) return cpu::divide(s.out_dtype, out, s.numel, s.n);
   std::memset(seen, 0, (s.numel + 63) / 64 * sizeof(uint64_t));
   auto divide_at = [&](auto* typed) {
     for (const SparsePairs& p : pairs)
