@@ -6,11 +6,13 @@
 //         bytes can hold is allowed), the rest is the encoding as a peer sent it. The decoder
 //         must stay within the bytes and the n output slots, consume no more than it was given,
 //         and whatever it accepts must be a list it could have encoded: re-encoding it is no
-//         longer and decodes to the same indices.
+//         longer and decodes to the same indices. What it reports seeing (DecodedIndices) is
+//         what the list holds.
 //   odd:  round trip. The rest is an index list: int32s as they come (bit 1 of byte 0 clear)
 //         or ascending, one byte of delta each (set; the top-k case). Encoding fits in
 //         max_encoded_bytes, decodes back exactly, consuming all of it, and any truncation of
 //         it is rejected.
+#include <algorithm>
 #include <vector>
 
 #include "fuzz_input.h"
@@ -55,7 +57,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const auto* bytes = reinterpret_cast<const uint8_t*>(peer.get());
     std::unique_ptr<char[]> slots = exact_buffer(n * sizeof(int32_t));  // exactly n slots
     auto* indices = reinterpret_cast<int32_t*>(slots.get());
-    const size_t used = decode_indices(bytes, in_bytes, n, indices);
+    ringcomm::cpu::DecodedIndices seen;
+    const size_t used = decode_indices(bytes, in_bytes, n, indices, &seen);
     FUZZ_CHECK(used <= in_bytes);
     if (n > in_bytes) FUZZ_CHECK(used == 0);  // every index takes a byte at least
     if (n > 0 && used > 0) {
@@ -66,6 +69,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::vector<int32_t> again(n);
       FUZZ_CHECK(decode_indices(bytes, used, n, again.data()) == used);
       FUZZ_CHECK(std::memcmp(again.data(), indices, n * sizeof(int32_t)) == 0);
+      FUZZ_CHECK(seen.least == *std::min_element(again.begin(), again.end()));
+      FUZZ_CHECK(seen.greatest == *std::max_element(again.begin(), again.end()));
+      FUZZ_CHECK(seen.ascending == std::is_sorted(again.begin(), again.end()));
     }
     return 0;
   }

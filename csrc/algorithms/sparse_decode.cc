@@ -14,22 +14,40 @@
 namespace ringcomm {
 namespace {
 
+// Adds pairs first, first + 1, ... of `p` into `out` until one's index reaches `stop` (ascending
+// pairs: the end of the chunk being reduced); returns the first pair not added.
 template <typename V, typename O>
-void scatter_add_typed(O* out, const SparsePairs& p) {
-  for (size_t i = 0; i < p.count; ++i) {
+size_t scatter_add_typed(O* out, const SparsePairs& p, size_t first, int64_t stop) {
+  size_t i = first;
+  for (; i < p.count; ++i) {
+    const int32_t index = p.index_at(i);
+    if (index >= stop) break;
     V v;
     std::memcpy(&v, p.value + i * sizeof(V), sizeof(V));
-    O& dst = out[p.index_at(i)];
+    O& dst = out[index];
     dst = math::Compute<O>::store(math::Compute<O>::load(dst) + float(math::Compute<V>::load(v)));
   }
+  return i;
 }
 
 template <typename O>
-void scatter_add_out(DType value_dtype, O* out, const SparsePairs& p) {
+size_t scatter_add_out(DType value_dtype, O* out, const SparsePairs& p, size_t first, int64_t stop) {
   switch (value_dtype) {
-    case DType::kFloat32: return scatter_add_typed<float, O>(out, p);
-    case DType::kFloat16: return scatter_add_typed<math::Half, O>(out, p);
-    default: return scatter_add_typed<math::BFloat16, O>(out, p);
+    case DType::kFloat32: return scatter_add_typed<float, O>(out, p, first, stop);
+    case DType::kFloat16: return scatter_add_typed<math::Half, O>(out, p, first, stop);
+    default: return scatter_add_typed<math::BFloat16, O>(out, p, first, stop);
+  }
+}
+
+size_t scatter_add_below(DType value_dtype, DType out_dtype, void* out, const SparsePairs& p,
+                         size_t first, int64_t stop) {
+  switch (out_dtype) {
+    case DType::kFloat32:
+      return scatter_add_out(value_dtype, static_cast<float*>(out), p, first, stop);
+    case DType::kFloat16:
+      return scatter_add_out(value_dtype, static_cast<math::Half*>(out), p, first, stop);
+    default:
+      return scatter_add_out(value_dtype, static_cast<math::BFloat16*>(out), p, first, stop);
   }
 }
 
@@ -48,11 +66,7 @@ constexpr size_t kDenseDivideRatio = 32;
 }  // namespace
 
 void scatter_add(DType value_dtype, DType out_dtype, void* out, const SparsePairs& p) {
-  switch (out_dtype) {
-    case DType::kFloat32: return scatter_add_out(value_dtype, static_cast<float*>(out), p);
-    case DType::kFloat16: return scatter_add_out(value_dtype, static_cast<math::Half*>(out), p);
-    default: return scatter_add_out(value_dtype, static_cast<math::BFloat16*>(out), p);
-  }
+  scatter_add_below(value_dtype, out_dtype, out, p, 0, INT64_MAX);
 }
 
 void check_indices(const SparsePairs& p, size_t begin, size_t end, int from) {
@@ -87,13 +101,15 @@ void reduce_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded,
     size_t index_bytes = s.packed[q] - s.k[q] * s.value_size;
     // decode_indices returns 0 on failure: with k > 0 that is never a success, or the decode
     // scratch's stale indices (another rank's) would be added as this rank's.
+    cpu::DecodedIndices range;
     size_t used = cpu::decode_indices(reinterpret_cast<const uint8_t*>(blocks), index_bytes,
-                                      s.k[q], decoded);
+                                      s.k[q], decoded, &range);
     if (used != index_bytes || (s.k[q] > 0 && used == 0))
       RC_THROW("sparse_all_reduce: malformed index encoding from rank ", q);
     pairs.push_back({reinterpret_cast<const char*>(decoded), blocks + index_bytes, s.k[q]});
-    check_indices(pairs.back(), 0, s.numel, q);
-    ascending = ascending && std::is_sorted(decoded, decoded + s.k[q]);
+    if (s.k[q] > 0 && (range.least < 0 || size_t(range.greatest) >= s.numel))
+      check_indices(pairs.back(), 0, s.numel, q);  // throws, naming the index
+    ascending = ascending && range.ascending;
     blocks += s.packed[q];
     decoded += s.k[q];
   }
@@ -104,14 +120,9 @@ void reduce_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded,
     for (size_t begin = 0; begin < s.numel; begin += chunk) {
       const size_t end = std::min(s.numel, begin + chunk);
       std::memset(bytes + begin * s.out_size, 0, (end - begin) * s.out_size);
-      for (int q = 0; q < s.n; ++q) {
-        const SparsePairs& p = pairs[size_t(q)];
-        size_t first = next[size_t(q)], last = first;
-        while (last < p.count && size_t(p.index_at(last)) < end) ++last;
-        scatter_add(s.value_dtype, s.out_dtype, out,
-                    {p.index + first * sizeof(int32_t), p.value + first * s.value_size, last - first});
-        next[size_t(q)] = last;
-      }
+      for (int q = 0; q < s.n; ++q)
+        next[size_t(q)] = scatter_add_below(s.value_dtype, s.out_dtype, out, pairs[size_t(q)],
+                                            next[size_t(q)], end);
       if (op == ReduceOp::kAvg)
         cpu::divide(s.out_dtype, bytes + begin * s.out_size, end - begin, s.n);
     }

@@ -15,9 +15,18 @@ inline size_t max_encoded_bytes(size_t n) { return n * 5; }
 // Writes the encoding of `indices[0..n)` to `out`; returns its length in bytes.
 size_t encode_indices(const int32_t* indices, size_t n, uint8_t* out);
 
+// What decode_indices saw, so that a caller checks the indices without another pass over them:
+// their least and greatest, and whether they never decrease.
+struct DecodedIndices {
+  int32_t least = INT32_MAX, greatest = INT32_MIN;
+  bool ascending = true;
+};
+
 // Decodes n indices from `in` (at most `in_bytes` long) into `indices`; returns the bytes
 // consumed, or 0 if the input is truncated or malformed (so for n > 0, 0 is never a success).
-size_t decode_indices(const uint8_t* in, size_t in_bytes, size_t n, int32_t* indices);
+// With `seen`, also what the indices were (DecodedIndices).
+size_t decode_indices(const uint8_t* in, size_t in_bytes, size_t n, int32_t* indices,
+                      DecodedIndices* seen = nullptr);
 
 }  // namespace cpu
 }  // namespace ringcomm
