@@ -39,6 +39,18 @@ def check_exact(x, k, values, indices):
     assert set(ties[:need].tolist()) <= set(idx.tolist()), "ties: lowest index wins"
 
 
+def check_error_feedback(grad, residual, k):
+    """topk_with_residual(grad, residual, k): the exact top-k of acc = grad + residual (one
+    rounding, in float), and what was sent plus what is still owed is acc, bit for bit."""
+    acc = (grad.float() + residual.float()).to(grad.dtype)
+    values, indices = compress.topk_with_residual(grad, residual, k)
+    check_exact(acc, k, values, indices)
+    sent = torch.zeros_like(acc)
+    sent[indices.long()] = values
+    assert torch.equal((sent.float() + residual.float()).to(grad.dtype), acc)
+    assert bool((residual[indices.long()] == 0).all())
+
+
 def random_input(n, dtype, gen, special=False):
     x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 3)
     if special and n >= 10:
@@ -103,13 +115,7 @@ def test_error_feedback_invariant_is_exact(dtype, n, k):
     gen = torch.Generator().manual_seed(n + k)
     grad = random_input(n, dtype, gen)
     residual = random_input(n, dtype, gen) * 0.01
-    acc = (grad.float() + residual.float()).to(dtype)  # the kernel's one rounding, in float
-    values, indices = compress.topk_with_residual(grad, residual, k)
-    check_exact(acc, k, values, indices)
-    sent = torch.zeros_like(acc)
-    sent[indices.long()] = values
-    assert torch.equal((sent.float() + residual.float()).to(dtype), acc)
-    assert bool((residual[indices.long()] == 0).all())
+    check_error_feedback(grad, residual, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -127,14 +133,7 @@ def test_a_threshold_set_too_high_is_lowered_and_scanned_again(dtype):
         x = x.to(dtype)
         values, indices = compress.topk(x, k)
         check_exact(x, k, values, indices)
-        residual = (torch.randn(n, generator=gen) * 1e-4).to(dtype)
-        acc = (x.float() + residual.float()).to(dtype)
-        values, indices = compress.topk_with_residual(x, residual, k)
-        check_exact(acc, k, values, indices)
-        sent = torch.zeros_like(acc)
-        sent[indices.long()] = values
-        assert torch.equal((sent.float() + residual.float()).to(dtype), acc)
-        assert bool((residual[indices.long()] == 0).all())
+        check_error_feedback(x, (torch.randn(n, generator=gen) * 1e-4).to(dtype), k)
 
 
 def test_error_feedback_accumulates_over_steps():
