@@ -7,11 +7,13 @@
 --backend picks the process group DDP runs on; --hook registers a ringcomm comm hook on it ("none":
 DDP's own all-reduce through that backend; "local": no communication, the floor of the step time;
 "reduce-floor": the ranks wait for each other, then each adds a local tensor into its bucket, the
-least any all-reduce costs). --width 2048 gives two hidden layers of 2048, about 4.3M parameters,
+least any all-reduce costs; "topk-floor": top-k's own work with no network, the least a top-k
+step costs). --width 2048 gives two hidden layers of 2048, about 4.3M parameters,
 enough for communication to matter. --compare-gloo also trains gloo's default DDP from the same
 initial weights on the same batches, alternating steps with the run above so both see the same
-machine load, and prints both; --compare-floor does the same with "local" and "reduce-floor", so
-the floor of the step time and the limit of an averaged step are measured in the same run. Rank 0
+machine load, and prints both; --compare-floor does the same with "local" and "reduce-floor" (and
+"topk-floor" when the hook is topk), so the floor of the step time and the limit of an averaged
+step are measured in the same run. Rank 0
 prints test accuracy, the mean step time
 (forward, backward with its communication, optimizer step; after --warmup steps), the CPU time
 of all ranks per step (every thread; with more ranks than cores it bounds the step from below: CPU
@@ -35,7 +37,7 @@ from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringcomm  # registers the "ringcomm" backend
-from ringcomm import hooks, trace
+from ringcomm import compress, hooks, trace
 
 def local_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """No communication at all: each rank keeps its own gradient. Not training, a floor: the
@@ -60,9 +62,34 @@ def reduce_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[to
     return work.get_future().then(lambda _: buffer.add_(stand_in))  # off the autograd thread
 
 
+def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Not training either: top-k's own work with no network, the least a top-k step costs where
+    compute is what bounds it (more ranks than cores). The real selection with error feedback, at
+    the state's density schedule (its dense steps: nothing), the rounding to the wire type, then a
+    sparse all-reduce's work as if every rank had sent these pairs: the bucket zeroed, the pairs
+    added world-size times, divided."""
+    flat = bucket.buffer()
+    density = state.density()
+    if density < 1:
+        world = dist.get_world_size()
+        residual = state.memory("residuals", bucket.index(), flat)
+        values, indices = compress.topk_with_residual(
+            flat, residual, max(1, int(flat.numel() * density)))
+        wire = values.to(state.value_dtype).to(flat.dtype)
+        flat.zero_()
+        for _ in range(world):
+            flat.index_add_(0, indices.long(), wire)
+        flat.div_(world)
+    if bucket.is_last():
+        state.step += 1
+    fut = torch.futures.Future()
+    fut.set_result(flat)
+    return fut
+
+
 HOOKS = {"none": None, "allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
          "bf16": hooks.bf16_compress_hook, "topk": hooks.topk_hook, "local": local_hook,
-         "reduce-floor": reduce_floor_hook}
+         "reduce-floor": reduce_floor_hook, "topk-floor": topk_floor_hook}
 TCP_INFO_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64, Linux >= 4.19) in struct tcp_info
 
 
@@ -85,7 +112,8 @@ def parse_args():
                    help="also train gloo's default DDP, alternating steps, and print both")
     p.add_argument("--compare-floor", action="store_true",
                    help="also train with no communication (the local hook) and with the limit of "
-                        "an averaged step (reduce-floor), alternating steps")
+                        "an averaged step (reduce-floor; with --hook topk also topk-floor), "
+                        "alternating steps")
     args = p.parse_args()
     if args.width < 1 or args.epochs < 1 or args.batch_size < 1 or args.warmup < 0:
         p.error("--width, --epochs and --batch-size must be positive, --warmup non-negative")
@@ -152,7 +180,7 @@ class Run:
         self.model = DDP(mlp(args.width, args.seed), process_group=process_group)
         if hook is not None:
             state = None
-            if hook is hooks.topk_hook:
+            if hook in (hooks.topk_hook, topk_floor_hook):
                 state = hooks.TopKState(ratio=args.ratio, **topk_settings(args.topk))
             self.model.register_comm_hook(state, hook)
         self.topk = state if hook is hooks.topk_hook else None
@@ -206,7 +234,8 @@ def main():
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {world} ranks")
 
     hook_name = {"none": "DDP's all-reduce", "local": "no communication (floor)",
-                 "reduce-floor": "wait + local a+b (limit)"}.get(
+                 "reduce-floor": "wait + local a+b (limit)",
+                 "topk-floor": "top-k, no network (limit)"}.get(
         args.hook, f"ringcomm {args.hook} hook")
     runs = [Run(f"{args.backend}, {hook_name}", args, hook=HOOKS[args.hook])]
     groups = [None]  # the default group, and a gloo group when that is not gloo already
@@ -217,6 +246,8 @@ def main():
     if args.compare_floor:
         runs.append(Run("no communication (floor)", args, hook=local_hook))
         runs.append(Run("wait + local a+b (limit)", args, hook=reduce_floor_hook))
+        if args.hook == "topk":
+            runs.append(Run("top-k, no network (limit)", args, hook=topk_floor_hook))
 
     per_rank = args.batch_size // world
     steps_per_epoch = len(train_y) // args.batch_size

@@ -356,3 +356,20 @@ def test_train_ddp_example(tmp_path):
     assert ours[0] == gloo[0] and float(ours[0].rstrip("%")) > 50, out.stdout  # test accuracy
     # fp16 gradients: half of gloo's float32 bytes on the wire
     assert 0.4 < float(ours[3]) / float(gloo[3]) < 0.6, out.stdout
+
+
+def test_train_ddp_example_measures_the_limits_of_a_topk_step():
+    """--compare-floor with --hook topk: beside the floor and the averaged step's limit, top-k's
+    own work with no network, which sends nothing."""
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_ddp.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(free_port()), example, "--width", "64", "--epochs", "2",
+                "--warmup", "1", "--hook", "topk", "--compare-floor"]
+    out = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = out.stdout.partition("step time on rank 0")[0]
+    rows = {line[:34].strip(): line[34:].split() for line in results.splitlines() if "%" in line}
+    assert set(rows) == {"gloo, ringcomm topk hook", "no communication (floor)",
+                         "wait + local a+b (limit)", "top-k, no network (limit)"}, out.stdout
+    assert float(rows["top-k, no network (limit)"][3]) == 0.0, out.stdout  # MB sent per step
+    assert "over top-k, no network (limit)" in results, out.stdout
