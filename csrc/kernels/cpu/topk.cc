@@ -72,6 +72,8 @@ class Candidates {
     index_[j] = index;
   }
   void clear() { size_ = 0; }
+  size_t capacity() const { return capacity_; }
+  void release() { *this = Candidates(); }
   void reserve(size_t capacity) {
     if (capacity <= capacity_) return;
     std::unique_ptr<uint32_t[]> bits(new uint32_t[capacity]), index(new uint32_t[capacity]);
@@ -101,7 +103,11 @@ class Candidates {
 // What a selection needs besides its output, kept per thread from call to call. Allocated per
 // call, these hundreds of kilobytes moved glibc's heap around the gradient torch allocates and
 // frees every step (16.8 MB for the digits MLP's 2048x2048 weight), which then came back as
-// fresh pages every few steps: 4,000 page faults, about 40 ms of CPU on a 4-rank host.
+// fresh pages every few steps: 4,000 page faults, about 40 ms of CPU on a 4-rank host. Candidate
+// storage above kKeptCandidates is freed after the call, though: a direct selection (k >= n/4)
+// over a large input would otherwise hold 8 bytes per element for the thread's life.
+constexpr size_t kKeptCandidates = size_t(8) << 20;  // 64 MiB
+
 struct Scratch {
   std::vector<Key> sample, running;
   std::vector<uint32_t> count;
@@ -367,6 +373,7 @@ void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* i
     if (cands.size() < k) add_first_zeros(n, k - cands.size(), data, keep, cands);
   }
   restore(select_exact(cands, k, indices, values));
+  if (cands.capacity() > kKeptCandidates) cands.release();
 }
 
 void check(DType dtype, size_t n, size_t k) {
