@@ -337,15 +337,21 @@ def test_default_communicator_is_remade_for_a_new_default_group():
     assert all(run_ranks(2, default_communicator_follows_default_group, make_comm=False))
 
 
-def test_train_ddp_example(tmp_path):
+def train_ddp(*args):
+    """examples/train_ddp.py on 2 ranks under torchrun, width 64, 2 epochs: (its output, the
+    result rows by run name, the step breakdown's text)."""
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_ddp.py")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port()), example, "--width", "64", "--epochs", "2",
-                "--backend", "ringcomm", "--hook", "fp16", "--compare-gloo"]
+                "--master-port", str(free_port()), example, "--width", "64", "--epochs", "2", *args]
     out = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     results, _, breakdown = out.stdout.partition("step time on rank 0")
     rows = {line[:34].strip(): line[34:].split() for line in results.splitlines() if "%" in line}
+    return out, rows, breakdown
+
+
+def test_train_ddp_example(tmp_path):
+    out, rows, breakdown = train_ddp("--backend", "ringcomm", "--hook", "fp16", "--compare-gloo")
     ours, gloo = rows["ringcomm, ringcomm fp16 hook"], rows["gloo, DDP's all-reduce"]
     # the step split into forward, backward compute, waiting, optimizer; the waiting share
     phases = {line[:34].strip(): line[34:].split() for line in breakdown.splitlines() if "%" in line}
@@ -361,15 +367,8 @@ def test_train_ddp_example(tmp_path):
 def test_train_ddp_example_measures_the_limits_of_a_topk_step():
     """--compare-floor with --hook topk: beside the floor and the averaged step's limit, top-k's
     own work with no network, which sends nothing."""
-    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_ddp.py")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port()), example, "--width", "64", "--epochs", "2",
-                "--warmup", "1", "--hook", "topk", "--compare-floor"]
-    out = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = out.stdout.partition("step time on rank 0")[0]
-    rows = {line[:34].strip(): line[34:].split() for line in results.splitlines() if "%" in line}
+    out, rows, _ = train_ddp("--warmup", "1", "--hook", "topk", "--compare-floor")
     assert set(rows) == {"gloo, ringcomm topk hook", "no communication (floor)",
                          "wait + local a+b (limit)", "top-k, no network (limit)"}, out.stdout
     assert float(rows["top-k, no network (limit)"][3]) == 0.0, out.stdout  # MB sent per step
-    assert "over top-k, no network (limit)" in results, out.stdout
+    assert "over top-k, no network (limit)" in out.stdout, out.stdout
