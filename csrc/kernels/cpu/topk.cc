@@ -146,7 +146,7 @@ Key estimate_threshold(size_t n, size_t want, KeyAt key_at) {
 // it: acc = in + add, one IEEE add as topk::accumulate. They append every element whose acc has
 // key >= t to `out` and, where `keep` is given, store acc into it with those candidates zeroed:
 // a candidate's value lives on in the candidate list, and the few that are not selected are
-// written back afterwards (select's `drop`), which touches far fewer cache lines than zeroing
+// written back afterwards (select's `restore`), which touches far fewer cache lines than zeroing
 // the selected ones would (at 6.25% density nearly every line of the residual holds one).
 
 // The portable scan. Blocks of 16 are tested with a branch-free (vectorisable) "any" first when
@@ -166,7 +166,7 @@ RC_TOPK_INLINE void collect_at_least(const T* in, const T* add, T* keep, size_t 
     constexpr size_t kBlock = 16;
     for (; i + kBlock <= n; i += kBlock) {
       bool any = false;
-      for (size_t j = 0; j < kBlock; ++j) any |= magnitude_key(in[i + j]) >= t;
+      for (size_t j = 0; j < kBlock; ++j) any |= magnitude_key(acc_at(i + j)) >= t;
       if (!any) continue;
       for (size_t j = i; j < i + kBlock; ++j) take(j);
     }
