@@ -84,8 +84,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help=f"comma-separated, from: {', '.join(CONFIGS)}; a configuration may "
-                        f"change its state's settings: topk-1%%/warmup_steps=10/adaptive=False")
+                   # argparse formats help with %: the names' own % signs are doubled
+                   help=f"comma-separated, from: {', '.join(CONFIGS).replace('%', '%%')}; a "
+                        f"configuration may change its state's settings: "
+                        f"topk-1%%/warmup_steps=10/adaptive=False")
     p.add_argument("--report-epochs", default="",
                    help="epochs whose test accuracy goes in the table too (default: the last)")
     p.add_argument("--group-timeout", type=float, default=120,

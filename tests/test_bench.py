@@ -233,6 +233,15 @@ def test_bench_compare_mpi(tmp_path):
         assert r["ratios"]["mpi"]["time"] > 0
 
 
+def test_compression_quality_bench_help_lists_the_configurations():
+    # The names hold % signs, which argparse's help formatting once choked on.
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compression_quality.py"),
+                          "--help"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = " ".join(run.stdout.split())  # as argparse wraps it
+    assert "topk-1%, topk-0.1%," in text and "topk-1%/warmup_steps=10" in text, run.stdout
+
+
 def test_compression_quality_bench_reports_every_configuration(tmp_path):
     # A tiny model for an epoch: the bench's own machinery (spawned ranks, per-configuration
     # groups and settings, byte counting, JSON, plot).
