@@ -13,12 +13,11 @@ enough for communication to matter. --compare-gloo also trains gloo's default DD
 initial weights on the same batches, alternating steps with the run above so both see the same
 machine load, and prints both; --compare-floor does the same with "local" and "reduce-floor" (and
 "topk-floor" when the hook is topk), so the floor of the step time and the limit of an averaged
-step are measured in the same run. Rank 0
-prints test accuracy, the mean step time
-(forward, backward with its communication, optimizer step; after --warmup steps), the CPU time
-of all ranks per step (every thread; with more ranks than cores it bounds the step from below: CPU
-time / cores) and the bytes this rank sent per step: over TCP (Linux's per-socket counters, all of the process's connections)
-plus what ringcomm wrote to shared memory for ranks on this host. Then the step split into forward,
+step are measured in the same run. Rank 0 prints test accuracy, the mean step time (forward,
+backward with its communication, optimizer step; after --warmup steps), the CPU time of all ranks
+per step (every thread; with more ranks than cores it bounds the step from below: CPU time /
+cores) and the bytes this rank sent per step: over TCP (Linux's per-socket counters, all of the
+process's connections) plus what ringcomm wrote to shared memory for ranks on this host. Then the step split into forward,
 backward until its last gradient, backward after it (waiting for the averages) and optimizer, and
 for ringcomm's hooks what each bucket sent and how long its average took. With
 RINGCOMM_TIMELINE=path, the timeline shows the phases of each step beside ringcomm's work.
@@ -75,10 +74,10 @@ def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torc
         residual = state.memory("residuals", bucket.index(), flat)
         values, indices = compress.topk_with_residual(
             flat, residual, max(1, int(flat.numel() * density)))
-        wire = values.to(state.value_dtype).to(flat.dtype)
+        wire, positions = values.to(state.value_dtype).to(flat.dtype), indices.long()
         flat.zero_()
         for _ in range(world):
-            flat.index_add_(0, indices.long(), wire)
+            flat.index_add_(0, positions, wire)
         flat.div_(world)
     if bucket.is_last():
         state.step += 1
