@@ -281,6 +281,7 @@ size_t select_exact(Candidates& cands, size_t k, int32_t* indices, T* values) {
           break;
         }
       }
+      if (pass + 1 == topk::radix_passes(key_bits)) break;
       size_t kept = 0;
       if (pass == 0) {
         running.resize(count[topk::radix_digit(state.prefix, p)] + 1);
@@ -299,7 +300,7 @@ size_t select_exact(Candidates& cands, size_t k, int32_t* indices, T* values) {
   }
   // The selected come in index order, so each goes to the next slot; one not selected writes
   // there too, before a later selected one overwrites it, and is moved to the front of `cands`.
-  uint32_t greater_before = 0, equal_before = 0;
+  uint32_t equal_before = 0;
   size_t j = 0, selected = 0, dropped = 0;
   for (; j < cands.size() && selected < k; ++j) {
     const uint32_t bits = cands.bits(j), index = cands.index(j);
@@ -310,7 +311,6 @@ size_t select_exact(Candidates& cands, size_t k, int32_t* indices, T* values) {
     cands.set(dropped, bits, index);
     selected += keeps;
     dropped += !keeps;
-    greater_before += key > state.prefix;
     equal_before += key == state.prefix;
   }
   for (; j < cands.size(); ++j) cands.set(dropped++, cands.bits(j), cands.index(j));
