@@ -21,6 +21,8 @@
 
 namespace ringcomm {
 
+struct CoalescedAllReduce;  // algorithms/coalesced.h
+
 // What one operation cost (Work::stats) or all operations of one kind (Communicator::stats).
 // Sends and receives are counted where they are posted and take no time of their own here.
 struct OpStats {
@@ -220,6 +222,11 @@ class Communicator {
   bool on_progress_thread() const;
 
  private:
+  // all_reduce_coalesced's plan for these arguments: the checks, each buffer's reduction order,
+  // the buckets and their signatures (the sequence numbers come when it runs).
+  std::shared_ptr<const CoalescedAllReduce> plan_all_reduce_coalesced(
+      const std::vector<BufferRef>& buffers, ReduceOp op, size_t bucket_bytes,
+      const FusedReduceOptions& options);
   struct Task {
     Signature sig;
     std::function<void(Context&)> body;  // collectives: runs to completion
@@ -281,6 +288,21 @@ class Communicator {
   std::shared_ptr<const ReductionOrders> reduction_orders(uint32_t algorithms);
   std::mutex orders_mu_;
   std::shared_ptr<const ReductionOrders> orders_;
+  // The last all_reduce_coalesced plan and the call it was planned for. A plan depends only on
+  // the call's arguments (and this communicator's fixed cost model), and callers pass the same
+  // list every step (DDP's buckets, an optimizer's parameters): a call with the same buffers,
+  // op, bucket size and options reuses it, skipping the planning (about 0.1 us a buffer).
+  struct CoalescedCall {
+    std::vector<BufferRef> buffers;
+    ReduceOp op;
+    size_t bucket_bytes;
+    FusedReduceOptions options;
+    bool same(const std::vector<BufferRef>& b, ReduceOp o, size_t bytes,
+              const FusedReduceOptions& opt) const;
+  };
+  std::mutex coalesced_mu_;
+  CoalescedCall coalesced_call_;
+  std::shared_ptr<const CoalescedAllReduce> coalesced_plan_;  // null: none planned yet
 
   std::mutex mu_;                 // guards everything below
   std::condition_variable cv_;

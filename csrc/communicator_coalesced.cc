@@ -172,9 +172,41 @@ std::shared_ptr<const ReductionOrders> Communicator::reduction_orders(uint32_t a
   return orders_;
 }
 
+bool Communicator::CoalescedCall::same(const std::vector<BufferRef>& b, ReduceOp o,
+                                       size_t bytes, const FusedReduceOptions& opt) const {
+  if (o != op || bytes != bucket_bytes || opt.float32_wire != options.float32_wire ||
+      opt.prescale != options.prescale || b.size() != buffers.size())
+    return false;
+  for (size_t i = 0; i < b.size(); ++i)
+    if (b[i].data != buffers[i].data || b[i].count != buffers[i].count ||
+        b[i].dtype != buffers[i].dtype)
+      return false;
+  return true;
+}
+
 WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers, ReduceOp op,
                                            size_t bucket_bytes, const FusedReduceOptions& options,
                                            bool async) {
+  std::shared_ptr<const CoalescedAllReduce> plan;
+  {
+    std::lock_guard<std::mutex> lk(coalesced_mu_);
+    if (coalesced_plan_ && coalesced_call_.same(buffers, op, bucket_bytes, options))
+      plan = coalesced_plan_;
+  }
+  if (!plan) {
+    plan = plan_all_reduce_coalesced(buffers, op, bucket_bytes, options);
+    std::lock_guard<std::mutex> lk(coalesced_mu_);
+    coalesced_call_ = {buffers, op, bucket_bytes, options};
+    coalesced_plan_ = plan;
+  }
+  if (plan->buckets.empty()) return finished_work();  // an empty list
+  return submit(plan->buckets[0].sig, [plan](Context& ctx) { coalesced_all_reduce(ctx, *plan); },
+                async, plan->buckets.size());
+}
+
+std::shared_ptr<const CoalescedAllReduce> Communicator::plan_all_reduce_coalesced(
+    const std::vector<BufferRef>& buffers, ReduceOp op, size_t bucket_bytes,
+    const FusedReduceOptions& options) {
   const DType f32_wire = options.float32_wire;
   RC_CHECK_ARG(f32_wire == DType::kFloat32 || f32_wire == DType::kFloat16 ||
                    f32_wire == DType::kBFloat16,
@@ -217,10 +249,7 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
     complete(b.fused.sig, Collective::kAllReduceCoalesced, op, Algorithm::kDirect, -1);
     plan->buckets.push_back(std::move(b.fused));
   }
-  if (plan->buckets.empty()) return finished_work();  // an empty list
-  const Signature first = plan->buckets[0].sig;
-  return submit(first, [plan](Context& ctx) { coalesced_all_reduce(ctx, *plan); }, async,
-                plan->buckets.size());
+  return plan;
 }
 
 WorkPtr Communicator::broadcast_coalesced(const std::vector<BufferRef>& buffers, int root,

@@ -230,6 +230,73 @@ def test_1000_tiny_tensors():
     assert all(run_ranks(3, many_tiny_tensors))
 
 
+def replanned_when_anything_changes(comm, change):
+    # The communicator keeps the last call's plan and reuses it for a call with the same buffers
+    # and options; each call below changes one thing the plan depends on and keeps the
+    # addresses, so a plan reused where it should not be gives wrong results.
+    r, n = comm.rank, comm.world_size
+    base = torch.arange(4000, dtype=torch.float32)
+    a, b = torch.zeros(3000), torch.zeros(1000)
+
+    def fill():
+        for t, v in zip((a, b), (base[:3000], base[3000:])):
+            t.copy_(v * (r + 1))
+
+    def call(tensors, **kw):
+        fill()
+        comm.all_reduce_coalesced(tensors, **kw)
+
+    total = n * (n + 1) / 2
+    call([a, b])
+    call([a, b])  # the same list: the plan is reused
+    assert torch.equal(a, base[:3000] * total) and torch.equal(b, base[3000:] * total)
+    call([a[:1000], b])  # the same addresses, fewer elements
+    assert torch.equal(a[:1000], base[:1000] * total) and torch.equal(a[1000:], base[1000:3000] * (r + 1))
+    call([a[:1000], b], op="max")
+    assert torch.equal(a[:1000], base[:1000] * n) and torch.equal(b, base[3000:] * n)
+    call([a[:1000], b], op="max", bucket_bytes=1000)
+    assert torch.equal(b, base[3000:] * n)
+    c, d = torch.zeros(1000), base[3000:] * (r + 1)  # other addresses, the same sizes
+    c.copy_(base[:1000] * (r + 1))
+    call([a[:1000], b])
+    comm.all_reduce_coalesced([c, d])
+    assert torch.equal(c, base[:1000] * total) and torch.equal(d, base[3000:] * total)
+    call([a[:1000], b])
+    call([a.view(torch.int32)[:1000], b])  # another dtype at the same address
+    want = (base[:1000] * (r + 1)).view(torch.int32).clone()
+    comm.all_reduce(want)
+    assert torch.equal(a.view(torch.int32)[:1000], want)
+    f32, f16 = TORCH_DTYPES[torch.float32], TORCH_DTYPES[torch.float16]
+    bufs = [a, b]
+    for wire, prescale in ((f32, 1.0), (f32, 0.5), (f16, 0.5)):  # the core call's options
+        fill()
+        _C.all_reduce_coalesced(comm._core, array("Q", [t.data_ptr() for t in bufs]),
+                                array("Q", [t.numel() for t in bufs]), array("Q", [f32, f32]),
+                                0, 1 << 20, wire, prescale, False)
+        exact = base[:3000] * total * prescale
+        if wire == f32:
+            assert torch.equal(a, exact)
+        else:  # float16 keeps 11 bits: the larger sums are rounded
+            assert not torch.equal(a, exact) and torch.allclose(a, exact, rtol=2 ** -10)
+    # Rank 1 alone changes its call after two calls alike: both raise, neither reuses its plan.
+    call([a, b])
+    try:
+        if change == "count":
+            call([a, b[:999]] if r == 1 else [a, b])
+        else:
+            call([a, b], bucket_bytes=4000 if r == 1 else 1 << 20)
+    except ringcomm.RingcommError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("change", ["count", "bucket_bytes"])
+def test_a_repeated_list_reuses_its_plan_and_any_change_is_replanned(change):
+    for rank, message in enumerate(run_ranks(2, replanned_when_anything_changes, change,
+                                             timeout=60, comm_timeout=20)):
+        assert "mismatched operations" in message, f"rank {rank}: {message}"
+
+
 # ---- empty lists, async, broadcast, all_gather -------------------------------------------------
 
 def edge_cases(comm):
