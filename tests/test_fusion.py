@@ -374,6 +374,10 @@ def bad_arguments(comm):
                                         array("Q", [1 << 40]))),
         (TypeError, "list or tuple", lambda: comm.all_reduce_coalesced(t)),
         (TypeError, r"tensors\[1\] must be a torch.Tensor", lambda: comm.all_reduce_coalesced([t, 3])),
+        # the C++ reader looks at items ahead of the one it checks: odd ones behind the bad one
+        (TypeError, r"tensors\[40\] must be a torch.Tensor", lambda: comm.all_reduce_coalesced(
+            [torch.ones(2) for _ in range(40)] + [3] +
+            [None, torch.ones(3).to_sparse(), np.ones(2), torch.nn.Parameter(torch.ones(1))] * 8)),
         (ValueError, r"tensors\[1\] must be contiguous",
          lambda: comm.all_reduce_coalesced([t, torch.ones(4, 4).t()])),
         (ValueError, "overlap", lambda: comm.all_reduce_coalesced([t, t])),

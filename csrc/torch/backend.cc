@@ -16,6 +16,7 @@
 
 #include <pybind11/chrono.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -76,13 +77,29 @@ std::optional<rc::DType> plain_cpu_dtype(PyObject* item) {
   return dtype;
 }
 
+// Starts loading what plain_cpu_dtype and tensor_lists read of `item` (its Python object, its
+// TensorImpl, its StorageImpl), `stage` links deep: 0 the object, 1 its TensorImpl (the object
+// must be loaded), 2 its storage (the TensorImpl must be). Hints only, nothing is checked here
+// but what following a link needs.
+void prefetch_tensor(PyObject* item, int stage) {
+  auto lines = [](const void* p, size_t bytes) {
+    for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at);
+  };
+  if (stage == 0) return lines(item, sizeof(THPVariable));
+  if (!THPVariable_CheckExact(item)) return;
+  const c10::TensorImpl* impl = THPVariable_Unpack(item).unsafeGetTensorImpl();
+  if (stage == 1) return lines(impl, sizeof(c10::TensorImpl));
+  if (impl->has_storage())
+    lines(impl->unsafe_storage().unsafeGetStorageImpl(), sizeof(c10::StorageImpl));
+}
+
 // (addresses, element counts, dtype codes) of a list or tuple of contiguous CPU tensors, each a
 // bytes object of native uint64s, for the core's list arguments (ringcomm.fusion.BufferList), or
 // None when an item is anything else
 // (a subclass, a numpy array, a strided view, a negated view, a tensor without the storage its
 // elements need, ...): the caller's per-item path then names it.
 // torch's Python accessors cost about 50 ns per attribute and tensor, and BufferList needs five;
-// here a list of 1000 tensors takes a few tens of microseconds.
+// here a list of 1000 tensors takes a few tens of microseconds in cache.
 py::object tensor_lists(py::handle items) {
   // exactly list or tuple: a subclass may iterate differently from its items
   if (!PyList_CheckExact(items.ptr()) && !PyTuple_CheckExact(items.ptr())) return py::none();
@@ -98,7 +115,17 @@ py::object tensor_lists(py::handle items) {
   auto at = [](const py::bytes& b, Py_ssize_t i) {
     return PyBytes_AS_STRING(b.ptr()) + i * Py_ssize_t(sizeof(uint64_t));
   };
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  // A thousand tensors' objects lie all over the heap, and after a collective has streamed
+  // megabytes through the caches each is a chain of misses (object, TensorImpl, storage). Read
+  // one after another, 1000 tensors took 200 us against 25 in cache. Each link is fetched some
+  // items ahead of its use, so that the misses of many items overlap: 105 us.
+  constexpr Py_ssize_t kAhead = 8;
+  for (Py_ssize_t i = -3 * kAhead; i < n; ++i) {
+    for (int stage = 0; stage < 3; ++stage) {
+      const Py_ssize_t ahead = i + (3 - stage) * kAhead;
+      if (ahead >= 0 && ahead < n) prefetch_tensor(item[ahead], stage);
+    }
+    if (i < 0) continue;
     std::optional<rc::DType> dtype = plain_cpu_dtype(item[i]);
     if (!dtype) return py::none();
     const at::Tensor& t = THPVariable_Unpack(item[i]);
