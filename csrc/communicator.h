@@ -288,21 +288,23 @@ class Communicator {
   std::shared_ptr<const ReductionOrders> reduction_orders(uint32_t algorithms);
   std::mutex orders_mu_;
   std::shared_ptr<const ReductionOrders> orders_;
-  // The last all_reduce_coalesced plan and the call it was planned for. A plan depends only on
-  // the call's arguments (and this communicator's fixed cost model), and callers pass the same
-  // list every step (DDP's buckets, an optimizer's parameters): a call with the same buffers,
-  // op, bucket size and options reuses it, skipping the planning (about 0.1 us a buffer).
+  // all_reduce_coalesced's last few plans and the calls they were planned for, most recent
+  // first. A plan depends only on the call's arguments (and this communicator's fixed cost
+  // model), and callers pass the same lists step after step (DDP's buckets, an optimizer's
+  // parameters): a call with the same buffers, op, bucket size and options reuses its plan,
+  // skipping the planning (about 0.1 us a buffer).
   struct CoalescedCall {
     std::vector<BufferRef> buffers;
     ReduceOp op;
     size_t bucket_bytes;
     FusedReduceOptions options;
+    std::shared_ptr<const CoalescedAllReduce> plan;
     bool same(const std::vector<BufferRef>& b, ReduceOp o, size_t bytes,
               const FusedReduceOptions& opt) const;
   };
+  static constexpr size_t kCoalescedPlansKept = 4;
   std::mutex coalesced_mu_;
-  CoalescedCall coalesced_call_;
-  std::shared_ptr<const CoalescedAllReduce> coalesced_plan_;  // null: none planned yet
+  std::deque<CoalescedCall> coalesced_calls_;
 
   std::mutex mu_;                 // guards everything below
   std::condition_variable cv_;

@@ -190,14 +190,22 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
   std::shared_ptr<const CoalescedAllReduce> plan;
   {
     std::lock_guard<std::mutex> lk(coalesced_mu_);
-    if (coalesced_plan_ && coalesced_call_.same(buffers, op, bucket_bytes, options))
-      plan = coalesced_plan_;
+    for (auto it = coalesced_calls_.begin(); it != coalesced_calls_.end(); ++it) {
+      if (!it->same(buffers, op, bucket_bytes, options)) continue;
+      plan = it->plan;
+      if (it != coalesced_calls_.begin()) {
+        CoalescedCall hit = std::move(*it);
+        coalesced_calls_.erase(it);
+        coalesced_calls_.push_front(std::move(hit));
+      }
+      break;
+    }
   }
   if (!plan) {
     plan = plan_all_reduce_coalesced(buffers, op, bucket_bytes, options);
     std::lock_guard<std::mutex> lk(coalesced_mu_);
-    coalesced_call_ = {buffers, op, bucket_bytes, options};
-    coalesced_plan_ = plan;
+    coalesced_calls_.push_front({buffers, op, bucket_bytes, options, plan});
+    if (coalesced_calls_.size() > kCoalescedPlansKept) coalesced_calls_.pop_back();
   }
   if (plan->buckets.empty()) return finished_work();  // an empty list
   return submit(plan->buckets[0].sig, [plan](Context& ctx) { coalesced_all_reduce(ctx, *plan); },

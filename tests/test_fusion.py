@@ -278,6 +278,16 @@ def replanned_when_anything_changes(comm, change):
             assert torch.equal(a, exact)
         else:  # float16 keeps 11 bits: the larger sums are rounded
             assert not torch.equal(a, exact) and torch.allclose(a, exact, rtol=2 ** -10)
+    # More lists than the plans kept, in turn: (the list, a tensor of it, its values)
+    calls = [([a, b], a, base[:3000]), ([c, d], c, base[:1000]),
+             ([a[:500], b], a[:500], base[:500]), ([a[1000:], d], a[1000:], base[1000:3000]),
+             ([b], b, base[3000:]), ([c], c, base[:1000])]
+    for i in (0, 1, 0, 1, 2, 3, 4, 5, 0, 2, 1, 3):
+        for t, v in zip((a, b, c, d), (base[:3000], base[3000:], base[:1000], base[3000:])):
+            t.copy_(v * (r + 1))
+        tensors, got, values = calls[i]
+        comm.all_reduce_coalesced(tensors)
+        assert torch.equal(got, values * total), i
     # Rank 1 alone changes its call after two calls alike: both raise, neither reuses its plan.
     call([a, b])
     try:
@@ -572,7 +582,8 @@ def test_bench_coalesced_mode_checks_results(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     (row,) = json.loads(out_file.read_text())["rows"]
-    variants = ["ringcomm all_reduce_coalesced", "ringcomm all_reduce per tensor",
+    variants = ["ringcomm all_reduce_coalesced", "ringcomm coalesced, views of one buffer",
+                "ringcomm all_reduce per tensor",
                 "gloo all_reduce_coalesced", "backend all_reduce_coalesced",
                 "backend all_reduce, one flat tensor", "ringcomm all_reduce, one flat tensor"]
     for name in variants:
