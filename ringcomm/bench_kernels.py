@@ -1,10 +1,20 @@
 """Single-process kernel benchmarks, side by side with torch, same input, same run.
 
     python -m ringcomm.bench_kernels topk --numel 25M --ratio 0.01
+    python -m ringcomm.bench_kernels pack --repeats 31
     python -m ringcomm.bench_kernels gpu [--json FILE]
 
 topk: ringcomm.compress.topk and the fused topk_with_residual against torch.topk on |x| (the
 magnitude selection the compressor needs) and on x itself, on one thread, medians of --repeats.
+
+pack: the memory layout's cost in a coalesced collective. ringcomm's pack and unpack kernels
+(the passes all_reduce_coalesced makes over the caller's tensors) on --tensors float32 tensors
+of --tensor-bytes (seed 0), out of cache (a 64 MiB copy between samples), one thread:
+- spread: each tensor allocated between temporaries, as `python -m ringcomm.bench --coll
+  all_reduce_coalesced` makes them, so they lie apart on the heap;
+- views of one buffer: the same sizes back to back;
+- one buffer: a single piece of the same bytes (no per-tensor work at all).
+Each sample packs every tensor into one staging buffer and unpacks it back.
 
 gpu: ringcomm's CUDA kernels (ringcomm.cuda) against torch on one GPU, with the floor of the
 memory traffic each must do at the device-to-device copy rate measured in the same run;
@@ -66,6 +76,53 @@ def bench_topk(args):
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "k": k, "same_set": same,
                        "times_ms": {n: t * 1e3 for n, t in times.items()}}, f, indent=1)
+
+
+def bench_pack(args):
+    from . import _C
+    from ._buffers import TORCH_DTYPES
+
+    torch.set_num_threads(1)
+    f32 = TORCH_DTYPES[torch.float32]
+    lo, hi = (parse_size(s) for s in args.tensor_bytes.split("-"))
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.randint(max(1, lo // 4), hi // 4 + 1, (args.tensors,), generator=gen).tolist()
+    spread = [(torch.arange(c, dtype=torch.float64) % 5 + 1).float() for c in counts]
+    one = torch.cat(spread)
+    views = list(torch.empty_like(one).split(counts))
+    staging, evict = torch.empty_like(one), torch.empty(16 << 20)
+    total = one.numel()
+
+    def pack_unpack(tensors):
+        ptrs, sizes = [t.data_ptr() for t in tensors], [t.numel() for t in tensors]
+
+        def run():
+            _C.pack_kernel(f32, ptrs, sizes, 0, total, staging.data_ptr(), f32, 0, 1.0)
+            _C.unpack_kernel(staging.data_ptr(), f32, f32, ptrs, sizes, 0, total, 0, 1.0)
+        return run
+
+    cases = {"spread": pack_unpack(spread), "views of one buffer": pack_unpack(views),
+             "one buffer": pack_unpack([one])}
+    samples = {name: [] for name in cases}
+    for _ in range(args.repeats):  # interleaved, each out of cache
+        for name, run in cases.items():
+            evict.add_(1)
+            start = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - start)
+    times = {name: statistics.median(v) for name, v in samples.items()}
+    print(f"# pack + unpack of {len(counts)} float32 tensors of {args.tensor_bytes} B "
+          f"({4 * total} B), out of cache, 1 thread, median of {args.repeats}")
+    print(f"# {'layout':<24} {'time(us)':>10} {'GB/s':>7} {'/ one buffer':>13}")
+    for name, t in times.items():
+        print(f"  {name:<24} {t * 1e6:>10.1f} {2 * 4 * total / t / 1e9:>7.2f} "
+              f"{t / times['one buffer']:>13.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tensors": len(counts), "tensor_bytes": args.tensor_bytes,
+                       "bytes": 4 * total, "time_us": {k: v * 1e6 for k, v in times.items()},
+                       "samples_us": {k: [x * 1e6 for x in v] for k, v in samples.items()}},
+                      f, indent=1)
 
 
 def gpu_time_ms(fn, repeats: int) -> float:
@@ -155,15 +212,17 @@ def bench_gpu(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m ringcomm.bench_kernels")
-    p.add_argument("kernel", choices=["topk", "gpu"])
+    p.add_argument("kernel", choices=["topk", "pack", "gpu"])
     p.add_argument("--numel", type=parse_size, default=25_000_000)
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tensors", type=int, default=1000, help="pack: number of tensors")
+    p.add_argument("--tensor-bytes", default="1K-16K", help="pack: each tensor's size range")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    (bench_gpu if args.kernel == "gpu" else bench_topk)(args)
+    {"gpu": bench_gpu, "pack": bench_pack, "topk": bench_topk}[args.kernel](args)
 
 
 if __name__ == "__main__":

@@ -263,3 +263,17 @@ def test_compression_quality_bench_reports_every_configuration(tmp_path):
     assert 1.8 < dense / results["bf16"]["bytes_per_step"] < 2.2  # half the bytes on the wire
     assert results["topk-10%/warmup_steps=0"]["bytes_per_step"] < dense / 2
     assert "<svg" in plot.read_text() and "| dense |" in run.stdout
+
+
+def test_kernel_bench_pack_compares_memory_layouts(tmp_path, capsys):
+    from ringcomm import bench_kernels
+
+    out = tmp_path / "pack.json"
+    bench_kernels.main(["pack", "--tensors", "200", "--tensor-bytes", "1K-4K", "--repeats", "3",
+                        "--json", str(out)])
+    printed = capsys.readouterr().out
+    for layout in ("spread", "views of one buffer", "one buffer"):
+        assert re.search(rf"^  {layout} +[0-9.]+ +[0-9.]+ +[0-9.]+$", printed, re.M), printed
+    report = json.loads(out.read_text())
+    assert report["tensors"] == 200 and len(report["samples_us"]["spread"]) == 3
+    assert all(t > 0 for t in report["time_us"].values())
