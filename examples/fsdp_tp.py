@@ -3,8 +3,21 @@
     torchrun --nproc-per-node 4 examples/fsdp_tp.py
 
 A 2 x 2 DeviceMesh: tensor parallelism (ColwiseParallel / RowwiseParallel) inside each pair of
-ranks, FSDP2 (fully_shard) across the pairs. Swap "ringcomm" for "gloo" to compare.
+ranks, FSDP2 (fully_shard) across the pairs. --backend gloo to compare.
 """
+import argparse
+import os
+
+parser = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--backend", default="ringcomm",
+                    help="torch.distributed backend (default: %(default)s)")
+parser.add_argument("--steps", type=int, default=20, help="training steps (default: %(default)s)")
+args = parser.parse_args()
+if os.environ.get("WORLD_SIZE") != "4":
+    parser.error("run it under torchrun, on 4 ranks: "
+                 "torchrun --nproc-per-node 4 examples/fsdp_tp.py")
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -14,7 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import ringcomm  # noqa: F401  registers the backend
 
-dist.init_process_group("ringcomm")
+dist.init_process_group(args.backend)
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
@@ -22,7 +35,7 @@ parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParal
 fully_shard(model, mesh=mesh["dp"])
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 data = torch.Generator().manual_seed(mesh.get_local_rank("dp"))
-for step in range(20):
+for step in range(args.steps):
     x, y = torch.randn(32, 64, generator=data), torch.randint(0, 10, (32,), generator=data)
     loss = nn.functional.cross_entropy(model(x), y)
     opt.zero_grad()

@@ -3,7 +3,14 @@ metrics synchronised across ranks (sync_dist=True: Lightning all-reduces int64 c
 
     torchrun --nproc-per-node 2 examples/lightning_digits.py ringcomm    # or gloo, to compare
 """
-import sys
+import argparse
+
+parser = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("backend", nargs="?", default="ringcomm",
+                    help="process_group_backend of Lightning's DDPStrategy (default: %(default)s)")
+backend = parser.parse_args().backend
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -11,9 +18,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
-import ringcomm  # registers the backend
+import ringcomm  # noqa: F401  registers the backend
 
-backend = sys.argv[1]
 digits = load_digits()
 x = torch.tensor(digits.data, dtype=torch.float32) / 16
 y = torch.tensor(digits.target)

@@ -2,13 +2,18 @@
 FSDP2, DTensor tensor parallelism, functional collectives (eager and compiled), subgroups, and
 Lightning (tests/test_lightning.py). Each runs the same computation on gloo in the same process
 and compares."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from ranks import run_ranks
+from ranks import run_ranks, run_torchrun
 
 # Summation orders differ between backends (ring vs gloo's): results agree to rounding.
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
@@ -180,3 +185,24 @@ def test_new_subgroups_and_groups_of_every_other_rank():
     results = run_ranks(4, subgroups, make_comm=False, timeout=60)
     assert [r[:2] for r in results] == [(1.0, 2.0), (1.0, 4.0), (5.0, 2.0), (5.0, 4.0)]
     assert all(r[2] == ("ringcomm", "ringcomm") for r in results)
+
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+@pytest.mark.parametrize("example", ["fsdp_tp.py", "lightning_digits.py", "train_ddp.py"])
+def test_examples_answer_help(example):
+    out = subprocess.run([sys.executable, str(EXAMPLES / example), "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("usage: "), out.stderr[-2000:]
+
+
+def test_fsdp_tp_example_trains_on_ringcomm_as_on_gloo(tmp_path):
+    script = (EXAMPLES / "fsdp_tp.py").read_text()
+    losses = {}
+    for backend in ("ringcomm", "gloo"):
+        out = run_torchrun(tmp_path, script, 4, timeout=180, args=["--backend", backend,
+                                                                   "--steps", "6"])
+        losses[backend] = [float(x) for x in re.findall(r"step +\d+ loss ([\d.]+)", out)]
+    assert len(losses["ringcomm"]) == 2, losses  # steps 0 and 5
+    assert losses["ringcomm"] == pytest.approx(losses["gloo"], rel=1e-4), losses
