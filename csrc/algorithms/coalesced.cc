@@ -33,6 +33,7 @@
 #include "algorithms/coalesced.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "algorithms/algorithms.h"
 
@@ -119,30 +120,28 @@ class Pointers {
 
 // out = my part's reduction, for fused elements [begin, begin + count) of bucket `b`, each
 // element by its own range's program. inputs[q]: rank q's contribution to those elements.
-// `cursor`: an index into the bucket's group's ranges where the search starts; left at the last
-// range used. Callers walk the elements in order, so the next range is the same or a few on,
-// where a binary search over every buffer's ranges cost more than reducing a small buffer.
+// `cursor` (may be null): where the caller's last call left off in the group's ranges, kept by
+// callers that walk the elements in order (SIZE_MAX at first): the next range is then the same
+// or a step or two on, where a binary search over every buffer's ranges cost more than reducing
+// a small buffer.
 void reduce_in_order(const CoalescedAllReduce& plan, const FusedBucket& b, size_t begin,
                      size_t count, const char* const* inputs, char* out, char* temps, int n,
-                     size_t& cursor) {
+                     size_t* cursor = nullptr) {
   const std::vector<OrderedRange>& ranges = plan.ranges[b.order_group];
   const DType dtype = b.sig.dtype;
   const size_t e = dtype_size(dtype), first = b.order_base + begin, last = first + count;
-  auto starts_after = [](size_t pos, const OrderedRange& r) { return pos < r.begin; };
-  auto it = ranges.begin() + std::ptrdiff_t(std::min(cursor, ranges.size()));
-  if (it == ranges.end() || it->begin > first) {
-    it = std::upper_bound(ranges.begin(), ranges.end(), first, starts_after);
-    if (it != ranges.begin()) --it;
+  auto it = ranges.begin();
+  if (cursor && *cursor < ranges.size() && ranges[*cursor].begin <= first) {
+    it += std::ptrdiff_t(*cursor);  // the loop below passes over the ranges that end before
   } else {
-    for (int step = 0; step < 4 && it + 1 != ranges.end() && (it + 1)->begin <= first; ++step)
-      ++it;
-    if (it + 1 != ranges.end() && (it + 1)->begin <= first)
-      it = std::upper_bound(it, ranges.end(), first, starts_after) - 1;
+    it = std::upper_bound(ranges.begin(), ranges.end(), first,
+                          [](size_t pos, const OrderedRange& r) { return pos < r.begin; });
+    if (it != ranges.begin()) --it;
   }
   Pointers shifted(n);
   for (; it != ranges.end() && it->begin < last; ++it) {
     size_t lo = std::max(first, it->begin), hi = std::min(last, it->begin + it->count);
-    cursor = size_t(it - ranges.begin());
+    if (cursor) *cursor = size_t(it - ranges.begin());
     if (lo >= hi) continue;
     for (int q = 0; q < n; ++q) shifted[q] = inputs[q] + (lo - first) * e;
     plan.orders->program(it->program)
@@ -159,12 +158,12 @@ void reduce_from_buffers(const CoalescedAllReduce& plan, const FusedBucket& b, s
   const size_t e = dtype_size(b.sig.dtype);
   const cpu::PackList& list = b.buffers;
   Pointers shifted(n);
-  size_t cursor = 0;
+  size_t cursor = SIZE_MAX;
   kernels::for_parts(list, begin, begin + count, [&](size_t i, size_t pos, size_t len) {
     const size_t at = (pos - begin) * e;
     char* own = list.data(i) + (pos - list.offset(i)) * e;
     for (int q = 0; q < n; ++q) shifted[q] = q == me ? own : inputs[q] + at;
-    reduce_in_order(plan, b, pos, len, shifted.data(), out ? out + at : own, temps, n, cursor);
+    reduce_in_order(plan, b, pos, len, shifted.data(), out ? out + at : own, temps, n, &cursor);
   });
 }
 
@@ -240,7 +239,6 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
                 trace::Span span("reduce", bytes, 1 - me);
                 const size_t esize = dtype_size(bucket->sig.dtype), begin = first + offset / esize;
                 const char* inputs[2];
-                size_t cursor = 0;
                 inputs[me] = mine + offset;
                 inputs[1 - me] = data;
                 // Two ranks: one combination per element, no temporaries.
@@ -249,7 +247,7 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
                                       in_place ? nullptr : mine + offset, nullptr, 2);
                 else
                   reduce_in_order(*p, *bucket, begin, bytes / esize, inputs, mine + offset,
-                                  nullptr, 2, cursor);
+                                  nullptr, 2);
               });
         } else {
           slot.contributions[size_t(q)] =
@@ -272,7 +270,6 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
         ctx.wait(slot.contributions[size_t(1 - me)]);  // reduced as it arrived (stage 0)
       } else {
         std::vector<const char*> inputs(static_cast<size_t>(n));
-        size_t cursor = 0;
         for (int q = 0; q < n; ++q) {
           if (q == me) {
             inputs[size_t(q)] = mine;
@@ -286,7 +283,7 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
           reduce_from_buffers(plan, b, begin, parts.count(me), me, inputs.data(),
                               in_place ? nullptr : mine, temps, n);
         else
-          reduce_in_order(plan, b, begin, parts.count(me), inputs.data(), mine, temps, n, cursor);
+          reduce_in_order(plan, b, begin, parts.count(me), inputs.data(), mine, temps, n);
       }
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
