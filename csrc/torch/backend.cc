@@ -81,16 +81,23 @@ std::optional<rc::DType> plain_cpu_dtype(PyObject* item) {
 // TensorImpl, its StorageImpl), `stage` links deep: 0 the object, 1 its TensorImpl (the object
 // must be loaded), 2 its storage (the TensorImpl must be). Hints only, nothing is checked here
 // but what following a link needs.
-void prefetch_tensor(PyObject* item, int stage) {
-  auto lines = [](const void* p, size_t bytes) {
-    for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at);
-  };
-  if (stage == 0) return lines(item, sizeof(THPVariable));
-  if (!THPVariable_CheckExact(item)) return;
-  const c10::TensorImpl* impl = THPVariable_Unpack(item).unsafeGetTensorImpl();
-  if (stage == 1) return lines(impl, sizeof(c10::TensorImpl));
+void prefetch_lines(const void* p, size_t bytes) {
+  for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at);
+}
+
+// Starts loading the StorageImpl of `t` (its TensorImpl must be loaded): a hint only.
+void prefetch_storage(const at::Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->has_storage())
-    lines(impl->unsafe_storage().unsafeGetStorageImpl(), sizeof(c10::StorageImpl));
+    prefetch_lines(impl->unsafe_storage().unsafeGetStorageImpl(), sizeof(c10::StorageImpl));
+}
+
+void prefetch_tensor(PyObject* item, int stage) {
+  if (stage == 0) return prefetch_lines(item, sizeof(THPVariable));
+  if (!THPVariable_CheckExact(item)) return;
+  const at::Tensor& t = THPVariable_Unpack(item);
+  if (stage == 1) return prefetch_lines(t.unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+  prefetch_storage(t);
 }
 
 // (addresses, element counts, dtype codes) of a list or tuple of contiguous CPU tensors, each a
@@ -432,8 +439,15 @@ class RingcommBackend : public c10d::Backend {
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
     std::vector<Staged> staged;
     std::vector<rc::Communicator::BufferRef> refs;
+    staged.reserve(tensors.size());
+    refs.reserve(tensors.size());
     rc::ReduceOp op = rc::ReduceOp::kSum;
-    for (auto& t : tensors) {
+    // torch's unboxing has just touched each TensorImpl; their storages (the data pointers) are
+    // still a miss each, fetched a few tensors ahead so that the misses overlap.
+    constexpr size_t kAhead = 8;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (i + kAhead < tensors.size()) prefetch_storage(tensors[i + kAhead]);
+      const at::Tensor& t = tensors[i];
       staged.emplace_back(t);
       op = premultiply(opts.reduceOp, staged.back());
       refs.push_back({staged.back().data(), staged.back().count(), staged.back().dtype()});
