@@ -490,7 +490,8 @@ class MpiCase:
 
 def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     """--tensors tensors with random sizes in --tensor-bytes (seed --seed), reduced in the same
-    run, samples interleaved: ringcomm all_reduce_coalesced, one ringcomm all_reduce per tensor,
+    run, samples interleaved: ringcomm all_reduce_coalesced, the same on views of one buffer
+    holding the same values (the tensors' memory layout apart), one ringcomm all_reduce per tensor,
     gloo's dist.all_reduce_coalesced (with --compare gloo), the backend's coalesced and flat
     calls (with --compare backend), and for reference one ringcomm
     all_reduce of a single tensor of the same total size (no packing: the transport's floor for

@@ -77,10 +77,7 @@ std::optional<rc::DType> plain_cpu_dtype(PyObject* item) {
   return dtype;
 }
 
-// Starts loading what plain_cpu_dtype and tensor_lists read of `item` (its Python object, its
-// TensorImpl, its StorageImpl), `stage` links deep: 0 the object, 1 its TensorImpl (the object
-// must be loaded), 2 its storage (the TensorImpl must be). Hints only, nothing is checked here
-// but what following a link needs.
+// Starts loading `bytes` from `p` into the cache: a hint, never a fault.
 void prefetch_lines(const void* p, size_t bytes) {
   for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at);
 }
@@ -92,6 +89,10 @@ void prefetch_storage(const at::Tensor& t) {
     prefetch_lines(impl->unsafe_storage().unsafeGetStorageImpl(), sizeof(c10::StorageImpl));
 }
 
+// Starts loading what plain_cpu_dtype and tensor_lists read of `item` (its Python object, its
+// TensorImpl, its StorageImpl), `stage` links deep: 0 the object, 1 its TensorImpl (the object
+// must be loaded), 2 its storage (the TensorImpl must be). Hints only, nothing is checked here
+// but what following a link needs.
 void prefetch_tensor(PyObject* item, int stage) {
   if (stage == 0) return prefetch_lines(item, sizeof(THPVariable));
   if (!THPVariable_CheckExact(item)) return;
