@@ -73,8 +73,8 @@ def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torc
         world = dist.get_world_size()
         residual = state.memory("residuals", bucket.index(), flat)
         values, indices = compress.topk_with_residual(
-            flat, residual, max(1, int(flat.numel() * density)))
-        wire, positions = values.to(state.value_dtype).to(flat.dtype), indices.long()
+            flat, residual, max(1, int(flat.numel() * density)), state.value_dtype)
+        wire, positions = values.to(flat.dtype), indices.long()
         flat.zero_()
         for _ in range(world):
             flat.index_add_(0, positions, wire)

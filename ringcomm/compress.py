@@ -47,18 +47,25 @@ def topk(t: torch.Tensor, k: int):
     return values, indices
 
 
-def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int):
-    """Error-feedback step: acc = grad + residual; return the top-k of acc as (values, indices)
-    and leave acc, with the selected entries zeroed, in `residual` (updated in place)."""
+def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int, value_dtype=None):
+    """Error-feedback step: acc = grad + residual; return the top-k of acc as (values, indices),
+    the values as `value_dtype` (float32, float16 or bfloat16; default grad's dtype, rounded to
+    nearest even), and leave acc in `residual` (updated in place) with each selected entry
+    replaced by what rounding its value to value_dtype lost (zero when nothing was)."""
     if isinstance(grad, torch.Tensor) and grad.is_cuda:
         from . import cuda
-        return cuda.topk_with_residual(grad, residual, k)
+        return cuda.topk_with_residual(grad, residual, k, value_dtype)
     _check(grad, "grad")
     _check(residual, "residual")
     if residual.dtype != grad.dtype or residual.numel() != grad.numel():
         raise ValueError(f"residual ({residual.dtype}, {residual.numel()} elements) must match "
                          f"grad ({grad.dtype}, {grad.numel()} elements)")
-    k, values, indices = _outputs(grad, k)
+    value_dtype = grad.dtype if value_dtype is None else value_dtype
+    if value_dtype not in TOPK_DTYPES:
+        raise TypeError(f"value_dtype must be one of {TOPK_DTYPES}, got {value_dtype}")
+    k, _, indices = _outputs(grad, k)
+    values = torch.empty(k, dtype=value_dtype)
     _C.topk_with_residual_kernel(TORCH_DTYPES[grad.dtype], grad.data_ptr(), residual.data_ptr(),
-                                 grad.numel(), k, indices.data_ptr(), values.data_ptr())
+                                 grad.numel(), k, indices.data_ptr(), values.data_ptr(),
+                                 TORCH_DTYPES[value_dtype])
     return values, indices

@@ -141,9 +141,11 @@ def topk(t: torch.Tensor, k: int):
     return values, indices
 
 
-def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int):
-    """Error feedback: residual += grad; return its top-k as (values, indices) and zero those
-    entries of `residual` (in place)."""
+def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int,
+                       value_dtype: Optional[torch.dtype] = None):
+    """Error feedback: residual += grad; return its top-k as (values, indices), the values as
+    `value_dtype` (default grad's dtype), and leave in those entries of `residual` (in place) what
+    rounding to value_dtype lost, as ringcomm.compress.topk_with_residual does on the CPU."""
     kernels = _kernels()
     _check(grad, "grad", TOPK_DTYPES)
     _check(residual, "residual", TOPK_DTYPES, device=grad.device)
@@ -156,7 +158,14 @@ def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int):
         kernels.topk_with_residual(TORCH_DTYPES[grad.dtype], grad.data_ptr(), residual.data_ptr(),
                                    grad.numel(), k, indices.data_ptr(), values.data_ptr(),
                                    workspace.data_ptr(), workspace.numel(), _stream(grad.device))
-    return values, indices
+    if value_dtype is None or value_dtype == grad.dtype:
+        return values, indices
+    if value_dtype not in TOPK_DTYPES:
+        raise TypeError(f"value_dtype must be one of {TOPK_DTYPES}, got {value_dtype}")
+    wire = values.to(value_dtype)
+    # The selected entries were zeroed; distinct indices, so the order of adds does not matter.
+    residual.index_add_(0, indices.long(), values - wire.to(values.dtype))
+    return wire, indices
 
 
 def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,

@@ -136,6 +136,62 @@ def test_a_threshold_set_too_high_is_lowered_and_scanned_again(dtype):
         check_error_feedback(x, (torch.randn(n, generator=gen) * 1e-4).to(dtype), k)
 
 
+def bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("value_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_in_another_type_leave_their_rounding_in_the_residual(dtype, value_dtype):
+    """value_dtype: the values come rounded to it (nearest even), and the residual keeps, at each
+    selected entry, what that rounding lost: bit for bit what torch's own `values.to(value_dtype)`
+    and `residual.index_add_(0, indices, values - wire.to(dtype))` give after the selection in the
+    element type. Every path: the scan (float32's vector lanes and their scalar tail), the scan
+    after a threshold set too high, the direct selection of small inputs, and the zeros that
+    complete a sparse gradient; infinities and values that round up to infinity included."""
+    gen = torch.Generator().manual_seed(7)
+    cases = [(random_input(1_000_003, dtype, gen, special=True), 20_000, 1e-2),
+             (random_input(5_003, dtype, gen), 700, 1e-2)]
+    blocks = torch.randn(1_000_000, generator=gen) * 1e-3
+    blocks[:16384] = torch.randn(16384, generator=gen) * 10
+    blocks[600_000:616_384] = torch.randn(16384, generator=gen) * 10
+    cases.append((blocks.to(dtype), 30_000, 1e-2))  # the first scan collects too few (see above)
+    # A sparse gradient with negative zeros, and a residual of negative zeros (so that acc keeps
+    # them): the zeros that complete the top k owe +0.
+    sparse = torch.zeros(300_001)
+    sparse[torch.randperm(300_001, generator=gen)[:500]] = 1.0 + torch.rand(500, generator=gen)
+    sparse[torch.randperm(300_001, generator=gen)[:50_000]] = -0.0
+    cases.append((sparse.to(dtype), 2_000, -0.0))
+    # Ties: float32 values halfway between two bfloat16 values, which round to the even one.
+    halfway = torch.randn(200_000, generator=gen).view(torch.int32) & ~0xFFFF | 0x8000
+    cases.append((halfway.view(torch.float32).to(dtype), 50_000, 0.0))
+    # Values that round up to infinity as bfloat16 (float32's largest), or as float16 in a
+    # float16 residual (float16's largest values, as bfloat16, exceed float16's range).
+    top = 3.0e38 if dtype == torch.float32 else torch.finfo(dtype).max
+    cases.append(((top * (0.99 + 0.01 * torch.rand(200_000, generator=gen))).to(dtype), 4_000, 1e-2))
+    for grad, k, scale in cases:  # the residual: random values of that scale, or all that zero
+        residual = (torch.randn(grad.numel(), generator=gen) * scale if scale else
+                    torch.full((grad.numel(),), scale)).to(dtype)
+        expected_residual = residual.clone()
+        full, expected_indices = compress.topk_with_residual(grad, expected_residual, k)
+        wire = full.to(value_dtype)
+        if value_dtype != dtype:  # (an infinity would owe inf - inf)
+            expected_residual.index_add_(0, expected_indices.long(), full - wire.to(dtype))
+        values, indices = compress.topk_with_residual(grad, residual, k, value_dtype)
+        assert values.dtype == value_dtype and torch.equal(indices, expected_indices)
+        finite = ~torch.isnan(wire)
+        assert torch.equal(bits(values)[finite], bits(wire)[finite])
+        assert torch.equal(torch.isnan(values), ~finite)
+        same = ~torch.isnan(expected_residual)
+        assert torch.equal(bits(residual)[same], bits(expected_residual)[same])
+        assert torch.equal(torch.isnan(residual), ~same)
+
+
+def test_a_wire_type_outside_top_k_is_refused():
+    with pytest.raises(TypeError, match="value_dtype"):
+        compress.topk_with_residual(torch.ones(4), torch.zeros(4), 1, torch.float64)
+
+
 def test_error_feedback_accumulates_over_steps():
     gen = torch.Generator().manual_seed(0)
     residual = torch.zeros(200_000)

@@ -72,6 +72,18 @@ void visit_divide(DType dtype, F&& f) {
   });
 }
 
+// f(Type<T>{}) for the element types top-k selects over and sends (float32, float16, bfloat16);
+// callers check the dtype first.
+template <typename F>
+void visit_topk(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(Type<float>{});
+    case DType::kFloat16: return f(Type<math::Half>{});
+    case DType::kBFloat16: return f(Type<math::BFloat16>{});
+    default: RC_INVALID("top-k does not support ", dtype_name(dtype));
+  }
+}
+
 // f(Type<In>{}, Type<Out>{}) for a pack/unpack conversion between the floating types
 // (check_conversion in kernels/pack_list.h says which pairs are allowed).
 template <typename F>

@@ -17,9 +17,10 @@ void bind_compress(py::module_& m) {
         }, G());
   m.def("topk_with_residual_kernel",
         [ptr](int dt, uintptr_t grad, uintptr_t residual, size_t n, size_t k, uintptr_t indices,
-              uintptr_t values) {
+              uintptr_t values, int value_dt) {
           cpu::topk_with_residual(checked_dtype(dt), ptr(grad), ptr(residual), n, k,
-                                  static_cast<int32_t*>(ptr(indices)), ptr(values));
+                                  static_cast<int32_t*>(ptr(indices)), ptr(values),
+                                  checked_dtype(value_dt));
         }, G());
 }
 

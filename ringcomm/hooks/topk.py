@@ -258,16 +258,15 @@ def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int, la
     else:
         with trace.span("compress", numel=numel, k=k):
             if state.error_feedback:
+                # what rounding to the wire type loses is owed too: the kernel keeps it
                 residual = state.memory("residuals", slot, source, layout)
-                values, indices = compress.topk_with_residual(source, residual, k)
+                wire_values, indices = compress.topk_with_residual(source, residual, k,
+                                                                   state.value_dtype)
             else:
                 values, indices = compress.topk(source, k)
+                wire_values = values.to(state.value_dtype)
         if state.momentum_correction:
             source.index_fill_(0, indices.long(), 0)  # DGC's momentum factor masking
-        wire_values = values.to(state.value_dtype)
-        if state.error_feedback and wire_values.dtype != values.dtype:
-            # what rounding to the wire type lost is owed too
-            residual.index_add_(0, indices.long(), values - wire_values.to(values.dtype))
         stats.compressed_buckets += 1
         stats.compress_seconds += time.perf_counter() - started
         started = time.perf_counter()

@@ -115,15 +115,16 @@ def test_topk_matches_torch_topk_as_a_set():
     assert torch.equal(values, x[ref])
 
 
+@pytest.mark.parametrize("value_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("dtype", TOPK_DTYPES)
-def test_topk_with_residual_matches_the_cpu_kernel_over_steps(dtype):
+def test_topk_with_residual_matches_the_cpu_kernel_over_steps(dtype, value_dtype):
     gen = torch.Generator().manual_seed(7)
     n, k = 300_001, 3000
     residual, gresidual = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype, device=DEVICE)
     for _ in range(3):
         grad = random_input(n, dtype, gen, special=False)
-        values, indices = compress.topk_with_residual(grad, residual, k)
-        gvalues, gindices = rc_cuda.topk_with_residual(grad.to(DEVICE), gresidual, k)
+        values, indices = compress.topk_with_residual(grad, residual, k, value_dtype)
+        gvalues, gindices = rc_cuda.topk_with_residual(grad.to(DEVICE), gresidual, k, value_dtype)
         assert torch.equal(gindices.cpu(), indices)
         assert same_bits(gvalues, values)
         assert same_bits(gresidual, residual)

@@ -3,8 +3,9 @@
 // 1. Sample: estimate from a fixed pseudo-random sample of keys a threshold t that a little more
 //    than k elements reach (over-selecting on purpose).
 // 2. Scan (the only full pass): collect every element whose key is >= t, its bits and index. In
-//    the error-feedback variant the same pass computes acc = grad + residual and stores it, the
-//    candidates zeroed; the candidates not selected in step 4 are written back.
+//    the error-feedback variant the same pass computes acc = grad + residual and stores it, each
+//    candidate replaced by what rounding it to the wire type would lose (zero when the wire type
+//    is the element type); the candidates not selected in step 4 are written back.
 // 3. If fewer than k were collected, the estimate was too high: lower t and scan again (rare;
 //    this is what makes the result exact, not probabilistic). t stays at least 1: where fewer
 //    than k elements are non-zero, the zeros of lowest index complete the selection.
@@ -24,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/dispatch.h"
 #include "kernels/topk_math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -58,6 +60,27 @@ RC_TOPK_INLINE T from_bits(uint32_t bits) {
 
 template <typename T>
 constexpr Key key_mask() { return (Key(1) << topk::key_bits<T>()) - 1; }
+
+// An element of type T as a value of the wire type W (nearest even).
+template <typename W, typename T>
+RC_TOPK_INLINE W to_wire(T x) {
+  if constexpr (std::is_same_v<W, T>) return x;
+  else return math::Compute<W>::store(math::Compute<T>::load(x));
+}
+
+// What sending acc as a W loses, in T: acc - T(W(acc)), computed in float and rounded to T, as
+// torch computes `values - values.to(W).to(T)`; +0 when W is T. This is what error feedback owes
+// at a selected position, where the residual would otherwise be zeroed.
+template <typename T, typename W>
+RC_TOPK_INLINE T owed_by_rounding(T acc) {
+  if constexpr (std::is_same_v<W, T>) {
+    return T{};
+  } else {
+    using C = math::Compute<T>;
+    const T sent = C::store(math::Compute<W>::load(to_wire<W>(acc)));
+    return C::store(C::load(acc) - C::load(sent));
+  }
+}
 
 // Elements at or above a threshold, in ascending index order: each one's bits and index, in two
 // arrays so that the AVX2 scan stores eight of each at once. Uninitialised storage: a vector's
@@ -144,14 +167,15 @@ Key estimate_threshold(size_t n, size_t want, KeyAt key_at) {
 
 // The scans (step 2) read an input `in` with, for error feedback, the residual `add` added to
 // it: acc = in + add, one IEEE add as topk::accumulate. They append every element whose acc has
-// key >= t to `out` and, where `keep` is given, store acc into it with those candidates zeroed:
-// a candidate's value lives on in the candidate list, and the few that are not selected are
-// written back afterwards (select's `restore`), which touches far fewer cache lines than zeroing
-// the selected ones would (at 6.25% density nearly every line of the residual holds one).
+// key >= t to `out` and, where `keep` is given, store acc into it with each candidate replaced by
+// owed_by_rounding<T, W>: a candidate's value lives on in the candidate list, and the few that
+// are not selected are written back afterwards (select's `restore`), which touches far fewer
+// cache lines than visiting the selected ones would (at 6.25% density nearly every line of the
+// residual holds one).
 
 // The portable scan. Blocks of 16 are tested with a branch-free (vectorisable) "any" first when
 // nothing is stored: almost all blocks hold no candidate.
-template <typename T>
+template <typename T, typename W>
 RC_TOPK_INLINE void collect_at_least(const T* in, const T* add, T* keep, size_t begin, size_t n,
                                      Key t, Candidates& out) {
   auto acc_at = [&](size_t i) { return add ? topk::accumulate(in[i], add[i]) : in[i]; };
@@ -159,7 +183,7 @@ RC_TOPK_INLINE void collect_at_least(const T* in, const T* add, T* keep, size_t 
     const T acc = acc_at(i);
     const bool hit = magnitude_key(acc) >= t;
     if (hit) out.push(raw_bits(acc), uint32_t(i));
-    if (keep) keep[i] = hit ? T{} : acc;
+    if (keep) keep[i] = hit ? owed_by_rounding<T, W>(acc) : acc;
   };
   size_t i = begin;
   if (!keep) {
@@ -187,6 +211,27 @@ struct LaneTable {
 };
 constexpr LaneTable kLanes;
 
+// owed_by_rounding<float, W> of eight lanes: x - W(x), exact in float. bfloat16 rounds to
+// nearest even on the bits, as math::float_to_bf16 does (a NaN x stays NaN: x - anything is);
+// float16 through F16C's conversions.
+template <typename W>
+__attribute__((target("avx2,f16c"))) inline __m256 owed_float32_avx2(__m256 x) {
+  if constexpr (std::is_same_v<W, float>) {
+    return _mm256_setzero_ps();
+  } else if constexpr (std::is_same_v<W, math::BFloat16>) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_and_si256(
+        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+        _mm256_set1_epi32(int32_t(0xffff0000u)));
+    return _mm256_sub_ps(x, _mm256_castsi256_ps(rounded));
+  } else {
+    static_assert(std::is_same_v<W, math::Half>);
+    return _mm256_sub_ps(
+        x, _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  }
+}
+
 // The scan over float32 with AVX2, 8 elements a step. Keys (sign cleared) are below 2^31, so a
 // signed compare with t - 1 is key >= t. A step with no key >= t, nearly every step at 1%
 // density, costs the add, an and, a compare, a movemask and the store; one with any packs its
@@ -194,10 +239,11 @@ constexpr LaneTable kLanes;
 // by how many were selected: no branch per hit, so that a 6.25% warm-up step's scan costs little
 // more than a 1% one. noinline: the callers are flattened into target_clones, and inlining an
 // AVX2 function into the baseline clone is refused.
-__attribute__((target("avx2"), noinline)) void collect_float32_avx2(const float* in,
-                                                                   const float* add, float* keep,
-                                                                   size_t n, Key t,
-                                                                   Candidates& out) {
+template <typename W>
+__attribute__((target("avx2,f16c"), noinline)) void collect_float32_avx2(const float* in,
+                                                                        const float* add,
+                                                                        float* keep, size_t n,
+                                                                        Key t, Candidates& out) {
   const __m256i sign_off = _mm256_set1_epi32(0x7fffffff);
   const __m256i below = _mm256_set1_epi32(int32_t(t) - 1);
   // The output's end and room in locals: its members, reached through the vector stores (which
@@ -210,9 +256,13 @@ __attribute__((target("avx2"), noinline)) void collect_float32_avx2(const float*
     if (add) x = _mm256_add_ps(x, _mm256_loadu_ps(add + i));
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(bits, sign_off), below);
-    if (keep) _mm256_storeu_ps(keep + i, _mm256_castsi256_ps(_mm256_andnot_si256(hit, bits)));
     const unsigned hits = unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
-    if (!hits) continue;
+    if (!hits) {
+      if (keep) _mm256_storeu_ps(keep + i, x);
+      continue;
+    }
+    if (keep)
+      _mm256_storeu_ps(keep + i, _mm256_blendv_ps(x, owed_float32_avx2<W>(x), _mm256_castsi256_ps(hit)));
     if (room < 8) {
       out.grow_to(bits_out);
       out.reserve(2 * out.size() + 64);
@@ -230,23 +280,23 @@ __attribute__((target("avx2"), noinline)) void collect_float32_avx2(const float*
     room -= selected;
   }
   out.grow_to(bits_out);
-  collect_at_least(in, add, keep, i, n, t, out);
+  collect_at_least<float, W>(in, add, keep, i, n, t, out);
 }
 
 bool avx2_available() {
-  static const bool available = __builtin_cpu_supports("avx2");
+  static const bool available = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   return available;
 }
 #endif
 
-template <typename T>
+template <typename T, typename W>
 void collect(const T* in, const T* add, T* keep, size_t n, Key t, Candidates& out) {
 #ifdef RC_TOPK_X86
   if constexpr (std::is_same_v<T, float>) {
-    if (avx2_available()) return collect_float32_avx2(in, add, keep, n, t, out);
+    if (avx2_available()) return collect_float32_avx2<W>(in, add, keep, n, t, out);
   }
 #endif
-  collect_at_least(in, add, keep, 0, n, t, out);
+  collect_at_least<T, W>(in, add, keep, 0, n, t, out);
 }
 
 // Finds the k-th in selection order among `cands` (ascending index order) by the radix passes of
@@ -254,9 +304,9 @@ void collect(const T* in, const T* add, T* keep, size_t n, Key t, Candidates& ou
 // the running, then walks the candidates once more: the selected ones go to `indices` and
 // `values`, sorted by index without a sort, the others to the front of `cands`; returns how many
 // those are. Both walks are branch-free (a store and a conditional advance), as a hit's branch
-// would be a coin toss.
-template <typename T>
-size_t select_exact(Candidates& cands, size_t k, int32_t* indices, T* values) {
+// would be a coin toss. The values are written as W.
+template <typename T, typename W>
+size_t select_exact(Candidates& cands, size_t k, int32_t* indices, W* values) {
   constexpr Key mask = key_mask<T>();
   constexpr int key_bits = topk::key_bits<T>();
   topk::RadixState state = topk::radix_start(uint32_t(k));
@@ -307,7 +357,7 @@ size_t select_exact(Candidates& cands, size_t k, int32_t* indices, T* values) {
     const Key key = bits & mask;
     const bool keeps = topk::radix_keeps(key, equal_before, state);
     indices[selected] = int32_t(index);
-    values[selected] = from_bits<T>(bits);
+    values[selected] = to_wire<W>(from_bits<T>(bits));
     cands.set(dropped, bits, index);
     selected += keeps;
     dropped += !keeps;
@@ -340,11 +390,12 @@ void add_first_zeros(size_t n, size_t missing, const T* acc, T* keep, Candidates
   std::swap(cands, merged);
 }
 
-// The selection: top-k of acc = data (+ add), writing acc back into `keep` with the selected
-// elements zeroed where `keep` is given (error feedback: data = grad, add = keep = residual).
-template <typename T>
+// The selection: top-k of acc = data (+ add), as W values, writing acc back into `keep` where it
+// is given (error feedback: data = grad, add = keep = residual), each selected element replaced
+// by what its rounding to W lost.
+template <typename T, typename W>
 void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* indices,
-            T* values) {
+            W* values) {
   Candidates& cands = scratch().cands;
   cands.clear();
   // The first `count` candidates' bits back into `keep`, where collect zeroed them.
@@ -354,7 +405,7 @@ void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* i
   };
   if (n < kDirectBelow || k * 4 >= n) {
     cands.reserve(n);
-    collect(data, add, keep, n, Key(0), cands);
+    collect<T, W>(data, add, keep, n, Key(0), cands);
   } else {
     // Never below 1: zeros (the least key) are not collected wholesale when fewer than k
     // elements are non-zero (a sparse gradient), only as many as k needs, below.
@@ -362,17 +413,17 @@ void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* i
                             return magnitude_key(add ? topk::accumulate(data[i], add[i]) : data[i]);
                           }));
     cands.reserve(k * 2);
-    collect(data, add, keep, n, t, cands);
+    collect<T, W>(data, add, keep, n, t, cands);
     if (keep) data = keep, add = nullptr;  // acc is in `keep` now (candidates aside)
     while (cands.size() < k && t > 1) {  // too few reached t: lower it and look again
       restore(cands.size());
       t = t / 2;
       cands.clear();
-      collect(data, add, keep, n, t, cands);
+      collect<T, W>(data, add, keep, n, t, cands);
     }
     if (cands.size() < k) add_first_zeros(n, k - cands.size(), data, keep, cands);
   }
-  restore(select_exact(cands, k, indices, values));
+  restore(select_exact<T, W>(cands, k, indices, values));
   if (cands.capacity() > kKeptCandidates) cands.release();
 }
 
@@ -389,40 +440,28 @@ RC_MULTIVERSION
 void topk(DType dtype, const void* data, size_t n, size_t k, int32_t* indices, void* values) {
   check(dtype, n, k);
   if (k == 0) return;
-  switch (dtype) {
-    case DType::kFloat32:
-      return select<float>(static_cast<const float*>(data), nullptr, nullptr, n, k, indices,
-                           static_cast<float*>(values));
-    case DType::kFloat16:
-      return select<math::Half>(static_cast<const math::Half*>(data), nullptr, nullptr, n, k,
-                                indices, static_cast<math::Half*>(values));
-    default:
-      return select<math::BFloat16>(static_cast<const math::BFloat16*>(data), nullptr, nullptr, n,
-                                    k, indices, static_cast<math::BFloat16*>(values));
-  }
+  kernels::visit_topk(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    select<T, T>(static_cast<const T*>(data), nullptr, nullptr, n, k, indices,
+                 static_cast<T*>(values));
+  });
 }
 
 RC_MULTIVERSION
 void topk_with_residual(DType dtype, const void* grad, void* residual, size_t n, size_t k,
-                        int32_t* indices, void* values) {
+                        int32_t* indices, void* values, DType value_dtype) {
   check(dtype, n, k);
-  switch (dtype) {
-    case DType::kFloat32: {
-      float* r = static_cast<float*>(residual);
-      return select<float>(static_cast<const float*>(grad), r, r, n, k, indices,
-                           static_cast<float*>(values));
-    }
-    case DType::kFloat16: {
-      math::Half* r = static_cast<math::Half*>(residual);
-      return select<math::Half>(static_cast<const math::Half*>(grad), r, r, n, k, indices,
-                                static_cast<math::Half*>(values));
-    }
-    default: {
-      math::BFloat16* r = static_cast<math::BFloat16*>(residual);
-      return select<math::BFloat16>(static_cast<const math::BFloat16*>(grad), r, r, n, k, indices,
-                                    static_cast<math::BFloat16*>(values));
-    }
-  }
+  RC_CHECK_ARG(value_dtype == DType::kFloat32 || value_dtype == DType::kFloat16 ||
+                   value_dtype == DType::kBFloat16,
+               "top-k values are float32, float16 or bfloat16, got ", dtype_name(value_dtype));
+  kernels::visit_topk(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    kernels::visit_topk(value_dtype, [&](auto wire) {
+      using W = typename decltype(wire)::type;
+      T* r = static_cast<T*>(residual);
+      select<T, W>(static_cast<const T*>(grad), r, r, n, k, indices, static_cast<W*>(values));
+    });
+  });
 }
 
 }  // namespace cpu

@@ -14,10 +14,13 @@ namespace cpu {
 void topk(DType dtype, const void* data, size_t n, size_t k, int32_t* indices, void* values);
 
 // Error-feedback compression step: acc = grad + residual (written to `residual`), select the
-// top-k of acc like topk(), then zero the selected entries of `residual`. Afterwards
-// values + residual == grad + old residual, element by element, with values scattered back.
+// top-k of acc like topk(), write their values as `value_dtype` (float32, float16 or bfloat16,
+// rounded to nearest even), and leave in `residual`, at each selected position, what that
+// rounding lost (acc - value, computed in float and stored as `dtype`; zero when value_dtype is
+// dtype). Afterwards values + residual == grad + old residual, element by element, with values
+// scattered back, up to the rounding of that difference where `dtype` is a 16-bit type.
 void topk_with_residual(DType dtype, const void* grad, void* residual, size_t n, size_t k,
-                        int32_t* indices, void* values);
+                        int32_t* indices, void* values, DType value_dtype);
 
 }  // namespace cpu
 }  // namespace ringcomm
