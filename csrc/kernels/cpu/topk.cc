@@ -142,20 +142,39 @@ Scratch& scratch() {
   return s;
 }
 
-// Threshold key that about `want` of n elements reach, estimated from a sample of keys: short
-// contiguous runs at pseudo-random offsets, which costs a few cache misses per run instead of
-// one per sampled element.
-template <typename KeyAt>
-Key estimate_threshold(size_t n, size_t want, KeyAt key_at) {
-  constexpr size_t kRun = 64;
-  std::vector<Key>& sample = scratch().sample;
-  sample.clear();
-  sample.reserve(kSampleSize);
+// Threshold key that about `want` of n elements of acc = data (+ add) reach, estimated from a
+// sample of keys: short contiguous runs at pseudo-random offsets, which costs a few cache misses
+// per run instead of one per sampled element. The runs' memory is fetched a few runs ahead, so
+// that their misses overlap (the estimate for 4.35M float32 with a residual, nth_element
+// included: 0.55-0.65 -> 0.3-0.45 ms).
+template <typename T>
+Key estimate_threshold(const T* data, const T* add, size_t n, size_t want) {
+  constexpr size_t kRun = 64, kRuns = kSampleSize / kRun, kAhead = 8;
+  size_t starts[kRuns];
   uint64_t state = 0x9e3779b97f4a7c15ull ^ n;  // fixed seed: deterministic
-  while (sample.size() < kSampleSize) {
+  for (size_t& start : starts) {
     state = state * 6364136223846793005ull + 1442695040888963407ull;
-    size_t start = size_t((state >> 33) % (n - kRun));
-    for (size_t i = start; i < start + kRun; ++i) sample.push_back(key_at(i));
+    start = size_t((state >> 33) % (n - kRun));
+  }
+  auto fetch = [&](const T* p) {
+    const char* bytes = reinterpret_cast<const char*>(p);
+    // every cache line the run touches, its last one included
+    for (size_t offset = 0; offset < kRun * sizeof(T) + 64; offset += 64)
+      __builtin_prefetch(bytes + offset);
+  };
+  std::vector<Key>& sample = scratch().sample;
+  sample.resize(kSampleSize);
+  for (size_t r = 0; r < kRuns; ++r) {
+    if (r + kAhead < kRuns) {
+      fetch(data + starts[r + kAhead]);
+      if (add) fetch(add + starts[r + kAhead]);
+    }
+    Key* out = sample.data() + r * kRun;
+    const size_t start = starts[r];
+    for (size_t i = 0; i < kRun; ++i) {
+      const size_t at = start + i;
+      out[i] = magnitude_key(add ? topk::accumulate(data[at], add[at]) : data[at]);
+    }
   }
   double expected = double(want) * kSampleSize / double(n);
   // Aim 20% plus four standard deviations above the expected count, so one scan nearly always
@@ -414,9 +433,7 @@ void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* i
   } else {
     // Never below 1: zeros (the least key) are not collected wholesale when fewer than k
     // elements are non-zero (a sparse gradient), only as many as k needs, below.
-    Key t = std::max<Key>(1, estimate_threshold(n, k, [&](size_t i) {
-                            return magnitude_key(add ? topk::accumulate(data[i], add[i]) : data[i]);
-                          }));
+    Key t = std::max<Key>(1, estimate_threshold(data, add, n, k));
     cands.reserve(k * 2);
     // Above about 1 in 128 elements, about one 8-lane step in ten holds a candidate, and the
     // scan's branch on "any hit" costs more in mispredictions than it saves (4.35M float32,
