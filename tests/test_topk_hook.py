@@ -35,13 +35,19 @@ def train(store, rank, world, hook_kind, steps):
     elif hook_kind == "fp16_topk":
         model.register_comm_hook(state, fp16_compress_wrapper(topk_hook))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
+    losses, prepared = [], None
     for xb, yb in digits_batches(rank, world, steps):
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(xb), yb)
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if state.step == state.dense_steps:  # the last dense step ended: its prepared blocks
+            prepared = {block.untyped_storage().data_ptr(): block.numel()
+                        for block, _ in state._prepared}
+        elif state.step == state.dense_steps + 1:  # the first compressed step took them
+            carved = {t.untyped_storage().data_ptr() for t in state.residuals.values()}
+            assert not state._prepared, "the blocks are let go after the first compressed step"
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     saved = state.state_dict()
     restored = TopKState()
@@ -51,6 +57,7 @@ def train(store, rank, world, hook_kind, steps):
     stats = state.stats
     dist.destroy_process_group()
     return dict(losses=losses, params=params, round_trip=round_trip, steps=stats.steps,
+                prepared=sum(prepared.values()), carved_from_prepared=carved <= set(prepared),
                 ratio=stats.compression_ratio, compressed=stats.compressed_buckets,
                 residual_keys=sorted(state.residuals))
 
@@ -61,6 +68,11 @@ def test_ddp_trains_with_topk_hook(hook_kind):
     for r in results:
         assert r["round_trip"] and r["steps"] == 40 and r["compressed"] > 0
         assert r["residual_keys"]  # a residual per compressed bucket
+        # The first compressed step's residuals are slices of the zeroed memory that the last
+        # dense step faulted in while its all-reduce waited (TopKState.prepare_memory), which
+        # covered every parameter.
+        assert r["carved_from_prepared"]
+        assert r["prepared"] == sum(p.numel() for p in make_model().parameters())
         assert r["ratio"] > 3, r["ratio"]  # warm-up steps are dense, the rest ~5%
         assert sum(r["losses"][-5:]) < sum(r["losses"][:5])
     # DDP keeps replicas identical: every rank applied the same averaged update
