@@ -64,9 +64,10 @@ def reduce_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[to
 def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Not training either: top-k's own work with no network, the least a top-k step costs where
     compute is what bounds it (more ranks than cores). The real selection with error feedback, at
-    the state's density schedule (its dense steps: nothing), the rounding to the wire type, then a
-    sparse all-reduce's work as if every rank had sent these pairs: the bucket zeroed, the pairs
-    added world-size times, divided."""
+    the state's density schedule (its dense steps: only the residuals' memory, prepared as
+    topk_hook prepares it), the rounding to the wire type, then a sparse all-reduce's work as if
+    every rank had sent these pairs: the bucket zeroed, the pairs added world-size times,
+    divided."""
     flat = bucket.buffer()
     density = state.density()
     if density < 1:
@@ -79,6 +80,8 @@ def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torc
         for _ in range(world):
             flat.index_add_(0, positions, wire)
         flat.div_(world)
+    elif state.density(state.step + 1) < 1:
+        state.prepare_memory(flat)  # as topk_hook does on its last dense step
     if bucket.is_last():
         state.step += 1
     fut = torch.futures.Future()
