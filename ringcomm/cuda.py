@@ -149,6 +149,8 @@ def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int,
     kernels = _kernels()
     _check(grad, "grad", TOPK_DTYPES)
     _check(residual, "residual", TOPK_DTYPES, device=grad.device)
+    if value_dtype is not None and value_dtype not in TOPK_DTYPES:
+        raise TypeError(f"value_dtype must be one of {TOPK_DTYPES}, got {value_dtype}")
     if residual.dtype != grad.dtype or residual.numel() != grad.numel():
         raise ValueError(f"residual ({residual.dtype}, {residual.numel()} elements) must match "
                          f"grad ({grad.dtype}, {grad.numel()} elements)")
@@ -160,8 +162,6 @@ def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int,
                                    workspace.data_ptr(), workspace.numel(), _stream(grad.device))
     if value_dtype is None or value_dtype == grad.dtype:
         return values, indices
-    if value_dtype not in TOPK_DTYPES:
-        raise TypeError(f"value_dtype must be one of {TOPK_DTYPES}, got {value_dtype}")
     wire = values.to(value_dtype)
     # The selected entries were zeroed; distinct indices, so the order of adds does not matter.
     residual.index_add_(0, indices.long(), values - wire.to(values.dtype))

@@ -422,7 +422,7 @@ void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* i
             W* values) {
   Candidates& cands = scratch().cands;
   cands.clear();
-  // The first `count` candidates' bits back into `keep`, where collect zeroed them.
+  // The first `count` candidates' bits back into `keep`, where collect replaced them.
   auto restore = [&](size_t count) {
     if (keep)
       for (size_t j = 0; j < count; ++j) keep[cands.index(j)] = from_bits<T>(cands.bits(j));
