@@ -124,7 +124,9 @@ class TopKState(ReportsBuckets):
         has started, so that faulting in the pages (16.9 MB for the digits MLP's big bucket,
         4,100 page faults, 100 ms of a 4-rank host's first compressed step) overlaps the wait
         for the network. DDP rebuilds its buckets after the first iteration; the rebuilt ones
-        have the same elements in all, so memory() carves their residuals out of these blocks."""
+        have the same elements in all, so memory() carves their residuals out of these blocks.
+        A block stays allocated whole while any residual carved out of it lives (a bucket that
+        goes dense instead leaves its part unused)."""
         self._prepared.append([torch.zeros_like(like, memory_format=torch.contiguous_format), 0])
 
     def _zeros(self, like: torch.Tensor) -> torch.Tensor:
