@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ringcomm import compress
+from ringcomm._buffers import TORCH_DTYPES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -190,6 +191,13 @@ def test_values_in_another_type_leave_their_rounding_in_the_residual(dtype, valu
 def test_a_wire_type_outside_top_k_is_refused():
     with pytest.raises(TypeError, match="value_dtype"):
         compress.topk_with_residual(torch.ones(4), torch.zeros(4), 1, torch.float64)
+    # the kernel itself, reached without the Python check, refuses it as well
+    grad, residual = torch.ones(4), torch.zeros(4)
+    values, indices = torch.empty(1, dtype=torch.float64), torch.empty(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="top-k does not support float64"):
+        compress._C.topk_with_residual_kernel(
+            TORCH_DTYPES[torch.float32], grad.data_ptr(), residual.data_ptr(), 4, 1,
+            indices.data_ptr(), values.data_ptr(), TORCH_DTYPES[torch.float64])
 
 
 def test_error_feedback_accumulates_over_steps():

@@ -73,7 +73,7 @@ void visit_divide(DType dtype, F&& f) {
 }
 
 // f(Type<T>{}) for the element types top-k selects over and sends (float32, float16, bfloat16);
-// callers check the dtype first.
+// any other raises.
 template <typename F>
 void visit_topk(DType dtype, F&& f) {
   switch (dtype) {

@@ -477,9 +477,6 @@ RC_MULTIVERSION
 void topk_with_residual(DType dtype, const void* grad, void* residual, size_t n, size_t k,
                         int32_t* indices, void* values, DType value_dtype) {
   check(dtype, n, k);
-  RC_CHECK_ARG(value_dtype == DType::kFloat32 || value_dtype == DType::kFloat16 ||
-                   value_dtype == DType::kBFloat16,
-               "top-k values are float32, float16 or bfloat16, got ", dtype_name(value_dtype));
   kernels::visit_topk(dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     kernels::visit_topk(value_dtype, [&](auto wire) {
