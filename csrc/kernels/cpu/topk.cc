@@ -142,11 +142,60 @@ Scratch& scratch() {
   return s;
 }
 
+// The radix passes of kernels/topk_math.h (the CUDA kernel's own steps) over n keys, k <= n: the
+// first pass counts key_at(j) for every j, the later ones only the keys still in the running,
+// copied out as each pass ends. Afterwards state.prefix is the k-th largest key, and
+// state.remaining how many keys equal to it rank up to the k-th. Counting and copying are
+// branch-free; a comparison sort's branches on keys would be coin tosses.
+template <int kKeyBits, typename KeyAt>
+topk::RadixState radix_select(size_t n, size_t k, KeyAt key_at) {
+  topk::RadixState state = topk::radix_start(uint32_t(k));
+  if (k == 0) return state;
+  std::vector<uint32_t>& count = scratch().count;
+  count.resize(topk::kRadixBins);
+  std::vector<Key>& running = scratch().running;
+  size_t in_running = 0;
+  for (int pass = 0; pass < topk::radix_passes(kKeyBits); ++pass) {
+    const topk::RadixPass p = topk::radix_pass(kKeyBits, pass);
+    std::fill(count.begin(), count.end(), 0u);
+    if (pass == 0) {
+      for (size_t j = 0; j < n; ++j) ++count[topk::radix_digit(key_at(j), p)];
+    } else {
+      for (size_t j = 0; j < in_running; ++j) ++count[topk::radix_digit(running[j], p)];
+    }
+    uint32_t above = 0;
+    for (unsigned digit = 1u << p.bits; digit-- > 0; above += count[digit]) {
+      if (topk::radix_is_pick(above, count[digit], state.remaining)) {
+        topk::radix_advance(state, p, digit, above);
+        break;
+      }
+    }
+    if (pass + 1 == topk::radix_passes(kKeyBits)) break;
+    size_t kept = 0;
+    if (pass == 0) {
+      running.resize(count[topk::radix_digit(state.prefix, p)] + 1);  // + 1: the last store
+      for (size_t j = 0; j < n; ++j) {
+        running[kept] = key_at(j);
+        kept += topk::radix_matches(running[kept], state);
+      }
+    } else {
+      for (size_t j = 0; j < in_running; ++j) {
+        running[kept] = running[j];
+        kept += topk::radix_matches(running[kept], state);
+      }
+    }
+    in_running = kept;
+  }
+  return state;
+}
+
 // Threshold key that about `want` of n elements of acc = data (+ add) reach, estimated from a
 // sample of keys: short contiguous runs at pseudo-random offsets, which costs a few cache misses
 // per run instead of one per sampled element. The runs' memory is fetched a few runs ahead, so
 // that their misses overlap (the estimate for 4.35M float32 with a residual, nth_element
-// included: 0.55-0.65 -> 0.3-0.45 ms).
+// included: 0.55-0.65 -> 0.3-0.45 ms). The sample's key of the wanted rank comes from
+// radix_select: std::nth_element's partitioning branched on every key, about half of them
+// mispredicted, which made it most of the estimate.
 template <typename T>
 Key estimate_threshold(const T* data, const T* add, size_t n, size_t want) {
   constexpr size_t kRun = 64, kRuns = kSampleSize / kRun, kAhead = 8;
@@ -180,8 +229,8 @@ Key estimate_threshold(const T* data, const T* add, size_t n, size_t want) {
   // Aim 20% plus four standard deviations above the expected count, so one scan nearly always
   // suffices.
   size_t rank = size_t(std::min<double>(kSampleSize - 1, expected * 1.2 + 4 * std::sqrt(expected) + 8));
-  std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<Key>());
-  return sample[rank];
+  return radix_select<topk::key_bits<T>()>(kSampleSize, rank + 1,
+                                          [&](size_t j) { return sample[j]; }).prefix;
 }
 
 // The scans (step 2) read an input `in` with, for error feedback, the residual `add` added to
@@ -323,55 +372,16 @@ void collect(const T* in, const T* add, T* keep, size_t n, Key t, bool frequent_
   collect_at_least<T, W>(in, add, keep, 0, n, t, out);
 }
 
-// Finds the k-th in selection order among `cands` (ascending index order) by the radix passes of
-// kernels/topk_math.h (the CUDA kernel's own steps), each pass counting only the keys still in
-// the running, then walks the candidates once more: the selected ones go to `indices` and
-// `values`, sorted by index without a sort, the others to the front of `cands`; returns how many
-// those are. Both walks are branch-free (a store and a conditional advance), as a hit's branch
-// would be a coin toss. The values are written as W.
+// Finds the k-th in selection order among `cands` (ascending index order) by radix_select, then
+// walks the candidates once more: the selected ones go to `indices` and `values`, sorted by index
+// without a sort, the others to the front of `cands`; returns how many those are. The walk is
+// branch-free (a store and a conditional advance), as a hit's branch would be a coin toss. The
+// values are written as W.
 template <typename T, typename W>
 size_t select_exact(Candidates& cands, size_t k, int32_t* indices, W* values) {
   constexpr Key mask = key_mask<T>();
-  constexpr int key_bits = topk::key_bits<T>();
-  topk::RadixState state = topk::radix_start(uint32_t(k));
-  if (k > 0) {
-    std::vector<uint32_t>& count = scratch().count;
-    count.resize(topk::kRadixBins);
-    // After the first pass: the keys that match the prefix so far.
-    std::vector<Key>& running = scratch().running;
-    size_t in_running = 0;
-    for (int pass = 0; pass < topk::radix_passes(key_bits); ++pass) {
-      const topk::RadixPass p = topk::radix_pass(key_bits, pass);
-      std::fill(count.begin(), count.end(), 0u);
-      if (pass == 0) {
-        for (size_t j = 0; j < cands.size(); ++j) ++count[topk::radix_digit(cands.bits(j) & mask, p)];
-      } else {
-        for (size_t j = 0; j < in_running; ++j) ++count[topk::radix_digit(running[j], p)];
-      }
-      uint32_t above = 0;
-      for (unsigned digit = 1u << p.bits; digit-- > 0; above += count[digit]) {
-        if (topk::radix_is_pick(above, count[digit], state.remaining)) {
-          topk::radix_advance(state, p, digit, above);
-          break;
-        }
-      }
-      if (pass + 1 == topk::radix_passes(key_bits)) break;
-      size_t kept = 0;
-      if (pass == 0) {
-        running.resize(count[topk::radix_digit(state.prefix, p)] + 1);
-        for (size_t j = 0; j < cands.size(); ++j) {
-          running[kept] = cands.bits(j) & mask;
-          kept += topk::radix_matches(running[kept], state);
-        }
-      } else {
-        for (size_t j = 0; j < in_running; ++j) {
-          running[kept] = running[j];
-          kept += topk::radix_matches(running[kept], state);
-        }
-      }
-      in_running = kept;
-    }
-  }
+  const topk::RadixState state = radix_select<topk::key_bits<T>()>(
+      cands.size(), k, [&](size_t j) { return cands.bits(j) & mask; });
   // The selected come in index order, so each goes to the next slot; one not selected writes
   // there too, before a later selected one overwrites it, and is moved to the front of `cands`.
   uint32_t equal_before = 0;
