@@ -672,6 +672,7 @@ void Communicator::run(Task& task) {
     task.body(ctx);
     scratch_.operation_done();
     account(task, begin_ns, sent0, received0, idle0);
+    trace::Span span("callbacks", 0);
     task.work->finish("");
   } catch (const std::exception& e) {
     std::string reason = str_cat(e.what(), " [rank ", rank_, ", during ", task.sig.describe(), "]");

@@ -9,7 +9,8 @@ Open the file in https://ui.perfetto.dev or chrome://tracing, or draw it:
 
 Each rank is a process (pid = rank) with its threads as tracks: the thread that ran a collective
 shows it as a span (name = the collective, args: algorithm, sequence number, bytes), "queued"
-before it when it waited behind others, and inside it its phases: each message ("send"/"recv" to
+before it when it waited behind others, "callbacks" after it (what ran on its completion: the
+Work's callbacks and futures, e.g. a DDP hook's chained callbacks), and inside it its phases: each message ("send"/"recv" to
 or from a peer, from posted to done as that thread saw it, so a receive includes waiting for the
 peer), "reduce", "pack"/"unpack" (coalesced), "encode"/"decode" (sparse), "compress" (top-k
 selection in the hook). Each DDP bucket has a track of its own, "DDP bucket <i>": a span from
@@ -42,7 +43,8 @@ from ._env import env_int
 DEFAULT_MAX_EVENTS = 1_000_000
 # C++ span names by category (docs: the list above).
 _CATEGORIES = {"send": "message", "recv": "message", "queued": "queue", "reduce": "compute",
-               "pack": "compute", "unpack": "compute", "encode": "compute", "decode": "compute"}
+               "pack": "compute", "unpack": "compute", "encode": "compute", "decode": "compute",
+               "callbacks": "callback"}
 # Tracks that are not threads (DDP buckets) get thread ids from here up.
 _TRACK_BASE = 1 << 30
 

@@ -61,6 +61,10 @@ def test_timeline_has_each_collective_its_phases_and_every_rank(tmp_path):
         # every byte of the ring's two phases: (n-1)/n of the buffer each way, per phase
         assert sum(e["args"]["bytes"] for e in messages if e["name"] == "send") == 1 << 20
         assert any(inside(e, ring) for e in spans(events, "reduce", rank))
+        # what ran on its completion, after it on its thread
+        callbacks = [e for e in spans(events, "callbacks", rank) if e["tid"] == ring["tid"]]
+        assert len(callbacks) == 3 and all(e["cat"] == "callback" for e in callbacks)
+        assert min(e["ts"] for e in callbacks) >= ring["ts"] + ring["dur"] - 1
         (coalesced,) = spans(events, "all_reduce_coalesced", rank)
         assert any(inside(e, coalesced) for e in spans(events, "pack", rank))
         assert any(inside(e, coalesced) for e in spans(events, "unpack", rank))
