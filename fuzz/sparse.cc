@@ -72,9 +72,12 @@ void run(Input& in) {
   std::unique_ptr<char[]> out = exact_buffer(out_bytes);
   if (out_bytes) std::memset(out.get(), kUntouched, out_bytes);
 
-  std::vector<size_t> words(2 * n);
-  for (size_t& w : words) w = word();
-  check_peer_sizes(s, words);
+  for (int q = 0; q < n; ++q) {
+    const size_t k = word(), packed = word();
+    check_peer_size(s, q, k, packed);
+    s.k.push_back(k);
+    s.packed.push_back(packed);
+  }
 
   if (!ranges) {
     size_t total = 0;
@@ -84,12 +87,15 @@ void run(Input& in) {
     const bool valid = gather_blocks_valid(s, blocks.get());
     // The decode buffer is scratch reused across calls: start it with indices that would pass.
     size_t total_k = 0;
-    for (size_t k : s.k) total_k += k;  // each below its packed size (check_peer_sizes)
+    for (size_t k : s.k) total_k += k;  // each below its packed size (check_peer_size)
     std::vector<int32_t> decoded(std::max<size_t>(1, total_k), 0);
     bool ok = false;
     try {
       std::vector<uint64_t> seen((numel + 63) / 64 + 1);
-      reduce_gathered(s, blocks.get(), decoded.data(), seen.data(), out.get(), ReduceOp::kAvg);
+      std::vector<const char*> at;  // every rank's block, back to back in the input
+      for (size_t q = 0, offset = 0; q < size_t(n); offset += s.packed[q++])
+        at.push_back(blocks.get() + offset);
+      reduce_gathered(s, at, decoded.data(), seen.data(), out.get(), ReduceOp::kAvg);
       ok = true;
     } catch (const Error&) {
     }

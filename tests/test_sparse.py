@@ -53,6 +53,27 @@ def test_sparse_all_reduce_matches_dense(world):
     assert all(r == results[0] for r in results)
 
 
+def estimates_that_disagree(comm):
+    """Each rank sends its pairs with its sizes where its own estimate (every rank's sizes taken
+    to be its own) picks gather; the choice made with every rank's sizes may differ."""
+    n = comm.world_size
+    cases = [(200_000, [200_000, 100, 100, 100]),     # ranks 1-3 sent theirs; the choice is not gather
+             (200_000, [60_000, 60_000, 100, 100]),   # ranks 0-1 did not; the choice is gather
+             (200_000, [100_000, 2000, 2000, 2000])]  # rank 0 did not; the choice is gather
+    for seed, (numel, ks) in enumerate(cases):
+        idx, val = pairs(comm.rank, numel, ks[comm.rank], torch.float32, seed)
+        out = comm.sparse_all_reduce(idx, val, numel)
+        assert torch.equal(out.double(), dense_reference(n, numel, ks, torch.float32, seed)), ks
+        # the next operation's messages are not taken for pairs sent ahead
+        after = torch.full((3,), float(comm.rank))
+        comm.all_reduce(after)
+        assert after.tolist() == [6.0] * 3
+
+
+def test_pairs_sent_ahead_of_the_choice_whatever_it_is():
+    run_ranks(4, estimates_that_disagree, timeout=120)
+
+
 def float_sums_identical(comm):
     gen = torch.Generator().manual_seed(comm.rank)
     idx = torch.randint(0, 100_000, (3000,), generator=gen, dtype=torch.int32)

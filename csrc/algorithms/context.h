@@ -202,13 +202,14 @@ class Context {
   void set_current(const Signature& sig) { mesh_.set_current(sig); }
   void wait(Request r) {
     mesh_.wait(r, deadline_);
-    for (size_t i = 0; i < staged_.size(); ++i) {
-      if (staged_[i].id != r.id) continue;
-      const StagedApply s = staged_[i];
-      staged_.erase(staged_.begin() + long(i));
-      s.apply(0, s.staging, s.bytes);
-      break;
-    }
+    applied(r);
+  }
+  // Waits until any of `requests` completes and returns its position: for messages whose order
+  // of arrival is not known (which rank comes last).
+  size_t wait_any(const std::vector<Request>& requests) {
+    const size_t i = mesh_.wait_any(requests.data(), requests.size(), deadline_);
+    applied(requests[i]);
+    return i;
   }
   void finish() {
     for (Request r : sends_) mesh_.wait(r, deadline_);
@@ -221,6 +222,16 @@ class Context {
 
  private:
   int global(int peer) const { return members_.empty() ? peer : members_[size_t(peer)]; }
+  // A completed receive posted by recv_apply with staging: its bytes go to its consumer now.
+  void applied(Request r) {
+    for (size_t i = 0; i < staged_.size(); ++i) {
+      if (staged_[i].id != r.id) continue;
+      const StagedApply s = staged_[i];
+      staged_.erase(staged_.begin() + long(i));
+      s.apply(0, s.staging, s.bytes);
+      break;
+    }
+  }
 
   Mesh& mesh_;
   Signature sig_;

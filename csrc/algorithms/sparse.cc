@@ -1,10 +1,10 @@
 // Sparse all-reduce: every rank holds k_r (index, value) pairs of a vector of `numel` elements;
 // every rank gets the dense sum (or average) of all of them.
 //
-// Step 0 (always): all-gather each rank's pair count k_r and packed size, so every rank makes the
-// same choice below. Then, by the cheapest estimate (select.h: bytes on the wire per rank, plus
-// 64 KiB per message round):
-//   gather:  all-gather every rank's packed pairs (ring); scatter-add them all, in rank order.
+// Step 0 (always): every rank sends every other its pair count k_r and packed size, so every rank
+// makes the same choice below. Then, by the cheapest estimate (select.h: bytes on the wire per
+// rank, plus 64 KiB per message round):
+//   gather:  every rank sends its packed pairs to every other; scatter-add them all, in rank order.
 //            Packed: indices as zigzag-varint deltas (about 1.3 bytes each for ascending top-k
 //            indices at 1% density, kernels/cpu/index_codec.h), then the values.
 //            Bytes received per rank: the others' packed sizes.
@@ -73,15 +73,91 @@ size_t pack_for_gather(Context& ctx, const SparsePairs& mine, size_t value_size,
   return index_bytes + mine.count * value_size;
 }
 
-void gather_all_reduce(Context& ctx, const SparseSizes& s, const char* packed, void* out,
-                       ReduceOp op) {
-  const char* all = gather_blocks(ctx, packed, s.packed);
+// Step 0 and gather's packed pairs go straight from every rank to every other, not around a
+// ring. Each rank sends every other its header (pair count, packed size, whether its packed pairs
+// follow) and, where its own estimate already picks gather, its packed pairs right behind it. So
+// the rank that comes last finds the others' headers and pairs waiting, and its own go out in one
+// hop; around a ring its sizes, then each block, passed through every rank in turn after it came
+// (top-k DDP on 4 hosts at 1 Gbit/s: the last rank began decoding 5-8 ms after it arrived).
+struct Step0 {
+  std::vector<const char*> blocks;  // gather: rank q's packed pairs, once received
+  std::vector<Request> receives;    // of those blocks, where posted
+  std::vector<bool> sent_pairs;     // whether rank q's packed pairs followed its header
+};
+
+constexpr size_t kHeaderWords = 3;  // pair count, packed size, pairs follow (0 or 1)
+
+// Sends this rank's header (and with `pairs_follow` its packed pairs) to every other rank, and
+// receives theirs in whatever order they come: checks each before trusting it, then fills s.k
+// and s.packed, and posts the receive of the pairs that follow it.
+Step0 exchange_sizes(Context& ctx, SparseSizes& s, size_t k, char* packed, size_t packed_bytes,
+                     bool pairs_follow) {
+  const int n = s.n, me = s.rank;
+  Step0 step{std::vector<const char*>(n, nullptr), std::vector<Request>(n),
+             std::vector<bool>(n, false)};
+  step.blocks[me] = packed;
+  step.sent_pairs[me] = pairs_follow;
+  s.k.assign(n, 0);
+  s.packed.assign(n, 0);
+  s.k[me] = k;
+  s.packed[me] = packed_bytes;
+  auto* headers = reinterpret_cast<uint64_t*>(ctx.scratch(kHeaderWords * 8 * size_t(n)));
+  uint64_t* mine = headers + kHeaderWords * me;
+  mine[0] = k;
+  mine[1] = packed_bytes;
+  mine[2] = pairs_follow;
+  std::vector<Request> pending;
+  std::vector<int> from;
+  for (int q = 0; q < n; ++q) {
+    if (q == me) continue;
+    pending.push_back(ctx.recv(q, headers + kHeaderWords * q, kHeaderWords * 8));
+    from.push_back(q);
+  }
+  for (int q = 0; q < n; ++q) {
+    if (q == me) continue;
+    ctx.send(q, mine, kHeaderWords * 8);
+    if (pairs_follow) ctx.send(q, packed, packed_bytes);
+  }
+  while (!pending.empty()) {
+    const size_t i = ctx.wait_any(pending);
+    const int q = from[i];
+    pending.erase(pending.begin() + long(i));
+    from.erase(from.begin() + long(i));
+    const uint64_t* header = headers + kHeaderWords * q;
+    check_peer_size(s, q, header[0], header[1]);
+    if (header[2] > 1)
+      RC_THROW("sparse_all_reduce: rank ", q, " sent a header whose last word is ", header[2],
+               ", not 0 or 1");
+    s.k[q] = header[0];
+    s.packed[q] = header[1];
+    step.sent_pairs[q] = header[2] == 1;
+    if (step.sent_pairs[q]) {
+      char* block = ctx.scratch(s.packed[q]);
+      step.blocks[q] = block;
+      step.receives[q] = ctx.recv(q, block, s.packed[q]);
+    }
+  }
+  return step;
+}
+
+void gather_all_reduce(Context& ctx, const SparseSizes& s, Step0& step, void* out, ReduceOp op) {
+  const int n = s.n, me = s.rank;
+  for (int q = 0; q < n; ++q) {
+    if (q == me || step.sent_pairs[q]) continue;
+    char* block = ctx.scratch(s.packed[q]);
+    step.blocks[q] = block;
+    step.receives[q] = ctx.recv(q, block, s.packed[q]);
+  }
+  for (int q = 0; q < n && !step.sent_pairs[me]; ++q)
+    if (q != me) ctx.send(q, step.blocks[me], s.packed[me]);
+  for (int q = 0; q < n; ++q)
+    if (q != me) ctx.wait(step.receives[q]);
   size_t total = 0;
   for (size_t k : s.k) total += k;
   auto* decoded = reinterpret_cast<int32_t*>(ctx.scratch(total * 4));
   trace::Span span("decode", s.numel * s.out_size);
   auto* seen = reinterpret_cast<uint64_t*>(ctx.scratch((s.numel + 63) / 64 * 8));
-  reduce_gathered(s, all, decoded, seen, out, op);
+  reduce_gathered(s, step.blocks, decoded, seen, out, op);
 }
 
 void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mine, void* out,
@@ -167,9 +243,22 @@ Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const vo
   SparseSizes s(ctx.size(), ctx.rank(), numel, value_dtype, out_dtype);
   SparsePairs mine{reinterpret_cast<const char*>(indices), static_cast<const char*>(values), k};
   char* packed = nullptr;
-  uint64_t sizes[2] = {k, pack_for_gather(ctx, mine, s.value_size, &packed)};
-  check_peer_sizes(s, gather_words(ctx, sizes, 2));
+  const size_t packed_bytes = pack_for_gather(ctx, mine, s.value_size, &packed);
+  // Whether my pairs go out with my header: where gather is forced, or where my estimate picks
+  // it taking every rank's sizes to be mine (the choice below, made with every rank's, nearly
+  // always agrees; where it does not, those pairs are received and dropped).
+  SparseSizes alike = s;
+  alike.k.assign(size_t(s.n), k);
+  alike.packed.assign(size_t(s.n), packed_bytes);
+  const bool pairs_follow =
+      algo == Algorithm::kSparseGather ||
+      (algo == Algorithm::kAuto && choose(ctx.selector(), alike) == Algorithm::kSparseGather);
+  Step0 step = exchange_sizes(ctx, s, k, packed, packed_bytes, pairs_follow);
   if (algo == Algorithm::kAuto) algo = choose(ctx.selector(), s);
+  if (algo != Algorithm::kSparseGather) {
+    for (int q = 0; q < s.n; ++q)
+      if (q != s.rank && step.sent_pairs[q]) ctx.wait(step.receives[q]);
+  }
   // AVG divides where each way has least to divide: the ring and ranges only their own share.
   switch (algo) {
     case Algorithm::kSparseRanges:
@@ -185,7 +274,7 @@ Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const vo
       ring_all_reduce(ctx, out, numel, out_dtype, op);
       break;
     default:
-      gather_all_reduce(ctx, s, packed, out, op);
+      gather_all_reduce(ctx, s, step, out, op);
   }
   ctx.finish();
   return algo;

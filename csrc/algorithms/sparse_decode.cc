@@ -76,24 +76,19 @@ void check_indices(const SparsePairs& p, size_t begin, size_t end, int from) {
                ", ", end, ")");
 }
 
-void check_peer_sizes(SparseSizes& s, const std::vector<size_t>& words) {
-  for (int q = 0; q < s.n; ++q) {
-    // At most 2^31 - 1 pairs (checked locally too), so k * (5 + value size) cannot overflow.
-    size_t k_q = words[2 * q], packed_q = words[2 * q + 1];
-    if (k_q > size_t(INT32_MAX)) bad_size(q, "a pair count of", k_q, "more than 2^31 - 1");
-    // Its indices take 1 to 5 bytes each. (With fewer than k, and k > 0, the index bytes could
-    // be 0, which is also what decode_indices returns on failure.)
-    size_t values_bytes = k_q * s.value_size;
-    if (packed_q < values_bytes || packed_q - values_bytes < k_q ||
-        packed_q - values_bytes > cpu::max_encoded_bytes(k_q))
-      bad_size(q, "a packed size of", packed_q, "impossible for its pair count");
-    s.k.push_back(k_q);
-    s.packed.push_back(packed_q);
-  }
+void check_peer_size(const SparseSizes& s, int q, size_t k_q, size_t packed_q) {
+  // At most 2^31 - 1 pairs (checked locally too), so k * (5 + value size) cannot overflow.
+  if (k_q > size_t(INT32_MAX)) bad_size(q, "a pair count of", k_q, "more than 2^31 - 1");
+  // Its indices take 1 to 5 bytes each. (With fewer than k, and k > 0, the index bytes could
+  // be 0, which is also what decode_indices returns on failure.)
+  size_t values_bytes = k_q * s.value_size;
+  if (packed_q < values_bytes || packed_q - values_bytes < k_q ||
+      packed_q - values_bytes > cpu::max_encoded_bytes(k_q))
+    bad_size(q, "a packed size of", packed_q, "impossible for its pair count");
 }
 
-void reduce_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded, uint64_t* seen,
-                     void* out, ReduceOp op) {
+void reduce_gathered(const SparseSizes& s, const std::vector<const char*>& blocks, int32_t* decoded,
+                     uint64_t* seen, void* out, ReduceOp op) {
   std::vector<SparsePairs> pairs;
   pairs.reserve(size_t(s.n));
   bool ascending = true;
@@ -102,15 +97,14 @@ void reduce_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded,
     // decode_indices returns 0 on failure: with k > 0 that is never a success, or the decode
     // scratch's stale indices (another rank's) would be added as this rank's.
     cpu::DecodedIndices range;
-    size_t used = cpu::decode_indices(reinterpret_cast<const uint8_t*>(blocks), index_bytes,
+    size_t used = cpu::decode_indices(reinterpret_cast<const uint8_t*>(blocks[q]), index_bytes,
                                       s.k[q], decoded, &range);
     if (used != index_bytes || (s.k[q] > 0 && used == 0))
       RC_THROW("sparse_all_reduce: malformed index encoding from rank ", q);
-    pairs.push_back({reinterpret_cast<const char*>(decoded), blocks + index_bytes, s.k[q]});
+    pairs.push_back({reinterpret_cast<const char*>(decoded), blocks[q] + index_bytes, s.k[q]});
     if (s.k[q] > 0 && (range.least < 0 || size_t(range.greatest) >= s.numel))
       check_indices(pairs.back(), 0, s.numel, q);  // throws, naming the index
     ascending = ascending && range.ascending;
-    blocks += s.packed[q];
     decoded += s.k[q];
   }
   char* const bytes = static_cast<char*>(out);

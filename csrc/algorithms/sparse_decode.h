@@ -67,11 +67,10 @@ void check_indices(const SparsePairs& p, size_t begin, size_t end, int from);
 // out[index] += value for every pair (in order), converting through float; indices checked first.
 void scatter_add(DType value_dtype, DType out_dtype, void* out, const SparsePairs& p);
 
-// Step 0: checks every rank's (pair count, packed size), `words[2q]` and `words[2q + 1]`, against
-// what is possible, then appends them to s.k and s.packed.
-void check_peer_sizes(SparseSizes& s, const std::vector<size_t>& words);
+// Step 0: throws unless rank q's pair count and packed size are possible together.
+void check_peer_size(const SparseSizes& s, int q, size_t k_q, size_t packed_q);
 
-// gather: `blocks` holds every rank's packed pairs back to back (s.packed[q] bytes each). Decodes
+// gather: `blocks[q]` holds rank q's packed pairs (s.packed[q] bytes). Decodes
 // every rank's indices into `decoded` (room for the sum of s.k: every rank's stay, back to back),
 // checks them, and writes into `out` (numel elements) the sum of every rank's pairs, added at each
 // position in rank order onto +0; AVG then divides every position by s.n. `seen` has room for
@@ -82,8 +81,8 @@ void check_peer_sizes(SparseSizes& s, const std::vector<size_t>& words);
 // once, in order. Otherwise every rank's pairs are scatter-added over the whole of `out`, and AVG
 // divides only the positions sent (found through `seen`): every other one holds +0, which the
 // division leaves as it is. The bits are the same either way.
-void reduce_gathered(const SparseSizes& s, const char* blocks, int32_t* decoded, uint64_t* seen,
-                     void* out, ReduceOp op);
+void reduce_gathered(const SparseSizes& s, const std::vector<const char*>& blocks, int32_t* decoded,
+                     uint64_t* seen, void* out, ReduceOp op);
 
 // ranges step 1: `from[q]` is the number of pairs rank q sends this owner; at most its count.
 void check_owner_counts(const SparseSizes& s, const std::vector<size_t>& from);

@@ -465,7 +465,13 @@ std::string Mesh::describe_timeout(Clock::duration notice_every) {
   return cycle ? why + " (a cycle: they wait on each other)" : why;
 }
 
-void Mesh::wait(Request req, Clock::time_point deadline) {
+size_t Mesh::wait_any(const Request* reqs, size_t count, Clock::time_point deadline) {
+  size_t found = 0;
+  auto any_done = [&] {
+    for (found = 0; found < count; ++found)
+      if (done(reqs[found])) return true;
+    return false;
+  };
   check_usable();
   const Clock::time_point start = Clock::now();
   const auto spin_end = start + std::chrono::microseconds(std::max(options_.spin_us, 0));
@@ -487,13 +493,13 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
                    std::memory_order_relaxed);
     idle_since = Clock::time_point();
   };
-  while (!done(req)) {
+  while (!any_done()) {
     throw_if_interrupted();
     if (progress()) {
       end_idle();
       continue;
     }
-    if (done(req)) break;
+    if (any_done()) break;
     // The clock is read every 32 idle polls: reading it each time cost more than the poll.
     if (spinning) {
       if (++idle_polls % 32 != 0) {
@@ -535,10 +541,11 @@ void Mesh::wait(Request req, Clock::time_point deadline) {
       next_notice = Clock::now() + notice_every;
     }
     block(-1, std::min(deadline, next_notice));
-    if (Clock::now() >= deadline && !done(req) && !progress() && !done(req))
+    if (Clock::now() >= deadline && !any_done() && !progress() && !any_done())
       RC_THROW(describe_timeout(notice_every));
   }
   end_idle();
+  return found;
 }
 
 void Mesh::progress_until_event(int wake_fd, Clock::time_point deadline) {

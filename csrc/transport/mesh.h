@@ -72,7 +72,9 @@ class Mesh final : public PartSink {
   Request post_produce(int peer, size_t bytes, const Signature& sig, Transport::Producer produce);
   // Progress everything until `req` completes; throws ringcomm::Error on a mismatch, a lost peer,
   // a remote abort or when `deadline` passes.
-  void wait(Request req, Clock::time_point deadline);
+  void wait(Request req, Clock::time_point deadline) { wait_any(&req, 1, deadline); }
+  // The same until any of `count` requests completes; returns the position of one that has.
+  size_t wait_any(const Request* reqs, size_t count, Clock::time_point deadline);
   bool done(Request req) const { return find(req.id) == nullptr; }
   // Transport::peek for `peer`'s transport.
   bool peek(int peer, Signature* sig) const {
