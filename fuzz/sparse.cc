@@ -35,7 +35,7 @@ namespace {
 constexpr DType kTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 constexpr uint8_t kUntouched = 0xa5;  // `out` bytes nothing may write
 
-// Whether the gather blocks are well-formed, decoded independently of reduce_gathered.
+// Whether the gather blocks are well-formed, decoded independently of decode_block.
 bool gather_blocks_valid(const SparseSizes& s, const char* blocks) {
   for (int q = 0; q < s.n; ++q) {
     const size_t k = s.k[q], index_bytes = s.packed[q] - k * s.value_size;
@@ -92,10 +92,13 @@ void run(Input& in) {
     bool ok = false;
     try {
       std::vector<uint64_t> seen((numel + 63) / 64 + 1);
-      std::vector<const char*> at;  // every rank's block, back to back in the input
-      for (size_t q = 0, offset = 0; q < size_t(n); offset += s.packed[q++])
-        at.push_back(blocks.get() + offset);
-      reduce_gathered(s, at, decoded.data(), seen.data(), out.get(), ReduceOp::kAvg);
+      // every rank's block, back to back in the input, decoded as sparse.cc does
+      std::vector<SparsePairs> pairs;
+      bool ascending = true;
+      for (size_t q = 0, offset = 0, at = 0; q < size_t(n); offset += s.packed[q], at += s.k[q], ++q)
+        pairs.push_back(
+            decode_block(s, int(q), blocks.get() + offset, decoded.data() + at, &ascending));
+      reduce_decoded(s, pairs, ascending, seen.data(), out.get(), ReduceOp::kAvg);
       ok = true;
     } catch (const Error&) {
     }

@@ -73,6 +73,20 @@ size_t pack_for_gather(Context& ctx, const SparsePairs& mine, size_t value_size,
   return index_bytes + mine.count * value_size;
 }
 
+// Waits for the receives `pending` (from rank `from[i]`) in the order they complete, calling
+// arrived(rank) for each.
+template <typename Arrived>
+void in_arrival_order(Context& ctx, std::vector<Request> pending, std::vector<int> from,
+                      Arrived arrived) {
+  while (!pending.empty()) {
+    const size_t i = ctx.wait_any(pending);
+    const int q = from[i];
+    pending.erase(pending.begin() + long(i));
+    from.erase(from.begin() + long(i));
+    arrived(q);
+  }
+}
+
 // Step 0 and gather's packed pairs go straight from every rank to every other, not around a
 // ring. Each rank sends every other its header (pair count, packed size, whether its packed pairs
 // follow) and, where its own estimate already picks gather, its packed pairs right behind it. So
@@ -118,11 +132,7 @@ Step0 exchange_sizes(Context& ctx, SparseSizes& s, size_t k, char* packed, size_
     ctx.send(q, mine, kHeaderWords * 8);
     if (pairs_follow) ctx.send(q, packed, packed_bytes);
   }
-  while (!pending.empty()) {
-    const size_t i = ctx.wait_any(pending);
-    const int q = from[i];
-    pending.erase(pending.begin() + long(i));
-    from.erase(from.begin() + long(i));
+  in_arrival_order(ctx, std::move(pending), std::move(from), [&](int q) {
     const uint64_t* header = headers + kHeaderWords * q;
     check_peer_size(s, q, header[0], header[1]);
     if (header[2] > 1)
@@ -136,7 +146,7 @@ Step0 exchange_sizes(Context& ctx, SparseSizes& s, size_t k, char* packed, size_
       step.blocks[q] = block;
       step.receives[q] = ctx.recv(q, block, s.packed[q]);
     }
-  }
+  });
   return step;
 }
 
@@ -150,14 +160,31 @@ void gather_all_reduce(Context& ctx, const SparseSizes& s, Step0& step, void* ou
   }
   for (int q = 0; q < n && !step.sent_pairs[me]; ++q)
     if (q != me) ctx.send(q, step.blocks[me], s.packed[me]);
-  for (int q = 0; q < n; ++q)
-    if (q != me) ctx.wait(step.receives[q]);
+  // Each block's indices are decoded as it comes, most of them while the last is on its way;
+  // adding the pairs waits for all of them, as every position adds in rank order.
+  std::vector<int32_t*> decoded(size_t(n) + 1);
   size_t total = 0;
   for (size_t k : s.k) total += k;
-  auto* decoded = reinterpret_cast<int32_t*>(ctx.scratch(total * 4));
-  trace::Span span("decode", s.numel * s.out_size);
+  decoded[0] = reinterpret_cast<int32_t*>(ctx.scratch(total * 4));
+  for (int q = 0; q < n; ++q) decoded[q + 1] = decoded[q] + s.k[q];
+  std::vector<SparsePairs> pairs(static_cast<size_t>(n));
+  bool ascending = true;
+  auto decode = [&](int q) {
+    trace::Span span("decode", s.packed[q], q);
+    pairs[q] = decode_block(s, q, step.blocks[q], decoded[q], &ascending);
+  };
+  decode(me);
+  std::vector<Request> pending;
+  std::vector<int> from;
+  for (int q = 0; q < n; ++q) {
+    if (q == me) continue;
+    pending.push_back(step.receives[q]);
+    from.push_back(q);
+  }
+  in_arrival_order(ctx, std::move(pending), std::move(from), decode);
+  trace::Span span("reduce", s.numel * s.out_size);
   auto* seen = reinterpret_cast<uint64_t*>(ctx.scratch((s.numel + 63) / 64 * 8));
-  reduce_gathered(s, step.blocks, decoded, seen, out, op);
+  reduce_decoded(s, pairs, ascending, seen, out, op);
 }
 
 void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mine, void* out,

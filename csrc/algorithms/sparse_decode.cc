@@ -55,7 +55,7 @@ size_t scatter_add_below(DType value_dtype, DType out_dtype, void* out, const Sp
   RC_THROW("sparse_all_reduce: rank ", from, " sent ", what, " ", value, ", ", limit);
 }
 
-// reduce_gathered's chunk of `out`: it and the pairs being added stay in a core's L2.
+// reduce_decoded's chunk of `out`: it and the pairs being added stay in a core's L2.
 constexpr size_t kChunkBytes = 256 << 10;
 
 // Unordered pairs: dividing one sent position (a cache line of its own, found through the bitmap,
@@ -87,26 +87,25 @@ void check_peer_size(const SparseSizes& s, int q, size_t k_q, size_t packed_q) {
     bad_size(q, "a packed size of", packed_q, "impossible for its pair count");
 }
 
-void reduce_gathered(const SparseSizes& s, const std::vector<const char*>& blocks, int32_t* decoded,
-                     uint64_t* seen, void* out, ReduceOp op) {
-  std::vector<SparsePairs> pairs;
-  pairs.reserve(size_t(s.n));
-  bool ascending = true;
-  for (int q = 0; q < s.n; ++q) {
-    size_t index_bytes = s.packed[q] - s.k[q] * s.value_size;
-    // decode_indices returns 0 on failure: with k > 0 that is never a success, or the decode
-    // scratch's stale indices (another rank's) would be added as this rank's.
-    cpu::DecodedIndices range;
-    size_t used = cpu::decode_indices(reinterpret_cast<const uint8_t*>(blocks[q]), index_bytes,
-                                      s.k[q], decoded, &range);
-    if (used != index_bytes || (s.k[q] > 0 && used == 0))
-      RC_THROW("sparse_all_reduce: malformed index encoding from rank ", q);
-    pairs.push_back({reinterpret_cast<const char*>(decoded), blocks[q] + index_bytes, s.k[q]});
-    if (s.k[q] > 0 && (range.least < 0 || size_t(range.greatest) >= s.numel))
-      check_indices(pairs.back(), 0, s.numel, q);  // throws, naming the index
-    ascending = ascending && range.ascending;
-    decoded += s.k[q];
-  }
+SparsePairs decode_block(const SparseSizes& s, int q, const char* block, int32_t* decoded,
+                         bool* ascending) {
+  const size_t index_bytes = s.packed[q] - s.k[q] * s.value_size;
+  // decode_indices returns 0 on failure: with k > 0 that is never a success, or the decode
+  // scratch's stale indices (another rank's) would be added as this rank's.
+  cpu::DecodedIndices range;
+  const size_t used = cpu::decode_indices(reinterpret_cast<const uint8_t*>(block), index_bytes,
+                                          s.k[q], decoded, &range);
+  if (used != index_bytes || (s.k[q] > 0 && used == 0))
+    RC_THROW("sparse_all_reduce: malformed index encoding from rank ", q);
+  const SparsePairs pairs{reinterpret_cast<const char*>(decoded), block + index_bytes, s.k[q]};
+  if (s.k[q] > 0 && (range.least < 0 || size_t(range.greatest) >= s.numel))
+    check_indices(pairs, 0, s.numel, q);  // throws, naming the index
+  *ascending = *ascending && range.ascending;
+  return pairs;
+}
+
+void reduce_decoded(const SparseSizes& s, const std::vector<SparsePairs>& pairs, bool ascending,
+                    uint64_t* seen, void* out, ReduceOp op) {
   char* const bytes = static_cast<char*>(out);
   if (ascending) {
     const size_t chunk = std::max<size_t>(1, kChunkBytes / s.out_size);

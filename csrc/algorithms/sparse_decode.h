@@ -70,9 +70,14 @@ void scatter_add(DType value_dtype, DType out_dtype, void* out, const SparsePair
 // Step 0: throws unless rank q's pair count and packed size are possible together.
 void check_peer_size(const SparseSizes& s, int q, size_t k_q, size_t packed_q);
 
-// gather: `blocks[q]` holds rank q's packed pairs (s.packed[q] bytes). Decodes
-// every rank's indices into `decoded` (room for the sum of s.k: every rank's stay, back to back),
-// checks them, and writes into `out` (numel elements) the sum of every rank's pairs, added at each
+// gather, one rank's part: decodes the indices of rank q's packed pairs `block` (s.packed[q]
+// bytes) into `decoded` (room for s.k[q]), checks them, and returns the pairs; clears
+// `*ascending` unless the indices ascend. A rank decodes each block as it arrives.
+SparsePairs decode_block(const SparseSizes& s, int q, const char* block, int32_t* decoded,
+                         bool* ascending);
+
+// gather, once every rank's block is decoded (`pairs[q]`, rank order; `ascending`: whether all
+// of them ascend): writes into `out` (numel elements) the sum of every rank's pairs, added at each
 // position in rank order onto +0; AVG then divides every position by s.n. `seen` has room for
 // numel bits.
 //
@@ -81,8 +86,8 @@ void check_peer_size(const SparseSizes& s, int q, size_t k_q, size_t packed_q);
 // once, in order. Otherwise every rank's pairs are scatter-added over the whole of `out`, and AVG
 // divides only the positions sent (found through `seen`): every other one holds +0, which the
 // division leaves as it is. The bits are the same either way.
-void reduce_gathered(const SparseSizes& s, const std::vector<const char*>& blocks, int32_t* decoded,
-                     uint64_t* seen, void* out, ReduceOp op);
+void reduce_decoded(const SparseSizes& s, const std::vector<SparsePairs>& pairs, bool ascending,
+                    uint64_t* seen, void* out, ReduceOp op);
 
 // ranges step 1: `from[q]` is the number of pairs rank q sends this owner; at most its count.
 void check_owner_counts(const SparseSizes& s, const std::vector<size_t>& from);
