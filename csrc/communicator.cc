@@ -108,8 +108,8 @@ void Work::finish(const std::string& error) {
 Communicator::Communicator(int rank, int world_size, double timeout_s,
                            const std::string& master_addr)
     : rank_(rank), world_size_(world_size), trace_id_(next_trace_id++),
-      selector_(world_size, LinkModel{}),
-      timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))) {
+      timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))),
+      selector_(world_size, LinkModel{}) {
   RC_CHECK_ARG(world_size >= 1, "world_size must be >= 1, got ", world_size);
   RC_CHECK_ARG(rank >= 0 && rank < world_size, "rank ", rank, " out of range for world_size ",
                world_size);
