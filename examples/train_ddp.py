@@ -268,7 +268,11 @@ def main():
             step += 1
 
     cpu = torch.tensor([run.cpu_seconds for run in runs], dtype=torch.float64)
-    dist.all_reduce(cpu)  # CPU time of every rank (all threads), summed
+    # CPU time of every rank (all threads), summed by ringcomm rather than gloo: a gloo worker
+    # frees a finished all-reduce, and its tensor's Python object, after the caller has moved on,
+    # and one still doing so when the interpreter shuts down aborts the process (torch 2.13:
+    # "terminate called without an active exception", from the worker taking the GIL).
+    hooks.default_communicator().all_reduce(cpu)
     if rank == 0:
         params = sum(p.numel() for p in runs[0].model.parameters())
         timed = step - args.warmup
