@@ -83,6 +83,28 @@ def test_pack_and_unpack_match_torch(src, dst, kind, factor):
         assert same(torch.cat(targets), expect), (begin, end)
 
 
+@pytest.mark.parametrize("nbytes", [1, 255, 256, 257, 287, 383, 384, 4096 + 97])
+def test_plain_copies_at_every_alignment_of_source_and_destination(nbytes):
+    # Same-dtype packs and unpacks are the kernels' own vector copies from 256 bytes on: every
+    # source and destination offset modulo 64, with the bytes around the destination untouched.
+    gen = torch.Generator().manual_seed(nbytes)
+    src = torch.randint(0, 256, (nbytes + 64,), generator=gen).to(torch.uint8)
+    u8 = TORCH_DTYPES[torch.uint8]
+    for s in range(0, 64, 3):
+        piece = src[s:s + nbytes]
+        for d in range(0, 64, 5):
+            out = torch.full((nbytes + 128,), 0xAB, dtype=torch.uint8)
+            _C.pack_kernel(u8, [piece.data_ptr()], [nbytes], 0, nbytes, out.data_ptr() + d, u8,
+                           SCALE_NONE, 1.0)
+            assert torch.equal(out[d:d + nbytes], piece), (s, d)
+            assert bool((out[:d] == 0xAB).all()) and bool((out[d + nbytes:] == 0xAB).all()), (s, d)
+            back = torch.full((nbytes + 128,), 0xCD, dtype=torch.uint8)
+            _C.unpack_kernel(out.data_ptr() + d, u8, u8, [back.data_ptr() + s], [nbytes], 0, nbytes,
+                             SCALE_NONE, 1.0)
+            assert torch.equal(back[s:s + nbytes], piece), (s, d)
+            assert bool((back[:s] == 0xCD).all()) and bool((back[s + nbytes:] == 0xCD).all())
+
+
 def test_fp16_packing_rounds_once_over_all_values():
     # Every fp16 value, widened, scaled by 1/3 and packed back to fp16, against torch's rounding.
     h = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
