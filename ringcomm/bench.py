@@ -35,7 +35,11 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
   --floor          the memory floor: every rank at once computes torch.add(a, b, out=out) over
                    buffers of the size (reads it twice, writes it once; one thread per rank), the
                    least a rank does if it could read its peer's data in place; a sample's time is
-                   the slowest rank's. all_reduce only.
+                   the slowest rank's. With --coll all_reduce_coalesced, the layout's limit
+                   instead: every rank at once packs its tensors into one buffer and unpacks them
+                   back (the one read and one write of each element any all-reduce makes), the
+                   same for the views of one buffer, and the limit is the flat all_reduce plus
+                   what the tensors' layout adds to those two passes (tensors minus views).
   --wire           the link limit: before the rows, every rank opens a plain TCP socket to its ring
                    successor ((rank + 1) % n, at the address it published in the Store) and all
                    ranks at once stream max(16 MiB, largest size) bytes to it while receiving as
@@ -495,7 +499,8 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     gloo's dist.all_reduce_coalesced (with --compare gloo), the backend's coalesced and flat
     calls (with --compare backend), and for reference one ringcomm
     all_reduce of a single tensor of the same total size (no packing: the transport's floor for
-    these bytes). Ratios: each variant's time over all_reduce_coalesced's."""
+    these bytes). Ratios: each variant's time over all_reduce_coalesced's. With --floor, the
+    layout's limit (see layout_limit)."""
     import warnings
 
     from . import backend
@@ -533,15 +538,19 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
         variants["backend all_reduce, one flat tensor"] = lambda: dist.all_reduce(
             flat, op=DIST_OPS[args.op], group=group)
     variants["ringcomm all_reduce, one flat tensor"] = lambda: comm.all_reduce(flat, op=args.op)
+    passes = layout_passes(tensors, views) if args.floor else {}
+    timed = {**variants, **passes}
     iters = args.iters or 20
-    for run in variants.values():
+    for run in timed.values():
         for _ in range(args.warmup_iters):
             run()
-    samples = {name: [] for name in variants}
+    samples = {name: [] for name in timed}
     sample_warmup = sample_warmup_iters(args, iters)
     for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
-        for name, run in variants.items():
+        for name, run in timed.items():
             samples[name].append(time_calls(run, iters, comm.barrier, sample_warmup))
+    for name in passes:  # every rank runs them at once: a sample lasts until the slowest is done
+        samples[name] = slowest_rank(comm, samples[name])
     stacked = [torch.cat(inputs(r)).double() for r in range(world)]
     expect = {"sum": sum(stacked), "avg": sum(stacked) / world,
               "prod": torch.stack(stacked).prod(0), "min": torch.stack(stacked).min(0).values,
@@ -563,10 +572,12 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     row = {"coll": args.coll, "ranks": world, "type": args.datatype, "redop": args.op,
            "tensors": args.tensors, "tensor_bytes": args.tensor_bytes, "seed": args.seed,
            "size": nbytes}
-    for (name, times), w in zip(samples.items(), wrong_total.tolist()):
-        t = statistics.median(times)
+    for name, w in zip(variants, wrong_total.tolist()):
+        t = statistics.median(samples[name])
         row[name] = {"time_us": t * 1e6, "algbw": nbytes / t / 1e9, "wrong": w,
-                     "ratio": t / first, "samples_us": [x * 1e6 for x in times]}
+                     "ratio": t / first, "samples_us": [x * 1e6 for x in samples[name]]}
+    if passes:
+        row["layout limit"] = layout_limit(samples, row)
     if rank == 0:
         print(f"# {args.tensors} {args.datatype} tensors of {args.tensor_bytes} B (seed {args.seed}, "
               f"{nbytes} B in all), {world} ranks, op {args.op}, {iters} calls per sample, "
@@ -581,7 +592,48 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
             r = row[name]
             print(f"  {name:<36} {r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['wrong']:>6} "
                   f"{r['ratio']:>7.2f}", flush=True)
+        if passes:
+            limit = row["layout limit"]
+            for name, t in limit["passes_us"].items():
+                print(f"# {name:<45} {t:>10.1f} us (slowest rank)")
+            print(f"# layout limit = flat all_reduce + tensors' passes - views' passes: "
+                  f"{limit['time_us']:.1f} us = {limit['over_flat']:.2f}x the flat all_reduce; "
+                  f"all_reduce_coalesced = {limit['coalesced_over_flat']:.2f}x the flat, "
+                  f"{limit['coalesced_over_limit']:.2f}x the limit", flush=True)
     return row
+
+
+PASSES_TENSORS = "pack + unpack of the tensors, no exchange"
+PASSES_VIEWS = "pack + unpack of the views, no exchange"
+
+
+def layout_passes(tensors, views) -> dict:
+    """The two passes over the caller's memory that any all-reduce of a list makes (read every
+    element, write every result), without the exchange: ringcomm's pack of the list, one message
+    at a time, and its unpack (_C.layout_passes), for the tensors and for the views of one buffer
+    (the same sizes back to back). They leave the tensors' values undefined."""
+    from . import _C
+    from .fusion import BufferList
+
+    def passes(items):
+        lists = BufferList(items)
+        return lambda: _C.layout_passes(lists.ptrs, lists.counts, lists.dtypes)
+    return {PASSES_TENSORS: passes(tensors), PASSES_VIEWS: passes(views)}
+
+
+def layout_limit(samples, row) -> dict:
+    """What the tensors' layout costs beyond the views' in the two passes, added to the flat
+    all_reduce (whose own passes run over one buffer): an estimate of the least time for these
+    tensors, as the floor is for all_reduce, not a bound."""
+    passes = {name: statistics.median(samples[name]) * 1e6
+              for name in (PASSES_TENSORS, PASSES_VIEWS)}
+    flat = row["ringcomm all_reduce, one flat tensor"]["time_us"]
+    coalesced = row["ringcomm all_reduce_coalesced"]["time_us"]
+    limit = flat + passes[PASSES_TENSORS] - passes[PASSES_VIEWS]
+    return {"time_us": limit, "passes_us": passes,
+            "passes_samples_us": {name: [x * 1e6 for x in samples[name]] for name in passes},
+            "over_flat": limit / flat, "coalesced_over_flat": coalesced / flat,
+            "coalesced_over_limit": coalesced / limit}
 
 
 def compared(args) -> list[str]:
@@ -830,7 +882,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. gloo,mpi or ring,tree,recursive_doubling")
     p.add_argument("--floor", action="store_true",
                    help="also time the memory floor: torch.add(a, b, out=out) over each size on "
-                        "every rank at once (all_reduce)")
+                        "every rank at once (all_reduce); with all_reduce_coalesced, the layout's "
+                        "limit (pack and unpack of the tensors against their views, no exchange)")
     p.add_argument("--wire", action="store_true",
                    help="also measure the link limit: every rank streams max(16 MiB, largest size) "
                         "over plain TCP to rank + 1 while receiving from rank - 1; each size's "
@@ -871,8 +924,9 @@ def main(argv=None) -> int:
         if torch.cuda.device_count() < local:
             raise SystemExit(f"--compare nccl runs every rank on a GPU of its own: {local} local "
                              f"ranks, {torch.cuda.device_count()} GPUs here")
-    if args.floor and args.coll != "all_reduce":
-        raise SystemExit("--floor is the memory floor of all_reduce: use it with --coll all_reduce")
+    if args.floor and args.coll not in ("all_reduce", "all_reduce_coalesced"):
+        raise SystemExit("--floor is the memory floor of all_reduce: use it with --coll all_reduce "
+                         "or all_reduce_coalesced")
     if args.wire:
         if args.coll != "all_reduce":
             raise SystemExit("--wire is the link limit of a ring all_reduce: use it with "

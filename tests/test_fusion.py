@@ -601,7 +601,7 @@ def test_bench_coalesced_mode_checks_results(tmp_path):
     out_file = tmp_path / "coalesced.json"
     cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--coll", "all_reduce_coalesced",
            "--tensors", "50", "--tensor-bytes", "4-2K", "-n", "2", "-w", "1", "--repeats", "2",
-           "--compare", "gloo,backend", "--json", str(out_file)]
+           "--compare", "gloo,backend", "--floor", "--json", str(out_file)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     (row,) = json.loads(out_file.read_text())["rows"]
@@ -614,6 +614,35 @@ def test_bench_coalesced_mode_checks_results(tmp_path):
         assert row[name]["wrong"] == 0 and len(row[name]["samples_us"]) == 2
     assert row[variants[0]]["ratio"] == 1.0
     assert "# tensor lists read in C++" in run.stdout  # the backend's use has loaded the module
+    limit = row["layout limit"]  # --floor: the flat all_reduce + what the layout adds to 2 passes
+    passes = limit["passes_us"]
+    assert len(passes) == 2 and all(len(v) == 2 for v in limit["passes_samples_us"].values())
+    flat = row["ringcomm all_reduce, one flat tensor"]["time_us"]
+    assert limit["time_us"] == pytest.approx(flat + passes["pack + unpack of the tensors, no exchange"]
+                                             - passes["pack + unpack of the views, no exchange"])
+    assert limit["coalesced_over_limit"] == pytest.approx(row[variants[0]]["time_us"] / limit["time_us"])
+    assert "# layout limit = flat all_reduce + tensors' passes - views' passes" in run.stdout
+
+
+def test_layout_passes_read_and_write_every_element():
+    # Two messages' worth (RINGCOMM_FUSION_SLICE_BYTES each) in four tensors: every element is
+    # packed into the one staging buffer, then every element unpacked from it, so both halves end
+    # up holding the second half's values; then the argument checks.
+    from ringcomm.fusion import BufferList
+
+    half = int(os.environ.get("RINGCOMM_FUSION_SLICE_BYTES") or 128 << 10) // 4
+    tensors = random_list(torch.float32, [3, 0, half - 3 + 1000, half - 1000], seed=5)
+    second = torch.cat(tensors)[half:].clone()
+    lists = BufferList(tensors)
+    _C.layout_passes(lists.ptrs, lists.counts, lists.dtypes)
+    after = torch.cat(tensors)
+    assert same(after[:half], second) and same(after[half:], second)
+    mixed = BufferList([torch.ones(4), torch.ones(4, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="buffers of one dtype"):
+        _C.layout_passes(mixed.ptrs, mixed.counts, mixed.dtypes)
+    empty = array("Q")
+    with pytest.raises(ValueError, match="at least one buffer"):
+        _C.layout_passes(empty, empty, empty)
 
 
 def scratch_held(comm):

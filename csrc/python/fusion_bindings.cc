@@ -1,6 +1,9 @@
 // Bindings of the coalesced collectives and the pack/unpack kernels into ringcomm._C. A list of
 // buffers crosses as three buffers of uint64 (fusion.BufferList's): addresses, element counts and
 // dtype codes, read in place (converting three Python lists of a thousand ints took 45 us).
+#include <algorithm>
+#include <vector>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -148,6 +151,30 @@ void bind_fusion(py::module_& m) {
           cpu::unpack(reinterpret_cast<const void*>(src), DType(src_dtype),
                       pack_list(dtype, ptrs, counts), begin, end, s);
         }, G());
+  // The two passes an all-reduce of a list makes over the caller's memory, without the
+  // exchange, for the benchmark's layout limit (python -m ringcomm.bench --coll
+  // all_reduce_coalesced --floor): every element read (packed into a staging buffer one
+  // RINGCOMM_FUSION_SLICE_BYTES message at a time, as the pipeline packs), then every element
+  // written (unpacked from it). The buffers end up holding what the staging buffer held: a
+  // benchmark's buffers only.
+  m.def("layout_passes", [](const py::buffer& ptrs, const py::buffer& counts,
+                            const py::buffer& dtypes) {
+    const std::vector<BufferRef> refs = buffer_refs(ptrs, counts, dtypes);
+    RC_CHECK_ARG(!refs.empty(), "layout_passes needs at least one buffer");
+    cpu::PackList list(refs[0].dtype);
+    for (const BufferRef& r : refs) {
+      RC_CHECK_ARG(r.dtype == list.dtype(), "layout_passes needs buffers of one dtype");
+      list.add(r.data, r.count);
+    }
+    const size_t step =
+        std::max<size_t>(1, AlgorithmTuning::get().fusion_slice_bytes / dtype_size(list.dtype()));
+    std::vector<char> staging(step * dtype_size(list.dtype()));
+    py::gil_scoped_release nogil;
+    for (size_t b = 0; b < list.count(); b += step)
+      cpu::pack(list, b, std::min(list.count(), b + step), staging.data(), list.dtype(), {});
+    for (size_t b = 0; b < list.count(); b += step)
+      cpu::unpack(staging.data(), list.dtype(), list, b, std::min(list.count(), b + step), {});
+  });
 }
 
 }  // namespace ringcomm
