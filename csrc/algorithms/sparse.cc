@@ -73,11 +73,17 @@ size_t pack_for_gather(Context& ctx, const SparsePairs& mine, size_t value_size,
   return index_bytes + mine.count * value_size;
 }
 
-// Waits for the receives `pending` (from rank `from[i]`) in the order they complete, calling
-// arrived(rank) for each.
+// Waits for the receives by_rank[q] of every rank q but `me` in the order they complete, calling
+// arrived(q) for each.
 template <typename Arrived>
-void in_arrival_order(Context& ctx, std::vector<Request> pending, std::vector<int> from,
-                      Arrived arrived) {
+void in_arrival_order(Context& ctx, const std::vector<Request>& by_rank, int me, Arrived arrived) {
+  std::vector<Request> pending;
+  std::vector<int> from;
+  for (int q = 0; q < int(by_rank.size()); ++q) {
+    if (q == me) continue;
+    pending.push_back(by_rank[q]);
+    from.push_back(q);
+  }
   while (!pending.empty()) {
     const size_t i = ctx.wait_any(pending);
     const int q = from[i];
@@ -120,19 +126,15 @@ Step0 exchange_sizes(Context& ctx, SparseSizes& s, size_t k, char* packed, size_
   mine[0] = k;
   mine[1] = packed_bytes;
   mine[2] = pairs_follow;
-  std::vector<Request> pending;
-  std::vector<int> from;
-  for (int q = 0; q < n; ++q) {
-    if (q == me) continue;
-    pending.push_back(ctx.recv(q, headers + kHeaderWords * q, kHeaderWords * 8));
-    from.push_back(q);
-  }
+  std::vector<Request> header_receives(n);
+  for (int q = 0; q < n; ++q)
+    if (q != me) header_receives[q] = ctx.recv(q, headers + kHeaderWords * q, kHeaderWords * 8);
   // Every header before any pairs: the pairs to one rank would hold the headers to the others
   // back by their link time (about 1 ms each for top-k's 130 KB at 1 Gbit/s). The pairs go to
   // the next ranks first, so that not every rank's go to rank 0 first.
   for (int j = 1; j < n; ++j) ctx.send((me + j) % n, mine, kHeaderWords * 8);
   for (int j = 1; j < n && pairs_follow; ++j) ctx.send((me + j) % n, packed, packed_bytes);
-  in_arrival_order(ctx, std::move(pending), std::move(from), [&](int q) {
+  in_arrival_order(ctx, header_receives, me, [&](int q) {
     const uint64_t* header = headers + kHeaderWords * q;
     check_peer_size(s, q, header[0], header[1]);
     if (header[2] > 1)
@@ -162,11 +164,11 @@ void gather_all_reduce(Context& ctx, const SparseSizes& s, Step0& step, void* ou
     ctx.send((me + j) % n, step.blocks[me], s.packed[me]);
   // Each block's indices are decoded as it comes, most of them while the last is on its way;
   // adding the pairs waits for all of them, as every position adds in rank order.
-  std::vector<int32_t*> decoded(size_t(n) + 1);
   size_t total = 0;
   for (size_t k : s.k) total += k;
+  std::vector<int32_t*> decoded(static_cast<size_t>(n));  // rank q's indices, back to back
   decoded[0] = reinterpret_cast<int32_t*>(ctx.scratch(total * 4));
-  for (int q = 0; q < n; ++q) decoded[q + 1] = decoded[q] + s.k[q];
+  for (int q = 1; q < n; ++q) decoded[q] = decoded[q - 1] + s.k[q - 1];
   std::vector<SparsePairs> pairs(static_cast<size_t>(n));
   bool ascending = true;
   auto decode = [&](int q) {
@@ -174,14 +176,7 @@ void gather_all_reduce(Context& ctx, const SparseSizes& s, Step0& step, void* ou
     pairs[q] = decode_block(s, q, step.blocks[q], decoded[q], &ascending);
   };
   decode(me);
-  std::vector<Request> pending;
-  std::vector<int> from;
-  for (int q = 0; q < n; ++q) {
-    if (q == me) continue;
-    pending.push_back(step.receives[q]);
-    from.push_back(q);
-  }
-  in_arrival_order(ctx, std::move(pending), std::move(from), decode);
+  in_arrival_order(ctx, step.receives, me, decode);
   trace::Span span("reduce", s.numel * s.out_size);
   auto* seen = reinterpret_cast<uint64_t*>(ctx.scratch((s.numel + 63) / 64 * 8));
   reduce_decoded(s, pairs, ascending, seen, out, op);
