@@ -36,10 +36,11 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
                    buffers of the size (reads it twice, writes it once; one thread per rank), the
                    least a rank does if it could read its peer's data in place; a sample's time is
                    the slowest rank's. With --coll all_reduce_coalesced, the layout's limit
-                   instead: every rank at once packs its tensors into one buffer and unpacks them
-                   back (the one read and one write of each element any all-reduce makes), the
-                   same for the views of one buffer, and the limit is the flat all_reduce plus
-                   what the tensors' layout adds to those two passes (tensors minus views).
+                   instead: every rank at once reads each element of its tensors and writes it
+                   (ringcomm's pack into a staging buffer, a message at a time, then its unpack:
+                   the one read and one write any all-reduce makes), the same for the views of
+                   one buffer, and the limit is the flat all_reduce plus what the tensors' layout
+                   adds to those two passes (tensors minus views).
   --wire           the link limit: before the rows, every rank opens a plain TCP socket to its ring
                    successor ((rank + 1) % n, at the address it published in the Store) and all
                    ranks at once stream max(16 MiB, largest size) bytes to it while receiving as
