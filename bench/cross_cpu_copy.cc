@@ -36,7 +36,7 @@
 namespace {
 
 constexpr size_t kSlots = 8, kSlotBytes = 256 << 10, kRoundBytes = 8 << 20;
-constexpr double kReportSeconds = 0.5;
+constexpr double kReportSeconds = 0.5, kGraceSeconds = 10;
 
 struct Inbox {
   alignas(64) std::atomic<uint64_t> head;  // fragments written by the sender
@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
   std::vector<char> send(kRoundBytes, 1), recv(kRoundBytes, 0);
   std::vector<char> local_src(2 * kRoundBytes, 2), local_dst(2 * kRoundBytes, 0);
 
-  uint64_t sent = 0, received = 0;
+  uint64_t sent = 0, received = 0, spins = 0;
   const double start = now();
   double mark = start;
   std::vector<double> rounds;
@@ -102,6 +102,10 @@ int main(int argc, char** argv) {
         received_bytes += kSlotBytes;
       }
       CPU_PAUSE();
+      if (++spins % 65536 == 0 && now() - start > seconds + kGraceSeconds) {
+        std::fprintf(stderr, "cross_cpu_copy: no progress from the other process\n");
+        return 1;  // the other one died or never ran: give up rather than spin forever
+      }
     }
     rounds.push_back(now() - round_start);
     if (now() - mark < kReportSeconds) continue;
