@@ -1,6 +1,6 @@
 // Two processes exchange bytes through shared memory with plain memcpy, no ringcomm code: the
 // machine's own rate for moving data between CPUs, sampled every half second, beside a local
-// memcpy of the same size in the same process. On the 2-CPU microVM of docs/performance.md
+// memcpy of 16 MiB (the bytes of a round) in the same process. On the 2-CPU microVM of docs/performance.md
 // (session 20) the exchange switched, for seconds at a time, between about 0.9 ms and 2-4 ms a
 // round while the local copy stayed at 1.6 ms: the states that made ringcomm's shared-memory
 // all-reduces flip between two speeds within one run.
@@ -68,6 +68,10 @@ int main(int argc, char** argv) {
   auto* stop = new (base + 2 * inbox_bytes) std::atomic<int>(0);
   for (int i = 0; i < 2; ++i) new (base + i * inbox_bytes) Inbox{};
   const pid_t child = fork();
+  if (child < 0) {
+    std::perror("fork");
+    return 1;
+  }
   const int me = child == 0 ? 1 : 0;
   auto* out = reinterpret_cast<Inbox*>(base + me * inbox_bytes);  // I write, the other reads
   auto* in = reinterpret_cast<Inbox*>(base + (1 - me) * inbox_bytes);
