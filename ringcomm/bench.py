@@ -49,6 +49,11 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
                    and Gbit/s). Each size's wire row is the time of the bytes on the wire,
                    2(n-1)/n x size / rate, so its busbw is the rate. all_reduce only.
 The floor's and the wire's ratio columns ("vs floor", "vs wire") are ringcomm's time over theirs.
+With --algo auto and forced algorithms (--compare ring,tree,recursive_doubling), each row also
+says which algorithm auto ran ("auto chose", the communicator's choice for that size) and that
+algorithm's forced time over the fastest forced time ("chosen / best"). The auto column and the
+forced column of the algorithm it chose time the same code in one run: how far apart they are is
+the run's sample-to-sample spread, which the auto column's time ratios include.
 
 Rows print as they finish. On sweeps of more than 8 sizes, or when a size takes more than 2 s,
 rank 0 writes a progress line ("[3/14] 1 MiB ...") on stderr, so stdout holds the table alone.
@@ -734,6 +739,8 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
         for lib in anchors:
             time_ratio = f"vs {lib}" if lib in LIMITS else f"{lib} time ratio"
             head += f" | {time_ratio:>16} {'busbw ratio':>11}"
+        if args.algo == "auto" and any(lib in ALGORITHMS for lib in anchors):
+            head += f" | {'auto chose':>18} {'chosen / best':>13}"
         print(head, flush=True)
     sizes = [] if coalesced else sizes_from(args)
     for index, nbytes in enumerate(sizes, 1):
@@ -750,6 +757,9 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
             for lib in anchors:
                 ratio = row["ratios"][lib]
                 line += f" | {ratio['time']:>16.3f} {ratio['busbw']:>11.2f}"
+            if "auto_chose" in row:
+                chosen = row.get("chosen_vs_best")
+                line += f" | {row['auto_chose']:>18} {'-' if chosen is None else f'{chosen:.3f}':>13}"
             print(line, flush=True)
     if rank == 0 and args.json:
         out = {"args": vars(args), "transport": transport, "rows": rows}
@@ -820,7 +830,23 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
     rc = row["ringcomm"]
     row["ratios"] = {lib: {"time": rc["time_us"] / row[lib]["time_us"],
                            "busbw": rc["busbw"] / row[lib]["busbw"]} for lib in libs[1:]}
+    row.update(auto_choice(args, comm, row, libs))
     return row
+
+
+def auto_choice(args, comm, row: dict, libs: list[str]) -> dict:
+    """With --algo auto and forced algorithms to compare: the algorithm auto ran at this size,
+    and its own forced column over the fastest forced column ("chosen / best": the choice's cost,
+    apart from the sample-to-sample spread that separates the auto column from the forced column
+    of the same algorithm in one run)."""
+    forced = [lib for lib in libs if lib in ALGORITHMS]
+    if args.algo != "auto" or not forced:
+        return {}
+    chose = comm.algorithm_for(row["size"])
+    if chose not in forced:
+        return {"auto_chose": chose}
+    best = min(row[lib]["time_us"] for lib in forced)
+    return {"auto_chose": chose, "chosen_vs_best": row[chose]["time_us"] / best}
 
 
 def free_port() -> int:

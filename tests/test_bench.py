@@ -29,6 +29,17 @@ def test_bench_compares_with_gloo_and_forced_algorithms_and_writes_json(tmp_path
         for lib in ("gloo", "ring", "tree"):
             assert r["ratios"][lib]["time"] == pytest.approx(r["ringcomm"]["time_us"] /
                                                              r[lib]["time_us"])
+        # which algorithm auto ran; where it is a forced column, its time over the fastest one
+        assert r["auto_chose"] in ("ring", "tree", "recursive_doubling"), r
+        if r["auto_chose"] in ("ring", "tree"):
+            fastest = min(r["ring"]["time_us"], r["tree"]["time_us"])
+            assert r["chosen_vs_best"] == pytest.approx(r[r["auto_chose"]]["time_us"] / fastest)
+        else:
+            assert "chosen_vs_best" not in r
+    # 8 bytes on 2 ranks: recursive doubling's one round against two of the ring and the tree
+    # (RINGCOMM_TUNING=off in tests: alpha 16 us, beta 4 GB/s)
+    assert rows[0]["auto_chose"] == "recursive_doubling"
+    assert "auto chose" in run.stdout and "chosen / best" in run.stdout
 
 
 def test_bench_other_collectives_check_results(tmp_path):
