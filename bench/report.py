@@ -6,7 +6,8 @@
 One table per file, under a heading naming the collective, ranks and transport: per size,
 ringcomm's time, every anchor's and limit's (memory floor, wire) in the order run, the ratios
 ringcomm / each of them ("vs ..."; lower is better), and the result elements that differ from the
-reference (#wrong, per library when not 0). An all_reduce_coalesced file gives its variants' table.
+reference (#wrong, per library when not 0); beside forced algorithms, the one auto ran and its
+forced time over the fastest forced one. An all_reduce_coalesced file gives its variants' table.
 Files written before the bench recorded the transport say "transport not recorded".
 """
 from __future__ import annotations
@@ -37,14 +38,19 @@ def sweep_table(rows: list[dict]) -> list[str]:
     libs = series(rows[0])
     others = libs[1:]
     names = [NAMES[lib] for lib in libs]
+    chose = "auto_chose" in rows[0]  # forced algorithms beside auto (ringcomm/bench.py)
     head = (["size"] + [f"{name} (us)" for name, _ in names]
-            + [f"vs {short}" for _, short in names[1:]] + ["#wrong"])
+            + [f"vs {short}" for _, short in names[1:]] + ["#wrong"]
+            + (["auto chose", "chosen / best"] if chose else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for row in rows:
         ringcomm_us = row["ringcomm"]["time_us"]
         cells = ([format_size(row["size"])] + [time_text(row[lib]["time_us"]) for lib in libs]
                  + [ratio_text(ringcomm_us / row[lib]["time_us"]) for lib in others]
                  + [wrong_text(row, libs)])
+        if chose:
+            best = row.get("chosen_vs_best")
+            cells += [row["auto_chose"].replace("_", " "), "-" if best is None else ratio_text(best)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -40,6 +40,14 @@ def test_bench_compares_with_gloo_and_forced_algorithms_and_writes_json(tmp_path
     # (RINGCOMM_TUNING=off in tests: alpha 16 us, beta 4 GB/s)
     assert rows[0]["auto_chose"] == "recursive_doubling"
     assert "auto chose" in run.stdout and "chosen / best" in run.stdout
+    report = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"),
+                             str(out_file)], capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr[-3000:]
+    lines = report.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("| size"))
+    head, first = lines[at], lines[at + 2]  # the table's head and (after its rule) the 8-byte row
+    assert head.endswith("| auto chose | chosen / best |")
+    assert first.endswith("| recursive doubling | - |")
 
 
 def test_bench_other_collectives_check_results(tmp_path):
