@@ -121,10 +121,11 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
   if (forced == "ring") forced_all_reduce_ = Algorithm::kRing;
   if (forced == "tree") forced_all_reduce_ = Algorithm::kTree;
   if (forced == "recursive_doubling") forced_all_reduce_ = Algorithm::kRecursiveDoubling;
+  if (forced == "halving_doubling") forced_all_reduce_ = Algorithm::kHalvingDoubling;
   if (forced == "hierarchical") forced_all_reduce_ = Algorithm::kHierarchical;
   RC_CHECK_ARG(forced.empty() || forced == "auto" || forced_all_reduce_ != Algorithm::kAuto,
                "RINGCOMM_ALGO=", forced,
-               ": expected ring, tree, recursive_doubling, hierarchical or auto");
+               ": expected ring, tree, recursive_doubling, halving_doubling, hierarchical or auto");
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   watch_for_fork();
 }
@@ -214,6 +215,8 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
              selector_.all_reduce_cost(Algorithm::kTree, double(bytes)) * 1e6,
              " us, recursive doubling ",
              selector_.all_reduce_cost(Algorithm::kRecursiveDoubling, double(bytes)) * 1e6,
+             " us, halving-doubling ",
+             selector_.all_reduce_cost(Algorithm::kHalvingDoubling, double(bytes)) * 1e6,
              " us, hierarchical ",
              selector_.all_reduce_cost(Algorithm::kHierarchical, double(bytes)) * 1e6, " us");
   }
@@ -329,6 +332,7 @@ WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp 
       case Algorithm::kRecursiveDoubling:
         recursive_doubling_all_reduce(ctx, buf, count, dtype, op);
         break;
+      case Algorithm::kHalvingDoubling: halving_doubling_all_reduce(ctx, buf, count, dtype, op); break;
       case Algorithm::kHierarchical:
         hierarchical_all_reduce(ctx, layout_, buf, count, dtype, op);
         break;

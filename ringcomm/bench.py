@@ -904,7 +904,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", type=compare_list, default="none",
                    help="anchors to run in the same run, comma-separated: gloo, backend "
                         "(ringcomm through torch.distributed), mpi (Open MPI's MPI_Allreduce; "
-                        "pip install 'ringcomm[mpi]'), nccl, or ring, tree, recursive_doubling "
+                        "pip install 'ringcomm[mpi]'), nccl, or ring, tree, recursive_doubling, "
+                        "halving_doubling "
                         "(ringcomm's all_reduce forced to that algorithm, against --algo), "
                         "e.g. gloo,mpi or ring,tree,recursive_doubling")
     p.add_argument("--floor", action="store_true",

@@ -14,7 +14,7 @@ COUNTS = [0, 1, 7, 4097, (1 << 17) + 3]
 # move those).
 PIPELINED = {"RINGCOMM_RING_SLICE_BYTES": "16384", "RINGCOMM_TREE_CHUNK_BYTES": "8192"}
 OPS = ["sum", "avg", "prod", "min", "max"]
-ALGOS = ["ring", "tree", "recursive_doubling"]
+ALGOS = ["ring", "tree", "recursive_doubling", "halving_doubling"]
 
 
 def rank_input(rank, count, dtype, seed=0):

@@ -177,17 +177,19 @@ def coalesced_equals_per_tensor(comm, ops, bucket_sizes):
     return checked, same(fused, torch.cat(expect))
 
 
-# Under auto, with this link model (a round worth 512 bytes), tensors up to 4 KiB go by recursive
-# doubling and larger ones by ring at 4 ranks (up to 307 bytes at 3); tiny slices (256 B) give
-# many slices per bucket and slices that cross bucket edges.
+# Under auto, with this link model (a round worth 512 bytes), tensors up to 2 KiB go by recursive
+# doubling and larger ones by halving-doubling at 4 ranks (up to 307 bytes at 3, then by ring);
+# tiny slices (256 B) give many slices per bucket and slices that cross bucket edges.
 SMALL = {"RINGCOMM_TUNING": os.path.join(os.path.dirname(__file__), "small_messages.tuning"),
          "RINGCOMM_FUSION_SLICE_BYTES": "256"}
 
 
-# auto at 3 ranks: recursive doubling with a fold, ring; at 4: without a fold. Forced trees at 3
-# and 5 ranks: heaps with one and two levels below the root.
+# auto at 3 ranks: recursive doubling with a fold, ring; at 4: recursive doubling and
+# halving-doubling without a fold. Forced trees at 3 and 5 ranks: heaps with one and two levels
+# below the root; halving-doubling at 6: with a fold.
 @pytest.mark.parametrize("world,algo", [(2, "auto"), (3, "auto"), (4, "auto"), (3, "tree"),
-                                        (5, "tree"), (6, "recursive_doubling")])
+                                        (5, "tree"), (6, "recursive_doubling"),
+                                        (6, "halving_doubling")])
 def test_all_reduce_coalesced_is_bitwise_per_tensor_all_reduce(world, algo):
     env = dict(SMALL, RINGCOMM_ALGO=algo)
     results = run_ranks(world, coalesced_equals_per_tensor, ["sum", "avg", "prod", "max"],

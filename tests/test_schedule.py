@@ -46,11 +46,32 @@ def recursive_doubling_order(n):
     return span(0, p)
 
 
+def halving_doubling_order(n):
+    # Each block ends at one butterfly index, combined across the highest index bit first (the
+    # first halving), each pair (lower index's op higher's); the folded pairs as in recursive
+    # doubling. Every block the same.
+    p = 1
+    while p * 2 <= n:
+        p *= 2
+    rem = n - p
+
+    def leaf(i):
+        return f"({2 * i} {2 * i + 1})" if i < rem else str(i + rem)
+
+    def value(i, mask):  # index i's value of its block once the halvings down to `mask` ran
+        if mask == p:
+            return leaf(i)
+        return f"({value(i & ~mask, 2 * mask)} {value(i | mask, 2 * mask)})"
+
+    return [value(k, 1) for k in range(p)]
+
+
 @pytest.mark.parametrize("n", list(range(2, 18)) + [31, 64])
 def test_orders_derived_from_step_lists(n):
     assert _C.reduction_orders(ALGORITHMS["ring"], n) == [ring_order(list(range(n)), k) for k in range(n)]
     assert _C.reduction_orders(ALGORITHMS["tree"], n) == [tree_order(n, False), tree_order(n, True)]
     assert _C.reduction_orders(ALGORITHMS["recursive_doubling"], n) == [recursive_doubling_order(n)]
+    assert _C.reduction_orders(ALGORITHMS["halving_doubling"], n) == halving_doubling_order(n)
 
 
 @pytest.mark.parametrize("hosts,per_host", [(2, 2), (3, 2), (2, 3), (4, 4)])
@@ -82,6 +103,26 @@ def test_tree_and_recursive_doubling_step_lists():
     assert _C.schedule(ALGORITHMS["recursive_doubling"], 6, 4) == (
         "exchange-reduce b0 <>5; exchange-reduce b0 <>1 (incoming first) (complete)")
     assert _C.schedule(ALGORITHMS["recursive_doubling"], 6, 0) == "send b0 >1; recv b0 <1"
+
+
+def test_halving_doubling_step_lists():
+    # Rank 0 of 4: halves with index 2 (keeps b0 b1), then with 1 (keeps b0, complete); gathers
+    # from 1, then from 2.
+    assert _C.schedule(ALGORITHMS["halving_doubling"], 4, 0) == (
+        "send b2 >2; send b3 >2; recv-reduce b0 <2; recv-reduce b1 <2; send b1 >1; "
+        "recv-reduce b0 <1 (complete); send b0 >1; recv b1 <1; send b0 >2; send b1 >2; "
+        "recv b2 <2; recv b3 <2")
+    # Rank 3 of 6 (p = 4, rem = 2: ranks 0-3 fold into 1 and 3; 3 is butterfly index 1).
+    assert _C.schedule(ALGORITHMS["halving_doubling"], 6, 3) == (
+        "recv-reduce b0 <2 (incoming first); recv-reduce b1 <2 (incoming first); "
+        "recv-reduce b2 <2 (incoming first); recv-reduce b3 <2 (incoming first); "
+        "send b2 >5; send b3 >5; recv-reduce b0 <5; recv-reduce b1 <5; "
+        "send b0 >1; recv-reduce b1 <1 (incoming first) (complete); "
+        "send b1 >1; recv b0 <1; send b0 >5; send b1 >5; recv b2 <5; recv b3 <5; "
+        "send b0 >2; send b1 >2; send b2 >2; send b3 >2")
+    assert _C.schedule(ALGORITHMS["halving_doubling"], 6, 2) == (
+        "send b0 >3; send b1 >3; send b2 >3; send b3 >3; recv b0 <3; recv b1 <3; recv b2 <3; "
+        "recv b3 <3")
 
 
 def test_no_step_list_for_other_algorithms():
@@ -141,6 +182,16 @@ def test_stream_groups_complete(algorithm, n, count, slice):
                 if kind == "recv":
                     received.update(range(first, first + cnt))
         assert received == set(range(count))
+
+
+def test_halving_doubling_has_no_stream_groups():
+    # Rank 0 of 4 sends b2 and b3 to rank 2 and then receives b0 and b1 from it, one step each:
+    # its first group (b2, b3 out, b0 in) needs rank 2's second (b3 in), and rank 2's first needs
+    # rank 0's second. The NCCL transport refuses the algorithm (nccl_transport.cc).
+    code = ALGORITHMS["halving_doubling"]
+    with pytest.raises(AssertionError, match="deadlock"):
+        run_stream_groups([_C.stream_groups(code, 4, r, 4, 1) for r in range(4)])
+
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])

@@ -32,11 +32,15 @@ def test_probe_agrees_on_every_rank(transport, world, tmp_path):
                                              env={"RINGCOMM_TUNING": str(saved)},
                                              per_rank_env=hosts)
     assert loaded == pytest.approx(model, rel=1e-8) and loaded_choices == choices
-    # 64 MiB is bandwidth-bound: the ring sends the fewest bytes. On two fake hosts of two ranks
-    # the hierarchical all-reduce moves half of them inside the hosts, and which of the two wins
-    # depends on how fast this run measured shared memory against loopback TCP (on a busy
-    # machine they come close); test_hierarchical_is_chosen_by_its_cost fixes the links.
-    expect = {"ring", "hierarchical"} if transport == "mixed" else {"ring"}
+    # 64 MiB is bandwidth-bound: the ring sends the fewest bytes, and on 4 ranks halving-doubling
+    # as few in fewer rounds. On two fake hosts of two ranks the hierarchical all-reduce moves
+    # half of them inside the hosts, and which wins depends on how fast this run measured shared
+    # memory against loopback TCP (on a busy machine they come close);
+    # test_hierarchical_is_chosen_by_its_cost fixes the links.
+    expect = {"mixed": {"halving_doubling", "hierarchical"}, "shm": {"ring", "halving_doubling"},
+              "tcp": {"ring"}}[transport]
+    if transport == "shm":
+        expect = {"ring"} if world == 2 else {"halving_doubling"}
     assert choices[-1] in expect, model
     if transport == "mixed":  # the links inside a host (shared memory) were probed on their own
         assert 0 < model["local_alpha_s"] < 0.1 and 1e6 < model["local_bytes_per_s"] < 1e12
@@ -56,15 +60,21 @@ def write_model(path, alpha_us, bytes_per_s, reduce_bytes_per_s, local=None):
 
 
 def test_auto_follows_the_model(tmp_path):
-    # Latency costs nothing: the ring, which sends the fewest bytes, at every size.
+    # Latency costs nothing: the ring, which sends the fewest bytes, at every size (halving-doubling
+    # sends as few: a tie keeps the ring).
     free = write_model(tmp_path / "free", 0, 1e9, 1e12)
     (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": free})
     assert choices == ["ring"] * len(SIZES)
-    # A round costs a millisecond: recursive doubling's two rounds against the ring's six, up to
-    # where its extra bytes outweigh 4 ms (8 x alpha x beta = 8 MB at 1 GB/s).
+    # A round costs a millisecond: recursive doubling's two rounds, up to where its extra bytes
+    # outweigh 2 ms against halving-doubling's four rounds of the ring's bytes (4 x alpha x beta
+    # = 4 MB at 1 GB/s); the ring's six rounds lose to halving-doubling at every size. With 3
+    # ranks halving-doubling needs a fold and the ring takes over, from where recursive doubling's
+    # fold and extra bytes (3 S against 4/3 S) outweigh one round: 1 MiB.
     slow = write_model(tmp_path / "slow", 1000, 1e9, 1e12)
     (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": slow})
-    assert choices == ["recursive_doubling"] * 4 + ["ring"]
+    assert choices == ["recursive_doubling"] * 4 + ["halving_doubling"]
+    (_, choices), *_ = run_ranks(3, model_and_choices, env={"RINGCOMM_TUNING": slow})
+    assert choices == ["recursive_doubling"] * 3 + ["ring"] * 2
     # RINGCOMM_ALGO still forces
     (_, choices), *_ = run_ranks(4, model_and_choices,
                                  env={"RINGCOMM_TUNING": slow, "RINGCOMM_ALGO": "tree"})

@@ -1,6 +1,7 @@
 // Collective algorithms over a Context. Buffers are raw bytes of `count` elements of `dtype`.
 // Files: ring.cc, tree.cc (pipelined trees: double binary tree all-reduce, binomial and chain
-// broadcast/reduce), recursive_doubling.cc, barrier.cc, gather.cc, scatter.cc, alltoall.cc.
+// broadcast/reduce), recursive_doubling.cc, halving_doubling.cc, hierarchical.cc, barrier.cc,
+// gather.cc, scatter.cc, alltoall.cc.
 #pragma once
 
 #include <functional>
@@ -41,19 +42,21 @@ bool probe_single_copy(Context& local, size_t message,
                        const std::function<void(bool)>& use_single_copy);
 
 // Rank `rank`'s steps (schedule.h) among n ranks. Ring schedules run over Segments(count, n);
-// the double binary tree over tree_halves(count); recursive doubling over the whole buffer.
+// the double binary tree over tree_halves(count); recursive doubling over the whole buffer;
+// halving-doubling over Segments(count, p), p the largest power of two <= n.
 Schedule ring_all_reduce_schedule(int n, int rank);
 Schedule ring_reduce_scatter_schedule(int n, int rank);
 Schedule ring_all_gather_schedule(int n, int rank);
 Schedule double_tree_all_reduce_schedule(int n, int rank);
 Segments tree_halves(size_t count);
 Schedule recursive_doubling_schedule(int n, int rank);
+Schedule halving_doubling_schedule(int n, int rank);
 // Slice lengths in elements of `elem` bytes: RINGCOMM_RING_SLICE_BYTES (for a ring of n ranks),
 // RINGCOMM_TREE_CHUNK_BYTES.
 size_t ring_slice(size_t elem, int n);
 size_t tree_slice(size_t elem);
 
-// How all_reduce by `algo` (ring, tree or recursive doubling) runs on rank `rank` of n over
+// How all_reduce by `algo` (ring, tree, recursive doubling or halving-doubling) runs on rank `rank` of n over
 // `count` elements of `elem` bytes: its step list, the blocks it runs over, and the slice length
 // in elements (schedule.cc).
 struct AllReduceSchedule {
@@ -75,6 +78,7 @@ void hierarchical_all_reduce(Context& ctx, const HostLayout& layout, void* buf, 
                              DType dtype, ReduceOp op);
 void tree_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
 void recursive_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
+void halving_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
 
 // reduce_scatter: `in` holds size() blocks of `count` elements; block rank() of the result
 // lands in `out`.

@@ -286,6 +286,14 @@ class Segments {
 
 inline int mod(int a, int n) { return ((a % n) + n) % n; }
 
+// The largest power of two <= n (n >= 1): the butterfly of recursive doubling and
+// halving-doubling, which fold the other ranks into it.
+inline int butterfly_size(int n) {
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  return p;
+}
+
 // Number of pieces of at most `piece` elements covering `count` (at least 1, so that an empty
 // message still travels and is checked against the peer's signature).
 inline size_t piece_count(size_t count, size_t piece) {

@@ -19,9 +19,7 @@
 namespace ringcomm {
 
 Schedule recursive_doubling_schedule(int n, int rank) {
-  int p = 1;
-  while (p * 2 <= n) p *= 2;
-  const int rem = n - p;
+  const int p = butterfly_size(n), rem = n - p;
   Schedule s;
   if (rank < 2 * rem && rank % 2 == 0) {  // folded away: hand over, get the result back
     s.steps.push_back({Prim::kSend, 0, -1, rank + 1});

@@ -69,6 +69,7 @@ void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
   };
   switch (algo) {
     case Algorithm::kRecursiveDoubling:
+    case Algorithm::kHalvingDoubling:
     case Algorithm::kRing:
     case Algorithm::kTree: {
       const Segments blocks = all_reduce_blocks(algo, n_, count);
@@ -124,7 +125,8 @@ std::vector<int> run_all(ScheduleOf schedule_of, int blocks, const std::vector<i
 
 }  // namespace
 
-// Pieces: the ring's segments, the tree's halves, recursive doubling's one block, or for the
+// Pieces: the ring's segments, the tree's halves, recursive doubling's one block,
+// halving-doubling's p blocks, or for the
 // hierarchical algorithm j * hosts + h (host segment j, piece h of it).
 void ReductionOrders::require(Algorithm algo) {
   if (has(algo)) return;
@@ -140,6 +142,9 @@ void ReductionOrders::require(Algorithm algo) {
       break;
     case Algorithm::kRing: pieces = run_all(ring_all_reduce_schedule, n, ranks, expr); break;
     case Algorithm::kTree: pieces = run_all(double_tree_all_reduce_schedule, 2, ranks, expr); break;
+    case Algorithm::kHalvingDoubling:
+      pieces = run_all(halving_doubling_schedule, all_reduce_blocks(algo, n, 0).size(), ranks, expr);
+      break;
     case Algorithm::kHierarchical: {
       // Inside each host, a ring reduce-scatter over its ranks; then, for each host segment j,
       // a ring all-reduce over the hosts' sums of it.

@@ -8,6 +8,8 @@
 // rank's step list of the algorithm, the same lists the algorithm executes:
 //   recursive doubling (recursive_doubling.cc): one block, the whole buffer;
 //   ring (ring.cc): segment k, Segments(count, n), for k = 0 .. n-1;
+//   halving-doubling (halving_doubling.cc): block k, Segments(count, p), p the largest power of
+//     two <= n;
 //   double binary tree (tree.cc): the two halves, tree_halves(count);
 //   hierarchical (hierarchical.cc): host segment j, piece h of it: the ring reduce-scatter's
 //     segment j over each host's ranks, then the ring all-reduce's segment h over the hosts'.

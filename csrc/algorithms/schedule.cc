@@ -168,6 +168,7 @@ Segments all_reduce_blocks(Algorithm algo, int n, size_t count) {
     case Algorithm::kRing: return Segments(count, n);
     case Algorithm::kTree: return tree_halves(count);
     case Algorithm::kRecursiveDoubling: return Segments(count, 1);
+    case Algorithm::kHalvingDoubling: return Segments(count, butterfly_size(n));
     default: RC_INVALID("all_reduce by ", algorithm_name(algo), " has no step list");
   }
 }
@@ -177,6 +178,8 @@ AllReduceSchedule all_reduce_schedule(Algorithm algo, int n, int rank, size_t co
   switch (algo) {
     case Algorithm::kRing: return {ring_all_reduce_schedule(n, rank), blocks, ring_slice(elem, n)};
     case Algorithm::kTree: return {double_tree_all_reduce_schedule(n, rank), blocks, tree_slice(elem)};
+    case Algorithm::kHalvingDoubling:
+      return {halving_doubling_schedule(n, rank), blocks, ring_slice(elem, n)};
     default:
       // Recursive doubling: one message per exchange, however large: it is for small ones.
       return {recursive_doubling_schedule(n, rank), blocks, std::max<size_t>(1, count)};

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "algorithms/context.h"
 #include "common/error.h"
 
 namespace ringcomm {
@@ -28,14 +29,22 @@ double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
   const double n = n_;
   if (n_ <= 1) return 0;
   const double a = model_.alpha_s, b = model_.bytes_per_s, g = model_.reduce_bytes_per_s;
+  const int p = butterfly_size(n_);  // recursive doubling's and halving-doubling's
+  const double rounds = std::log2(double(p));
   switch (algo) {
     case Algorithm::kRecursiveDoubling: {
       // log2(p) exchanges of the whole vector, each reduced; a fold and an unfold around them
       // when n is not a power of two.
-      int p = 1, rounds = 0;
-      while (p * 2 <= n_) p *= 2, ++rounds;
       const double fold = p < n_ ? 2 : 0;
       return (rounds + fold) * (a + bytes / b) + (rounds + fold / 2) * bytes / g;
+    }
+    case Algorithm::kHalvingDoubling: {
+      // a reduce-scatter by recursive halving and an all-gather by recursive doubling: the ring's
+      // bytes in 2 log2(p) rounds; around them a fold and an unfold of the whole vector when n is
+      // not a power of two
+      const double share = double(p - 1) / p * bytes;
+      const double fold = p < n_ ? 2 * (a + bytes / b) + bytes / g : 0;
+      return 2 * rounds * a + 2 * share / b + share / g + fold;
     }
     case Algorithm::kTree: {
       // reduce up and broadcast down a binary tree, pipelined in chunks: each link carries the
@@ -60,9 +69,13 @@ double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
 Algorithm Selector::all_reduce(size_t bytes) const {
   Algorithm best = Algorithm::kRing;
   double best_cost = all_reduce_cost(best, double(bytes));
-  for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHierarchical}) {
+  // Costs equal but for rounding keep the earlier algorithm: halving-doubling on 2 ranks is the
+  // ring, and on 2 hosts of 2 with the same figures for both classes of links it costs what the
+  // hierarchical all-reduce does (the same shape, which knows the hosts).
+  for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHierarchical,
+                      Algorithm::kHalvingDoubling}) {
     const double cost = all_reduce_cost(a, double(bytes));
-    if (cost < best_cost) best = a, best_cost = cost;
+    if (cost < best_cost * (1 - 1e-9)) best = a, best_cost = cost;
   }
   return best;
 }

@@ -40,8 +40,8 @@ class Selector {
   int ranks() const { return n_; }
   const LinkModel& model() const { return model_; }
 
-  // A dense all-reduce of `bytes` by ring, tree, recursive doubling or (when the layout allows)
-  // hierarchical.
+  // A dense all-reduce of `bytes` by ring, tree, recursive doubling, halving-doubling or (when
+  // the layout allows) hierarchical.
   double all_reduce_cost(Algorithm algo, double bytes) const;
   // The cheapest of them.
   Algorithm all_reduce(size_t bytes) const;

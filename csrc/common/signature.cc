@@ -40,6 +40,7 @@ const char* algorithm_name(Algorithm a) {
     case Algorithm::kSparseRanges: return "sparse_ranges";
     case Algorithm::kHierarchical: return "hierarchical";
     case Algorithm::kNccl: return "nccl";
+    case Algorithm::kHalvingDoubling: return "halving_doubling";
   }
   return "unknown-algorithm";
 }

@@ -45,6 +45,7 @@ enum class Algorithm : uint8_t {
   kSparseRanges = 9,
   kHierarchical = 10,
   kNccl = 11,  // NCCL's own ncclAllReduce, beside ringcomm's schedules over NCCL
+  kHalvingDoubling = 12,
 };
 const char* algorithm_name(Algorithm a);
 

@@ -121,6 +121,9 @@ void NcclTransport::all_reduce(void* data, size_t count, DType dtype, ReduceOp o
   if (algo == Algorithm::kAuto)
     algo = count * dtype_size(dtype) <= kSmallBytes ? Algorithm::kRecursiveDoubling
                                                     : Algorithm::kRing;
+  // Its steps receive from one peer over several steps after sending to it over several: stream
+  // groups (stream_plan.h) of one receiving step each would wait on each other.
+  RC_CHECK_ARG(algo != Algorithm::kHalvingDoubling, "halving_doubling does not run over NCCL");
   if (size_ == 1) {
     RC_CHECK_ARG(op != ReduceOp::kAvg || dtype != DType::kBool, "op avg is undefined on bool");
     return;  // every op of one contribution is that contribution
