@@ -179,7 +179,7 @@ void Mesh::connect(const std::vector<std::string>& addresses, const std::string&
   for (int r = 0; r < world_size_; ++r)
     if (hosts[r] == host_) local_masks.push_back(masks[r]);
   const bool oversubscribed = local_masks.size() > size_t(cpus_in(local_masks));
-  if (shm_) agree_on_shm(hosts, shm_addresses, !oversubscribed, deadline);
+  if (shm_) agree_on_shm(hosts, shm_addresses, deadline);
   if (options_.spin_us < 0) options_.spin_us = oversubscribed ? 0 : 5;
   if (options_.yield_us < 0) options_.yield_us = 1000;
   if (debug_enabled()) {
@@ -194,7 +194,7 @@ void Mesh::connect(const std::vector<std::string>& addresses, const std::string&
 // one-byte exchanges over TCP with every rank of this host: "my segment is ready", then "I mapped
 // yours". A pair that cannot map stays on TCP, unless RINGCOMM_TRANSPORT=shm demands it.
 void Mesh::agree_on_shm(const std::vector<std::string>& hosts,
-                        const std::vector<std::string>& shm_addresses, bool cpu_each,
+                        const std::vector<std::string>& shm_addresses,
                         Clock::time_point deadline) {
   std::vector<int> local, peers;
   for (int r = 0; r < world_size_; ++r) {
@@ -204,7 +204,7 @@ void Mesh::agree_on_shm(const std::vector<std::string>& hosts,
   }
   if (peers.empty()) return;
   std::string why;
-  char allocated = shm_->allocate(local, cpu_each, &why) ? 1 : 0;
+  char allocated = shm_->allocate(local, &why) ? 1 : 0;
   std::vector<char> theirs;
   tcp_->exchange(peers, std::vector<char>(peers.size(), allocated), theirs, deadline);
   std::vector<char> mapped(peers.size(), 0);

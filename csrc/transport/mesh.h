@@ -146,10 +146,8 @@ class Mesh final : public PartSink {
   bool waits_only_on_other_hosts();
   std::string describe_waiting() const;
   std::string describe_timeout(Clock::duration notice_every);
-  // `cpu_each`: every rank of this host has a CPU of its own (shared memory's single copy).
   void agree_on_shm(const std::vector<std::string>& hosts,
-                    const std::vector<std::string>& shm_addresses, bool cpu_each,
-                    Clock::time_point deadline);
+                    const std::vector<std::string>& shm_addresses, Clock::time_point deadline);
 
   const int rank_, world_size_;
   MeshOptions options_;

@@ -62,9 +62,13 @@ struct Address {
 // Single-copy receives into a consumer read this much of the sender's memory at a time: large
 // enough that a system call moves plenty, small enough to stay in cache for the consumer.
 constexpr size_t kPullChunk = 256 << 10;
-// The default threshold: the 2-rank ring's slice, so its large all-reduces move every slice by
-// single copy, while its 1 MiB all-reduce (512 KiB halves) stays in the slots.
-constexpr int64_t kSingleCopyBytes = 1 << 20;
+// The default threshold: the ring's slice (ring.cc), 1 MiB with 2 local ranks and 512 KiB with
+// more, so that large all-reduces move every slice by single copy while a 2-rank ring's 1 MiB
+// all-reduce (512 KiB halves) stays in the slots. The communicator keeps it only where it measured
+// it faster.
+constexpr int64_t single_copy_default(size_t local_ranks) {
+  return local_ranks == 2 ? 1 << 20 : 512 << 10;
+}
 // The default slot size: inboxes of 8 slots of 256 KiB hold a ring's 1 MiB slice and the next
 // one, so a sender fills its receiver's inbox while the receiver empties it rather than waiting
 // on every slot it frees (AMD EPYC guest, 2 ranks, two runs: 4 MiB all-reduce 205-226 us against
@@ -139,10 +143,10 @@ std::string ShmTransport::address() const {
                                 reinterpret_cast<uintptr_t>(&probe_word_));
 }
 
-bool ShmTransport::allocate(const std::vector<int>& local, bool cpu_each, std::string* why) {
+bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
   local_ = local;
   if (options_.single_copy_bytes < 0) {
-    options_.single_copy_bytes = cpu_each ? kSingleCopyBytes : 0;
+    options_.single_copy_bytes = single_copy_default(local.size());
     single_copy_default_ = size_t(options_.single_copy_bytes);
   }
   local_index_ = int(std::find(local.begin(), local.end(), rank_) - local.begin());

@@ -56,9 +56,8 @@ class ShmTransport final : public Transport {
   // "pid:fd:nonce:address of a word holding the nonce".
   std::string address() const;
   // Sizes this rank's segment for `local` (the ranks of this host, this one included, in rank
-  // order; every local rank passes the same list). `cpu_each`: each of them has a CPU of its own
-  // (single copy's default). False, with `why`, if memory is short.
-  bool allocate(const std::vector<int>& local, bool cpu_each, std::string* why);
+  // order; every local rank passes the same list). False, with `why`, if memory is short.
+  bool allocate(const std::vector<int>& local, std::string* why);
   // Maps `peer`'s segment from its address; false, with `why`, if this host does not allow it.
   // Then probes whether this rank can read the peer's memory (single copy from it).
   bool map_peer(int peer, const std::string& address, std::string* why);
