@@ -42,10 +42,11 @@ Schedule halving_doubling_schedule(int n, int rank) {
   auto rank_of = [&](int i) { return i < rem ? 2 * i + 1 : i + rem; };
   int group = 0;  // the first block of the 2 mask blocks this rank still reduces
   for (int mask = p / 2; mask >= 1; mask /= 2) {
-    const int partner = index ^ mask, keep = group + (index & mask), give = group + (partner & mask);
-    for (int b = give; b < give + mask; ++b) s.steps.push_back({Prim::kSend, b, -1, rank_of(partner)});
+    const int partner = index ^ mask, peer = rank_of(partner);
+    const int keep = group + (index & mask), give = group + (partner & mask);
+    for (int b = give; b < give + mask; ++b) s.steps.push_back({Prim::kSend, b, -1, peer});
     for (int b = keep; b < keep + mask; ++b) {
-      Step step{Prim::kRecvReduce, b, rank_of(partner), -1};
+      Step step{Prim::kRecvReduce, b, peer, -1};
       step.incoming_first = partner < index;
       step.completes = mask == 1;
       s.steps.push_back(step);
@@ -53,9 +54,10 @@ Schedule halving_doubling_schedule(int n, int rank) {
     group = keep;
   }
   for (int mask = 1; mask < p; mask *= 2) {
-    const int partner = index ^ mask, mine = index & ~(mask - 1), theirs = partner & ~(mask - 1);
-    for (int b = mine; b < mine + mask; ++b) s.steps.push_back({Prim::kSend, b, -1, rank_of(partner)});
-    for (int b = theirs; b < theirs + mask; ++b) s.steps.push_back({Prim::kRecv, b, rank_of(partner), -1});
+    const int partner = index ^ mask, peer = rank_of(partner);
+    const int mine = index & ~(mask - 1), theirs = partner & ~(mask - 1);
+    for (int b = mine; b < mine + mask; ++b) s.steps.push_back({Prim::kSend, b, -1, peer});
+    for (int b = theirs; b < theirs + mask; ++b) s.steps.push_back({Prim::kRecv, b, peer, -1});
   }
   if (rank < 2 * rem) every_block(Prim::kSend, -1, rank - 1);
   return s;

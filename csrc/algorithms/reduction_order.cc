@@ -143,7 +143,7 @@ void ReductionOrders::require(Algorithm algo) {
     case Algorithm::kRing: pieces = run_all(ring_all_reduce_schedule, n, ranks, expr); break;
     case Algorithm::kTree: pieces = run_all(double_tree_all_reduce_schedule, 2, ranks, expr); break;
     case Algorithm::kHalvingDoubling:
-      pieces = run_all(halving_doubling_schedule, all_reduce_blocks(algo, n, 0).size(), ranks, expr);
+      pieces = run_all(halving_doubling_schedule, butterfly_size(n), ranks, expr);
       break;
     case Algorithm::kHierarchical: {
       // Inside each host, a ring reduce-scatter over its ranks; then, for each host segment j,
