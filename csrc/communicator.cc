@@ -327,17 +327,10 @@ WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp 
   algo = choose_all_reduce(count * dtype_size(dtype), algo);
   auto sig = collective(Collective::kAllReduce, dtype, op, algo, count);
   return submit(sig, [=](Context& ctx) {
-    switch (algo) {
-      case Algorithm::kTree: tree_all_reduce(ctx, buf, count, dtype, op); break;
-      case Algorithm::kRecursiveDoubling:
-        recursive_doubling_all_reduce(ctx, buf, count, dtype, op);
-        break;
-      case Algorithm::kHalvingDoubling: halving_doubling_all_reduce(ctx, buf, count, dtype, op); break;
-      case Algorithm::kHierarchical:
-        hierarchical_all_reduce(ctx, layout_, buf, count, dtype, op);
-        break;
-      default: ring_all_reduce(ctx, buf, count, dtype, op);
-    }
+    if (algo == Algorithm::kHierarchical)
+      hierarchical_all_reduce(ctx, layout_, buf, count, dtype, op);
+    else
+      scheduled_all_reduce(ctx, algo, buf, count, dtype, op);
   }, async);
 }
 

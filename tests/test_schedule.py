@@ -29,14 +29,18 @@ def tree_order(n, mirrored):
     return node(0)
 
 
-def recursive_doubling_order(n):
+def butterfly(n):
+    """p, the largest power of two <= n, and the value butterfly index i starts with: the first
+    2 (n - p) ranks folded in pairs (lower rank's op higher's), the others as they are."""
     p = 1
     while p * 2 <= n:
         p *= 2
     rem = n - p
+    return p, lambda i: f"({2 * i} {2 * i + 1})" if i < rem else str(i + rem)
 
-    def leaf(i):
-        return f"({2 * i} {2 * i + 1})" if i < rem else str(i + rem)
+
+def recursive_doubling_order(n):
+    p, leaf = butterfly(n)
 
     def span(lo, length):
         if length == 1:
@@ -50,13 +54,7 @@ def halving_doubling_order(n):
     # Each block ends at one butterfly index, combined across the highest index bit first (the
     # first halving), each pair (lower index's op higher's); the folded pairs as in recursive
     # doubling. Every block the same.
-    p = 1
-    while p * 2 <= n:
-        p *= 2
-    rem = n - p
-
-    def leaf(i):
-        return f"({2 * i} {2 * i + 1})" if i < rem else str(i + rem)
+    p, leaf = butterfly(n)
 
     def value(i, mask):  # index i's value of its block once the halvings down to `mask` ran
         if mask == p:

@@ -65,6 +65,10 @@ struct AllReduceSchedule {
   size_t slice;
 };
 AllReduceSchedule all_reduce_schedule(Algorithm algo, int n, int rank, size_t count, size_t elem);
+// all_reduce of `buf` in place by that step list (ring, tree, recursive doubling or
+// halving-doubling).
+void scheduled_all_reduce(Context& ctx, Algorithm algo, void* buf, size_t count, DType dtype,
+                          ReduceOp op);
 // Its blocks alone, without building the step list (the coalesced planner asks for a thousand
 // buffers' a call).
 Segments all_reduce_blocks(Algorithm algo, int n, size_t count);
@@ -76,9 +80,7 @@ void ring_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceO
 void ring_reduce_scatter_in_place(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
 void hierarchical_all_reduce(Context& ctx, const HostLayout& layout, void* buf, size_t count,
                              DType dtype, ReduceOp op);
-void tree_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
 void recursive_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
-void halving_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
 
 // reduce_scatter: `in` holds size() blocks of `count` elements; block rank() of the result
 // lands in `out`.

@@ -63,13 +63,4 @@ Schedule halving_doubling_schedule(int n, int rank) {
   return s;
 }
 
-void halving_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op) {
-  if (ctx.size() == 1) return;
-  char* data = static_cast<char*>(buf);
-  const AllReduceSchedule s = all_reduce_schedule(Algorithm::kHalvingDoubling, ctx.size(),
-                                                  ctx.rank(), count, dtype_size(dtype));
-  run_schedule(ctx, s.schedule, s.blocks, {data, data}, dtype, op, s.slice);
-  ctx.finish();
-}
-
 }  // namespace ringcomm

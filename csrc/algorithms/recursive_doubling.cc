@@ -46,12 +46,7 @@ Schedule recursive_doubling_schedule(int n, int rank) {
 
 void recursive_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype,
                                    ReduceOp op) {
-  if (ctx.size() == 1) return;
-  char* data = static_cast<char*>(buf);
-  const AllReduceSchedule s = all_reduce_schedule(Algorithm::kRecursiveDoubling, ctx.size(),
-                                                  ctx.rank(), count, dtype_size(dtype));
-  run_schedule(ctx, s.schedule, s.blocks, {data, data}, dtype, op, s.slice);
-  ctx.finish();
+  scheduled_all_reduce(ctx, Algorithm::kRecursiveDoubling, buf, count, dtype, op);
 }
 
 }  // namespace ringcomm

@@ -82,12 +82,7 @@ Schedule ring_all_gather_schedule(int n, int rank) {
 }
 
 void ring_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op) {
-  if (ctx.size() == 1) return;
-  char* data = static_cast<char*>(buf);
-  const AllReduceSchedule s =
-      all_reduce_schedule(Algorithm::kRing, ctx.size(), ctx.rank(), count, dtype_size(dtype));
-  run_schedule(ctx, s.schedule, s.blocks, {data, data}, dtype, op, s.slice);
-  ctx.finish();
+  scheduled_all_reduce(ctx, Algorithm::kRing, buf, count, dtype, op);
 }
 
 void ring_reduce_scatter_in_place(Context& ctx, void* buf, size_t count, DType dtype,

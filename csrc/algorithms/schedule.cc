@@ -186,6 +186,16 @@ AllReduceSchedule all_reduce_schedule(Algorithm algo, int n, int rank, size_t co
   }
 }
 
+void scheduled_all_reduce(Context& ctx, Algorithm algo, void* buf, size_t count, DType dtype,
+                          ReduceOp op) {
+  if (ctx.size() == 1) return;
+  char* data = static_cast<char*>(buf);
+  const AllReduceSchedule s =
+      all_reduce_schedule(algo, ctx.size(), ctx.rank(), count, dtype_size(dtype));
+  run_schedule(ctx, s.schedule, s.blocks, {data, data}, dtype, op, s.slice);
+  ctx.finish();
+}
+
 int Expressions::leaf(int operand) {
   auto [it, added] = made_.emplace(std::make_pair(-1, operand), int(nodes.size()));
   if (added) nodes.push_back({-1, -1, operand});

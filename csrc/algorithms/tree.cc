@@ -10,7 +10,7 @@
 // The schedule is pipelined by slice: in round j a rank reduces slice j and broadcasts slice
 // j-1, so slice j+1 climbs while slice j descends, and for large messages every link is busy.
 //
-// Double binary tree all-reduce (tree_all_reduce): two heap-shaped binary trees, the second the
+// Double binary tree all-reduce: two heap-shaped binary trees, the second the
 // mirror image of the first (rank r sits where rank n-1-r sits in the first), so a rank that is a
 // leaf in one tree is an inner node in the other. Each tree carries half of the buffer (S/2).
 // Bytes on the wire per rank for a buffer of S bytes: as an inner node of one tree, S/2 up and
@@ -115,15 +115,6 @@ Schedule double_tree_all_reduce_schedule(int n, int rank) {
     append_tree(s.steps, broadcast, heap_tree(n, rank, half == 1), half, true, true);
   s.steps.insert(s.steps.end(), broadcast.begin(), broadcast.end());
   return s;
-}
-
-void tree_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op) {
-  if (ctx.size() == 1) return;
-  char* data = static_cast<char*>(buf);
-  const AllReduceSchedule s =
-      all_reduce_schedule(Algorithm::kTree, ctx.size(), ctx.rank(), count, dtype_size(dtype));
-  run_schedule(ctx, s.schedule, s.blocks, {data, data}, dtype, op, s.slice);
-  ctx.finish();
 }
 
 void tree_broadcast(Context& ctx, void* buf, size_t bytes, int root, Algorithm shape) {
