@@ -198,6 +198,11 @@ void Communicator::check_rank(int r, const char* what) const {
 Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) const {
   const Algorithm wanted = requested != Algorithm::kAuto ? requested : forced_all_reduce_;
   if (wanted != Algorithm::kAuto) {
+    // Checked here, on the caller's thread, before anything is sent.
+    RC_CHECK_ARG(wanted == Algorithm::kRing || wanted == Algorithm::kTree ||
+                     wanted == Algorithm::kRecursiveDoubling ||
+                     wanted == Algorithm::kHalvingDoubling || wanted == Algorithm::kHierarchical,
+                 "all_reduce has no algorithm ", algorithm_name(wanted));
     RC_CHECK_ARG(wanted != Algorithm::kHierarchical || layout_.uniform(),
                  "the hierarchical all_reduce needs ranks on several hosts, the same number (more "
                  "than one) on each");

@@ -132,3 +132,21 @@ def test_a_bad_saved_model_is_a_clear_error(tmp_path):
     results = run_ranks(2, model_and_choices, env={"RINGCOMM_TUNING": bad}, allow_errors=True)
     for status, message in results:
         assert status == "error" and "RINGCOMM_TUNING" in message and "zero" in message
+
+
+def refuse_a_non_all_reduce_algorithm(comm):
+    t = torch.ones(8)
+    try:
+        comm._core.choose_all_reduce(32, 4)  # 4: the chain, a broadcast shape
+    except ValueError as e:
+        refused = str(e)
+    else:
+        refused = None
+    comm.all_reduce(t)  # nothing was sent: the next collective still pairs up on every rank
+    return refused, t[0].item()
+
+
+def test_an_algorithm_all_reduce_does_not_have_is_refused_before_anything_is_sent():
+    for refused, value in run_ranks(2, refuse_a_non_all_reduce_algorithm):
+        assert refused is not None and "all_reduce has no algorithm chain" in refused
+        assert value == 2

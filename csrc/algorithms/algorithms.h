@@ -56,9 +56,9 @@ Schedule halving_doubling_schedule(int n, int rank);
 size_t ring_slice(size_t elem, int n);
 size_t tree_slice(size_t elem);
 
-// How all_reduce by `algo` (ring, tree, recursive doubling or halving-doubling) runs on rank `rank` of n over
-// `count` elements of `elem` bytes: its step list, the blocks it runs over, and the slice length
-// in elements (schedule.cc).
+// How all_reduce by `algo` (ring, tree, recursive doubling or halving-doubling) runs on rank
+// `rank` of n over `count` elements of `elem` bytes: its step list, the blocks it runs over, and
+// the slice length in elements (schedule.cc).
 struct AllReduceSchedule {
   Schedule schedule;
   Segments blocks;
