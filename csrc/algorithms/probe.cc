@@ -1,7 +1,15 @@
 // The link probe behind the cost model (algorithms/select.h), run once when a communicator
 // connects, on every rank at once:
-//   1. 3 + 15 shifts of 8 bytes around the ring (each rank sends to rank+1 while receiving from
-//      rank-1, and waits for both): alpha is the median time of the last 15.
+//   1. 3 + 15 all-reduces of 8 bytes by recursive doubling and as many by the ring, in turn:
+//      alpha is the difference of their median times over the difference of their rounds
+//      (2(n-1) against log2(p), + 2 for a fold). What every call costs whatever its rounds (the
+//      executor's set-up, the reduce, the last wait) cancels out. Each round waits for a message
+//      its partner sends only once it has the previous one, as in any collective. Shifts around
+//      the ring, timed one by one, did not: where ranks share CPUs a rank ran many of them back
+//      to back, measuring a post rather than a round (4 ranks on 2 CPUs: 0.58-0.67 us in some
+//      runs, 2.1-2.8 in others, where a round of the ring's 8-byte all-reduce took 3 to 4; now
+//      1.8-3.5 in 8 probes). And timing the recursive-doubling calls alone put the whole
+//      per-call cost on its one round at 2 ranks (0.885 us against 0.57-0.76; now 0.73-0.84).
 //   2. shifts of 64 KiB, then of 512 KiB, then of 4 MiB, until the slowest rank's shift takes
 //      2 ms (every rank learns that time by a recursive-doubling max, so all go on alike): each
 //      size first untimed for 512 KiB in all (a link's token bucket or a TCP window has grown
@@ -19,6 +27,7 @@
 // its own links; the caller agrees on the slowest rank's figures (a collective crosses every
 // link in lockstep).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -49,14 +58,36 @@ std::vector<double> shifts(Context& ctx, char* out, char* in, size_t bytes, int 
   return seconds;
 }
 
-// Steps 1 and 2 around the ring of `ctx`'s ranks. Returns the (zeroed) send buffer.
+// Step 1 among `ctx`'s ranks: seconds per round. At least 0.1 us, a cache line's trip from one
+// CPU to another, which any round takes: less is noise outweighing the difference.
+double round_seconds(Context& ctx) {
+  constexpr double kLeast = 1e-7;
+  const int n = ctx.size(), p = butterfly_size(n);
+  if (n < 2) return 0;
+  const double butterfly_rounds = std::log2(double(p)) + (p < n ? 2 : 0);
+  const double ring_rounds = 2.0 * (n - 1);  // more than the butterfly's for every n >= 2
+  double value = 0;
+  std::vector<double> seconds[2];
+  for (int i = 0; i < 3 + 15; ++i)
+    for (int ring = 0; ring < 2; ++ring) {
+      const auto start = Clock::now();
+      if (ring)
+        ring_all_reduce(ctx, &value, 1, DType::kFloat64, ReduceOp::kMax);
+      else
+        recursive_doubling_all_reduce(ctx, &value, 1, DType::kFloat64, ReduceOp::kMax);
+      if (i >= 3) seconds[ring].push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    }
+  return std::max(kLeast, (median(seconds[1]) - median(seconds[0])) / (ring_rounds - butterfly_rounds));
+}
+
+// Steps 1 and 2 among `ctx`'s ranks. Returns the (zeroed) send buffer.
 char* probe_ring(Context& ctx, double* alpha_s, double* bytes_per_s) {
   constexpr size_t kFirst = 64 << 10, kLast = 4 << 20, kDrain = 512 << 10;
   constexpr double kLongEnough = 2e-3;
   char* out = ctx.scratch(kLast);
   char* in = ctx.scratch(kLast);
   std::memset(out, 0, kLast);
-  *alpha_s = median(shifts(ctx, out, in, 8, 3, 15));
+  *alpha_s = round_seconds(ctx);
   size_t bytes = kFirst;
   double t;
   while (true) {
