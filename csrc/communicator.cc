@@ -280,7 +280,8 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
       mesh_->use_single_copy(agreed[7] == 0);
     }
     const std::vector<int>* links_host = layout_.uniform() ? &host : nullptr;
-    connect_step(0, [&](Context& ctx) { model = probe_links(ctx, links_host); }, deadline);
+    const bool one_host = layout_.hosts.size() == 1;
+    connect_step(0, [&](Context& ctx) { model = probe_links(ctx, one_host, links_host); }, deadline);
     agreed[1] = model.alpha_s;
     agreed[2] = 1 / model.bytes_per_s;
     agreed[3] = 1 / model.reduce_bytes_per_s;

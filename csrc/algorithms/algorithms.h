@@ -29,10 +29,11 @@ bool load_link_model(const std::string& path, LinkModel* model);
 // Writes it (whole: through a temporary file renamed over it). False if it cannot.
 bool save_link_model(const std::string& path, const LinkModel& model);
 
-// The links' alpha, beta and this rank's reduction rate, measured around the ring of all ranks,
-// and, given `host` (this rank's host's ranks, when the layout is uniform), around each host's
-// ring for the links inside a host (probe.cc); every rank must call it at once.
-LinkModel probe_links(Context& ctx, const std::vector<int>* host);
+// The links' alpha, beta and this rank's reduction rate, measured around the ring of all ranks
+// (`one_host`: all of them on one host), and, given `host` (this rank's host's ranks, when the
+// layout is uniform), around each host's ring for the links inside a host (probe.cc); every rank
+// must call it at once.
+LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host);
 
 // Whether messages of `message` bytes between the ranks of `local` (one host's) go faster by
 // single copy than through shared memory's slots: a ring all-reduce of 16 MiB timed both ways,

@@ -1,15 +1,24 @@
 // The link probe behind the cost model (algorithms/select.h), run once when a communicator
 // connects, on every rank at once:
-//   1. 3 + 15 all-reduces of 8 bytes by recursive doubling and as many by the ring, in turn:
-//      alpha is the difference of their median times over the difference of their rounds
-//      (2(n-1) against log2(p), + 2 for a fold). What every call costs whatever its rounds (the
-//      executor's set-up, the reduce, the last wait) cancels out. Each round waits for a message
-//      its partner sends only once it has the previous one, as in any collective. Shifts around
-//      the ring, timed one by one, did not: where ranks share CPUs a rank ran many of them back
-//      to back, measuring a post rather than a round (4 ranks on 2 CPUs: 0.58-0.67 us in some
-//      runs, 2.1-2.8 in others, where a round of the ring's 8-byte all-reduce took 3 to 4; now
-//      1.8-3.5 in 8 probes). And timing the recursive-doubling calls alone put the whole
-//      per-call cost on its one round at 2 ranks (0.885 us against 0.57-0.76; now 0.73-0.84).
+//   1. alpha, by where the links run:
+//      - among ranks of one host, 3 + 15 all-reduces of 8 bytes by recursive doubling and as
+//        many by the ring, in turn: alpha is the difference of their median times over the
+//        difference of their rounds (2(n-1) against log2(p), + 2 for a fold). What a call costs
+//        whatever its rounds (the executor's set-up, the reduce, the last wait) cancels out, and
+//        each round waits for a message its partner sends only once it has the previous one.
+//        Shifts (below) did not wait so: ranks of one host share its CPUs, and a rank ran many
+//        shifts back to back, measuring a post rather than a round (4 ranks on 2 CPUs: 0.58-0.67
+//        us in some runs, 2.1-2.8 in others, where a round of the ring's 8-byte all-reduce took
+//        3 to 4; now 1.8-3.5 in 8 probes). Timing the recursive-doubling calls alone put the
+//        per-call cost on its one round at 2 ranks (0.885 us against 0.57-0.76; now 0.73-0.84).
+//      - where the ranks span several hosts, 3 + 15 shifts of 8 bytes around the ring (each rank
+//        sends to rank+1 while receiving from rank-1, and waits for both): the median of the
+//        last 15; for the links inside each host too (step 3). Between hosts a round's latency
+//        overlaps its transfer: over 4 simulated hosts at 1 Gbit/s a 16 KiB halving-doubling
+//        ran as if alpha were a few us, while 8-byte hops took 45-60 us. The difference above
+//        measured those hops (49-61 us), and auto then took recursive doubling at 16 KiB, 1.16x
+//        halving-doubling's time. Inside the simulated hosts, whose ranks share 2 CPUs with
+//        the other hosts' ranks, it measured 15-18 us in 2 probes of 4 (0.8 in the others).
 //   2. shifts of 64 KiB, then of 512 KiB, then of 4 MiB, until the slowest rank's shift takes
 //      2 ms (every rank learns that time by a recursive-doubling max, so all go on alike): each
 //      size first untimed for 512 KiB in all (a link's token bucket or a TCP window has grown
@@ -80,14 +89,15 @@ double round_seconds(Context& ctx) {
   return std::max(kLeast, (median(seconds[1]) - median(seconds[0])) / (ring_rounds - butterfly_rounds));
 }
 
-// Steps 1 and 2 among `ctx`'s ranks. Returns the (zeroed) send buffer.
-char* probe_ring(Context& ctx, double* alpha_s, double* bytes_per_s) {
+// Steps 1 and 2 among `ctx`'s ranks: alpha by the all-reduces' difference (`by_difference`) or by
+// shifts. Returns the (zeroed) send buffer.
+char* probe_ring(Context& ctx, bool by_difference, double* alpha_s, double* bytes_per_s) {
   constexpr size_t kFirst = 64 << 10, kLast = 4 << 20, kDrain = 512 << 10;
   constexpr double kLongEnough = 2e-3;
   char* out = ctx.scratch(kLast);
   char* in = ctx.scratch(kLast);
   std::memset(out, 0, kLast);
-  *alpha_s = round_seconds(ctx);
+  *alpha_s = by_difference ? round_seconds(ctx) : median(shifts(ctx, out, in, 8, 3, 15));
   size_t bytes = kFirst;
   double t;
   while (true) {
@@ -104,13 +114,13 @@ char* probe_ring(Context& ctx, double* alpha_s, double* bytes_per_s) {
 
 }  // namespace
 
-LinkModel probe_links(Context& ctx, const std::vector<int>* host) {
+LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host) {
   LinkModel m;
   constexpr size_t kReduce = 256 << 10;
-  char* out = probe_ring(ctx, &m.alpha_s, &m.bytes_per_s);
+  char* out = probe_ring(ctx, one_host, &m.alpha_s, &m.bytes_per_s);
   if (host) {
     Context local = ctx.view(*host);
-    probe_ring(local, &m.local_alpha_s, &m.local_bytes_per_s);
+    probe_ring(local, /*by_difference=*/false, &m.local_alpha_s, &m.local_bytes_per_s);
   } else {
     m.local_alpha_s = m.alpha_s;
     m.local_bytes_per_s = m.bytes_per_s;
