@@ -75,16 +75,14 @@ double round_seconds(Context& ctx) {
   if (n < 2) return 0;
   const double butterfly_rounds = std::log2(double(p)) + (p < n ? 2 : 0);
   const double ring_rounds = 2.0 * (n - 1);  // more than the butterfly's for every n >= 2
+  const Algorithm algos[2] = {Algorithm::kRecursiveDoubling, Algorithm::kRing};
   double value = 0;
   std::vector<double> seconds[2];
   for (int i = 0; i < 3 + 15; ++i)
-    for (int ring = 0; ring < 2; ++ring) {
+    for (int a = 0; a < 2; ++a) {
       const auto start = Clock::now();
-      if (ring)
-        ring_all_reduce(ctx, &value, 1, DType::kFloat64, ReduceOp::kMax);
-      else
-        recursive_doubling_all_reduce(ctx, &value, 1, DType::kFloat64, ReduceOp::kMax);
-      if (i >= 3) seconds[ring].push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      scheduled_all_reduce(ctx, algos[a], &value, 1, DType::kFloat64, ReduceOp::kMax);
+      if (i >= 3) seconds[a].push_back(std::chrono::duration<double>(Clock::now() - start).count());
     }
   return std::max(kLeast, (median(seconds[1]) - median(seconds[0])) / (ring_rounds - butterfly_rounds));
 }
