@@ -223,6 +223,7 @@ std::shared_ptr<const CoalescedAllReduce> Communicator::plan_all_reduce_coalesce
   auto wire_of = [&](DType t) { return t == DType::kFloat32 ? f32_wire : t; };
   auto plan = std::make_shared<CoalescedAllReduce>();
   plan->op = op;
+  plan->one_host = layout_.hosts.size() == 1;
   if (options.prescale != 1.0) plan->pack_scaling = {cpu::ScaleKind::kMultiply, options.prescale};
   if (op == ReduceOp::kAvg) plan->unpack_scaling = {cpu::ScaleKind::kDivide, double(world_size_)};
   for (const BufferRef& b : buffers) {

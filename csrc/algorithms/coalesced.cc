@@ -53,6 +53,26 @@ size_t message_elems(const FusedBucket& b, size_t pieces) {
   return std::max<size_t>(1, std::min(per_slice, (b.buffers.count() + pieces - 1) / pieces));
 }
 
+// Bucket `b` needs no cast or scaling on the way out: the reduction reads this rank's
+// contribution straight from the buffers, and the parts it sends travel as ranges of them.
+bool coalesced_from_buffers(const CoalescedAllReduce& plan, const FusedBucket& b) {
+  return plan.pack_scaling.kind == cpu::ScaleKind::kNone && b.buffers.dtype() == b.sig.dtype;
+}
+
+// The caller's memory holding fused elements [begin, begin + count) of `list`, listed in
+// scratch.
+Ranges ranges_of(Context& ctx, const cpu::PackList& list, size_t begin, size_t count) {
+  if (count == 0) return {};
+  const size_t e = dtype_size(list.dtype());
+  const size_t most = list.find(begin + count - 1) - list.find(begin) + 1;
+  auto* ranges = reinterpret_cast<iovec*>(ctx.scratch(most * sizeof(iovec)));
+  size_t used = 0;
+  kernels::for_parts(list, begin, begin + count, [&](size_t i, size_t pos, size_t len) {
+    ranges[used++] = {list.data(i) + (pos - list.offset(i)) * e, len * e};
+  });
+  return {ranges, used};
+}
+
 // Slices of at most `per_bucket(bucket)` elements, at least one per bucket so that an empty
 // bucket still travels and is checked against the peers' signatures.
 template <typename PerBucket>
@@ -172,8 +192,16 @@ void reduce_from_buffers(const CoalescedAllReduce& plan, const FusedBucket& b, s
 void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
   const int n = ctx.size(), me = ctx.rank();
   if (n == 1 || plan.buckets.empty()) return;
-  // A slice is n parts, one per rank.
-  const auto part_elems = [&](const FusedBucket& b) { return message_elems(b, size_t(n)); };
+  // A slice is n parts, one per rank. Parts that travel as ranges of the buffers between ranks
+  // of one host need no slices to pipeline packing with: they are cut evenly into parts of at
+  // least the ring's slice, which shared memory moves by single copy as it does the flat
+  // all-reduce's (every rank knows the layout alike, so all cut the same).
+  const auto part_elems = [&](const FusedBucket& b) {
+    if (!plan.one_host || !coalesced_from_buffers(plan, b)) return message_elems(b, size_t(n));
+    const size_t count = b.buffers.count(), slice = ring_slice(dtype_size(b.sig.dtype), n);
+    const size_t slices = std::max<size_t>(1, count / (slice * size_t(n)));
+    return std::max<size_t>(1, piece_count(count, slices * size_t(n)));
+  };
   const auto slices =
       slices_of(plan.buckets, [&](const FusedBucket& b) { return part_elems(b) * size_t(n); });
   const auto sigs = signatures(ctx, plan.buckets);
@@ -187,12 +215,14 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
     char* buffer;    // the packed slice, then the reduced parts
     char* incoming;  // the other ranks' contributions to my part, (n-1) x part_bytes
     std::vector<Request> contributions, results;  // by peer
+    std::vector<Ranges> ranges;  // by part, with from_buffers: where each lies in the buffers
   } slots[depth];
   for (size_t s = 0; s < std::min(depth, slices.size()); ++s) {
     slots[s].buffer = ctx.scratch(part_bytes * size_t(n));
     slots[s].incoming = ctx.scratch(part_bytes * size_t(n - 1));
     slots[s].contributions.resize(size_t(n));
     slots[s].results.resize(size_t(n));
+    slots[s].ranges.resize(size_t(n));
   }
   auto incoming_of = [&](SlotState& slot, int q) {
     return slot.incoming + size_t(q < me ? q : q - 1) * part_bytes;
@@ -212,14 +242,17 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
       cpu::unpack(slot.buffer + parts.offset(k) * e, sig.dtype, b.buffers, begin,
                   begin + parts.count(k), plan.unpack_scaling);
     };
-    // My part needs no cast or scaling on the way in: the reduction reads it straight from the
-    // buffers, so it is not packed first; nor on the way out: the reduction writes the result
-    // into the buffers, and my result is sent from there.
-    const bool from_buffers = plan.pack_scaling.kind == cpu::ScaleKind::kNone &&
-                              b.buffers.dtype() == sig.dtype;
+    // from_buffers: my part is not packed, and the others' parts go out as ranges of the buffers.
+    // in_place: the reduction writes my result into the buffers, it is sent from there, and the
+    // others' results are received into them.
+    const bool from_buffers = coalesced_from_buffers(plan, b);
     const bool in_place = from_buffers && plan.unpack_scaling.kind == cpu::ScaleKind::kNone;
     if (stage == 0) {
-      if (!from_buffers) {
+      if (from_buffers) {
+        for (int k = 0; k < n; ++k)
+          slot.ranges[size_t(k)] =
+              ranges_of(ctx, b.buffers, slice.begin + parts.offset(k), parts.count(k));
+      } else {
         trace::Span span("pack", parts.count(me) * e);
         const size_t begin = slice.begin + parts.offset(me);
         cpu::pack(b.buffers, begin, begin + parts.count(me), mine, sig.dtype, plan.pack_scaling);
@@ -253,11 +286,17 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
           slot.contributions[size_t(q)] =
               ctx.recv(q, incoming_of(slot, q), parts.count(me) * e, sig);
         }
-        // Part q is packed straight into q's shared memory, or staged in the slice buffer.
+        // Part q goes from the buffers as it lies; or packed straight into q's shared memory,
+        // or staged in the slice buffer.
+        char* staging = slot.buffer + parts.offset(q) * e;
+        if (from_buffers) {
+          ctx.send_ranges(q, slot.ranges[size_t(q)], staging, sig);
+          continue;
+        }
         const FusedBucket* bucket = &b;
         const CoalescedAllReduce* p = &plan;
         const size_t begin = slice.begin + parts.offset(q);
-        ctx.send_produce(q, slot.buffer + parts.offset(q) * e, parts.count(q) * e, sig,
+        ctx.send_produce(q, staging, parts.count(q) * e, sig,
                          [bucket, p, begin, e](size_t offset, char* dst, size_t bytes) {
                            trace::Span span("pack", bytes);
                            cpu::pack(bucket->buffers, begin + offset / e,
@@ -287,25 +326,21 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
       }
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
+        // The results travel as ranges of the buffers both ways where they need no scaling;
+        // staged where my contribution to q was: q sends its result only after it has all of it.
+        char* staging = slot.buffer + parts.offset(q) * e;
         if (in_place) {
-          const FusedBucket* bucket = &b;
-          const size_t begin = slice.begin + parts.offset(me);
-          ctx.send_produce(q, mine, parts.count(me) * e, sig,
-                           [bucket, begin, e](size_t offset, char* dst, size_t bytes) {
-                             trace::Span span("pack", bytes);
-                             cpu::pack(bucket->buffers, begin + offset / e,
-                                       begin + (offset + bytes) / e, dst, bucket->sig.dtype, {});
-                           });
-        } else {
-          ctx.send(q, mine, parts.count(me) * e, sig);
+          ctx.send_ranges(q, slot.ranges[size_t(me)], mine, sig);
+          slot.results[size_t(q)] = ctx.recv_ranges(q, slot.ranges[size_t(q)], staging, sig);
+          continue;
         }
-        // Unpacked where it arrives (a shared-memory peer's slots), or staged where my
-        // contribution to q was: q sends its result only after it has all of it.
+        ctx.send(q, mine, parts.count(me) * e, sig);
+        // Unpacked where it arrives (a shared-memory peer's slots), or staged.
         const FusedBucket* bucket = &b;
         const CoalescedAllReduce* p = &plan;
         const size_t begin = slice.begin + parts.offset(q);
         slot.results[size_t(q)] = ctx.recv_apply(
-            q, slot.buffer + parts.offset(q) * e, parts.count(q) * e, sig,
+            q, staging, parts.count(q) * e, sig,
             [bucket, p, begin, e](size_t offset, const char* data, size_t bytes) {
               trace::Span span("unpack", bytes);
               cpu::unpack(data, bucket->sig.dtype, bucket->buffers, begin + offset / e,

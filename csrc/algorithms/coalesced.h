@@ -31,6 +31,7 @@ struct CoalescedAllReduce {
   // while this one runs.
   std::shared_ptr<const ReductionOrders> orders;
   std::vector<std::vector<OrderedRange>> ranges;  // per dtype group, sorted
+  bool one_host = false;  // every rank on one host (the communicator's layout)
 };
 
 // Every element is reduced at one rank from all contributions, in plan.orders' order, and the

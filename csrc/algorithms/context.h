@@ -178,6 +178,32 @@ class Context {
     staged_.push_back({r.id, staging, bytes, apply});
     return r;
   }
+  // Sends the bytes of `ranges`, back to back: read where they lie by a transport that takes
+  // ranges (shared memory: copied into its slots, or read by the peer straight out of them by
+  // single copy), else gathered into `staging` (ranges.bytes() long) and sent from there.
+  void send_ranges(int peer, Ranges ranges, char* staging, const Signature& sig) {
+    if (mesh_.takes_ranges(global(peer))) {
+      sends_.push_back(mesh_.post_ranges(true, global(peer), ranges, sig));
+      return;
+    }
+    const size_t bytes = ranges.bytes();
+    {
+      trace::Span span("pack", bytes);
+      RangeCursor(ranges).gather(staging, bytes);
+    }
+    send(peer, staging, bytes, sig);
+  }
+  // Receives into `ranges`: where the bytes lie, or into `staging` and scattered by wait().
+  Request recv_ranges(int peer, Ranges ranges, char* staging, const Signature& sig) {
+    if (mesh_.takes_ranges(global(peer))) return mesh_.post_ranges(false, global(peer), ranges, sig);
+    return recv_apply(peer, staging, ranges.bytes(), sig,
+                      [ranges](size_t offset, const char* data, size_t bytes) {
+                        trace::Span span("unpack", bytes);
+                        RangeCursor into(ranges);
+                        into.skip(offset);
+                        into.scatter(data, bytes);
+                      });
+  }
   // Receives `count` elements from `peer` and stores local (op) incoming (or, with
   // `incoming_first`, incoming (op) local) into `dst` (which may be `local`), through recv_apply.
   Request recv_reduce(int peer, char* dst, const char* local, char* staging, size_t count,

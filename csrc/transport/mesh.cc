@@ -269,23 +269,30 @@ Request Mesh::post(bool is_send, int peer, char* data, size_t bytes, const Signa
 
 Request Mesh::post_consume(int peer, size_t bytes, const Signature& sig,
                            Transport::Consumer consume) {
-  return post_in_place(peer, false, bytes, [&](int64_t id) {
+  return post_in_place(peer, false, bytes, can_consume(peer), "consume in place", [&](int64_t id) {
     return route_[peer]->post_consume(peer, bytes, sig, id, std::move(consume));
   });
 }
 
 Request Mesh::post_produce(int peer, size_t bytes, const Signature& sig,
                            Transport::Producer produce) {
-  return post_in_place(peer, true, bytes, [&](int64_t id) {
+  return post_in_place(peer, true, bytes, can_consume(peer), "produce in place", [&](int64_t id) {
     return route_[peer]->post_produce(peer, bytes, sig, id, std::move(produce));
   });
 }
 
+Request Mesh::post_ranges(bool is_send, int peer, Ranges ranges, const Signature& sig) {
+  const size_t bytes = ranges.bytes();
+  return post_in_place(peer, is_send, bytes, takes_ranges(peer), "move ranges", [&](int64_t id) {
+    return route_[peer]->post_ranges(is_send, peer, ranges, bytes, sig, id);
+  });
+}
+
 template <typename PostToTransport>
-Request Mesh::post_in_place(int peer, bool is_send, size_t bytes, PostToTransport post) {
+Request Mesh::post_in_place(int peer, bool is_send, size_t bytes, bool takes, const char* what,
+                            PostToTransport post) {
   check_usable();
-  RC_CHECK_ARG(can_consume(peer), "rank ", peer, "'s transport cannot ",
-               is_send ? "produce" : "consume", " in place");
+  RC_CHECK_ARG(takes, "rank ", peer, "'s transport cannot ", what);
   int64_t id = add_op(nullptr, is_send, peer, bytes);
   find(id)->parts_left = post(id);
   return Request{id};

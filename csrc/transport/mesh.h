@@ -70,6 +70,11 @@ class Mesh final : public PartSink {
   bool can_consume(int peer) const { return route_.at(size_t(peer)) && route_[peer]->can_consume(); }
   Request post_consume(int peer, size_t bytes, const Signature& sig, Transport::Consumer consume);
   Request post_produce(int peer, size_t bytes, const Signature& sig, Transport::Producer produce);
+  // Whether messages with `peer` can lie in several ranges of memory (Transport::post_ranges).
+  bool takes_ranges(int peer) const {
+    return route_.at(size_t(peer)) && route_[peer]->takes_ranges();
+  }
+  Request post_ranges(bool is_send, int peer, Ranges ranges, const Signature& sig);
   // Progress everything until `req` completes; throws ringcomm::Error on a mismatch, a lost peer,
   // a remote abort or when `deadline` passes.
   void wait(Request req, Clock::time_point deadline) { wait_any(&req, 1, deadline); }
@@ -122,10 +127,12 @@ class Mesh final : public PartSink {
   };
   static constexpr int kSlotBits = 24;
   int64_t add_op(Callback on_done, bool is_send, int peer, size_t bytes);
-  // post_consume and post_produce: checks, the op, then `post(id)` hands it to the transport and
-  // returns its number of parts.
+  // post_consume, post_produce and post_ranges: checks (`takes`: the peer's transport takes
+  // messages that `what`), the op, then `post(id)` hands it to the transport and returns its
+  // number of parts.
   template <typename PostToTransport>
-  Request post_in_place(int peer, bool is_send, size_t bytes, PostToTransport post);
+  Request post_in_place(int peer, bool is_send, size_t bytes, bool takes, const char* what,
+                        PostToTransport post);
   Op* find(int64_t id);
   const Op* find(int64_t id) const;
   void remove(Op& op);

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <poll.h>
+#include <sys/uio.h>
 
 #include <chrono>
 #include <cstddef>
@@ -25,6 +26,34 @@
 namespace ringcomm {
 
 using Clock = std::chrono::steady_clock;
+
+// A message's bytes where they lie in the caller's memory: `count` ranges (the system's iovec),
+// back to back. The list and the memory it names stay valid until the operation completes.
+struct Ranges {
+  const iovec* list = nullptr;
+  size_t count = 0;
+  size_t bytes() const;
+};
+
+// A position in Ranges, moved forward as bytes are copied out of or into them.
+class RangeCursor {
+ public:
+  RangeCursor() = default;
+  explicit RangeCursor(Ranges ranges) : ranges_(ranges) {}
+  // Copies the next `bytes` bytes of the ranges to `to`, or `from` into them.
+  void gather(char* to, size_t bytes);
+  void scatter(const char* from, size_t bytes);
+  // The next bytes as at most `max` iovecs in `out` (their number in `*used`), covering at most
+  // `bytes`; returns the bytes covered. The cursor does not move.
+  size_t peek(size_t bytes, iovec* out, size_t max, size_t* used) const;
+  void skip(size_t bytes);
+
+ private:
+  template <typename Copy>
+  void walk(size_t bytes, Copy copy);
+  Ranges ranges_;
+  size_t index_ = 0, offset_ = 0;  // byte `offset_` of range `index_`
+};
 
 // Handle of one posted send or receive (transport/mesh.h).
 struct Request {
@@ -74,6 +103,15 @@ class Transport {
                            Producer produce) {
     (void)peer, (void)bytes, (void)sig, (void)op, (void)produce;
     throw std::logic_error("this transport cannot produce in place");
+  }
+  // Messages whose bytes lie in several ranges of the caller's memory: sent without gathering
+  // them into one buffer first (the receiver may read them in place, shm's single copy) and
+  // received without a scatter afterwards. Only transports whose takes_ranges() is true.
+  virtual bool takes_ranges() const { return false; }
+  virtual int post_ranges(bool is_send, int peer, Ranges ranges, size_t bytes,
+                          const Signature& sig, int64_t op) {
+    (void)is_send, (void)peer, (void)ranges, (void)bytes, (void)sig, (void)op;
+    throw std::logic_error("this transport cannot move ranges");
   }
   // The signature of the next message from `peer` if its header has arrived and no receive is
   // posted for it (a receive from any source picks its peer by this).

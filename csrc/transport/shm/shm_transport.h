@@ -46,6 +46,7 @@ struct ShmOptions {
 
 struct Control;
 struct Inbox;
+struct Address;
 
 class ShmTransport final : public Transport {
  public:
@@ -84,6 +85,9 @@ class ShmTransport final : public Transport {
                    Consumer consume) override;
   int post_produce(int peer, size_t bytes, const Signature& sig, int64_t op,
                    Producer produce) override;
+  bool takes_ranges() const override { return true; }
+  int post_ranges(bool is_send, int peer, Ranges ranges, size_t bytes, const Signature& sig,
+                  int64_t op) override;
   bool progress() override;
   bool peek(int peer, Signature* sig) const override;
   bool busy() const override;
@@ -110,6 +114,8 @@ class ShmTransport final : public Transport {
     WireHeader header;     // sent, or expected
     Consumer consume;      // receives only: takes the bytes instead of `data`
     Producer produce;      // sends only: writes the bytes instead of `data`
+    Ranges ranges;         // the bytes lie here instead of `data` (post_ranges)
+    RangeCursor cursor;    // where `done` is in `ranges`
   };
   struct Mapping {
     char* base = nullptr;
@@ -131,7 +137,7 @@ class ShmTransport final : public Transport {
   bool pump_send(int peer, Peer& p);
   bool pump_recv(int peer, Peer& p);
   bool send_by_address(Peer& p, Part& part) const;
-  void pull(int peer, const Peer& p, Part& part, uint64_t address);
+  void pull(int peer, const Peer& p, Part& part, const Address& where);
   bool reap_pulled(int peer, Peer& p);
   bool ready() const;  // something for progress() to do
   [[noreturn]] void throw_peer_abort(int peer, const Peer& p) const;
@@ -147,6 +153,8 @@ class ShmTransport final : public Transport {
   uint64_t nonce_;
   uint64_t probe_word_;       // the nonce, read by peers probing single copy
   std::vector<char> scratch_;  // single-copy receives into a consumer go through it
+  std::vector<iovec> remote_ranges_;  // a single-copy message's ranges in the sender's memory
+  char gap_sink_[4096];  // what single copy reads between a sender's ranges (pull)
   Mapping own_;
   Control* control_ = nullptr;
   std::vector<int> local_;    // local ranks, in rank order
