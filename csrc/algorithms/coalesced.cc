@@ -107,20 +107,30 @@ std::vector<Signature> signatures(const Context& ctx, const std::vector<FusedBuc
 }
 
 // Runs stage(s, c) for stage s < depth of slice c at iteration c + s, stages in order. Slice c
-// uses buffers c % depth, which slice c + depth takes over once every send posted before it is
-// out.
+// uses buffers c % depth, which slice c + depth takes over once slice c's sends are out: only
+// those are waited for, so that the sends of the slices in between stay in flight.
 template <typename Stage>
 void run_pipeline(Context& ctx, const std::vector<Slice>& slices,
                   const std::vector<Signature>& sigs, size_t depth, Stage stage) {
   const size_t count = slices.size();
+  std::vector<std::vector<Request>> sends(depth);  // by buffers: the sends of their slice
   for (size_t t = 0; t + 1 < count + depth; ++t) {
     // The oldest slice in flight: messages of later buckets may arrive before they are expected.
     size_t oldest = t + 1 < depth ? 0 : std::min(count - 1, t + 1 - depth);
     ctx.set_current(sigs[slices[oldest].bucket]);
-    if (t >= depth) ctx.finish();
-    for (size_t s = 0; s < depth; ++s)
-      if (t >= s && t - s < count) stage(s, t - s);
+    if (t >= depth) {
+      for (Request r : sends[t % depth]) ctx.wait(r);
+      sends[t % depth].clear();
+    }
+    for (size_t s = 0; s < depth; ++s) {
+      if (t < s || t - s >= count) continue;
+      const size_t mark = ctx.sends_posted();
+      stage(s, t - s);
+      ctx.take_sends(mark, sends[(t - s) % depth]);
+    }
   }
+  for (const std::vector<Request>& left : sends)
+    for (Request r : left) ctx.wait(r);
   ctx.finish();
 }
 

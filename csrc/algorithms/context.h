@@ -237,6 +237,14 @@ class Context {
     applied(requests[i]);
     return i;
   }
+  // Sends posted so far and not yet waited for. take_sends moves those posted after `mark` (an
+  // earlier sends_posted()) to `out`, for the caller to wait for: a pipeline that reuses one
+  // slice's buffers waits for that slice's sends alone, not for every send posted since.
+  size_t sends_posted() const { return sends_.size(); }
+  void take_sends(size_t mark, std::vector<Request>& out) {
+    out.insert(out.end(), sends_.begin() + long(mark), sends_.end());
+    sends_.resize(mark);
+  }
   void finish() {
     for (Request r : sends_) mesh_.wait(r, deadline_);
     sends_.clear();
