@@ -300,6 +300,12 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
   mesh_->use_single_copy(model.single_copy);
   if (!tuning.empty() && agreed[0] > 0 && !save_link_model(tuning, model))
     RC_LOG("rank ", rank_, ": cannot write RINGCOMM_TUNING file '", tuning, "'");
+  // The file keeps the measurement; the model says from here on whether every rank with local
+  // peers sends by single copy, as measured or set by hand: the coalesced collectives cut their
+  // parts for it, every rank alike.
+  double off = host.size() > 1 && mesh_->single_copy_bytes() == 0 ? 1.0 : 0.0;
+  agree(&off, 1);
+  model.single_copy = off == 0;
   RC_LOG("rank ", rank_, ": links (", source, ", slowest rank): ", model.describe());
   return model;
 }

@@ -24,7 +24,8 @@ struct LinkModel {
   double local_alpha_s = 16e-6;
   double local_bytes_per_s = 4e9;
   // Local ranks move large messages by single copy (transport/shm): kept where measured faster
-  // than the slots; applies only while RINGCOMM_SHM_SINGLE_COPY_BYTES is left to its default.
+  // than the slots (the probe applies only while RINGCOMM_SHM_SINGLE_COPY_BYTES is left to its
+  // default); once agreed, false if any rank with local peers has it off.
   bool single_copy = true;
   // Bytes a link moves in one round's latency: what a round is worth against bytes.
   double round_bytes() const { return alpha_s * bytes_per_s; }

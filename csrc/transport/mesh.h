@@ -49,6 +49,8 @@ class Mesh final : public PartSink {
   // Shared memory's single copy while its default is on: its size, else 0; and turning it off
   // or back on (shm::ShmTransport::use_single_copy).
   size_t single_copy_to_probe() const { return shm_ ? shm_->single_copy_to_probe() : 0; }
+  // The size from which shared memory sends go by single copy; 0: never (or no shared memory).
+  size_t single_copy_bytes() const { return shm_ ? shm_->single_copy_bytes() : 0; }
   void use_single_copy(bool on) {
     if (shm_) shm_->use_single_copy(on);
   }

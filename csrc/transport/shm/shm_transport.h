@@ -22,6 +22,7 @@
 // and keeps the faster (Communicator::calibrate, use_single_copy).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -65,6 +66,8 @@ class ShmTransport final : public Transport {
   // The single-copy size when RINGCOMM_SHM_SINGLE_COPY_BYTES left it to its default and the
   // default turned it on (so a measurement may turn it off), else 0.
   size_t single_copy_to_probe() const { return single_copy_default_; }
+  // The size from which sends go by address; 0: never.
+  size_t single_copy_bytes() const { return size_t(std::max<int64_t>(0, options_.single_copy_bytes)); }
   // Sends by address from now on (on) or only through the slots; only while single_copy_to_probe.
   // Between operations: a receiver takes either kind at any time.
   void use_single_copy(bool on) {
