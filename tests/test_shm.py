@@ -139,14 +139,14 @@ def by_single_copy(comm):
                   for i, x in enumerate(tensors)))
     # Views of one buffer with gaps of just under a page (the reader takes such neighbours in one
     # read and throws the gap away) and of a page (read apart): the gaps keep their values.
-    buffer = torch.full((40 * 3024,), -1.0 - r)
-    views = [buffer[i * 3024:i * 3024 + 2000 + 24 * (i % 2)] for i in range(40)]
+    buffer = torch.full((40 * 21024,), -1.0 - r)
+    views = [buffer[i * 21024:i * 21024 + 20000 + 24 * (i % 2)] for i in range(40)]
     for i, v in enumerate(views):
         v.fill_(r + i)
     comm.all_reduce_coalesced(views)
     gaps = torch.ones_like(buffer, dtype=torch.bool)
     for i, v in enumerate(views):
-        gaps[i * 3024:i * 3024 + v.numel()] = False
+        gaps[i * 21024:i * 21024 + v.numel()] = False
     ok.append(all(torch.equal(v, torch.full_like(v, float(sum(range(w)) + w * i)))
                   for i, v in enumerate(views)))
     ok.append(bool(torch.all(buffer[gaps] == -1.0 - r)))
@@ -156,7 +156,7 @@ def by_single_copy(comm):
 def coalesced_alone(comm):
     before = ringcomm.shm_bytes_read()
     r, w = comm.rank, comm.world_size
-    tensors = [torch.full((3000 + 17 * i,), float(r * i)) for i in range(300)]
+    tensors = [torch.full((17000 + 17 * i,), float(r * i)) for i in range(60)]
     comm.all_reduce_coalesced(tensors)
     ok = all(torch.equal(x, torch.full_like(x, float(i * sum(range(w)))))
              for i, x in enumerate(tensors))
@@ -164,8 +164,9 @@ def coalesced_alone(comm):
 
 
 def test_coalesced_reads_the_tensors_in_place():
-    """A coalesced all-reduce alone, with single copy on: the parts are read out of the peers'
-    tensors (bytes read by single copy), with the same results as through the slots."""
+    """A coalesced all-reduce alone, with single copy on: the parts, tensors of 68 KB, are read
+    out of the peers' tensors (bytes read by single copy), with the same results as through the
+    slots."""
     for setting in ("4096", "0"):
         for r, (ok, read) in enumerate(run_ranks(3, coalesced_alone, env={
                 "RINGCOMM_SHM_SINGLE_COPY_BYTES": setting, "RINGCOMM_TRANSPORT": "shm"})):

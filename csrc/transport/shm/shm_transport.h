@@ -157,7 +157,7 @@ class ShmTransport final : public Transport {
   uint64_t probe_word_;       // the nonce, read by peers probing single copy
   std::vector<char> scratch_;  // single-copy receives into a consumer go through it
   std::vector<iovec> remote_ranges_;  // a single-copy message's ranges in the sender's memory
-  char gap_sink_[4096];  // what single copy reads between a sender's ranges (pull)
+  char gap_sink_[4096];  // what single copy reads between a sender's ranges (pull, kJoinGap)
   Mapping own_;
   Control* control_ = nullptr;
   std::vector<int> local_;    // local ranks, in rank order
