@@ -71,11 +71,7 @@ constexpr size_t kPullBatch = 256;
 // it (pull): the bytes between lie on pages the two share, which are mapped.
 constexpr size_t kJoinGap = 4096;
 // Messages of several ranges go by single copy only where their ranges (joined as above) hold
-// this much each on average: the kernel pins the sender's pages range by range, and for the
-// bench's 1000 tensors of 1-16 KiB, spread between other allocations, that made the coalesced
-// all-reduce 1.36-1.43x the flat one, against 1.00-1.02x through the slots (2 ranks, Intel
-// guest), while one range (views of one buffer) was faster by single copy.
-constexpr size_t kSingleCopyRangeBytes = 64 << 10;
+// kSingleCopyRangeBytes each on average (transport.h).
 
 namespace {
 
