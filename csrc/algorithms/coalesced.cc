@@ -17,11 +17,13 @@
 //   1. reduce part `me` from the n contributions, element by element in the order that one
 //      all_reduce per buffer would have used (reduction_order.h), so the results are bitwise
 //      those of per-buffer all_reduce (two ranks: done in stage 0); send it to every rank;
-//      unpack it. With no cast or scaling, part `me` is never packed: the reduction reads my
-//      contribution from the buffers and writes the result back into them, and it is sent from
-//      there, packed straight into the peers' memory (with two ranks, the bytes a flat
-//      all-reduce moves, plus packing the peer's part and unpacking its result).
-//   2. receive every other part from its owner, unpacked as it arrives (Context::recv_apply).
+//      unpack it. With no cast or scaling, no part is packed: the reduction reads my
+//      contribution from the buffers and writes the result back into them, and every part
+//      travels as ranges of the buffers (Context::send_ranges, recv_ranges): copied into and
+//      out of a shared-memory peer's slots, or read by the peer straight out of the buffers by
+//      single copy (with two ranks, then, the copies of a flat all-reduce).
+//   2. receive every other part from its owner, unpacked as it arrives (Context::recv_apply),
+//      or straight into the buffers.
 //   Bytes on the wire per rank: 2(n-1)/n of the data (sent and received), as a ring all-reduce,
 //   in two message latencies per slice. Every rank gets the owner's bits.
 // broadcast, 2 stages; the binomial tree or chain of broadcast (by bucket size):

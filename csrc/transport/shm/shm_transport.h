@@ -14,7 +14,9 @@
 // Single copy: a send of at least `single_copy_bytes` from a buffer puts only the buffer's address
 // in a slot; the receiver reads the bytes out of the sender's memory with process_vm_readv (into
 // the receive buffer, or through a cache-sized scratch buffer into a consumer), then counts the
-// message as pulled, which completes the send. Each receiver probes at mapping time whether the
+// message as pulled, which completes the send. A message of several ranges (post_ranges) puts the
+// address of its list of ranges in the slot instead; the receiver reads the list, checks that it
+// adds up to the message, and reads the ranges. Each receiver probes at mapping time whether the
 // kernel lets it read its peer (containers and Yama's ptrace_scope may not) and says so in the
 // inbox; senders use single copy only towards receivers that can. Whether one read beats two
 // copies depends on the machine (the kernel's copy ran at 6-8 GB/s on one host where memcpy ran
