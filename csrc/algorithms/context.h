@@ -187,10 +187,7 @@ class Context {
       return;
     }
     const size_t bytes = ranges.bytes();
-    {
-      trace::Span span("pack", bytes);
-      RangeCursor(ranges).gather(staging, bytes);
-    }
+    RangeCursor(ranges).gather(staging, bytes, "pack");
     send(peer, staging, bytes, sig);
   }
   // Receives into `ranges`: where the bytes lie, or into `staging` and scattered by wait().
@@ -198,10 +195,9 @@ class Context {
     if (mesh_.takes_ranges(global(peer))) return mesh_.post_ranges(false, global(peer), ranges, sig);
     return recv_apply(peer, staging, ranges.bytes(), sig,
                       [ranges](size_t offset, const char* data, size_t bytes) {
-                        trace::Span span("unpack", bytes);
                         RangeCursor into(ranges);
                         into.skip(offset);
-                        into.scatter(data, bytes);
+                        into.scatter(data, bytes, "unpack");
                       });
   }
   // Receives `count` elements from `peer` and stores local (op) incoming (or, with

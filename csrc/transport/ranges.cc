@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/trace.h"
 #include "transport/transport.h"
 
 namespace ringcomm {
@@ -29,14 +30,16 @@ void RangeCursor::walk(size_t bytes, Copy copy) {
   }
 }
 
-void RangeCursor::gather(char* to, size_t bytes) {
+void RangeCursor::gather(char* to, size_t bytes, const char* span) {
+  trace::Span on_timeline(span, bytes);
   walk(bytes, [&](const char* at, size_t len) {
     memcpy(to, at, len);
     to += len;
   });
 }
 
-void RangeCursor::scatter(const char* from, size_t bytes) {
+void RangeCursor::scatter(const char* from, size_t bytes, const char* span) {
+  trace::Span on_timeline(span, bytes);
   walk(bytes, [&](char* at, size_t len) {
     memcpy(at, from, len);
     from += len;

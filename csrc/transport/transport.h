@@ -47,9 +47,10 @@ class RangeCursor {
  public:
   RangeCursor() = default;
   explicit RangeCursor(Ranges ranges) : ranges_(ranges) {}
-  // Copies the next `bytes` bytes of the ranges to `to`, or `from` into them.
-  void gather(char* to, size_t bytes);
-  void scatter(const char* from, size_t bytes);
+  // Copies the next `bytes` bytes of the ranges to `to`, or `from` into them; recorded on the
+  // timeline (common/trace.h) as `span`.
+  void gather(char* to, size_t bytes, const char* span);
+  void scatter(const char* from, size_t bytes, const char* span);
   // The next bytes as at most `max` iovecs in `out` (their number in `*used`), covering at most
   // `bytes`; returns the bytes covered. The cursor does not move.
   size_t peek(size_t bytes, iovec* out, size_t max, size_t* used) const;

@@ -345,7 +345,7 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
     if (len && part.produce)
       part.produce(part.done, s + sizeof(SlotHeader), len);
     else if (len && part.ranges.list)
-      part.cursor.gather(s + sizeof(SlotHeader), len);
+      part.cursor.gather(s + sizeof(SlotHeader), len, "pack");
     else if (len)
       memcpy(s + sizeof(SlotHeader), part.data + part.done, len);  // null if empty
     p.out->head.store(++p.out_head, std::memory_order_release);
@@ -544,7 +544,7 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
     if (part.consume)
       part.consume(part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
     else if (part.ranges.list)
-      part.cursor.scatter(s + sizeof(SlotHeader), sh.fragment_bytes);
+      part.cursor.scatter(s + sizeof(SlotHeader), sh.fragment_bytes, "unpack");
     else if (sh.fragment_bytes)  // an empty message's buffer may be null
       memcpy(part.data + part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
     part.done += sh.fragment_bytes;
