@@ -30,6 +30,24 @@ class RankFailed(AssertionError):
     pass
 
 
+def build_native(name: str, out_dir: str) -> str:
+    """Compiles tests/native/<name>.cc against the installed core (libringcomm.so) into out_dir;
+    skips the test where there is no C++ compiler."""
+    import shutil
+    import pytest
+    import ringcomm
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    here = os.path.dirname(os.path.abspath(__file__))
+    library = os.path.dirname(ringcomm.__file__)
+    binary = os.path.join(out_dir, name)
+    subprocess.run([compiler, "-std=c++17", "-O1", f"-I{os.path.dirname(here)}/csrc",
+                    f"{here}/native/{name}.cc", f"-L{library}", "-lringcomm",
+                    f"-Wl,-rpath,{library}", "-pthread", "-o", binary], check=True)
+    return binary
+
+
 # Each rank's environment for a transport. conftest.py runs the transport-sensitive test modules
 # once per entry (and sets `transport`); a test's own `env` wins over these.
 TRANSPORTS = {

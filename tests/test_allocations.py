@@ -1,28 +1,16 @@
 """Posting a message allocates nothing: heap allocations per call do not grow with the number of
 messages a call sends (tests/native/count_allocations.cc, real ranks, C++ only)."""
 import os
-import shutil
 import subprocess
 
 import pytest
 
-import ringcomm
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from ranks import build_native
 
 
 @pytest.fixture(scope="module")
 def counter(tmp_path_factory):
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        pytest.skip("no C++ compiler")
-    library = os.path.dirname(ringcomm.__file__)
-    binary = str(tmp_path_factory.mktemp("native") / "count_allocations")
-    subprocess.run([compiler, "-std=c++17", "-O1", f"-I{ROOT}/csrc",
-                    f"{HERE}/native/count_allocations.cc", f"-L{library}", "-lringcomm",
-                    f"-Wl,-rpath,{library}", "-pthread", "-o", binary], check=True)
-    return binary
+    return build_native("count_allocations", str(tmp_path_factory.mktemp("native")))
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

@@ -2,13 +2,14 @@
 killed rank leaves nothing behind while the others raise at once."""
 import os
 import signal
+import subprocess
 import time
 
 import pytest
 import torch
 
 import ringcomm
-from ranks import run_ranks
+from ranks import build_native, run_ranks
 
 
 def transports(comm):
@@ -261,3 +262,25 @@ def test_single_copy_is_kept_only_where_measured_faster(tmp_path):
         case = dict(env, **({"RINGCOMM_SHM_SINGLE_COPY_BYTES": by_hand} if by_hand else {}))
         for ok, _, read in run_ranks(2, single_copy_kept, make_comm=False, env=case):
             assert ok and (read > 0) == reads, (saved, by_hand, read)
+
+
+@pytest.fixture(scope="module")
+def forged_ranges(tmp_path_factory):
+    return build_native("forged_ranges", str(tmp_path_factory.mktemp("native")))
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("honest", "ok"),
+    ("short", "error: protocol error: rank 1's ranges hold 150000 bytes of a message of 200000"),
+    ("long", "error: protocol error: rank 1's ranges hold 400000 bytes of a message of 200000"),
+    # the second range moved to an address the sender has not mapped: the kernel stops there
+    ("address", "error: cannot read rank 1's message of 200000 bytes at 0x1000: "
+                "read 100000 of 200000 bytes"),
+])
+def test_a_range_list_changed_after_it_was_published_is_an_error(forged_ranges, case, expected):
+    """A single-copy message's list of ranges is read out of the sender's memory: a sender that
+    changes it after publishing it (tests/native/forged_ranges.cc, two processes over real shared
+    memory) gets a clear error on the receiver, never a read past the message."""
+    run = subprocess.run([forged_ranges, case], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == expected, run.stdout

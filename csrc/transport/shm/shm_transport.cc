@@ -416,9 +416,16 @@ void ShmTransport::pull(int peer, const Peer& p, Part& part, const Address& wher
         // A sender that failed (a mismatch another peer reported, a timeout) releases its
         // buffers after setting its flag: its reason is the one to report, not the bad address.
         check_peer(peer, p);
-        RC_THROW("cannot read rank ", peer, "'s message of ", part.bytes, " bytes at ",
-                 n_remote ? remote[0].iov_base : nullptr, ": ",
-                 got < 0 ? strerror(error) : str_cat("read ", got, " of ", asked, " bytes"));
+        const void* stopped = nullptr;  // where the kernel stopped: the range it refused
+        for (size_t i = 0, skip = size_t(std::max<ssize_t>(got, 0)); i < n_remote; ++i) {
+          if (skip < remote[i].iov_len) {
+            stopped = static_cast<const char*>(remote[i].iov_base) + skip;
+            break;
+          }
+          skip -= remote[i].iov_len;
+        }
+        RC_THROW("cannot read rank ", peer, "'s message of ", part.bytes, " bytes at ", stopped,
+                 ": ", got < 0 ? strerror(error) : str_cat("read ", got, " of ", asked, " bytes"));
       }
       bytes -= moved;
     }
