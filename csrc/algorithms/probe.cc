@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "algorithms/algorithms.h"
+#include "common/logging.h"
 #include "kernels/cpu/reduce.h"
 
 namespace ringcomm {
@@ -161,6 +162,10 @@ bool probe_single_copy(Context& local, size_t message,
   }
   double slowest[2] = {median(seconds[0]), median(seconds[1])};
   recursive_doubling_all_reduce(local, slowest, 2, DType::kFloat64, ReduceOp::kMax);
+  if (local.rank() == 0)
+    RC_LOG("single copy probe, ", n, " local ranks, ", count * sizeof(float) >> 20,
+           " MiB ring all-reduce, slowest rank's median: through the slots ", slowest[0] * 1e3,
+           " ms, by single copy ", slowest[1] * 1e3, " ms");
   return slowest[1] < slowest[0];
 }
 
