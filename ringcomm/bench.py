@@ -716,6 +716,10 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
               f"algorithm {args.algo}, transport {transport}, {args.repeats} repeats (median), "
               f"each after {args.sample_warmup if args.sample_warmup >= 0 else 'iters / 2'} "
               "untimed operations", flush=True)
+        if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0"):
+            # torch's allocator asks for huge pages, which single copy pins far faster
+            # (docs/configuration.md): a figure taken so is not one taken without
+            print("# tensors in transparent huge pages (THP_MEM_ALLOC_ENABLE)", flush=True)
         if mpi is not None:
             print(f"# mpi: MPI_Allreduce in place, {world} processes of its own under mpiexec "
                   f"(shared memory), {mpi.library}", flush=True)
