@@ -276,6 +276,8 @@ def forged_ranges(tmp_path_factory):
     # the second range moved to an address the sender has not mapped: the kernel stops there
     ("address", "error: cannot read rank 1's message of 200000 bytes at 0x1000: "
                 "read 100000 of 200000 bytes"),
+    # the slot's count rewritten in shared memory: more ranges than the message has bytes
+    ("count", "error: protocol error: rank 1 offered 200001 ranges for a message of 200000 bytes"),
 ])
 def test_a_range_list_changed_after_it_was_published_is_an_error(forged_ranges, case, expected):
     """A single-copy message's list of ranges is read out of the sender's memory: a sender that

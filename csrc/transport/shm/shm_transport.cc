@@ -71,7 +71,10 @@ constexpr size_t kPullBatch = 256;
 // it (pull): the bytes between lie on pages the two share, which are mapped.
 constexpr size_t kJoinGap = 4096;
 // Messages of several ranges go by single copy only where their ranges (joined as above) hold
-// kSingleCopyRangeBytes each on average (transport.h).
+// kSingleCopyRangeBytes each on average (transport.h), and where the list has at most
+// kMaxRanges entries: a receiver takes no longer list, so a peer's word cannot make it allocate
+// more than 16 MiB for one.
+constexpr size_t kMaxRanges = 1 << 20;
 
 namespace {
 
@@ -368,14 +371,14 @@ bool ShmTransport::send_by_address(Peer& p, Part& part) const {
          options_.single_copy_bytes > 0 &&
          part.bytes >= uint64_t(options_.single_copy_bytes) &&
          p.out->can_pull.load(std::memory_order_relaxed) &&
-         (part.ranges.count < 2 ||
-          part.bytes / joined_ranges(part.ranges) >= kSingleCopyRangeBytes);
+         (part.ranges.count < 2 || (part.ranges.count <= kMaxRanges &&
+                                    part.bytes / joined_ranges(part.ranges) >=
+                                        kSingleCopyRangeBytes));
 }
 
 // Reads a single-copy message out of `peer`'s memory. The kernel checks every range against the
 // peer's mappings: a bad address fails here, it cannot reach anything but the peer's own memory.
 void ShmTransport::pull(int peer, const Peer& p, Part& part, const Address& where) {
-  // Moves `bytes` bytes from the sender's ranges at `from` to this rank's at `to`.
   // Moves `bytes` bytes from the sender's ranges at `from` to this rank's at `to`, as many
   // ranges per call as fit. The kernel pins the sender's pages range by range, which for a
   // thousand small tensors cost a fifth more than reading their bytes: ranges that join the
@@ -433,8 +436,9 @@ void ShmTransport::pull(int peer, const Peer& p, Part& part, const Address& wher
   iovec whole{reinterpret_cast<void*>(uintptr_t(where.address)), size_t(where.bytes)};
   Ranges sender{&whole, 1};
   if (where.ranges) {
-    // The list is the peer's word too: at most one range per byte, and lengths that add up.
-    if (where.ranges > std::max<uint64_t>(1, part.bytes))
+    // The list is the peer's word too: at most one range per byte and kMaxRanges in all, and
+    // lengths that add up.
+    if (where.ranges > std::min<uint64_t>(kMaxRanges, std::max<uint64_t>(1, part.bytes)))
       RC_THROW("protocol error: rank ", peer, " offered ", where.ranges, " ranges for a message of ",
                part.bytes, " bytes");
     remote_ranges_.resize(size_t(where.ranges));
