@@ -339,6 +339,7 @@ WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp 
   algo = choose_all_reduce(count * dtype_size(dtype), algo);
   auto sig = collective(Collective::kAllReduce, dtype, op, algo, count);
   return submit(sig, [=](Context& ctx) {
+    mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
     if (algo == Algorithm::kHierarchical)
       hierarchical_all_reduce(ctx, layout_, buf, count, dtype, op);
     else
@@ -349,8 +350,10 @@ WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp 
 WorkPtr Communicator::reduce_scatter(void* out, const void* in, size_t count, DType dtype,
                                      ReduceOp op, bool async) {
   auto sig = collective(Collective::kReduceScatter, dtype, op, Algorithm::kRing, count);
-  return submit(sig, [=](Context& ctx) { ring_reduce_scatter(ctx, in, out, count, dtype, op); },
-                async);
+  return submit(sig, [=](Context& ctx) {
+    mesh_->offer_huge_pages(in, count * size_t(world_size_) * dtype_size(dtype));
+    ring_reduce_scatter(ctx, in, out, count, dtype, op);
+  }, async);
 }
 
 WorkPtr Communicator::all_gather(void* out, const void* in, size_t count, DType dtype, bool async) {
@@ -373,6 +376,7 @@ WorkPtr Communicator::all_gatherv(void* out, const void* in, const std::vector<s
   return submit(sig, [=](Context& ctx) {
     char* dst = static_cast<char*>(out) + offset * e;
     if (dst != in && counts[rank_] > 0) std::memmove(dst, in, counts[rank_] * e);
+    mesh_->offer_huge_pages(out, total * e);
     ring_all_gather(ctx, out, counts, dtype);
   }, async);
 }
@@ -425,7 +429,10 @@ WorkPtr Communicator::broadcast(void* buf, size_t count, DType dtype, int root, 
   size_t bytes = count * dtype_size(dtype);
   Algorithm shape = choose_rooted(bytes);
   auto sig = collective(Collective::kBroadcast, dtype, ReduceOp::kSum, shape, count, root);
-  return submit(sig, [=](Context& ctx) { tree_broadcast(ctx, buf, bytes, root, shape); }, async);
+  return submit(sig, [=](Context& ctx) {
+    mesh_->offer_huge_pages(buf, bytes);
+    tree_broadcast(ctx, buf, bytes, root, shape);
+  }, async);
 }
 
 WorkPtr Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, int root,
@@ -433,8 +440,10 @@ WorkPtr Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, 
   check_rank(root, "reduce dst");
   Algorithm shape = choose_rooted(count * dtype_size(dtype));
   auto sig = collective(Collective::kReduce, dtype, op, shape, count, root);
-  return submit(sig, [=](Context& ctx) { tree_reduce(ctx, buf, count, dtype, op, root, shape); },
-                async);
+  return submit(sig, [=](Context& ctx) {
+    mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
+    tree_reduce(ctx, buf, count, dtype, op, root, shape);
+  }, async);
 }
 
 WorkPtr Communicator::barrier(bool async) {

@@ -2,6 +2,8 @@
 // reusable scratch memory. Algorithms post sends/receives here and never see a socket.
 #pragma once
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -95,9 +97,15 @@ class Scratch {
     std::unique_ptr<char, Free> data;
     size_t bytes = 0;
   };
+  // Chunks of 4 MiB or more start on a 2 MiB boundary and ask for huge pages (honoured where
+  // transparent huge pages are "madvise" or "always"): peers read them by single copy, which
+  // pins them page by page (transport/shm/huge_pages.h), and reductions walk them.
   Chunk allocate(size_t bytes) {
+    constexpr size_t kHugePage = 2u << 20;
+    const bool huge = bytes >= 2 * kHugePage;
     void* p = nullptr;
-    if (posix_memalign(&p, kAlign, bytes) != 0) throw std::bad_alloc();
+    if (posix_memalign(&p, huge ? kHugePage : kAlign, bytes) != 0) throw std::bad_alloc();
+    if (huge) madvise(p, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // a hint: may fail
     held_ += bytes;
     return Chunk{std::unique_ptr<char, Free>(static_cast<char*>(p)), bytes};
   }

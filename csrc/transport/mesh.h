@@ -54,6 +54,11 @@ class Mesh final : public PartSink {
   void use_single_copy(bool on) {
     if (shm_) shm_->use_single_copy(on);
   }
+  // `data` is about to be sent to local peers that may read it by single copy: see
+  // shm::ShmTransport::offer_huge_pages.
+  void offer_huge_pages(const void* data, size_t bytes) {
+    if (shm_) shm_->offer_huge_pages(data, bytes);
+  }
   // Name of the transport that carries data to `peer` ("tcp", "shm"; "self" for this rank).
   const char* transport_of(int peer) const;
   // After connect(): each rank's host, as the lowest rank on that host (same on every rank).

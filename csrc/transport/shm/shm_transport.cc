@@ -154,13 +154,18 @@ ShmOptions ShmOptions::from_env() {
                    (o.slot_bytes >= 4096 && o.slot_bytes <= (64u << 20) && o.slot_bytes % kLine == 0),
                "RINGCOMM_SHM_SLOT_BYTES must be a multiple of 64 in [4096, 64 MiB], got ",
                o.slot_bytes);
+  const int64_t huge_pages = env_int("RINGCOMM_SHM_HUGE_PAGES", 1);
+  RC_CHECK_ARG(huge_pages == 0 || huge_pages == 1, "RINGCOMM_SHM_HUGE_PAGES must be 0 or 1, got ",
+               huge_pages);
+  o.huge_pages = huge_pages == 1;
   RC_CHECK_ARG(o.slots >= 2 && o.slots <= 1024, "RINGCOMM_SHM_SLOTS must be in [2, 1024], got ",
                o.slots);
   return o;
 }
 
 ShmTransport::ShmTransport(int rank, int world_size, ShmOptions options, PartSink& sink)
-    : rank_(rank), world_size_(world_size), options_(options), sink_(sink), peers_(world_size) {
+    : rank_(rank), world_size_(world_size), options_(options), huge_pages_(options.huge_pages),
+      sink_(sink), peers_(world_size) {
   fd_ = int(syscall(SYS_memfd_create, "ringcomm-shm", unsigned(MFD_CLOEXEC)));
   std::random_device random;
   nonce_ = (uint64_t(random()) << 32) ^ random();
@@ -374,6 +379,16 @@ bool ShmTransport::send_by_address(Peer& p, Part& part) const {
          (part.ranges.count < 2 || (part.ranges.count <= kMaxRanges &&
                                     part.bytes / joined_ranges(part.ranges) >=
                                         kSingleCopyRangeBytes));
+}
+
+void ShmTransport::offer_huge_pages(const void* data, size_t bytes) {
+  if (!huge_pages_.enabled() || bytes < HugePages::kLeastBytes || options_.single_copy_bytes <= 0)
+    return;
+  for (const Peer& p : peers_)
+    if (p.enabled && p.out->can_pull.load(std::memory_order_relaxed)) {
+      huge_pages_.offer(data, bytes);
+      return;
+    }
 }
 
 // Reads a single-copy message out of `peer`'s memory. The kernel checks every range against the

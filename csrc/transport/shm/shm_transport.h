@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/fifo.h"
+#include "transport/shm/huge_pages.h"
 #include "transport/transport.h"
 #include "transport/wire.h"
 
@@ -44,6 +45,7 @@ struct ShmOptions {
   // of its own, else never (with more ranks than cores, a sender waits for its receiver to be
   // scheduled to move its bytes; through the slots it moves them itself).
   int64_t single_copy_bytes = -1;
+  bool huge_pages = true;  // RINGCOMM_SHM_HUGE_PAGES (huge_pages.h)
   static ShmOptions from_env();
 };
 
@@ -75,6 +77,9 @@ class ShmTransport final : public Transport {
   void use_single_copy(bool on) {
     if (single_copy_default_) options_.single_copy_bytes = on ? int64_t(single_copy_default_) : 0;
   }
+  // `data` is about to be sent: where local peers read it by single copy, a buffer sent again
+  // is collapsed into huge pages (huge_pages.h).
+  void offer_huge_pages(const void* data, size_t bytes);
   // Data to `peer` goes through shared memory from now on (both sides mapped).
   void enable(int peer);
   bool enabled(int peer) const;
@@ -152,6 +157,7 @@ class ShmTransport final : public Transport {
 
   const int rank_, world_size_;
   ShmOptions options_;
+  HugePages huge_pages_;
   size_t single_copy_default_ = 0;  // the default's size, when it turned single copy on
   PartSink& sink_;
   int fd_ = -1;

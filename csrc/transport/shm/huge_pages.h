@@ -1,0 +1,54 @@
+// Huge pages for buffers that peers read by single copy.
+//
+// A single-copy receiver's process_vm_readv pins the sender's pages one by one. With 4 KiB pages
+// and several readers of one buffer (4 ranks on 2 cores, 16 MiB all-reduce) the page-table walks
+// and page reference counts took a fifth of the CPU (perf: follow_page_pte, __get_user_pages,
+// try_grab_folio, ...), where Open MPI's numpy buffers, which numpy backs with huge pages, spent
+// almost nothing there; the same all-reduce on torch tensors in huge pages (THP_MEM_ALLOC_ENABLE)
+// ran 1.1-1.3x faster at 16 MiB and 1.3-1.4x at 64 MiB (docs/performance.md).
+//
+// So a buffer offered a second time (a caller's gradient bucket or benchmark tensor, used again)
+// has the 2 MiB regions that lie wholly inside it collapsed into huge pages
+// (madvise(MADV_COLLAPSE), Linux 6.1): the same bytes, the same addresses, copied once into
+// huge pages by the kernel. Once per buffer: a buffer that comes back collapsed is left alone,
+// and one that failed is not tried again. A buffer seen once (a temporary) is never touched, so
+// its cost (about 0.3-2 ms per MiB on the machines measured) is paid only by buffers that are
+// used again. Memory outside the buffer is never collapsed. RINGCOMM_SHM_HUGE_PAGES=0 turns it
+// off.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace ringcomm {
+namespace shm {
+
+class HugePages {
+ public:
+  // Buffers of fewer bytes are left alone: they hold at most one whole 2 MiB region.
+  static constexpr size_t kLeastBytes = 4u << 20;
+
+  explicit HugePages(bool enabled) : enabled_(enabled) {}
+  bool enabled() const { return enabled_; }
+  // [data, data + bytes) is about to be read by peers: collapsed if offered once before.
+  void offer(const void* data, size_t bytes);
+  // Buffers collapsed so far (each counted once, whether the kernel did all of it or not).
+  uint64_t collapsed() const { return collapsed_; }
+
+ private:
+  struct Seen {
+    uintptr_t begin;
+    size_t bytes;
+    bool tried;  // collapsed, or the kernel refused
+  };
+  // The buffers offered last, most recent last: enough for a model's gradient buckets.
+  static constexpr size_t kRemembered = 32;
+
+  bool enabled_;
+  std::vector<Seen> seen_;
+  uint64_t collapsed_ = 0;
+};
+
+}  // namespace shm
+}  // namespace ringcomm
