@@ -382,7 +382,9 @@ bool ShmTransport::send_by_address(Peer& p, Part& part) const {
 }
 
 void ShmTransport::offer_huge_pages(const void* data, size_t bytes) {
-  if (!huge_pages_.enabled() || bytes < HugePages::kLeastBytes || options_.single_copy_bytes <= 0)
+  // No message out of a buffer smaller than the single-copy size goes by single copy.
+  if (!huge_pages_.enabled() || bytes < HugePages::kLeastBytes || options_.single_copy_bytes <= 0 ||
+      bytes < uint64_t(options_.single_copy_bytes))
     return;
   for (const Peer& p : peers_)
     if (p.enabled && p.out->can_pull.load(std::memory_order_relaxed)) {
