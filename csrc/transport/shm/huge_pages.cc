@@ -37,7 +37,6 @@ void HugePages::offer(const void* data, size_t bytes) {
   const uintptr_t first = (begin + kRegion - 1) & ~(kRegion - 1);
   const uintptr_t last = (begin + bytes) & ~(kRegion - 1);
   if (last <= first) return;
-  ++collapsed_;
   // Failures leave the pages as they were: EINVAL where the kernel has no MADV_COLLAPSE or the
   // memory cannot be collapsed (not private anonymous memory, or marked MADV_NOHUGEPAGE),
   // EAGAIN or ENOMEM where no huge page was free.

@@ -4,15 +4,15 @@
 // and several readers of one buffer (4 ranks on 2 cores, 16 MiB all-reduce) the page-table walks
 // and page reference counts took a fifth of the CPU (perf: follow_page_pte, __get_user_pages,
 // try_grab_folio, ...), where Open MPI's numpy buffers, which numpy backs with huge pages, spent
-// almost nothing there; the same all-reduce on torch tensors in huge pages (THP_MEM_ALLOC_ENABLE)
-// ran 1.1-1.3x faster at 16 MiB and 1.3-1.4x at 64 MiB (docs/performance.md).
+// almost nothing there. Collapsed as below, the same all-reduce by single copy ran 1.5-1.9x
+// faster at 16 MiB and 1.35-1.45x at 64 MiB (docs/performance.md, session 24).
 //
 // So a buffer offered a second time (a caller's gradient bucket or benchmark tensor, used again)
 // has the 2 MiB regions that lie wholly inside it collapsed into huge pages
 // (madvise(MADV_COLLAPSE), Linux 6.1): the same bytes, the same addresses, copied once into
 // huge pages by the kernel. Once per buffer: a buffer that comes back collapsed is left alone,
 // and one that failed is not tried again. A buffer seen once (a temporary) is never touched, so
-// its cost (about 0.3-2 ms per MiB on the machines measured) is paid only by buffers that are
+// its cost (0.3-2.5 ms per MiB, once, where measured) is paid only by buffers that are
 // used again. Memory outside the buffer is never collapsed. RINGCOMM_SHM_HUGE_PAGES=0 turns it
 // off.
 #pragma once
@@ -33,8 +33,6 @@ class HugePages {
   bool enabled() const { return enabled_; }
   // [data, data + bytes) is about to be read by peers: collapsed if offered once before.
   void offer(const void* data, size_t bytes);
-  // Buffers collapsed so far (each counted once, whether the kernel did all of it or not).
-  uint64_t collapsed() const { return collapsed_; }
 
  private:
   struct Seen {
@@ -47,7 +45,6 @@ class HugePages {
 
   bool enabled_;
   std::vector<Seen> seen_;
-  uint64_t collapsed_ = 0;
 };
 
 }  // namespace shm
