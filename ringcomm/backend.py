@@ -87,7 +87,9 @@ def load():
                 # No rpath: _C (imported above) has loaded libringcomm.so already, and the loader
                 # binds this module to it by its soname, so a cached build serves any
                 # installation of the same sources and the process has one core.
-                extra_ldflags=[f"-L{_PACKAGE}", "-lringcomm"],
+                # --exclude-libs: as CMakeLists.txt says, for toolchains that link libstdc++
+                # statically.
+                extra_ldflags=[f"-L{_PACKAGE}", "-lringcomm", "-Wl,--exclude-libs,ALL"],
                 build_directory=str(build_dir),
                 verbose=env_flag("RINGCOMM_DEBUG"),
             )
