@@ -569,7 +569,8 @@ class RingcommBackend : public c10d::Backend {
     TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ringcomm reduce_scatter_tensor_coalesced: ",
                       outputs.size(), " outputs for ", inputs.size(), " inputs");
     std::vector<Staged> outs(outputs.begin(), outputs.end());
-    return reduce_scatter_into(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, outputs, outs,
+    // OpType::COALESCED: REDUCE_SCATTER_TENSOR_COALESCED is newer than torch 2.11.
+    return reduce_scatter_into(c10d::OpType::COALESCED, outputs, outs,
                                inputs, opts.reduceOp, opts.asyncOp);
   }
 
@@ -767,7 +768,8 @@ class RingcommBackend : public c10d::Backend {
   // PREMUL_SUM scales the input by its factor here, then sums; other ops map directly.
   rc::ReduceOp premultiply(const c10d::ReduceOp& op, const Staged& t) {
     if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return op_of(op, t.dense);
-    auto* factor = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+    // NCCLPreMulSumSupplement: torch 2.11's name, kept as an alias where it was renamed.
+    auto* factor = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
     TORCH_CHECK_VALUE(factor != nullptr, "ringcomm: PREMUL_SUM without a factor");
     TORCH_CHECK_TYPE(t.dense.is_floating_point(), "ringcomm: PREMUL_SUM needs a floating dtype");
     if (factor->tensor_factor.defined())
