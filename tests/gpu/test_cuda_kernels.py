@@ -23,7 +23,23 @@ def cpu_reduce(dtype, op, a, b):
 
 
 def same_bits(x, y):
-    return torch.equal(x.cpu().view(torch.uint8), y.cpu().view(torch.uint8))
+    """Bit for bit, except that a NaN matches any NaN: IEEE 754 leaves a NaN result's payload
+    and sign open, and the GPU's float32 arithmetic returns its one canonical NaN (0x7fffffff)
+    where x86 returns the operand's NaN or its own default (0xffc00000). On a mismatch, the
+    AssertionError says how many elements differ and shows the first ones' bits."""
+    x, y = x.cpu(), y.cpu()
+    assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, x.shape, y.dtype, y.shape)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    differ = x.view(bits) != y.view(bits)
+    if x.is_floating_point():
+        differ &= ~(x.isnan() & y.isnan())
+    if differ.any():
+        where = differ.nonzero().flatten()[:5].tolist()
+        shown = [(i, x[i].item(), y[i].item(), hex(x.view(bits)[i].item()),
+                  hex(y.view(bits)[i].item())) for i in where]
+        raise AssertionError(f"{int(differ.sum())} of {x.numel()} elements differ (index, got, "
+                             f"want, bits): {shown}")
+    return True
 
 
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
