@@ -223,7 +223,11 @@ def kernel_collapses() -> bool:
 
 def huge_pages_over_three_calls(comm):
     """A 16 MiB tensor all-reduced three times, single copy on: after each call, whether the
-    values are right and the kB of its mapping in huge pages; and the bytes read by single copy."""
+    values are right and the kB of its mapping in huge pages; the bytes read by single copy; and
+    what RINGCOMM_DEBUG said of collapses that failed (this rank was forked from a process that
+    imported ringcomm without it, so the core's lines are taken here, not from the logger)."""
+    lines = []
+    ringcomm._C.set_log_sink(lines.append)
     before = ringcomm.shm_bytes_read()
     r, w = comm.rank, comm.world_size
     t = torch.empty(4 << 20)
@@ -233,7 +237,8 @@ def huge_pages_over_three_calls(comm):
         comm.all_reduce(t)
         seen.append((bool(torch.all(t == float(sum(range(w)) + w * call))),
                      anon_huge_kb(t.data_ptr())))
-    return seen, ringcomm.shm_bytes_read() - before
+    ringcomm._C.set_log_sink(None)
+    return seen, ringcomm.shm_bytes_read() - before, [x for x in lines if "MADV_COLLAPSE" in x]
 
 
 @pytest.mark.parametrize("setting", ["1", "0"])
@@ -246,15 +251,22 @@ def test_a_buffer_sent_again_by_single_copy_moves_into_huge_pages(setting):
             pytest.skip("transparent huge pages are 'always' here")
     if setting == "1" and not kernel_collapses():
         pytest.skip("this kernel has no madvise(MADV_COLLAPSE)")
-    for r, (seen, read) in enumerate(run_ranks(2, huge_pages_over_three_calls, env={
-            "RINGCOMM_SHM_SINGLE_COPY_BYTES": "524288", "RINGCOMM_TRANSPORT": "shm",
-            "RINGCOMM_SHM_HUGE_PAGES": setting, "THP_MEM_ALLOC_ENABLE": "0"})):
+    results = run_ranks(2, huge_pages_over_three_calls, env={
+        "RINGCOMM_SHM_SINGLE_COPY_BYTES": "524288", "RINGCOMM_TRANSPORT": "shm",
+        "RINGCOMM_SHM_HUGE_PAGES": setting, "THP_MEM_ALLOC_ENABLE": "0", "RINGCOMM_DEBUG": "INFO"})
+    for r, (seen, read, failures) in enumerate(results):
         assert read > 0, r
         assert all(ok for ok, _ in seen), (r, seen)
         assert seen[0][1] == 0, (r, seen)  # seen once: a temporary, maybe
+        # The machine's memory, not ringcomm: no free 2 MiB page to collapse into.
+        short = [line for line in failures if "temporarily unavailable" in line
+                 or "Cannot allocate memory" in line]
+        if setting == "1" and short:
+            pytest.skip(f"rank {r}: the kernel found no free huge page: {short[0]}")
+        assert setting == "1" or not failures, (r, failures)  # 0: nothing asked
         if setting == "1":
             # the 2 MiB regions wholly inside 16 MiB: 7 at least, whatever its alignment
-            assert seen[1][1] >= 7 * 2048 and seen[2][1] >= 7 * 2048, (r, seen)
+            assert seen[1][1] >= 7 * 2048 and seen[2][1] >= 7 * 2048, (r, seen, failures)
         else:
             assert seen[1][1] == seen[2][1] == 0, (r, seen)
 
