@@ -348,6 +348,43 @@ def test_single_copy_is_kept_only_where_measured_faster(tmp_path):
             assert ok and (read > 0) == reads, (saved, by_hand, read)
 
 
+def test_stream_copy_writes_what_memcpy_writes(tmp_path):
+    """Slot fragments written with non-temporal stores (csrc/transport/shm/stream_copy.h): every
+    alignment and the lengths around its head, body and tail, against memcpy, in one process."""
+    binary = build_native("stream_copy", str(tmp_path))
+    run = subprocess.run([binary], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+def streamed_collectives(comm):
+    """all_reduce of several sizes (fragments under and over SlotWriter::kLeastBytes, a ragged
+    tail) and a coalesced all_reduce (slots filled from ranges), exact values checked."""
+    r, w = comm.rank, comm.world_size
+    for n in (5, 4099, 70_001, 1_000_003):
+        t = torch.arange(n, dtype=torch.float64).remainder(7).float() + r
+        comm.all_reduce(t)
+        want = torch.arange(n, dtype=torch.float64).remainder(7).float() * w + sum(range(w))
+        assert torch.equal(t, want), n
+    tensors = [torch.full((c,), float(r + 1)) for c in (3, 5000, 20_001, 64 << 10)]
+    comm.all_reduce_coalesced(tensors)
+    assert all(torch.all(t == float(sum(range(1, w + 1)))) for t in tensors)
+    return True
+
+
+@pytest.mark.parametrize("stream", ["1", "0", "auto"])
+def test_slots_written_by_streaming_stores_carry_the_same_values(stream):
+    assert all(run_ranks(3, streamed_collectives, timeout=120, env={
+        "RINGCOMM_TRANSPORT": "shm", "RINGCOMM_SHM_SINGLE_COPY_BYTES": "0",
+        "RINGCOMM_SHM_STREAM": stream}))
+
+
+def test_stream_setting_is_checked():
+    results = run_ranks(2, transports, allow_errors=True, timeout=60,
+                        env={"RINGCOMM_SHM_STREAM": "sometimes"})
+    for status, text in results:
+        assert status == "error" and "RINGCOMM_SHM_STREAM must be auto, 0 or 1" in text, text
+
+
 @pytest.fixture(scope="module")
 def forged_ranges(tmp_path_factory):
     return build_native("forged_ranges", str(tmp_path_factory.mktemp("native")))

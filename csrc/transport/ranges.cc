@@ -30,10 +30,14 @@ void RangeCursor::walk(size_t bytes, Copy copy) {
   }
 }
 
-void RangeCursor::gather(char* to, size_t bytes, const char* span) {
+void RangeCursor::gather(char* to, size_t bytes, const char* span,
+                         void (*copy)(void* dst, const void* src, size_t n)) {
   trace::Span on_timeline(span, bytes);
   walk(bytes, [&](const char* at, size_t len) {
-    memcpy(to, at, len);
+    if (copy)
+      copy(to, at, len);
+    else
+      memcpy(to, at, len);
     to += len;
   });
 }

@@ -47,9 +47,10 @@ class RangeCursor {
  public:
   RangeCursor() = default;
   explicit RangeCursor(Ranges ranges) : ranges_(ranges) {}
-  // Copies the next `bytes` bytes of the ranges to `to`, or `from` into them; recorded on the
-  // timeline (common/trace.h) as `span`.
-  void gather(char* to, size_t bytes, const char* span);
+  // Copies the next `bytes` bytes of the ranges to `to` (with `copy`, default memcpy), or `from`
+  // into them; recorded on the timeline (common/trace.h) as `span`.
+  void gather(char* to, size_t bytes, const char* span,
+              void (*copy)(void* dst, const void* src, size_t n) = nullptr);
   void scatter(const char* from, size_t bytes, const char* span);
   // The next bytes as at most `max` iovecs in `out` (their number in `*used`), covering at most
   // `bytes`; returns the bytes covered. The cursor does not move.

@@ -158,6 +158,12 @@ ShmOptions ShmOptions::from_env() {
   RC_CHECK_ARG(huge_pages == 0 || huge_pages == 1, "RINGCOMM_SHM_HUGE_PAGES must be 0 or 1, got ",
                huge_pages);
   o.huge_pages = huge_pages == 1;
+  const std::string stream = env_string("RINGCOMM_SHM_STREAM", "auto");
+  RC_CHECK_ARG(stream == "auto" || stream == "0" || stream == "1",
+               "RINGCOMM_SHM_STREAM must be auto, 0 or 1, got ", stream);
+  o.stream = stream == "auto" ? StreamMode::kAuto
+             : stream == "1"  ? StreamMode::kAlways
+                              : StreamMode::kNever;
   RC_CHECK_ARG(o.slots >= 2 && o.slots <= 1024, "RINGCOMM_SHM_SLOTS must be in [2, 1024], got ",
                o.slots);
   return o;
@@ -269,6 +275,7 @@ bool ShmTransport::map_peer(int peer, const std::string& address, std::string* w
 
 void ShmTransport::enable(int peer) {
   peers_[peer].enabled = true;
+  peers_[peer].writer = SlotWriter(options_.stream);
   active_.push_back(peer);
 }
 
@@ -353,9 +360,13 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
     if (len && part.produce)
       part.produce(part.done, s + sizeof(SlotHeader), len);
     else if (len && part.ranges.list)
-      part.cursor.gather(s + sizeof(SlotHeader), len, "pack");
+      p.writer.write(len, [&](SlotWriter::Copy copy) {
+        part.cursor.gather(s + sizeof(SlotHeader), len, "pack", copy);
+      });
     else if (len)
-      memcpy(s + sizeof(SlotHeader), part.data + part.done, len);  // null if empty
+      p.writer.write(len, [&](SlotWriter::Copy copy) {
+        copy(s + sizeof(SlotHeader), part.data + part.done, len);
+      });
     p.out->head.store(++p.out_head, std::memory_order_release);
     part.started = true;
     part.done += len;

@@ -32,6 +32,7 @@
 
 #include "common/fifo.h"
 #include "transport/shm/huge_pages.h"
+#include "transport/shm/stream_copy.h"
 #include "transport/transport.h"
 #include "transport/wire.h"
 
@@ -46,6 +47,7 @@ struct ShmOptions {
   // scheduled to move its bytes; through the slots it moves them itself).
   int64_t single_copy_bytes = -1;
   bool huge_pages = true;  // RINGCOMM_SHM_HUGE_PAGES (huge_pages.h)
+  StreamMode stream = StreamMode::kAuto;  // RINGCOMM_SHM_STREAM (stream_copy.h)
   static ShmOptions from_env();
 };
 
@@ -142,6 +144,7 @@ class ShmTransport final : public Transport {
     Fifo<Part> sends, recvs;
     Fifo<Part> pulling;               // single-copy sends waiting for the peer to read them
     uint64_t pulls_sent = 0, pulls_done = 0;
+    SlotWriter writer;                // how I write into its slots
   };
 
   bool pump_send(int peer, Peer& p);
