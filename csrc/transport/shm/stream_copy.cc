@@ -51,7 +51,7 @@ void SlotWriter::record(bool stream, size_t n, Clock::time_point start, Clock::t
   r.bytes_per_ns[r.next] = double(n) / double(std::max<int64_t>(ns, 1));
   r.next = (r.next + 1) % kSamples;
   r.measured = end;
-  if (plain_.best() > 0 && stream_.best() > 0) streaming_ = plain_.best() < 0.5 * stream_.best();
+  if (plain_.best() > 0 && stream_.best() > 0) streaming_ = plain_.best() < 0.2 * stream_.best();
 }
 
 }  // namespace shm

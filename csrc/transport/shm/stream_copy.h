@@ -26,8 +26,11 @@ enum class StreamMode { kAuto, kNever, kAlways };
 // take no line back, at 26-27 in both states (2 ranks, 16 MiB all-reduce through the slots:
 // 9.5-10.4 ms plain, 1.3-1.4 ms streaming). Streaming costs where plain is cheap (the peer then
 // reads from memory: 1.4-1.6 ms plain, 2.1-2.2 ms streaming), so kAuto times both and streams
-// while plain writes run at less than half the streaming rate, timing the other way again every
-// kRecheck, as the host may move the CPUs back. Each way's rate is the best of its last kSamples
+// while plain writes run at less than a fifth of the streaming rate, timing the other way again
+// every kRecheck, as the host may move the CPUs back. A fifth, not a half: with a shared cache,
+// plain writes of lines the peer holds still ran at 7-10 GB/s against 26-35 streaming (up to
+// 1 MiB written at a time), and streaming there made a 64 KiB all-reduce 15-20% slower; apart,
+// the ratio was 0.08-0.1. Each way's rate is the best of its last kSamples
 // timings: a sender preempted mid-copy (more ranks than cores) only ever looks slower.
 class SlotWriter {
  public:
