@@ -716,6 +716,12 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
               f"algorithm {args.algo}, transport {transport}, {args.repeats} repeats (median), "
               f"each after {args.sample_warmup if args.sample_warmup >= 0 else 'iters / 2'} "
               "untimed operations", flush=True)
+        from . import backend
+
+        if args.coll == "all_reduce" and gpu is None and backend.built() is None:
+            # Communicator.all_reduce then reads the tensor in Python: 8 B took 2.7 us, not 1.3
+            print("# tensors read in Python: the torch backend's module is not built for these "
+                  "sources (make install, or ringcomm.backend.load(), builds it)", flush=True)
         if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0"):
             # torch's allocator asks for huge pages, which single copy pins far faster
             # (docs/configuration.md): a figure taken so is not one taken without
