@@ -28,10 +28,11 @@
 //      step 1 and 2 is then held to the pace of the links between hosts.
 //   4. gamma: the best of 3 local float32 sums of 256 KiB.
 // And, before them where local ranks may single-copy (probe_single_copy): inside each host, a ring
-// all-reduce of 16 MiB (at least 2 x n messages) in slices of the single-copy size, 1 + 3 times
-// with single copy off and on in turn; single copy stays if its median is the lower one on the
-// slowest rank. Measured, not assumed: on one host single copy made a 2-rank 16 MiB all-reduce
-// 1.5x faster, on another 1.9x slower (its kernel copied at 6-8 GB/s, memcpy at 18-40).
+// all-reduce of 16 MiB (at least 2 x n messages) in slices of the single-copy size, in blocks of
+// 2 untimed + 2 timed rounds with single copy off, on, on, off; single copy stays if its median
+// is the lower one on the slowest rank. Measured, not assumed: on one host single copy made a
+// 2-rank 16 MiB all-reduce 1.5x faster, on another 1.9x slower (its kernel copied at 6-8 GB/s,
+// memcpy at 18-40), on a third 4x slower while its CPUs shared no cache, 1.1x while they did.
 // Bytes on the wire per rank: at most 11 x 64 KiB + 4 x 512 KiB + 4 x 4 MiB. Each rank times
 // its own links; the caller agrees on the slowest rank's figures (a collective crosses every
 // link in lockstep).
@@ -138,7 +139,7 @@ LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host)
 
 bool probe_single_copy(Context& local, size_t message,
                        const std::function<void(bool)>& use_single_copy) {
-  constexpr int kTimed = 3;
+  constexpr int kWarm = 2, kTimed = 2;
   const int n = local.size();
   // 16 MiB at least: where single copy loses, it loses as the data leaves the caches (4 MiB was
   // within noise on a host where 16 MiB took 2.5x as long), and where it wins it wins there too.
@@ -149,15 +150,20 @@ bool probe_single_copy(Context& local, size_t message,
   std::memset(data, 0, count * sizeof(float));
   const Schedule schedule = ring_all_reduce_schedule(n, local.rank());
   const Segments blocks(count, n);
+  // In blocks, each opened by kWarm untimed rounds: the first rounds after a switch pay for the
+  // other way's traces. A 2-rank slots round took 3.7-4.0 ms right after single-copy rounds,
+  // then 1.4, then 1.1-1.3 (session 26, CPUs that shared no cache); timed in alternate rounds,
+  // the slots measured 3.7-4.6 ms and single copy (4.9 ms in steady state) won the probe.
+  // Blocks in the order slots, single copy, single copy, slots: drift weighs on both alike.
   std::vector<double> seconds[2];
-  for (int round = 0; round <= kTimed; ++round) {
-    for (int on = 0; on < 2; ++on) {
-      use_single_copy(on == 1);
+  for (int on : {0, 1, 1, 0}) {
+    use_single_copy(on == 1);
+    for (int round = 0; round < kWarm + kTimed; ++round) {
       const auto start = Clock::now();
       run_schedule(local, schedule, blocks, {data, data}, DType::kFloat32, ReduceOp::kSum, slice);
       local.finish();
       const double took = std::chrono::duration<double>(Clock::now() - start).count();
-      if (round > 0) seconds[on].push_back(took);
+      if (round >= kWarm) seconds[on].push_back(took);
     }
   }
   double slowest[2] = {median(seconds[0]), median(seconds[1])};
