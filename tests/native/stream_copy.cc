@@ -39,6 +39,7 @@ int main() {
       for (size_t b = 0; b < 64; b += (n > 4096 ? 17 : 3)) {
         std::vector<unsigned char> got(n + a + 2 * kGuard, 0xee), want = got;
         ringcomm::shm::stream_copy(got.data() + kGuard + a, src.data() + b, n);
+        ringcomm::shm::stream_fence();
         std::memcpy(want.data() + kGuard + a, src.data() + b, n);
         if (!check(got, want, "stream_copy", a, b, n)) return 1;
       }

@@ -15,9 +15,11 @@ void stream_copy(void* dst, const void* src, size_t n) {
 #if defined(__x86_64__)
   auto* d = static_cast<char*>(dst);
   const auto* s = static_cast<const char*>(src);
-  // Plain stores up to dst's first 16-byte boundary, streaming ones 64 bytes at a time, plain
-  // ones for the tail.
-  const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(d) % 16) % 16);
+  // Plain stores up to dst's first line boundary, streaming ones a whole line at a time, plain
+  // ones for the tail. Lines, not 16 bytes: a slot gathered from 14 pieces of 1-16 KiB (sizes in
+  // 4-byte steps) put every later line across two 64-byte stores and streamed at 12.4 GB/s
+  // against 19.3 for one piece; aligned to lines, 18.6 (bench of session 26, one thread).
+  const size_t head = std::min(n, (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64);
   std::memcpy(d, s, head);
   d += head, s += head, n -= head;
   for (; n >= 64; d += 64, s += 64, n -= 64) {
@@ -31,9 +33,14 @@ void stream_copy(void* dst, const void* src, size_t n) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
   }
   std::memcpy(d, s, n);
-  _mm_sfence();  // streaming stores are weakly ordered: all of them before the caller publishes
 #else
   std::memcpy(dst, src, n);
+#endif
+}
+
+void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
 #endif
 }
 

@@ -10,9 +10,12 @@ namespace ringcomm {
 namespace shm {
 
 // dst <- src, n bytes, the lines of dst written around this CPU's caches (x86 non-temporal
-// stores; a plain memcpy elsewhere), then a store fence, so that a release store after it
-// publishes them.
+// stores; a plain memcpy elsewhere). They are weakly ordered: stream_fence() before the release
+// store that publishes them, once per fragment however many pieces filled it.
 void stream_copy(void* dst, const void* src, size_t n);
+
+// Orders every stream_copy before it ahead of the stores after it.
+void stream_fence();
 
 // RINGCOMM_SHM_STREAM: how a sender writes slot fragments.
 enum class StreamMode { kAuto, kNever, kAlways };
@@ -47,10 +50,14 @@ class SlotWriter {
   template <typename Fill>
   void write(size_t n, Fill&& fill) {
     if (n < kLeastBytes || mode_ == StreamMode::kNever) return fill(plain_copy);
-    if (mode_ == StreamMode::kAlways) return fill(stream_copy);
+    if (mode_ == StreamMode::kAlways) {
+      fill(stream_copy);
+      return stream_fence();
+    }
     const Clock::time_point start = Clock::now();
     const bool stream = choose(start);
     fill(stream ? stream_copy : plain_copy);
+    if (stream) stream_fence();
     record(stream, n, start, Clock::now());
   }
 
