@@ -49,7 +49,7 @@ void SlotWriter::plain_copy(void* dst, const void* src, size_t n) { std::memcpy(
 // The way in use, or the other one once its figure is kRecheck old (or missing).
 bool SlotWriter::choose(Clock::time_point now) const {
   const Rate& other = streaming_ ? plain_ : stream_;
-  return other.best() == 0 || now - other.measured > kRecheck ? !streaming_ : streaming_;
+  return other.count == 0 || now - other.measured > kRecheck ? !streaming_ : streaming_;
 }
 
 void SlotWriter::record(bool stream, size_t n, Clock::time_point start, Clock::time_point end) {
@@ -57,8 +57,16 @@ void SlotWriter::record(bool stream, size_t n, Clock::time_point start, Clock::t
   Rate& r = stream ? stream_ : plain_;
   r.bytes_per_ns[r.next] = double(n) / double(std::max<int64_t>(ns, 1));
   r.next = (r.next + 1) % kSamples;
+  r.count = std::min(r.count + 1, kSamples);
   r.measured = end;
-  if (plain_.best() > 0 && stream_.best() > 0) streaming_ = plain_.best() < 0.2 * stream_.best();
+  if (plain_.count && stream_.count) streaming_ = plain_.typical() < 0.2 * stream_.typical();
+}
+
+double SlotWriter::Rate::typical() const {
+  double sorted[kSamples];
+  std::copy(bytes_per_ns, bytes_per_ns + count, sorted);
+  std::sort(sorted, sorted + count);
+  return sorted[count / 2];
 }
 
 }  // namespace shm

@@ -33,8 +33,10 @@ enum class StreamMode { kAuto, kNever, kAlways };
 // every kRecheck, as the host may move the CPUs back. A fifth, not a half: with a shared cache,
 // plain writes of lines the peer holds still ran at 7-10 GB/s against 26-35 streaming (up to
 // 1 MiB written at a time), and streaming there made a 64 KiB all-reduce 15-20% slower; apart,
-// the ratio was 0.08-0.1. Each way's rate is the best of its last kSamples
-// timings: a sender preempted mid-copy (more ranks than cores) only ever looks slower.
+// the ratio was 0.08-0.1. Each way's rate is the median of its last kSamples timings: a sender
+// preempted mid-copy (more ranks than cores) looks slower once, and a plain write that finds the
+// peer's copies of its lines already gone looks faster once (4.8 GB/s among 2.4-2.8: as the best
+// of 4, that kept a coalesced all-reduce writing plainly for a third of its fragments).
 class SlotWriter {
  public:
   // Fragments smaller than this are copied plainly and not timed: a few lines each, where the
@@ -63,12 +65,12 @@ class SlotWriter {
 
  private:
   using Clock = std::chrono::steady_clock;
-  static constexpr int kSamples = 4;
+  static constexpr int kSamples = 5;
   struct Rate {
-    double bytes_per_ns[kSamples] = {};  // the last timings; 0: none
-    int next = 0;
+    double bytes_per_ns[kSamples] = {};  // the last `count` timings
+    int next = 0, count = 0;
     Clock::time_point measured{};
-    double best() const { return *std::max_element(bytes_per_ns, bytes_per_ns + kSamples); }
+    double typical() const;  // their median; count > 0
   };
   static void plain_copy(void* dst, const void* src, size_t n);
   bool choose(Clock::time_point now) const;
