@@ -59,7 +59,8 @@ void SlotWriter::record(bool stream, size_t n, Clock::time_point start, Clock::t
   r.next = (r.next + 1) % kSamples;
   r.count = std::min(r.count + 1, kSamples);
   r.measured = end;
-  if (plain_.count && stream_.count) streaming_ = plain_.typical() < 0.2 * stream_.typical();
+  if (plain_.count && stream_.count)
+    streaming_ = 1 / plain_.typical() - 1 / stream_.typical() > kStreamAboveNsPerByte;
 }
 
 double SlotWriter::Rate::typical() const {

@@ -29,20 +29,26 @@ enum class StreamMode { kAuto, kNever, kAlways };
 // take no line back, at 26-27 in both states (2 ranks, 16 MiB all-reduce through the slots:
 // 9.5-10.4 ms plain, 1.3-1.4 ms streaming). Streaming costs where plain is cheap (the peer then
 // reads from memory: 1.4-1.6 ms plain, 2.1-2.2 ms streaming), so kAuto times both and streams
-// while plain writes run at less than a fifth of the streaming rate, timing the other way again
-// every kRecheck, as the host may move the CPUs back. A fifth, not a half: with a shared cache,
-// plain writes of lines the peer holds still ran at 7-10 GB/s against 26-35 streaming (up to
-// 1 MiB written at a time), and streaming there made a 64 KiB all-reduce 15-20% slower; apart,
-// the ratio was 0.08-0.1. Each way's rate is the median of its last kSamples timings: a sender
-// preempted mid-copy (more ranks than cores) looks slower once, and a plain write that finds the
-// peer's copies of its lines already gone looks faster once (4.8 GB/s among 2.4-2.8: as the best
-// of 4, that kept a coalesced all-reduce writing plainly for a third of its fragments).
+// while a plain write takes more than kStreamAboveNsPerByte longer per byte, timing the other way
+// again every kRecheck, as the host may move the CPUs back. With a shared cache, plain writes of
+// lines the peer holds ran at 7-10 GB/s against 26-35 streaming (up to 1 MiB written at a time):
+// 0.07-0.11 ns more per byte, and streaming there made a 64 KiB all-reduce 15-20% slower. Apart,
+// 2.3-2.6 against 26-35: 0.35-0.40 ns more. A difference, not a ratio: both timings include
+// reading the source, which a fragment gathered from a thousand small tensors does slowly, and
+// that moved the ratio (2.4 against 10-13 GB/s) across the fifth that session 25 chose, while
+// streaming made that coalesced all-reduce 1.4x faster. Each way's rate is the median of its
+// last kSamples timings: a sender preempted mid-copy (more ranks than cores) looks slower once,
+// and a plain write that finds the peer's copies of its lines already gone looks faster once
+// (4.8 GB/s among 2.4-2.8: as the best of 4, that kept a coalesced all-reduce writing plainly for
+// a third of its fragments).
 class SlotWriter {
  public:
   // Fragments smaller than this are copied plainly and not timed: a few lines each, where the
   // clock's two readings would weigh on the copy.
   static constexpr size_t kLeastBytes = 16 << 10;
   static constexpr std::chrono::milliseconds kRecheck{10};
+  // Streams while a plain write takes this much longer per byte than a streaming one.
+  static constexpr double kStreamAboveNsPerByte = 0.2;
   using Copy = void (*)(void* dst, const void* src, size_t n);
 
   explicit SlotWriter(StreamMode mode = StreamMode::kAuto) : mode_(mode) {}
