@@ -60,14 +60,25 @@ void SlotWriter::record(bool stream, size_t n, Clock::time_point start, Clock::t
   r.count = std::min(r.count + 1, kSamples);
   r.measured = end;
   if (plain_.count && stream_.count)
-    streaming_ = 1 / plain_.typical() - 1 / stream_.typical() > kStreamAboveNsPerByte;
+    streaming_ = stream_pays(plain_.bytes_per_ns, plain_.count, stream_.bytes_per_ns, stream_.count);
 }
 
-double SlotWriter::Rate::typical() const {
-  double sorted[kSamples];
-  std::copy(bytes_per_ns, bytes_per_ns + count, sorted);
-  std::sort(sorted, sorted + count);
+namespace {
+
+double median(const double* rates, int count) {
+  double sorted[SlotWriter::kSamples];
+  count = std::clamp(count, 1, SlotWriter::kSamples);
+  std::copy(rates, rates + count, sorted);
+  std::nth_element(sorted, sorted + count / 2, sorted + count);
   return sorted[count / 2];
+}
+
+}  // namespace
+
+bool SlotWriter::stream_pays(const double* plain, int plain_count, const double* streaming,
+                             int streaming_count) {
+  return 1 / median(plain, plain_count) - 1 / median(streaming, streaming_count) >
+         kStreamAboveNsPerByte;
 }
 
 }  // namespace shm

@@ -47,11 +47,17 @@ class SlotWriter {
   // clock's two readings would weigh on the copy.
   static constexpr size_t kLeastBytes = 16 << 10;
   static constexpr std::chrono::milliseconds kRecheck{10};
-  // Streams while a plain write takes this much longer per byte than a streaming one.
+  // Streams while a plain write takes this much longer per byte than a streaming one, each way
+  // at the median of its last kSamples timings.
   static constexpr double kStreamAboveNsPerByte = 0.2;
+  static constexpr int kSamples = 5;
   using Copy = void (*)(void* dst, const void* src, size_t n);
 
   explicit SlotWriter(StreamMode mode = StreamMode::kAuto) : mode_(mode) {}
+
+  // kAuto's rule, given each way's last timings in bytes per ns (1 .. kSamples of each).
+  static bool stream_pays(const double* plain, int plain_count, const double* streaming,
+                          int streaming_count);
 
   // Writes one fragment of `n` bytes into a slot: fill(copy) writes them all with `copy`, which
   // it may call once per piece of the fragment.
@@ -71,12 +77,10 @@ class SlotWriter {
 
  private:
   using Clock = std::chrono::steady_clock;
-  static constexpr int kSamples = 5;
   struct Rate {
     double bytes_per_ns[kSamples] = {};  // the last `count` timings
     int next = 0, count = 0;
     Clock::time_point measured{};
-    double typical() const;  // their median; count > 0
   };
   static void plain_copy(void* dst, const void* src, size_t n);
   bool choose(Clock::time_point now) const;
