@@ -1,5 +1,5 @@
 // stream_copy (csrc/transport/shm/stream_copy.h) against memcpy: every alignment of source and
-// destination within a line, lengths around the 16-byte head and the 64-byte body, and the bytes
+// destination within a line, lengths around the head (up to a line boundary) and the 64-byte body, and the bytes
 // around the destination left alone; then SlotWriter in each mode copying fragments of several
 // pieces; then kAuto's rule on rates measured in sessions 25-26. Prints "ok", or the first
 // difference and exits 1.
@@ -75,13 +75,15 @@ int main() {
       {"shared cache", {8.5, 9.0, 7.0, 10.0, 8.0}, {26, 30, 35, 28, 27}, 5, 5, false},
       {"apart", {2.4, 2.5, 2.6, 2.3, 2.4}, {26, 27, 26, 26, 27}, 5, 5, true},
       {"apart, spread sources", {2.4, 2.4, 2.5, 2.4, 2.3}, {10, 11, 12, 13, 10.5}, 5, 5, true},
-      {"apart, one fast plain write", {2.4, 4.8, 2.5, 2.6, 2.4}, {19.5, 19.5, 19.5, 19.5, 19.5}, 5, 5, true},
+      {"apart, one fast plain write", {2.4, 4.8, 2.5, 2.6, 2.4}, {19.5, 19.5, 19.5, 19.5, 19.5},
+       5, 5, true},
       {"shared, one preempted stream", {20, 19, 21, 18, 20}, {26, 1.0, 27, 28, 26}, 5, 5, false},
       {"shared, coalesced parts", {40, 35, 45, 38, 42}, {26, 25, 26, 24, 26}, 5, 5, false},
       {"first timings, apart", {2.4}, {26, 27}, 1, 2, true},
   };
   for (const Case& c : cases)
-    if (SlotWriter::stream_pays(c.plain, c.plain_count, c.streaming, c.streaming_count) != c.streams) {
+    if (SlotWriter::stream_pays(c.plain, c.plain_count, c.streaming, c.streaming_count) !=
+        c.streams) {
       std::printf("stream_pays, %s: %s, expected %s\n", c.what, c.streams ? "plain" : "streams",
                   c.streams ? "streams" : "plain");
       return 1;

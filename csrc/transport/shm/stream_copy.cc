@@ -60,7 +60,8 @@ void SlotWriter::record(bool stream, size_t n, Clock::time_point start, Clock::t
   r.count = std::min(r.count + 1, kSamples);
   r.measured = end;
   if (plain_.count && stream_.count)
-    streaming_ = stream_pays(plain_.bytes_per_ns, plain_.count, stream_.bytes_per_ns, stream_.count);
+    streaming_ =
+        stream_pays(plain_.bytes_per_ns, plain_.count, stream_.bytes_per_ns, stream_.count);
 }
 
 namespace {
