@@ -1,8 +1,8 @@
 // stream_copy (csrc/transport/shm/stream_copy.h) against memcpy: every alignment of source and
-// destination within a line, lengths around the head (up to a line boundary) and the 64-byte body, and the bytes
-// around the destination left alone; then SlotWriter in each mode copying fragments of several
-// pieces; then kAuto's rule on rates measured in sessions 25-26. Prints "ok", or the first
-// difference and exits 1.
+// destination within a line, lengths around the head (up to a line boundary) and the 64-byte
+// body, and the bytes around the destination left alone; then SlotWriter in each mode copying
+// fragments of several pieces; then kAuto's rule on rates measured in sessions 25-26. Prints
+// "ok", or the first difference and exits 1.
 //
 // usage: stream_copy
 #include <cstdio>
