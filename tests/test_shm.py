@@ -358,7 +358,11 @@ def test_stream_copy_writes_what_memcpy_writes(tmp_path):
 
 def streamed_collectives(comm):
     """all_reduce of several sizes (fragments under and over SlotWriter::kLeastBytes, a ragged
-    tail) and a coalesced all_reduce (slots filled from ranges), exact values checked."""
+    tail), a coalesced all_reduce (slots filled from ranges) and one scaled on the way out as
+    GradientAverager's is (slots filled by the packing kernel, or packed aside and streamed),
+    exact values checked."""
+    from ringcomm import _C, fusion
+
     r, w = comm.rank, comm.world_size
     for n in (5, 4099, 70_001, 1_000_003):
         t = torch.arange(n, dtype=torch.float64).remainder(7).float() + r
@@ -368,6 +372,11 @@ def streamed_collectives(comm):
     tensors = [torch.full((c,), float(r + 1)) for c in (3, 5000, 20_001, 64 << 10)]
     comm.all_reduce_coalesced(tensors)
     assert all(torch.all(t == float(sum(range(1, w + 1)))) for t in tensors)
+    scaled = [torch.full((c,), float(r + 1)) for c in (7, 20_001, 64 << 10, 300_000)]
+    bufs = fusion.BufferList(scaled)
+    _C.all_reduce_coalesced(comm._core, bufs.ptrs, bufs.counts, bufs.dtypes, 0,
+                            fusion.DEFAULT_BUCKET_BYTES, fusion.FLOAT32, 0.5, False)
+    assert all(torch.all(t == 0.5 * sum(range(1, w + 1))) for t in scaled)
     return True
 
 

@@ -363,7 +363,13 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
     sh->fragment_bytes = len;
     sh->by_address = 0;
     if (len && part.produce)
-      part.produce(part.done, s + sizeof(SlotHeader), len);
+      p.writer.write(len, [&](SlotWriter::Copy copy) {
+        // Packing kernels store plainly: to stream, pack into this rank's cache, then copy.
+        if (copy != stream_copy) return part.produce(part.done, s + sizeof(SlotHeader), len);
+        if (p.packed.size() < len) p.packed.resize(options_.slot_bytes);
+        part.produce(part.done, p.packed.data(), len);
+        copy(s + sizeof(SlotHeader), p.packed.data(), len);
+      });
     else if (len && part.ranges.list)
       p.writer.write(len, [&](SlotWriter::Copy copy) {
         part.cursor.gather(s + sizeof(SlotHeader), len, "pack", copy);

@@ -145,6 +145,7 @@ class ShmTransport final : public Transport {
     Fifo<Part> pulling;               // single-copy sends waiting for the peer to read them
     uint64_t pulls_sent = 0, pulls_done = 0;
     SlotWriter writer;                // how I write into its slots
+    std::vector<char> packed;         // a produced fragment, when the writer streams it
   };
 
   bool pump_send(int peer, Peer& p);
