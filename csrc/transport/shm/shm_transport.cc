@@ -241,7 +241,8 @@ bool ShmTransport::map_peer(int peer, const std::string& address, std::string* w
   struct stat st {};
   void* base = MAP_FAILED;
   if (fstat(peer_fd, &st) == 0 && size_t(st.st_size) == own_.bytes)
-    base = mmap(nullptr, own_.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, peer_fd, 0);
+    base = mmap(nullptr, own_.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, peer_fd,
+                0);
   ::close(peer_fd);
   if (base == MAP_FAILED) {
     *why = str_cat("cannot map rank ", peer, "'s segment (", st.st_size, " bytes, expected ",
