@@ -1,8 +1,8 @@
 // Ranges and RangeCursor (transport.h): walking a message laid out over several ranges of memory.
 #include <algorithm>
-#include <cstring>
 
 #include "common/trace.h"
+#include "kernels/cpu/pack.h"
 #include "transport/transport.h"
 
 namespace ringcomm {
@@ -30,22 +30,24 @@ void RangeCursor::walk(size_t bytes, Copy copy) {
   }
 }
 
-void RangeCursor::gather(char* to, size_t bytes, const char* span,
-                         void (*copy)(void* dst, const void* src, size_t n)) {
+void RangeCursor::gather(char* to, size_t bytes, const char* span) {
   trace::Span on_timeline(span, bytes);
   walk(bytes, [&](const char* at, size_t len) {
-    if (copy)
-      copy(to, at, len);
-    else
-      memcpy(to, at, len);
+    cpu::copy_bytes(to, at, len);
     to += len;
   });
+}
+
+void RangeCursor::read(size_t bytes, const char* span,
+                       InplaceFunction<void(const char*, size_t)> take) {
+  trace::Span on_timeline(span, bytes);
+  walk(bytes, [&](const char* at, size_t len) { take(at, len); });
 }
 
 void RangeCursor::scatter(const char* from, size_t bytes, const char* span) {
   trace::Span on_timeline(span, bytes);
   walk(bytes, [&](char* at, size_t len) {
-    memcpy(at, from, len);
+    cpu::copy_bytes(at, from, len);
     from += len;
   });
 }

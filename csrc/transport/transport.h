@@ -47,11 +47,12 @@ class RangeCursor {
  public:
   RangeCursor() = default;
   explicit RangeCursor(Ranges ranges) : ranges_(ranges) {}
-  // Copies the next `bytes` bytes of the ranges to `to` (with `copy`, default memcpy), or `from`
-  // into them; recorded on the timeline (common/trace.h) as `span`.
-  void gather(char* to, size_t bytes, const char* span,
-              void (*copy)(void* dst, const void* src, size_t n) = nullptr);
+  // Copies the next `bytes` bytes of the ranges to `to`, or `from` into them, or hands them to
+  // take(data, n) a range at a time, in order; recorded on the timeline (common/trace.h) as
+  // `span`.
+  void gather(char* to, size_t bytes, const char* span);
   void scatter(const char* from, size_t bytes, const char* span);
+  void read(size_t bytes, const char* span, InplaceFunction<void(const char*, size_t)> take);
   // The next bytes as at most `max` iovecs in `out` (their number in `*used`), covering at most
   // `bytes`; returns the bytes covered. The cursor does not move.
   size_t peek(size_t bytes, iovec* out, size_t max, size_t* used) const;

@@ -1,8 +1,9 @@
-// stream_copy (csrc/transport/shm/stream_copy.h) against memcpy: every alignment of source and
-// destination within a line, lengths around the head (up to a line boundary) and the 64-byte
-// body, and the bytes around the destination left alone; then SlotWriter in each mode copying
-// fragments of several pieces; then kAuto's rule on rates measured in sessions 25-26. Prints
-// "ok", or the first difference and exits 1.
+// SlotOut (csrc/transport/shm/stream_copy.h) against memcpy, streaming and plain: every
+// alignment of source and destination within a line, lengths around the head (up to a line
+// boundary) and the 64-byte body, as one piece and cut into pieces that end inside a line, on
+// its edge and across several, and the bytes around the destination left alone; then SlotWriter
+// in each mode writing fragments of several pieces; then kAuto's rule on rates measured in
+// sessions 25-26. Prints "ok", or the first difference and exits 1.
 //
 // usage: stream_copy
 #include <cstdio>
@@ -35,28 +36,42 @@ int main() {
                             (64 << 10) + 7};
   std::vector<unsigned char> src((128 << 10) + 256);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
-  for (size_t n : lengths)
-    for (size_t a = 0; a < 64; a += (n > 4096 ? 13 : 1))
-      for (size_t b = 0; b < 64; b += (n > 4096 ? 17 : 3)) {
-        std::vector<unsigned char> got(n + a + 2 * kGuard, 0xee), want = got;
-        ringcomm::shm::stream_copy(got.data() + kGuard + a, src.data() + b, n);
-        ringcomm::shm::stream_fence();
-        std::memcpy(want.data() + kGuard + a, src.data() + b, n);
-        if (!check(got, want, "stream_copy", a, b, n)) return 1;
-      }
+  // Cuts of a fragment into pieces: none, then pieces of these lengths over and over.
+  const std::vector<std::vector<size_t>> cuts = {{}, {1}, {3, 61}, {64}, {5, 200, 64, 1}, {130}};
+  for (bool stream : {true, false})
+    for (size_t n : lengths)
+      for (const auto& cut : cuts)
+        for (size_t a = 0; a < 64; a += (n > 4096 ? 13 : 1))
+          for (size_t b = 0; b < 64; b += (n > 4096 ? 17 : 3)) {
+            std::vector<unsigned char> got(n + a + 2 * kGuard, 0xee), want = got;
+            {
+              ringcomm::shm::SlotOut out(reinterpret_cast<char*>(got.data() + kGuard + a), stream);
+              size_t at = 0;
+              for (size_t i = 0; at < n; ++i) {
+                const size_t len = cut.empty() ? n : std::min(n - at, cut[i % cut.size()]);
+                out.append(src.data() + b + at, len);
+                at += len;
+              }
+              out.finish();
+            }
+            std::memcpy(want.data() + kGuard + a, src.data() + b, n);
+            if (!check(got, want, stream ? "SlotOut streaming" : "SlotOut plain", a, b, n))
+              return 1;
+          }
   // A fragment written as three pieces, as a slot is filled from a message's ranges.
   const size_t n = (64 << 10) + 5, pieces[] = {1000, 40000 + 3, n - 41003};
   for (StreamMode mode : {StreamMode::kNever, StreamMode::kAlways, StreamMode::kAuto}) {
     SlotWriter writer(mode);
     for (int fragment = 0; fragment < 50; ++fragment) {  // auto: both ways timed, then chosen
       std::vector<unsigned char> got(n + 2 * kGuard, 0xee), want = got;
-      writer.write(n, [&](SlotWriter::Copy copy) {
-        size_t at = 0;
-        for (size_t len : pieces) {
-          copy(got.data() + kGuard + 1 + at, src.data() + fragment + at, len);
-          at += len;
-        }
-      });
+      writer.write(reinterpret_cast<char*>(got.data() + kGuard + 1), n,
+                   [&](ringcomm::shm::SlotOut& out) {
+                     size_t at = 0;
+                     for (size_t len : pieces) {
+                       out.append(src.data() + fragment + at, len);
+                       at += len;
+                     }
+                   });
       std::memcpy(want.data() + kGuard + 1, src.data() + fragment, n);
       if (!check(got, want, "SlotWriter", 1, size_t(fragment), n)) return 1;
     }

@@ -53,7 +53,11 @@ __attribute__((target("avx2"))) void copy_avx2(char* dst, const char* src, size_
 }
 
 void copy_sse2(char* dst, const char* src, size_t n) { copy_vectors<__m128i>(dst, src, n); }
+#endif
 
+}  // namespace
+
+#if defined(__x86_64__) && defined(__GNUC__)
 void copy_bytes(void* dst, const void* src, size_t n) {
   static const bool avx2 = __builtin_cpu_supports("avx2");
   if (n < 256) {  // glibc's own vector paths, far below its rep movsb threshold
@@ -65,8 +69,6 @@ void copy_bytes(void* dst, const void* src, size_t n) {
 #else
 void copy_bytes(void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); }
 #endif
-
-}  // namespace
 
 RC_MULTIVERSION
 void convert(DType in_dtype, const void* in, DType out_dtype, void* out, size_t n,

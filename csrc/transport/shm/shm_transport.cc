@@ -18,6 +18,7 @@
 #include "common/env.h"
 #include "common/error.h"
 #include "common/logging.h"
+#include "kernels/cpu/pack.h"
 
 namespace ringcomm {
 namespace shm {
@@ -363,22 +364,22 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
     size_t len = std::min(options_.slot_bytes, part.bytes - part.done);
     sh->fragment_bytes = len;
     sh->by_address = 0;
+    char* dst = s + sizeof(SlotHeader);
     if (len && part.produce)
-      p.writer.write(len, [&](SlotWriter::Copy copy) {
-        // Packing kernels store plainly: to stream, pack into this rank's cache, then copy.
-        if (copy != stream_copy) return part.produce(part.done, s + sizeof(SlotHeader), len);
+      p.writer.write(dst, len, [&](SlotOut& out) {
+        // Packing kernels store plainly: to stream, pack into this rank's cache, then append.
+        if (!out.streaming()) return part.produce(part.done, dst, len);
         if (p.packed.size() < len) p.packed.resize(options_.slot_bytes);
         part.produce(part.done, p.packed.data(), len);
-        copy(s + sizeof(SlotHeader), p.packed.data(), len);
+        out.append(p.packed.data(), len);
       });
     else if (len && part.ranges.list)
-      p.writer.write(len, [&](SlotWriter::Copy copy) {
-        part.cursor.gather(s + sizeof(SlotHeader), len, "pack", copy);
+      p.writer.write(dst, len, [&](SlotOut& out) {
+        SlotOut* to = &out;
+        part.cursor.read(len, "pack", [to](const char* data, size_t n) { to->append(data, n); });
       });
     else if (len)
-      p.writer.write(len, [&](SlotWriter::Copy copy) {
-        copy(s + sizeof(SlotHeader), part.data + part.done, len);
-      });
+      p.writer.write(dst, len, [&](SlotOut& out) { out.append(part.data + part.done, len); });
     p.out->head.store(++p.out_head, std::memory_order_release);
     part.started = true;
     part.done += len;
@@ -597,7 +598,7 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
     else if (part.ranges.list)
       part.cursor.scatter(s + sizeof(SlotHeader), sh.fragment_bytes, "unpack");
     else if (sh.fragment_bytes)  // an empty message's buffer may be null
-      memcpy(part.data + part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
+      cpu::copy_bytes(part.data + part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
     part.done += sh.fragment_bytes;
     part.started = true;
     p.in->tail.store(++p.in_tail, std::memory_order_release);

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cpu/pack.h"
+
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
@@ -11,18 +13,12 @@
 namespace ringcomm {
 namespace shm {
 
-void stream_copy(void* dst, const void* src, size_t n) {
+namespace {
+
 #if defined(__x86_64__)
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
-  // Plain stores up to dst's first line boundary, streaming ones a whole line at a time, plain
-  // ones for the tail. Lines, not 16 bytes: a slot gathered from 14 pieces of 1-16 KiB (sizes in
-  // 4-byte steps) put every later line across two 64-byte stores and streamed at 12.4 GB/s
-  // against 19.3 for one piece; aligned to lines, 18.6 (bench of session 26, one thread).
-  const size_t head = std::min(n, (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64);
-  std::memcpy(d, s, head);
-  d += head, s += head, n -= head;
-  for (; n >= 64; d += 64, s += 64, n -= 64) {
+// Whole lines to a line-aligned dst, streamed.
+void stream_lines(char* d, const char* s, size_t lines) {
+  for (; lines; --lines, d += 64, s += 64) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
     const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
@@ -32,19 +28,51 @@ void stream_copy(void* dst, const void* src, size_t n) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
     _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
   }
-  std::memcpy(d, s, n);
-#else
-  std::memcpy(dst, src, n);
+}
 #endif
+
+}  // namespace
+
+void SlotOut::append(const void* src, size_t n) {
+  const auto* s = static_cast<const char*>(src);
+#if defined(__x86_64__)
+  if (stream_) {
+    // Fill the line that waits, up to at_'s next line boundary (a dst that is not line-aligned
+    // makes its first line short, stored plainly as the one edge streaming cannot cover).
+    const size_t edge = 64 - (reinterpret_cast<uintptr_t>(at_) + held_) % 64;
+    if (held_ || edge != 64) {
+      const size_t take = std::min(n, edge);
+      std::memcpy(line_ + held_, s, take);
+      held_ += take, s += take, n -= take;
+      if (take < edge) return;
+      if (held_ == 64)
+        stream_lines(at_, reinterpret_cast<const char*>(line_), 1);
+      else
+        std::memcpy(at_, line_, held_);
+      at_ += held_;
+      held_ = 0;
+    }
+    // Lines lead to bytes that wait: at_ is on a line boundary here.
+    stream_lines(at_, s, n / 64);
+    at_ += n / 64 * 64, s += n / 64 * 64;
+    held_ = n % 64;
+    std::memcpy(line_, s, held_);
+    return;
+  }
+#endif
+  cpu::copy_bytes(at_, s, n);
+  at_ += n;
 }
 
-void stream_fence() {
+void SlotOut::finish() {
+  if (!stream_) return;
+  std::memcpy(at_, line_, held_);
+  at_ += held_;
+  held_ = 0;
 #if defined(__x86_64__)
   _mm_sfence();
 #endif
 }
-
-void SlotWriter::plain_copy(void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); }
 
 // The way in use, or the other one once its figure is kRecheck old (or missing).
 bool SlotWriter::choose(Clock::time_point now) const {

@@ -9,13 +9,33 @@
 namespace ringcomm {
 namespace shm {
 
-// dst <- src, n bytes, the lines of dst written around this CPU's caches (x86 non-temporal
-// stores; a plain memcpy elsewhere). They are weakly ordered: stream_fence() before the release
-// store that publishes them, once per fragment however many pieces filled it.
-void stream_copy(void* dst, const void* src, size_t n);
+// One fragment's bytes on their way into a slot, appended piece after piece (a message gathered
+// from several buffers), with plain stores or streamed: the lines written around this CPU's
+// caches (x86 non-temporal stores; plain ones elsewhere). Streaming writes whole lines only. The
+// bytes of a piece that do not fill its last line wait here for the next piece's, so a fragment
+// gathered from a thousand tensors streams every line but its last (a slot's payload starts on
+// a line), where streaming each piece on its own stored the line at each edge between two
+// pieces plainly: a round trip to the peer's CPU per edge where the two do not share a cache.
+// There, 2 ranks, all_reduce_coalesced of 1000 tensors of 1-16 KiB: 1004-1082 us against
+// 1065-1301 piece by piece (four alternations; views of one buffer 914-995 against 968-1079).
+class SlotOut {
+ public:
+  SlotOut(char* dst, bool stream) : at_(dst), stream_(stream) {}
+  SlotOut(const SlotOut&) = delete;
+  SlotOut& operator=(const SlotOut&) = delete;
+  bool streaming() const { return stream_; }
+  // The next n bytes of the fragment.
+  void append(const void* src, size_t n);
+  // Stores what waits of the last line, and orders the streamed lines ahead of the stores after
+  // this (the release that hands the slot to the peer).
+  void finish();
 
-// Orders every stream_copy before it ahead of the stores after it.
-void stream_fence();
+ private:
+  char* at_;     // where the first byte not yet stored goes
+  bool stream_;
+  size_t held_ = 0;  // bytes waiting in line_, for at_ onwards
+  alignas(16) unsigned char line_[64];
+};
 
 // RINGCOMM_SHM_STREAM: how a sender writes slot fragments.
 enum class StreamMode { kAuto, kNever, kAlways };
@@ -51,7 +71,6 @@ class SlotWriter {
   // at the median of its last kSamples timings.
   static constexpr double kStreamAboveNsPerByte = 0.2;
   static constexpr int kSamples = 5;
-  using Copy = void (*)(void* dst, const void* src, size_t n);
 
   explicit SlotWriter(StreamMode mode = StreamMode::kAuto) : mode_(mode) {}
 
@@ -59,20 +78,18 @@ class SlotWriter {
   static bool stream_pays(const double* plain, int plain_count, const double* streaming,
                           int streaming_count);
 
-  // Writes one fragment of `n` bytes into a slot: fill(copy) writes them all with `copy`, which
-  // it may call once per piece of the fragment.
+  // Writes one fragment of `n` bytes into a slot at `dst`: fill(out) appends them all to the
+  // SlotOut `out`, or, where !out.streaming(), may store them at dst itself.
   template <typename Fill>
-  void write(size_t n, Fill&& fill) {
-    if (n < kLeastBytes || mode_ == StreamMode::kNever) return fill(plain_copy);
-    if (mode_ == StreamMode::kAlways) {
-      fill(stream_copy);
-      return stream_fence();
-    }
-    const Clock::time_point start = Clock::now();
-    const bool stream = choose(start);
-    fill(stream ? stream_copy : plain_copy);
-    if (stream) stream_fence();
-    record(stream, n, start, Clock::now());
+  void write(char* dst, size_t n, Fill&& fill) {
+    const bool timed = n >= kLeastBytes && mode_ == StreamMode::kAuto;
+    const Clock::time_point start = timed ? Clock::now() : Clock::time_point{};
+    const bool stream = n >= kLeastBytes && (mode_ == StreamMode::kAlways ||
+                                             (mode_ == StreamMode::kAuto && choose(start)));
+    SlotOut out(dst, stream);
+    fill(out);
+    out.finish();
+    if (timed) record(stream, n, start, Clock::now());
   }
 
  private:
@@ -82,7 +99,6 @@ class SlotWriter {
     int next = 0, count = 0;
     Clock::time_point measured{};
   };
-  static void plain_copy(void* dst, const void* src, size_t n);
   bool choose(Clock::time_point now) const;
   void record(bool stream, size_t n, Clock::time_point start, Clock::time_point end);
 
