@@ -87,27 +87,20 @@ void SlotWriter::record(bool stream, size_t n, Clock::time_point start, Clock::t
   r.next = (r.next + 1) % kSamples;
   r.count = std::min(r.count + 1, kSamples);
   r.measured = end;
-  if (plain_.count && stream_.count)
-    streaming_ =
-        stream_pays(plain_.bytes_per_ns, plain_.count, stream_.bytes_per_ns, stream_.count);
+  r.median = median(r.bytes_per_ns, r.count);
+  if (plain_.count && stream_.count) streaming_ = stream_pays(plain_.median, stream_.median);
 }
 
-namespace {
-
-double median(const double* rates, int count) {
-  double sorted[SlotWriter::kSamples];
-  count = std::clamp(count, 1, SlotWriter::kSamples);
+double SlotWriter::median(const double* rates, int count) {
+  double sorted[kSamples];
+  count = std::clamp(count, 1, kSamples);
   std::copy(rates, rates + count, sorted);
   std::nth_element(sorted, sorted + count / 2, sorted + count);
   return sorted[count / 2];
 }
 
-}  // namespace
-
-bool SlotWriter::stream_pays(const double* plain, int plain_count, const double* streaming,
-                             int streaming_count) {
-  return 1 / median(plain, plain_count) - 1 / median(streaming, streaming_count) >
-         kStreamAboveNsPerByte;
+bool SlotWriter::stream_pays(double plain, double streaming) {
+  return 1 / plain - 1 / streaming > kStreamAboveNsPerByte;
 }
 
 }  // namespace shm

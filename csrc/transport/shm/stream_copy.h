@@ -74,9 +74,10 @@ class SlotWriter {
 
   explicit SlotWriter(StreamMode mode = StreamMode::kAuto) : mode_(mode) {}
 
-  // kAuto's rule, given each way's last timings in bytes per ns (1 .. kSamples of each).
-  static bool stream_pays(const double* plain, int plain_count, const double* streaming,
-                          int streaming_count);
+  // kAuto's rule, given each way's median rate in bytes per ns.
+  static bool stream_pays(double plain, double streaming);
+  // The median of `count` (1 .. kSamples) rates.
+  static double median(const double* rates, int count);
 
   // Writes one fragment of `n` bytes into a slot at `dst`: fill(out) appends them all to the
   // SlotOut `out`, or, where !out.streaming(), may store them at dst itself.
@@ -96,6 +97,7 @@ class SlotWriter {
   using Clock = std::chrono::steady_clock;
   struct Rate {
     double bytes_per_ns[kSamples] = {};  // the last `count` timings
+    double median = 0;                   // theirs, updated as each comes in
     int next = 0, count = 0;
     Clock::time_point measured{};
   };
