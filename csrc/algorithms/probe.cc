@@ -161,7 +161,7 @@ bool probe_single_copy(Context& local, size_t message,
   // and 1.96 in the last; single copy 2.38-2.78), and the median of all four slots rounds (2.74)
   // lost to single copy's (2.63), which then made an 8.4 MB all-reduce 2.3x slower (1756 us
   // against about 750 through the slots). Slowing down is all that drift and warming do.
-  double slowest[2] = {0, 0};
+  double slowest[2] = {HUGE_VAL, HUGE_VAL};  // this rank's better blocks, then the slowest rank's
   for (int on : {0, 1, 1, 0}) {
     use_single_copy(on == 1);
     std::vector<double> seconds;
@@ -172,8 +172,7 @@ bool probe_single_copy(Context& local, size_t message,
       const double took = std::chrono::duration<double>(Clock::now() - start).count();
       if (round >= kWarm) seconds.push_back(took);
     }
-    const double block = median(seconds);
-    slowest[on] = slowest[on] == 0 ? block : std::min(slowest[on], block);
+    slowest[on] = std::min(slowest[on], median(seconds));
   }
   recursive_doubling_all_reduce(local, slowest, 2, DType::kFloat64, ReduceOp::kMax);
   if (local.rank() == 0)
