@@ -375,8 +375,7 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
       });
     else if (len && part.ranges.list)
       p.writer.write(dst, len, [&](SlotOut& out) {
-        SlotOut* to = &out;
-        part.cursor.read(len, "pack", [to](const char* data, size_t n) { to->append(data, n); });
+        part.cursor.read(len, "pack", [&out](const char* data, size_t n) { out.append(data, n); });
       });
     else if (len)
       p.writer.write(dst, len, [&](SlotOut& out) { out.append(part.data + part.done, len); });
