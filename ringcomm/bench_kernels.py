@@ -141,7 +141,9 @@ def gpu_time_ms(fn, repeats: int) -> float:
 
 
 def bench_gpu(args):
+    from . import backend, fusion
     from . import cuda as rc_cuda
+    from .fusion import torch_module
     ok, reason = rc_cuda.status()
     if not ok:
         raise SystemExit(f"bench_kernels gpu: cannot run: {reason}")
@@ -191,11 +193,19 @@ def bench_gpu(args):
     sizes = torch.randint(256, 4096, (1000,), generator=torch.Generator().manual_seed(1)).tolist()
     tensors = [torch.randn(s, device="cuda", generator=gen) for s in sizes]
     flat = torch.empty(sum(sizes), dtype=torch.bfloat16, device="cuda")
-    row("pack 1000 float32 tensors -> bf16, scaled",
-        gpu_time_ms(lambda: rc_cuda.pack(tensors, dtype=torch.bfloat16, scale=0.5, out=flat), repeats),
-        "(torch.cat * 0.5).to(bf16)",
-        gpu_time_ms(lambda: (torch.cat(tensors) * 0.5).to(torch.bfloat16), repeats),
-        floor_ms(6 * sum(sizes)))
+    # The list is read in C++ by the torch module (built here if need be), as wherever it is
+    # built; the second row reads it in Python, the path without the module.
+    module = backend.load()
+    anchor = gpu_time_ms(lambda: (torch.cat(tensors) * 0.5).to(torch.bfloat16), repeats)
+    try:
+        for reader, name in ((module, ""), (None, ", list read in Python")):
+            fusion.torch_module = lambda: reader
+            row(f"pack 1000 float32 tensors -> bf16, scaled{name}",
+                gpu_time_ms(lambda: rc_cuda.pack(tensors, dtype=torch.bfloat16, scale=0.5,
+                                                 out=flat), repeats),
+                "(torch.cat * 0.5).to(bf16)", anchor, floor_ms(6 * sum(sizes)))
+    finally:
+        fusion.torch_module = torch_module
     device = torch.cuda.get_device_name()
     print(f"# {device}, torch {torch.__version__}; copy rate {rate / 1e9:.0f} GB/s (read + write); "
           f"median of {repeats}; top-k index set equal to torch's: {same}")

@@ -608,6 +608,12 @@ def test_buffer_list_reads_in_cpp_what_python_reads(monkeypatch):
     assert all(len(v) == len(items) for v in lists)
     assert tuple(memoryview(b).cast("Q").tolist() for b in module.tensor_lists(tuple(items))) == lists
     assert module.tensor_lists([]) == (b"", b"", b"")
+    assert module.tensor_lists(items, "cpu") is not None
+    # tensors on another device than the one asked for (ringcomm.cuda.pack asks for a GPU's)
+    assert module.tensor_lists(items, "cuda:0") is None
+    assert module.tensor_lists([torch.ones(2, device="meta")], "cpu") is None
+    with pytest.raises(RuntimeError, match="device"):
+        module.tensor_lists(items, "a device")
     # anything else is left to the Python path, which names the item or reads it
     for other in ([torch.ones(4, 4).t()], [torch.ones(2, dtype=torch.complex64)],
                   [torch.ones(2).as_subclass(Marked)], [torch.ones(3).to_sparse()],

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from array import array
 from pathlib import Path
 
 import pytest
@@ -109,4 +110,8 @@ def test_raw_bindings_check_arguments_before_touching_a_device():
     with pytest.raises(ValueError, match="larger than the number"):
         _C_cuda.topk(0, 0, 10, 11, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="cannot convert"):
-        _C_cuda.pack(6, [0], [4], 0, 4, 0, 0, 0, 1.0, 0)
+        _C_cuda.pack(6, array("Q", [0]), array("Q", [4]), 0, 4, 0, 0, 0, 1.0, 0)
+    with pytest.raises(ValueError, match="addresses must be a contiguous buffer of uint64"):
+        _C_cuda.pack(0, array("i", [0]), array("Q", [4]), 0, 4, 0, 0, 0, 1.0, 0)
+    with pytest.raises(ValueError, match="differ in length"):
+        _C_cuda.unpack(0, 0, 0, array("Q", [0]), array("Q", []), 0, 0, 0, 1.0, 0)

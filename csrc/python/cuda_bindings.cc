@@ -23,6 +23,7 @@ namespace {
 using python::address;
 using python::pack_list;
 using python::scaling;
+using python::Words;
 
 cudaStream_t stream_of(uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
@@ -79,18 +80,26 @@ PYBIND11_MODULE(_C_cuda, m) {
     cuda::divide(checked_dtype(dtype), address(x), n, divisor, stream_of(stream));
   }, G());
 
-  m.def("pack", [](int dtype, const std::vector<uintptr_t>& ptrs, const std::vector<size_t>& counts,
-                   size_t begin, size_t end, uintptr_t dst, int dst_dtype, int scale_kind,
-                   double factor, uintptr_t stream) {
-    cuda::pack(pack_list(dtype, ptrs, counts), begin, end, address(dst), checked_dtype(dst_dtype),
+  // The lists cross as buffers of uint64 (ringcomm/cuda.py's, read by the torch module's
+  // tensor_lists where it is built): read with the GIL held, launched without it.
+  m.def("pack", [](int dtype, const py::buffer& ptrs, const py::buffer& counts, size_t begin,
+                   size_t end, uintptr_t dst, int dst_dtype, int scale_kind, double factor,
+                   uintptr_t stream) {
+    const kernels::PackList list =
+        pack_list(dtype, Words(ptrs, "addresses"), Words(counts, "counts"));
+    py::gil_scoped_release release;
+    cuda::pack(list, begin, end, address(dst), checked_dtype(dst_dtype),
                scaling(scale_kind, factor), stream_of(stream));
-  }, G());
-  m.def("unpack", [](uintptr_t src, int src_dtype, int dtype, const std::vector<uintptr_t>& ptrs,
-                     const std::vector<size_t>& counts, size_t begin, size_t end, int scale_kind,
+  });
+  m.def("unpack", [](uintptr_t src, int src_dtype, int dtype, const py::buffer& ptrs,
+                     const py::buffer& counts, size_t begin, size_t end, int scale_kind,
                      double factor, uintptr_t stream) {
-    cuda::unpack(address(src), checked_dtype(src_dtype), pack_list(dtype, ptrs, counts), begin,
-                 end, scaling(scale_kind, factor), stream_of(stream));
-  }, G());
+    const kernels::PackList list =
+        pack_list(dtype, Words(ptrs, "addresses"), Words(counts, "counts"));
+    py::gil_scoped_release release;
+    cuda::unpack(address(src), checked_dtype(src_dtype), list, begin, end,
+                 scaling(scale_kind, factor), stream_of(stream));
+  });
 
   m.def("topk_workspace_bytes", &cuda::topk_workspace_bytes);
   m.def("topk", [](int dtype, uintptr_t data, size_t n, size_t k, uintptr_t indices,

@@ -21,25 +21,8 @@ namespace {
 
 using BufferRef = Communicator::BufferRef;
 using python::pack_list;
+using python::Words;
 using python::scaling;
-
-// A one-dimensional, contiguous buffer of uint64 (a memoryview cast to "Q", an array("Q")), held
-// while it is read: the GIL must be held from construction to destruction.
-class Words {
- public:
-  Words(const py::buffer& b, const char* what) : info_(b.request()) {
-    RC_CHECK_ARG(info_.ndim == 1 && info_.itemsize == 8 &&
-                     (info_.format == "Q" || info_.format == "L") &&
-                     (info_.shape[0] <= 1 || info_.strides[0] == 8),
-                 what, " must be a contiguous buffer of uint64 (format Q), got format '",
-                 info_.format, "' of ", info_.ndim, " dimensions");
-  }
-  size_t size() const { return size_t(info_.shape[0]); }
-  uint64_t operator[](size_t i) const { return static_cast<const uint64_t*>(info_.ptr)[i]; }
-
- private:
-  py::buffer_info info_;
-};
 
 std::vector<BufferRef> buffer_refs(const py::buffer& ptrs_buffer, const py::buffer& counts_buffer,
                                    const py::buffer& dtypes_buffer) {

@@ -63,14 +63,14 @@ rc::DType dtype_of(const at::Tensor& t) {
 }
 
 // The core's dtype of `item` if it is a plain tensor (Tensor or Parameter, not a subclass whose
-// methods may mean something else) on the CPU, contiguous, of a supported dtype, with the memory
+// methods may mean something else) on `device`, contiguous, of a supported dtype, with the memory
 // its elements need; else nothing (a strided view, a negated view, a ZeroTensor, a storage freed
 // or shrunk under it, as FSDP does, ...).
-std::optional<rc::DType> plain_cpu_dtype(PyObject* item) {
+std::optional<rc::DType> plain_dtype(PyObject* item, c10::Device device) {
   if (!THPVariable_CheckExact(item)) return std::nullopt;
   const at::Tensor& t = THPVariable_Unpack(item);
   std::optional<rc::DType> dtype = core_dtype(t.scalar_type());
-  if (!dtype || !t.device().is_cpu() || t.layout() != at::kStrided || !t.has_storage() ||
+  if (!dtype || t.device() != device || t.layout() != at::kStrided || !t.has_storage() ||
       !t.is_contiguous() || t.is_neg() || t._is_zerotensor() ||
       t.storage().nbytes() < size_t(t.storage_offset() + t.numel()) * t.itemsize())
     return std::nullopt;
@@ -89,7 +89,7 @@ void prefetch_storage(const at::Tensor& t) {
     prefetch_lines(impl->unsafe_storage().unsafeGetStorageImpl(), sizeof(c10::StorageImpl));
 }
 
-// Starts loading what plain_cpu_dtype and tensor_lists read of `item` (its Python object, its
+// Starts loading what plain_dtype and tensor_lists read of `item` (its Python object, its
 // TensorImpl, its StorageImpl), `stage` links deep: 0 the object, 1 its TensorImpl (the object
 // must be loaded), 2 its storage (the TensorImpl must be). Hints only, nothing is checked here
 // but what following a link needs.
@@ -101,14 +101,16 @@ void prefetch_tensor(PyObject* item, int stage) {
   prefetch_storage(t);
 }
 
-// (addresses, element counts, dtype codes) of a list or tuple of contiguous CPU tensors, each a
-// bytes object of native uint64s, for the core's list arguments (ringcomm.fusion.BufferList), or
-// None when an item is anything else
-// (a subclass, a numpy array, a strided view, a negated view, a tensor without the storage its
-// elements need, ...): the caller's per-item path then names it.
+// (addresses, element counts, dtype codes) of a list or tuple of contiguous tensors on `device`
+// ("cpu", "cuda:1"), each a bytes object of native uint64s, for the core's list arguments
+// (ringcomm.fusion.BufferList) and the CUDA pack kernels (ringcomm.cuda.pack), or None when an
+// item is anything else (on another device, a subclass, a numpy array, a strided view, a negated
+// view, a tensor without the storage its elements need, ...): the caller's per-item path then
+// names it.
 // torch's Python accessors cost about 50 ns per attribute and tensor, and BufferList needs five;
 // here a list of 1000 tensors takes a few tens of microseconds in cache.
-py::object tensor_lists(py::handle items) {
+py::object tensor_lists(py::handle items, const std::string& device_name) {
+  const c10::Device device(device_name);
   // exactly list or tuple: a subclass may iterate differently from its items
   if (!PyList_CheckExact(items.ptr()) && !PyTuple_CheckExact(items.ptr())) return py::none();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
@@ -134,7 +136,7 @@ py::object tensor_lists(py::handle items) {
       if (ahead >= 0 && ahead < n) prefetch_tensor(item[ahead], stage);
     }
     if (i < 0) continue;
-    std::optional<rc::DType> dtype = plain_cpu_dtype(item[i]);
+    std::optional<rc::DType> dtype = plain_dtype(item[i], device);
     if (!dtype) return py::none();
     const at::Tensor& t = THPVariable_Unpack(item[i]);
     const uint64_t fields[3] = {uint64_t(reinterpret_cast<uintptr_t>(t.data_ptr())),
@@ -146,7 +148,7 @@ py::object tensor_lists(py::handle items) {
   return py::make_tuple(ptrs, counts, dtypes);
 }
 
-// ringcomm.Communicator.all_reduce of a plain CPU tensor (plain_cpu_dtype), synchronous, on the
+// ringcomm.Communicator.all_reduce of a plain CPU tensor (plain_dtype), synchronous, on the
 // communicator in `comm` (ringcomm._C.Communicator.capsule()): reading the tensor here takes
 // about 0.1 us where Python's accessors take 0.6, most of what an 8-byte all-reduce costs beyond
 // its messages. False, having done nothing, for any other tensor or an op its dtype does not
@@ -154,7 +156,7 @@ py::object tensor_lists(py::handle items) {
 bool all_reduce_tensor(py::capsule comm, py::handle tensor, int op, int algorithm) {
   TORCH_CHECK_VALUE(std::string(comm.name() ? comm.name() : "") == rc::kCommunicatorCapsule,
                     "not a ringcomm communicator capsule");
-  std::optional<rc::DType> dtype = plain_cpu_dtype(tensor.ptr());
+  std::optional<rc::DType> dtype = plain_dtype(tensor.ptr(), c10::Device(c10::kCPU));
   if (!dtype) return false;
   rc::ReduceOp reduce_op;
   try {
@@ -894,7 +896,7 @@ void release_capsule(PyObject* capsule) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ringcomm's c10d::Backend, built against the installed torch";
-  m.def("tensor_lists", &tensor_lists, py::arg("items"));
+  m.def("tensor_lists", &tensor_lists, py::arg("items"), py::arg("device") = "cpu");
   m.def("all_reduce_tensor", &all_reduce_tensor, py::arg("comm"), py::arg("tensor"),
         py::arg("op"), py::arg("algorithm"));
   py::class_<RingcommBackend, c10d::Backend, c10::intrusive_ptr<RingcommBackend>>(

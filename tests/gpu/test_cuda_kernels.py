@@ -3,8 +3,9 @@ kernels (which share their arithmetic): bit-exact where the CPU kernels are bit-
 import pytest
 import torch
 
+import ringcomm.backend
 import ringcomm.cuda as rc_cuda
-from ringcomm import _C, compress
+from ringcomm import _C, compress, fusion
 from ringcomm._buffers import TORCH_DTYPES
 from test_kernels import sample  # the CPU kernels' tests' inputs (tests/ is on sys.path)
 from test_topk import random_input
@@ -166,8 +167,17 @@ def test_scatter_add_and_bad_indices():
     assert out.sum().item() == 9.0
 
 
+@pytest.fixture(params=["cpp", "python"])
+def list_reader(request, monkeypatch):
+    """Which reader of tensor lists pack and unpack use: the torch module's (built here if need
+    be) or the Python one."""
+    module = ringcomm.backend.load() if request.param == "cpp" else None
+    monkeypatch.setattr(fusion, "torch_module", lambda: module)
+    return module
+
+
 @pytest.mark.parametrize("wire", [torch.float32, torch.float16, torch.bfloat16])
-def test_pack_unpack_match_the_cpu_kernels(wire):
+def test_pack_unpack_match_the_cpu_kernels(wire, list_reader):
     gen = torch.Generator().manual_seed(9)
     # More tensors than one launch carries, some empty, odd sizes.
     sizes = [int(s) for s in torch.randint(0, 5000, (300,), generator=gen)]
@@ -185,13 +195,30 @@ def test_pack_unpack_match_the_cpu_kernels(wire):
         assert same_bits(g, t)
 
 
-def test_pack_plain_copy_of_integers():
+def test_pack_plain_copy_of_integers(list_reader):
     tensors = [torch.arange(n, dtype=torch.int64, device=DEVICE) for n in (5, 0, 1000)]
     flat = rc_cuda.pack(tensors)
     assert torch.equal(flat, torch.cat(tensors))
     back = [torch.empty_like(t) for t in tensors]
     rc_cuda.unpack(flat, back)
     assert all(torch.equal(a, b) for a, b in zip(back, tensors))
+
+
+def test_pack_lists_read_alike_and_bad_items_named(list_reader):
+    tensors = [torch.arange(n, dtype=torch.float32, device=DEVICE) for n in (3, 0, 700)]
+    if list_reader is not None:
+        read = [memoryview(b).cast("Q").tolist()
+                for b in list_reader.tensor_lists(tensors, str(tensors[0].device))]
+        assert read == [[t.data_ptr() for t in tensors], [3, 0, 700], [0, 0, 0]]
+        assert list_reader.tensor_lists(tensors, "cpu") is None
+    assert torch.equal(rc_cuda.pack(tensors), torch.cat(tensors))
+    for bad, error, why in ((torch.ones(2, dtype=torch.float64, device=DEVICE), TypeError, "dtype"),
+                            (torch.ones(2), ValueError, "CUDA tensor"),
+                            (torch.ones(4, 4, device=DEVICE).t(), ValueError, "contiguous")):
+        with pytest.raises(error, match=rf"tensors\[1\] .*{why}"):
+            rc_cuda.pack([tensors[0], bad, tensors[2]])
+        with pytest.raises(error, match=rf"tensors\[1\] .*{why}"):
+            rc_cuda.unpack(torch.empty(703, device=DEVICE), [tensors[0], bad, tensors[2]])
 
 
 def test_kernels_follow_the_current_stream():
