@@ -175,6 +175,42 @@ def test_coalesced_reads_the_tensors_in_place():
             assert (read > 0) == (setting != "0"), (setting, r, read)
 
 
+def small_buffers_by_layout(comm):
+    """Two coalesced all-reduces of 1000 buffers of 4 KiB: views one after another in one buffer,
+    then views a stride of 12 KiB apart. Returns, for each, whether the results (and the gaps)
+    are right and the bytes read by single copy."""
+    r, w = comm.rank, comm.world_size
+    out = []
+    for stride in (1024, 3 * 1024):  # float32 elements: packed, then 8 KiB gaps
+        buffer = torch.full((1000 * stride,), -1.0 - r)
+        views = [buffer[i * stride:i * stride + 1024] for i in range(1000)]
+        for i, v in enumerate(views):
+            v.fill_(r + i % 7)
+        before = ringcomm.shm_bytes_read()
+        comm.all_reduce_coalesced(views)
+        read = ringcomm.shm_bytes_read() - before
+        ok = all(torch.equal(v, torch.full_like(v, float(sum(range(w)) + w * (i % 7))))
+                 for i, v in enumerate(views))
+        if stride > 1024:
+            ok = ok and bool(torch.all(buffer.view(1000, stride)[:, 1024:] == -1.0 - r))
+        out.append((ok, read))
+    return out
+
+
+def test_small_buffers_go_by_single_copy_where_they_lie_together():
+    """Where ranks send by single copy, a bucket of small buffers is cut into parts as large as
+    the flat all-reduce's, and each part goes by single copy if its buffers lie together (views
+    of one buffer: read as one range) and through the slots if they do not (a page or more
+    apart: the kernel would pin them one by one). The threshold, 512 KiB, is above the slots'
+    128 KiB messages: only parts of the ring's size (1 MiB with 2 ranks) pass it."""
+    for r, ((packed_ok, packed_read), (spread_ok, spread_read)) in enumerate(run_ranks(
+            2, small_buffers_by_layout,
+            env={"RINGCOMM_SHM_SINGLE_COPY_BYTES": "524288", "RINGCOMM_TRANSPORT": "shm"})):
+        assert packed_ok and spread_ok, r
+        assert packed_read >= 2 << 20, (r, packed_read)  # half of the 4 MiB, at least
+        assert spread_read == 0, (r, spread_read)
+
+
 @pytest.mark.parametrize("setting,reads", [
     # on for every rank: everyone reads its peers' large messages
     (lambda r: "4096", lambda r: True),

@@ -205,16 +205,16 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
   const int n = ctx.size(), me = ctx.rank();
   if (n == 1 || plan.buckets.empty()) return;
   // A slice is n parts, one per rank. Parts that travel as ranges of the buffers between ranks
-  // of one host that send by single copy, from buffers large enough for it on average, need no
-  // slices to pipeline packing with: they are cut evenly into parts of at least the ring's
-  // slice, which shared memory moves by single copy as it does the flat all-reduce's (the
-  // layout, the link model and the buffers' sizes are the same on every rank, so all cut alike).
+  // of one host that send by single copy need no slices to pipeline packing with: they are cut
+  // evenly into parts of at least the ring's slice, as large as the flat all-reduce's. Each
+  // sender's transport then moves a part by single copy where its ranges, joined across small
+  // gaps, are long enough (kSingleCopyRangeBytes, transport.h: views of one buffer, tensors
+  // allocated one after another), and through its slots where they are not (spread tensors),
+  // judging its own memory: ranks may differ in that, not in the cut, which depends only on
+  // what is the same on every rank (the layout and the link model).
   const bool by_address = plan.one_host && ctx.selector().model().single_copy;
   const auto part_elems = [&](const FusedBucket& b) {
-    const size_t bytes = b.buffers.count() * dtype_size(b.sig.dtype);
-    if (!by_address || !coalesced_from_buffers(plan, b) ||
-        bytes < kSingleCopyRangeBytes * b.buffers.size())
-      return message_elems(b, size_t(n));
+    if (!by_address || !coalesced_from_buffers(plan, b)) return message_elems(b, size_t(n));
     const size_t count = b.buffers.count(), slice = ring_slice(dtype_size(b.sig.dtype), n);
     const size_t slices = std::max<size_t>(1, count / (slice * size_t(n)));
     return std::max<size_t>(1, piece_count(count, slices * size_t(n)));
