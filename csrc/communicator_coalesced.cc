@@ -56,6 +56,29 @@ std::vector<Bucket> cut_into_buckets(const std::vector<BufferRef>& buffers,
   return buckets;
 }
 
+// Runs of buffers, in call order, that lie together (each starts less than kJoinGap after the
+// previous one ends), those of at least one huge page (2 MiB): smaller ones hold none.
+std::vector<iovec> runs_together(const std::vector<BufferRef>& buffers) {
+  constexpr size_t kHugePage = 2 << 20;
+  std::vector<iovec> runs;
+  const char *begin = nullptr, *end = nullptr;
+  auto close = [&] {
+    if (begin && size_t(end - begin) >= kHugePage)
+      runs.push_back({const_cast<char*>(begin), size_t(end - begin)});
+  };
+  for (const BufferRef& b : buffers) {
+    if (b.count == 0) continue;
+    const char* at = static_cast<const char*>(b.data);
+    if (!begin || !joins(end, at)) {
+      close();
+      begin = at;
+    }
+    end = at + b.count * dtype_size(b.dtype);
+  }
+  close();
+  return runs;
+}
+
 // Buffers of each dtype, in call order; dtypes in order of first appearance.
 std::vector<std::vector<size_t>> group_by_dtype(const std::vector<BufferRef>& buffers) {
   std::vector<DType> seen;
@@ -208,8 +231,10 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
     if (coalesced_calls_.size() > kCoalescedPlansKept) coalesced_calls_.pop_back();
   }
   if (plan->buckets.empty()) return finished_work();  // an empty list
-  return submit(plan->buckets[0].sig, [plan](Context& ctx) { coalesced_all_reduce(ctx, *plan); },
-                async, plan->buckets.size());
+  return submit(plan->buckets[0].sig, [this, plan](Context& ctx) {
+    for (const iovec& run : plan->runs) mesh_->offer_huge_pages(run.iov_base, run.iov_len);
+    coalesced_all_reduce(ctx, *plan);
+  }, async, plan->buckets.size());
 }
 
 std::shared_ptr<const CoalescedAllReduce> Communicator::plan_all_reduce_coalesced(
@@ -234,6 +259,7 @@ std::shared_ptr<const CoalescedAllReduce> Communicator::plan_all_reduce_coalesce
     cpu::check_conversion(wire_of(b.dtype), b.dtype, plan->unpack_scaling);
   }
   check_disjoint(pointers(buffers), "buffers");
+  plan->runs = runs_together(buffers);
 
   // Each buffer is reduced in the order all_reduce would use on its packed bytes.
   std::vector<Algorithm> algos;

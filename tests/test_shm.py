@@ -257,37 +257,45 @@ def kernel_collapses() -> bool:
     return libc.madvise(region, 2 << 20, 25) == 0
 
 
-def huge_pages_over_three_calls(comm):
-    """A 16 MiB tensor all-reduced three times, single copy on: after each call, whether the
-    values are right and the kB of its mapping in huge pages; the bytes read by single copy; and
-    what RINGCOMM_DEBUG said of collapses that failed (this rank was forked from a process that
-    imported ringcomm without it, so the core's lines are taken here, not from the logger)."""
+def huge_pages_over_three_calls(comm, kind):
+    """A 16 MiB tensor all-reduced three times, single copy on, as one tensor ("flat") or as
+    1024 views of 16 KiB (all_reduce_coalesced: single copy reads them as one run): after each
+    call, whether the values are right and the kB of its mapping in huge pages; the bytes read by
+    single copy; and what RINGCOMM_DEBUG said of collapses that failed (this rank was forked from
+    a process that imported ringcomm without it, so the core's lines are taken here, not from
+    the logger)."""
     lines = []
     ringcomm._C.set_log_sink(lines.append)
     before = ringcomm.shm_bytes_read()
     r, w = comm.rank, comm.world_size
     t = torch.empty(4 << 20)
+    views = list(t.split(4096))
     seen = []
     for call in range(3):
         t.fill_(float(r + call))
-        comm.all_reduce(t)
+        if kind == "flat":
+            comm.all_reduce(t)
+        else:
+            comm.all_reduce_coalesced(views)
         seen.append((bool(torch.all(t == float(sum(range(w)) + w * call))),
                      anon_huge_kb(t.data_ptr())))
     ringcomm._C.set_log_sink(None)
     return seen, ringcomm.shm_bytes_read() - before, [x for x in lines if "MADV_COLLAPSE" in x]
 
 
+@pytest.mark.parametrize("kind", ["flat", "views"])
 @pytest.mark.parametrize("setting", ["1", "0"])
-def test_a_buffer_sent_again_by_single_copy_moves_into_huge_pages(setting):
+def test_a_buffer_sent_again_by_single_copy_moves_into_huge_pages(setting, kind):
     """Peers pin a single-copy sender's pages one by one: a buffer all-reduced a second time has
     its memory collapsed into huge pages (csrc/transport/shm/huge_pages.h), the values unchanged;
-    one seen once is left alone, and RINGCOMM_SHM_HUGE_PAGES=0 leaves every buffer alone."""
+    one seen once is left alone, and RINGCOMM_SHM_HUGE_PAGES=0 leaves every buffer alone. The
+    same holds for a coalesced list of views that lie together in it."""
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as thp:
         if "[always]" in thp.read():  # tensors start on huge pages: nothing to tell apart
             pytest.skip("transparent huge pages are 'always' here")
     if setting == "1" and not kernel_collapses():
         pytest.skip("this kernel has no madvise(MADV_COLLAPSE)")
-    results = run_ranks(2, huge_pages_over_three_calls, env={
+    results = run_ranks(2, huge_pages_over_three_calls, kind, env={
         "RINGCOMM_SHM_SINGLE_COPY_BYTES": "524288", "RINGCOMM_TRANSPORT": "shm",
         "RINGCOMM_SHM_HUGE_PAGES": setting, "THP_MEM_ALLOC_ENABLE": "0", "RINGCOMM_DEBUG": "INFO"})
     for r, (seen, read, failures) in enumerate(results):

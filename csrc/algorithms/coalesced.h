@@ -32,6 +32,10 @@ struct CoalescedAllReduce {
   std::shared_ptr<const ReductionOrders> orders;
   std::vector<std::vector<OrderedRange>> ranges;  // per dtype group, sorted
   bool one_host = false;  // every rank on one host (the communicator's layout)
+  // The buffers' memory as runs of buffers that lie together (kJoinGap, transport.h), those
+  // large enough to hold a huge page: the communicator offers them for huge pages, as it offers
+  // a flat all-reduce's buffer, since single copy reads such runs as one.
+  std::vector<iovec> runs;
 };
 
 // Every element is reduced at one rank from all contributions, in plan.orders' order, and the

@@ -13,8 +13,8 @@
 // huge pages by the kernel. Once per buffer: a buffer that comes back collapsed is left alone,
 // and one that failed is not tried again. A buffer seen once (a temporary) is never touched, so
 // its cost (0.3-2.5 ms per MiB, once, where measured) is paid only by buffers that are
-// used again. Memory outside the buffer is never collapsed. RINGCOMM_SHM_HUGE_PAGES=0 turns it
-// off.
+// used again. Memory outside what is offered (a buffer, or a run of buffers that lie together:
+// communicator_coalesced.cc) is never collapsed. RINGCOMM_SHM_HUGE_PAGES=0 turns it off.
 #pragma once
 
 #include <cstddef>

@@ -68,18 +68,13 @@ struct Address {
 constexpr size_t kPullChunk = 256 << 10;
 // Ranges per process_vm_readv call on either side.
 constexpr size_t kPullBatch = 256;
-// A sender's ranges that start less than this after the previous one ends are read as one with
-// it (pull): the bytes between lie on pages the two share, which are mapped.
-constexpr size_t kJoinGap = 4096;
-// Messages of several ranges go by single copy only where their ranges (joined as above) hold
+// Messages of several ranges go by single copy only where their ranges, joined (kJoinGap), hold
 // kSingleCopyRangeBytes each on average (transport.h), and where the list has at most
 // kMaxRanges entries: a receiver takes no longer list, so a peer's word cannot make it allocate
 // more than 16 MiB for one.
 constexpr size_t kMaxRanges = 1 << 20;
 
 namespace {
-
-bool joins(const char* end, const char* at) { return at >= end && size_t(at - end) < kJoinGap; }
 
 // Ranges of `r` once those that join their predecessor are counted with it.
 size_t joined_ranges(Ranges r) {
