@@ -249,21 +249,23 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
   const std::vector<int>& host = layout_.local(rank_);
   const size_t single_copy = mesh_->single_copy_to_probe();
   // Maxima: of "missing", alpha, seconds per byte sent and per byte reduced, inside a host alpha
-  // and seconds per byte sent, "single copy set by hand" and "single copy off".
-  double agreed[8] = {have ? 0.0 : 1.0,
+  // and seconds per byte sent, "single copy set by hand", "single copy off" and halving-doubling's
+  // extra seconds per byte.
+  double agreed[9] = {have ? 0.0 : 1.0,
                       have ? saved.alpha_s : 0.0,
                       have ? 1 / saved.bytes_per_s : 0.0,
                       have ? 1 / saved.reduce_bytes_per_s : 0.0,
                       have ? saved.local_alpha_s : 0.0,
                       have ? 1 / saved.local_bytes_per_s : 0.0,
                       host.size() > 1 && single_copy == 0 ? 1.0 : 0.0,
-                      have && !saved.single_copy ? 1.0 : 0.0};
+                      have && !saved.single_copy ? 1.0 : 0.0,
+                      have ? saved.halving_doubling_s_per_byte : 0.0};
   auto agree = [&](double* values, size_t count) {
     connect_step(count, [&](Context& ctx) {
       recursive_doubling_all_reduce(ctx, values, count, DType::kFloat64, ReduceOp::kMax);
     }, deadline);
   };
-  agree(agreed, 8);
+  agree(agreed, 9);
   const char* source = "loaded from RINGCOMM_TUNING";
   if (agreed[0] > 0) {
     source = "probed";
@@ -288,6 +290,20 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
     agreed[4] = model.local_alpha_s;
     agreed[5] = 1 / model.local_bytes_per_s;
     agree(agreed + 1, 5);
+    if (one_host && world_size_ >= 3) {
+      // What halving-doubling took beyond the model's difference from the ring (both sides'
+      // times are the slowest rank's already, so every rank computes the same figure).
+      ButterflyTimes t{};
+      connect_step(0, [&](Context& ctx) { t = probe_butterfly(ctx); }, deadline);
+      LinkModel links;
+      links.alpha_s = agreed[1];
+      links.bytes_per_s = 1 / agreed[2];
+      links.reduce_bytes_per_s = 1 / agreed[3];
+      const Selector plain(world_size_, links);
+      const double modeled = plain.all_reduce_cost(Algorithm::kHalvingDoubling, double(t.bytes)) -
+                             plain.all_reduce_cost(Algorithm::kRing, double(t.bytes));
+      agreed[8] = std::max(0.0, (t.halving_doubling_s - t.ring_s - modeled) / double(t.bytes));
+    }
     RC_LOG("rank ", rank_, ": link probe took ",
            std::chrono::duration<double>(Clock::now() - start).count() * 1e3, " ms");
   }
@@ -297,6 +313,7 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
   model.local_alpha_s = agreed[4];
   model.local_bytes_per_s = 1 / agreed[5];
   model.single_copy = agreed[7] == 0;
+  model.halving_doubling_s_per_byte = agreed[8];
   mesh_->use_single_copy(model.single_copy);
   if (!tuning.empty() && agreed[0] > 0 && !save_link_model(tuning, model))
     RC_LOG("rank ", rank_, ": cannot write RINGCOMM_TUNING file '", tuning, "'");

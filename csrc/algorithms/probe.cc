@@ -27,6 +27,12 @@
 //      host (a view of its ranks, all hosts at once), for the links inside a host; the ring of
 //      step 1 and 2 is then held to the pace of the links between hosts.
 //   4. gamma: the best of 3 local float32 sums of 256 KiB.
+//   5. where 3 or more ranks share one host (probe_butterfly): a 4 MiB all-reduce by
+//      halving-doubling and by the ring, in blocks. The model charges both the ring's bytes and
+//      halving-doubling fewer rounds, so it picked halving-doubling at every size; on a 2-vCPU
+//      guest with 4 ranks the ring took 195-1002 us where halving-doubling took 244-1341
+//      (1 and 4 MiB, session 28). What halving-doubling took beyond the model's difference
+//      becomes its extra seconds per byte (LinkModel::halving_doubling_s_per_byte).
 // And, before them where local ranks may single-copy (probe_single_copy): inside each host, a ring
 // all-reduce of 16 MiB (at least 2 x n messages) in slices of the single-copy size, in blocks of
 // 2 untimed + 2 timed rounds with single copy off, on, on, off; single copy stays if its better
@@ -135,6 +141,33 @@ LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host)
   }
   m.reduce_bytes_per_s = double(kReduce) / std::max(best, 1e-9);
   return m;
+}
+
+ButterflyTimes probe_butterfly(Context& ctx) {
+  // Blocks as in probe_single_copy, in the order ring, halving-doubling, halving-doubling, ring,
+  // each 1 untimed + 2 timed rounds; each way's figure is its better block's median.
+  constexpr size_t kBytes = 4 << 20;
+  constexpr int kWarm = 1, kTimed = 2;
+  const size_t count = kBytes / sizeof(float);
+  float* data = reinterpret_cast<float*>(ctx.scratch(kBytes));
+  std::memset(data, 0, kBytes);
+  const Algorithm algos[2] = {Algorithm::kHalvingDoubling, Algorithm::kRing};
+  double slowest[2] = {HUGE_VAL, HUGE_VAL};
+  for (int a : {1, 0, 0, 1}) {
+    std::vector<double> seconds;
+    for (int round = 0; round < kWarm + kTimed; ++round) {
+      const auto start = Clock::now();
+      scheduled_all_reduce(ctx, algos[a], data, count, DType::kFloat32, ReduceOp::kSum);
+      if (round >= kWarm) seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    }
+    slowest[a] = std::min(slowest[a], median(seconds));
+  }
+  recursive_doubling_all_reduce(ctx, slowest, 2, DType::kFloat64, ReduceOp::kMax);
+  if (ctx.rank() == 0)
+    RC_LOG("butterfly probe, ", ctx.size(), " ranks, ", kBytes >> 20,
+           " MiB all-reduce, slowest rank's better block: halving-doubling ", slowest[0] * 1e3,
+           " ms, ring ", slowest[1] * 1e3, " ms");
+  return {slowest[0], slowest[1], kBytes};
 }
 
 bool probe_single_copy(Context& local, size_t message,

@@ -13,7 +13,8 @@ std::string LinkModel::describe() const {
                  " GB/s per link, reduce ", reduce_bytes_per_s / 1e9, " GB/s (a round = ",
                  size_t(round_bytes()), " bytes); inside a host: alpha ", local_alpha_s * 1e6,
                  " us, beta ", local_bytes_per_s / 1e9, " GB/s, single copy ",
-                 single_copy ? "on" : "off");
+                 single_copy ? "on" : "off", "; halving-doubling ",
+                 halving_doubling_s_per_byte * (1 << 20) * 1e6, " us per MiB more");
 }
 
 namespace {
@@ -44,7 +45,8 @@ double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
       // not a power of two
       const double share = double(p - 1) / p * bytes;
       const double fold = p < n_ ? 2 * (a + bytes / b) + bytes / g : 0;
-      return 2 * rounds * a + 2 * share / b + share / g + fold;
+      return 2 * rounds * a + 2 * share / b + share / g + fold +
+             model_.halving_doubling_s_per_byte * bytes;
     }
     case Algorithm::kTree: {
       // reduce up and broadcast down a binary tree, pipelined in chunks: each link carries the

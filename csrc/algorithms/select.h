@@ -27,6 +27,10 @@ struct LinkModel {
   // than the slots (the probe applies only while RINGCOMM_SHM_SINGLE_COPY_BYTES is left to its
   // default); once agreed, false if any rank with local peers has it off.
   bool single_copy = true;
+  // What halving-doubling takes per byte of the vector beyond this model's figure for it, on
+  // one host (probe_butterfly): the model charges it the ring's bytes, and there the ring's
+  // steps forward what they have just reduced, still in cache. 0 where not measured.
+  double halving_doubling_s_per_byte = 0;
   // Bytes a link moves in one round's latency: what a round is worth against bytes.
   double round_bytes() const { return alpha_s * bytes_per_s; }
   std::string describe() const;

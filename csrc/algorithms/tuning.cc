@@ -38,6 +38,10 @@ bool load_link_model(const std::string& path, LinkModel* model) {
   model->local_bytes_per_s =
       values.count("local_bytes_per_s") ? values["local_bytes_per_s"] : model->bytes_per_s;
   model->single_copy = !values.count("single_copy") || values["single_copy"] != 0;
+  model->halving_doubling_s_per_byte =
+      values.count("halving_doubling_s_per_byte") ? values["halving_doubling_s_per_byte"] : 0;
+  RC_CHECK_ARG(model->halving_doubling_s_per_byte >= 0, "RINGCOMM_TUNING: '", path,
+               "' holds a negative halving_doubling_s_per_byte");
   RC_CHECK_ARG(model->local_alpha_s >= 0 && model->local_bytes_per_s > 0,
                "RINGCOMM_TUNING: '", path, "' holds a negative or zero figure");
   return true;
@@ -51,7 +55,8 @@ bool save_link_model(const std::string& path, const LinkModel& model) {
     file << "alpha_us " << model.alpha_s * 1e6 << "\nbytes_per_s " << model.bytes_per_s
          << "\nreduce_bytes_per_s " << model.reduce_bytes_per_s << "\nlocal_alpha_us "
          << model.local_alpha_s * 1e6 << "\nlocal_bytes_per_s " << model.local_bytes_per_s
-         << "\nsingle_copy " << int(model.single_copy) << "\n";
+         << "\nsingle_copy " << int(model.single_copy) << "\nhalving_doubling_s_per_byte "
+         << model.halving_doubling_s_per_byte << "\n";
     if (!file.good()) return false;
   }
   return std::rename(tmp.c_str(), path.c_str()) == 0;

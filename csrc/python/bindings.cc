@@ -226,6 +226,7 @@ PYBIND11_MODULE(_C, m) {
              d["local_alpha_s"] = m.local_alpha_s;
              d["local_bytes_per_s"] = m.local_bytes_per_s;
              d["single_copy"] = m.single_copy;
+             d["halving_doubling_s_per_byte"] = m.halving_doubling_s_per_byte;
              return d;
            })
       .def("stats",
