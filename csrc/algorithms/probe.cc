@@ -43,6 +43,7 @@
 // its own links; the caller agrees on the slowest rank's figures (a collective crosses every
 // link in lockstep).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -118,6 +119,27 @@ char* probe_ring(Context& ctx, bool by_difference, double* alpha_s, double* byte
   return out;
 }
 
+// Two ways of doing one thing, timed in blocks in the order 0, 1, 1, 0 (drift weighs on both
+// alike), each block `warm` untimed rounds of run(way) then `timed` timed ones. A block's
+// figure is the median of its timed rounds, a way's the better of its two blocks (slowing down
+// is all that drift and warming up do), and the result the slowest rank's figure for each way.
+std::array<double, 2> two_ways(Context& ctx, int warm, int timed,
+                               const std::function<void(int)>& run) {
+  std::array<double, 2> slowest = {HUGE_VAL, HUGE_VAL};  // this rank's, then the slowest rank's
+  for (int way : {0, 1, 1, 0}) {
+    std::vector<double> seconds;
+    for (int round = 0; round < warm + timed; ++round) {
+      const auto start = Clock::now();
+      run(way);
+      const double took = std::chrono::duration<double>(Clock::now() - start).count();
+      if (round >= warm) seconds.push_back(took);
+    }
+    slowest[size_t(way)] = std::min(slowest[size_t(way)], median(seconds));
+  }
+  recursive_doubling_all_reduce(ctx, slowest.data(), 2, DType::kFloat64, ReduceOp::kMax);
+  return slowest;
+}
+
 }  // namespace
 
 LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host) {
@@ -144,30 +166,20 @@ LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host)
 }
 
 ButterflyTimes probe_butterfly(Context& ctx) {
-  // Blocks as in probe_single_copy, in the order ring, halving-doubling, halving-doubling, ring,
-  // each 1 untimed + 2 timed rounds; each way's figure is its better block's median.
   constexpr size_t kBytes = 4 << 20;
-  constexpr int kWarm = 1, kTimed = 2;
   const size_t count = kBytes / sizeof(float);
   float* data = reinterpret_cast<float*>(ctx.scratch(kBytes));
   std::memset(data, 0, kBytes);
-  const Algorithm algos[2] = {Algorithm::kHalvingDoubling, Algorithm::kRing};
-  double slowest[2] = {HUGE_VAL, HUGE_VAL};
-  for (int a : {1, 0, 0, 1}) {
-    std::vector<double> seconds;
-    for (int round = 0; round < kWarm + kTimed; ++round) {
-      const auto start = Clock::now();
-      scheduled_all_reduce(ctx, algos[a], data, count, DType::kFloat32, ReduceOp::kSum);
-      if (round >= kWarm) seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-    }
-    slowest[a] = std::min(slowest[a], median(seconds));
-  }
-  recursive_doubling_all_reduce(ctx, slowest, 2, DType::kFloat64, ReduceOp::kMax);
+  // Way 0 the ring, way 1 halving-doubling.
+  const auto slowest = two_ways(ctx, 1, 2, [&](int way) {
+    scheduled_all_reduce(ctx, way ? Algorithm::kHalvingDoubling : Algorithm::kRing, data, count,
+                         DType::kFloat32, ReduceOp::kSum);
+  });
   if (ctx.rank() == 0)
     RC_LOG("butterfly probe, ", ctx.size(), " ranks, ", kBytes >> 20,
-           " MiB all-reduce, slowest rank's better block: halving-doubling ", slowest[0] * 1e3,
-           " ms, ring ", slowest[1] * 1e3, " ms");
-  return {slowest[0], slowest[1], kBytes};
+           " MiB all-reduce, slowest rank's better block: halving-doubling ", slowest[1] * 1e3,
+           " ms, ring ", slowest[0] * 1e3, " ms");
+  return {slowest[1], slowest[0], kBytes};
 }
 
 bool probe_single_copy(Context& local, size_t message,
@@ -194,20 +206,11 @@ bool probe_single_copy(Context& local, size_t message,
   // and 1.96 in the last; single copy 2.38-2.78), and the median of all four slots rounds (2.74)
   // lost to single copy's (2.63), which then made an 8.4 MB all-reduce 2.3x slower (1756 us
   // against about 750 through the slots). Slowing down is all that drift and warming do.
-  double slowest[2] = {HUGE_VAL, HUGE_VAL};  // this rank's better blocks, then the slowest rank's
-  for (int on : {0, 1, 1, 0}) {
+  const auto slowest = two_ways(local, kWarm, kTimed, [&](int on) {
     use_single_copy(on == 1);
-    std::vector<double> seconds;
-    for (int round = 0; round < kWarm + kTimed; ++round) {
-      const auto start = Clock::now();
-      run_schedule(local, schedule, blocks, {data, data}, DType::kFloat32, ReduceOp::kSum, slice);
-      local.finish();
-      const double took = std::chrono::duration<double>(Clock::now() - start).count();
-      if (round >= kWarm) seconds.push_back(took);
-    }
-    slowest[on] = std::min(slowest[on], median(seconds));
-  }
-  recursive_doubling_all_reduce(local, slowest, 2, DType::kFloat64, ReduceOp::kMax);
+    run_schedule(local, schedule, blocks, {data, data}, DType::kFloat32, ReduceOp::kSum, slice);
+    local.finish();
+  });
   if (local.rank() == 0)
     RC_LOG("single copy probe, ", n, " local ranks, ", count * sizeof(float) >> 20,
            " MiB ring all-reduce, slowest rank's better block: through the slots ", slowest[0] * 1e3,
