@@ -249,23 +249,27 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
   const std::vector<int>& host = layout_.local(rank_);
   const size_t single_copy = mesh_->single_copy_to_probe();
   // Maxima: of "missing", alpha, seconds per byte sent and per byte reduced, inside a host alpha
-  // and seconds per byte sent, "single copy set by hand", "single copy off" and halving-doubling's
-  // extra seconds per byte.
-  double agreed[9] = {have ? 0.0 : 1.0,
-                      have ? saved.alpha_s : 0.0,
-                      have ? 1 / saved.bytes_per_s : 0.0,
-                      have ? 1 / saved.reduce_bytes_per_s : 0.0,
-                      have ? saved.local_alpha_s : 0.0,
-                      have ? 1 / saved.local_bytes_per_s : 0.0,
-                      host.size() > 1 && single_copy == 0 ? 1.0 : 0.0,
-                      have && !saved.single_copy ? 1.0 : 0.0,
-                      have ? saved.halving_doubling_s_per_byte : 0.0};
+  // and seconds per byte sent, "single copy set by hand", "single copy off", and the algorithms'
+  // measured factors (0: not measured; a saved model holds all of them or none).
+  constexpr size_t kFactors = kMeasuredBytes.size() * kMeasuredAlgorithms.size();
+  double agreed[8 + kFactors] = {have ? 0.0 : 1.0,
+                                 have ? saved.alpha_s : 0.0,
+                                 have ? 1 / saved.bytes_per_s : 0.0,
+                                 have ? 1 / saved.reduce_bytes_per_s : 0.0,
+                                 have ? saved.local_alpha_s : 0.0,
+                                 have ? 1 / saved.local_bytes_per_s : 0.0,
+                                 host.size() > 1 && single_copy == 0 ? 1.0 : 0.0,
+                                 have && !saved.single_copy ? 1.0 : 0.0};
+  double* factors = agreed + 8;
+  for (size_t p = 0; p < saved.factors.size(); ++p)
+    std::copy(saved.factors[p].begin(), saved.factors[p].end(),
+              factors + p * kMeasuredAlgorithms.size());
   auto agree = [&](double* values, size_t count) {
     connect_step(count, [&](Context& ctx) {
       recursive_doubling_all_reduce(ctx, values, count, DType::kFloat64, ReduceOp::kMax);
     }, deadline);
   };
-  agree(agreed, 9);
+  agree(agreed, 8 + kFactors);
   const char* source = "loaded from RINGCOMM_TUNING";
   if (agreed[0] > 0) {
     source = "probed";
@@ -290,19 +294,18 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
     agreed[4] = model.local_alpha_s;
     agreed[5] = 1 / model.local_bytes_per_s;
     agree(agreed + 1, 5);
+    std::fill(factors, factors + kFactors, 0.0);
     if (one_host && world_size_ >= 3) {
-      // What halving-doubling took beyond the model's difference from the ring (both sides'
-      // times are the slowest rank's already, so every rank computes the same figure).
-      ButterflyTimes t{};
-      connect_step(0, [&](Context& ctx) { t = probe_butterfly(ctx); }, deadline);
+      // Timed against the agreed figures, on the slowest rank: every rank computes the same.
       LinkModel links;
       links.alpha_s = agreed[1];
       links.bytes_per_s = 1 / agreed[2];
       links.reduce_bytes_per_s = 1 / agreed[3];
-      const Selector plain(world_size_, links);
-      const double modeled = plain.all_reduce_cost(Algorithm::kHalvingDoubling, double(t.bytes)) -
-                             plain.all_reduce_cost(Algorithm::kRing, double(t.bytes));
-      agreed[8] = std::max(0.0, (t.halving_doubling_s - t.ring_s - modeled) / double(t.bytes));
+      connect_step(0, [&](Context& ctx) {
+        const auto rows = probe_algorithms(ctx, links);
+        for (size_t p = 0; p < rows.size(); ++p)
+          std::copy(rows[p].begin(), rows[p].end(), factors + p * kMeasuredAlgorithms.size());
+      }, deadline);
     }
     RC_LOG("rank ", rank_, ": link probe took ",
            std::chrono::duration<double>(Clock::now() - start).count() * 1e3, " ms");
@@ -313,7 +316,13 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
   model.local_alpha_s = agreed[4];
   model.local_bytes_per_s = 1 / agreed[5];
   model.single_copy = agreed[7] == 0;
-  model.halving_doubling_s_per_byte = agreed[8];
+  model.factors.clear();
+  if (factors[0] > 0)
+    for (size_t p = 0; p < kMeasuredBytes.size(); ++p) {
+      model.factors.emplace_back();
+      std::copy_n(factors + p * kMeasuredAlgorithms.size(), kMeasuredAlgorithms.size(),
+                  model.factors.back().begin());
+    }
   mesh_->use_single_copy(model.single_copy);
   if (!tuning.empty() && agreed[0] > 0 && !save_link_model(tuning, model))
     RC_LOG("rank ", rank_, ": cannot write RINGCOMM_TUNING file '", tuning, "'");

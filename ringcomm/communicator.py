@@ -347,7 +347,9 @@ class Communicator:
     def link_model(self) -> dict:
         """The cost model's figures every rank agreed on when connecting (probed, or from
         RINGCOMM_TUNING): alpha_s (seconds per round of messages), bytes_per_s (one link's payload
-        rate), reduce_bytes_per_s (one rank's float32 sum rate); the slowest rank's."""
+        rate), reduce_bytes_per_s (one rank's float32 sum rate), the same two for the links inside
+        a host, single_copy, and factors ({bytes: {algorithm: measured / estimated time}}, where
+        3 or more ranks share one host, else empty); the slowest rank's."""
         return self._core.link_model()
 
     @property

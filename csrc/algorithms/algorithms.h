@@ -4,6 +4,7 @@
 // gather.cc, scatter.cc, alltoall.cc.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <vector>
 
@@ -42,15 +43,11 @@ LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host)
 bool probe_single_copy(Context& local, size_t message,
                        const std::function<void(bool)>& use_single_copy);
 
-// The seconds a 4 MiB float32 all-reduce among all of `ctx`'s ranks (one host's, 3 or more)
-// takes by halving-doubling and by the ring, on the slowest rank: the cost model charges both
-// the same bytes, and on some hosts the ring is much faster (probe.cc). Every rank must call it
-// at once.
-struct ButterflyTimes {
-  double halving_doubling_s, ring_s;
-  size_t bytes;
-};
-ButterflyTimes probe_butterfly(Context& ctx);
+// What the all-reduce algorithms take among all of `ctx`'s ranks (one host's, 3 or more) over
+// their estimates by `links` (figures without factors), on the slowest rank: LinkModel::factors,
+// a row for each of kMeasuredBytes (probe.cc). Every rank must call it at once.
+std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
+    Context& ctx, const LinkModel& links);
 
 // Rank `rank`'s steps (schedule.h) among n ranks. Ring schedules run over Segments(count, n);
 // the double binary tree over tree_halves(count); recursive doubling over the whole buffer;

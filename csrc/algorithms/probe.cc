@@ -27,19 +27,34 @@
 //      host (a view of its ranks, all hosts at once), for the links inside a host; the ring of
 //      step 1 and 2 is then held to the pace of the links between hosts.
 //   4. gamma: the best of 3 local float32 sums of 256 KiB.
-//   5. where 3 or more ranks share one host (probe_butterfly): a 4 MiB all-reduce by
-//      halving-doubling and by the ring, in blocks. The model charges both the ring's bytes and
-//      halving-doubling fewer rounds, so it picked halving-doubling at every size; on a 2-vCPU
-//      guest with 4 ranks the ring took 195-1002 us where halving-doubling took 244-1341
-//      (1 and 4 MiB, session 28). What halving-doubling took beyond the model's difference
-//      becomes its extra seconds per byte (LinkModel::halving_doubling_s_per_byte).
+//   5. where 3 or more ranks share one host (probe_algorithms): all-reduces of 4 KiB, 64 KiB,
+//      256 KiB, 1 MiB, 4 MiB and 16 MiB (kMeasuredBytes) by each algorithm whose estimate, scaled by the factors
+//      measured at the size before, is within 1.5x of the cheapest, in blocks of 1 untimed and
+//      3-15 timed rounds (about 0.5 ms by that guess). What each took over its estimate becomes
+//      its factor at that size (LinkModel::factors); an algorithm not timed gets the largest
+//      factor measured at that size, so it stays out of reach there.
+//      Measured because the alpha-beta figures alone misjudged the algorithms on one host:
+//      - they charge the ring and halving-doubling the same bytes, and halving-doubling fewer
+//        rounds, so it won at every size; on a 2-vCPU guest with 4 ranks the ring took 195-1002
+//        us where halving-doubling took 244-1341 (1 and 4 MiB, session 28);
+//      - at 64 KiB, alpha from 8 bytes and beta from 4 MiB put the ring ahead of recursive
+//        doubling once in three probes (estimates 30-39 us each), where the ring took 39.8 us
+//        and recursive doubling 26.2 (session 29).
+//      Between two sizes the factors are interpolated, and beyond 16 MiB each stays as measured
+//      there. Up to 16 MiB, not 4: over loopback TCP with 3 ranks the tree took 6.1 ms at 4 MiB
+//      like the ring's 6.0, and 1.23x the ring's time at 64 MiB, which 4 MiB's factors handed to
+//      the tree. 256 KiB and 4 MiB too: with 4 ranks on 2 vCPUs halving-doubling took 207 us at
+//      1 MiB against the ring's 286, the ring 4446 at 16 MiB against 5825, and at 4 MiB, which
+//      the factors between them gave the ring, halving-doubling took 878 against 1071.
 // And, before them where local ranks may single-copy (probe_single_copy): inside each host, a ring
 // all-reduce of 16 MiB (at least 2 x n messages) in slices of the single-copy size, in blocks of
 // 2 untimed + 2 timed rounds with single copy off, on, on, off; single copy stays if its better
 // block is the faster one on the slowest rank. Measured, not assumed: on one host single copy made a
 // 2-rank 16 MiB all-reduce 1.5x faster, on another 1.9x slower (its kernel copied at 6-8 GB/s,
 // memcpy at 18-40), on a third 4x slower while its CPUs shared no cache, 1.1x while they did.
-// Bytes on the wire per rank: at most 11 x 64 KiB + 4 x 512 KiB + 4 x 4 MiB. Each rank times
+// Bytes on the wire per rank: at most 11 x 64 KiB + 4 x 512 KiB + 4 x 4 MiB for steps 1-2, and
+// in step 5 at most 8 all-reduces of each size by each of the 4 algorithms (at 16 MiB, usually
+// by 2 of them). Each rank times
 // its own links; the caller agrees on the slowest rank's figures (a collective crosses every
 // link in lockstep).
 #include <algorithm>
@@ -119,14 +134,15 @@ char* probe_ring(Context& ctx, bool by_difference, double* alpha_s, double* byte
   return out;
 }
 
-// Two ways of doing one thing, timed in blocks in the order 0, 1, 1, 0 (drift weighs on both
-// alike), each block `warm` untimed rounds of run(way) then `timed` timed ones. A block's
-// figure is the median of its timed rounds, a way's the better of its two blocks (slowing down
-// is all that drift and warming up do), and the result the slowest rank's figure for each way.
-std::array<double, 2> two_ways(Context& ctx, int warm, int timed,
+// Ways of doing one thing, timed in blocks in the order 0, 1, .., k-1, k-1, .., 1, 0 (drift
+// weighs on all alike), each block `warm` untimed rounds of run(way) then `timed` timed ones. A
+// block's figure is the median of its timed rounds, a way's the better of its two blocks (slowing
+// down is all that drift and warming up do), and the result the slowest rank's figure for each.
+std::vector<double> timed_ways(Context& ctx, int ways, int warm, int timed,
                                const std::function<void(int)>& run) {
-  std::array<double, 2> slowest = {HUGE_VAL, HUGE_VAL};  // this rank's, then the slowest rank's
-  for (int way : {0, 1, 1, 0}) {
+  std::vector<double> slowest(size_t(ways), HUGE_VAL);  // this rank's, then the slowest rank's
+  for (int block = 0; block < 2 * ways; ++block) {
+    const int way = block < ways ? block : 2 * ways - 1 - block;
     std::vector<double> seconds;
     for (int round = 0; round < warm + timed; ++round) {
       const auto start = Clock::now();
@@ -136,7 +152,8 @@ std::array<double, 2> two_ways(Context& ctx, int warm, int timed,
     }
     slowest[size_t(way)] = std::min(slowest[size_t(way)], median(seconds));
   }
-  recursive_doubling_all_reduce(ctx, slowest.data(), 2, DType::kFloat64, ReduceOp::kMax);
+  recursive_doubling_all_reduce(ctx, slowest.data(), size_t(ways), DType::kFloat64,
+                                ReduceOp::kMax);
   return slowest;
 }
 
@@ -165,21 +182,48 @@ LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host)
   return m;
 }
 
-ButterflyTimes probe_butterfly(Context& ctx) {
-  constexpr size_t kBytes = 4 << 20;
-  const size_t count = kBytes / sizeof(float);
-  float* data = reinterpret_cast<float*>(ctx.scratch(kBytes));
-  std::memset(data, 0, kBytes);
-  // Way 0 the ring, way 1 halving-doubling.
-  const auto slowest = two_ways(ctx, 1, 2, [&](int way) {
-    scheduled_all_reduce(ctx, way ? Algorithm::kHalvingDoubling : Algorithm::kRing, data, count,
-                         DType::kFloat32, ReduceOp::kSum);
-  });
-  if (ctx.rank() == 0)
-    RC_LOG("butterfly probe, ", ctx.size(), " ranks, ", kBytes >> 20,
-           " MiB all-reduce, slowest rank's better block: halving-doubling ", slowest[1] * 1e3,
-           " ms, ring ", slowest[0] * 1e3, " ms");
-  return {slowest[1], slowest[0], kBytes};
+std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
+    Context& ctx, const LinkModel& links) {
+  constexpr double kWorth = 1.5;  // times the cheapest guess: an algorithm worth timing
+  constexpr double kBlock = 5e-4;
+  const Selector plain(ctx.size(), links);
+  float* data = reinterpret_cast<float*>(ctx.scratch(kMeasuredBytes.back()));
+  std::memset(data, 0, kMeasuredBytes.back());
+  std::vector<std::array<double, kMeasuredAlgorithms.size()>> factors;
+  for (size_t bytes : kMeasuredBytes) {
+    // Guesses: the estimates, scaled by the factors measured at the size before.
+    std::array<double, kMeasuredAlgorithms.size()> estimate{}, guess{}, row{};
+    for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a) {
+      estimate[a] = plain.estimate(kMeasuredAlgorithms[a], double(bytes));
+      guess[a] = estimate[a] * (factors.empty() ? 1.0 : factors.back()[a]);
+    }
+    const double cheapest = *std::min_element(guess.begin(), guess.end());
+    std::vector<size_t> timed;  // columns
+    for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a)
+      if (guess[a] <= kWorth * cheapest) timed.push_back(a);
+    // Timed rounds for about kBlock seconds a block, 3 to 15: the medians of 3 rounds at 64 KiB
+    // (30-50 us each) once put recursive doubling at 53.8 us, where it took 34.1 in the bench.
+    const int rounds = int(std::clamp(kBlock / cheapest, 3.0, 15.0));
+    const auto seconds = timed_ways(ctx, int(timed.size()), 1, rounds, [&](int way) {
+      scheduled_all_reduce(ctx, kMeasuredAlgorithms[timed[size_t(way)]], data,
+                           bytes / sizeof(float), DType::kFloat32, ReduceOp::kSum);
+    });
+    double largest = 0;
+    std::string times;
+    for (size_t k = 0; k < timed.size(); ++k) {
+      row[timed[k]] = seconds[k] / estimate[timed[k]];
+      largest = std::max(largest, row[timed[k]]);
+      times += str_cat(" ", algorithm_name(kMeasuredAlgorithms[timed[k]]), " ", seconds[k] * 1e6,
+                       " us (estimate ", estimate[timed[k]] * 1e6, ")");
+    }
+    for (double& f : row)
+      if (f == 0) f = largest;
+    factors.push_back(row);
+    if (ctx.rank() == 0)
+      RC_LOG("algorithm probe, ", ctx.size(), " ranks, all-reduce of ", bytes,
+             " bytes, slowest rank's better block:", times);
+  }
+  return factors;
 }
 
 bool probe_single_copy(Context& local, size_t message,
@@ -206,7 +250,7 @@ bool probe_single_copy(Context& local, size_t message,
   // and 1.96 in the last; single copy 2.38-2.78), and the median of all four slots rounds (2.74)
   // lost to single copy's (2.63), which then made an 8.4 MB all-reduce 2.3x slower (1756 us
   // against about 750 through the slots). Slowing down is all that drift and warming do.
-  const auto slowest = two_ways(local, kWarm, kTimed, [&](int on) {
+  const auto slowest = timed_ways(local, 2, kWarm, kTimed, [&](int on) {
     use_single_copy(on == 1);
     run_schedule(local, schedule, blocks, {data, data}, DType::kFloat32, ReduceOp::kSum, slice);
     local.finish();

@@ -9,12 +9,33 @@
 namespace ringcomm {
 
 std::string LinkModel::describe() const {
-  return str_cat("alpha ", alpha_s * 1e6, " us per round, beta ", bytes_per_s / 1e9,
-                 " GB/s per link, reduce ", reduce_bytes_per_s / 1e9, " GB/s (a round = ",
-                 size_t(round_bytes()), " bytes); inside a host: alpha ", local_alpha_s * 1e6,
-                 " us, beta ", local_bytes_per_s / 1e9, " GB/s, single copy ",
-                 single_copy ? "on" : "off", "; halving-doubling ",
-                 halving_doubling_s_per_byte * (1 << 20) * 1e6, " us per MiB more");
+  std::string text =
+      str_cat("alpha ", alpha_s * 1e6, " us per round, beta ", bytes_per_s / 1e9,
+              " GB/s per link, reduce ", reduce_bytes_per_s / 1e9, " GB/s (a round = ",
+              size_t(round_bytes()), " bytes); inside a host: alpha ", local_alpha_s * 1e6,
+              " us, beta ", local_bytes_per_s / 1e9, " GB/s, single copy ",
+              single_copy ? "on" : "off");
+  if (factors.empty()) return text + "; times not measured";
+  text += "; measured / estimate at";
+  for (size_t point = 0; point < kMeasuredBytes.size(); ++point) {
+    text += str_cat(point ? "," : "", " ", kMeasuredBytes[point], " bytes:");
+    for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a)
+      text += str_cat(" ", algorithm_name(kMeasuredAlgorithms[a]), " ", factors[point][a]);
+  }
+  return text;
+}
+
+double LinkModel::factor(Algorithm algo, double bytes) const {
+  const auto column = std::find(kMeasuredAlgorithms.begin(), kMeasuredAlgorithms.end(), algo);
+  if (factors.empty() || column == kMeasuredAlgorithms.end()) return 1;
+  const size_t a = size_t(column - kMeasuredAlgorithms.begin()), last = kMeasuredBytes.size() - 1;
+  if (bytes <= double(kMeasuredBytes[0])) return factors[0][a];
+  if (bytes >= double(kMeasuredBytes[last])) return factors[last][a];
+  size_t hi = 1;
+  while (double(kMeasuredBytes[hi]) < bytes) ++hi;
+  const double lo_log = std::log2(double(kMeasuredBytes[hi - 1]));
+  const double at = (std::log2(bytes) - lo_log) / (std::log2(double(kMeasuredBytes[hi])) - lo_log);
+  return factors[hi - 1][a] + at * (factors[hi][a] - factors[hi - 1][a]);
 }
 
 namespace {
@@ -27,6 +48,10 @@ double ring_half(double n, double bytes, double alpha, double beta) {
 }  // namespace
 
 double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
+  return estimate(algo, bytes) * model_.factor(algo, bytes);
+}
+
+double Selector::estimate(Algorithm algo, double bytes) const {
   const double n = n_;
   if (n_ <= 1) return 0;
   const double a = model_.alpha_s, b = model_.bytes_per_s, g = model_.reduce_bytes_per_s;
@@ -45,8 +70,7 @@ double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
       // not a power of two
       const double share = double(p - 1) / p * bytes;
       const double fold = p < n_ ? 2 * (a + bytes / b) + bytes / g : 0;
-      return 2 * rounds * a + 2 * share / b + share / g + fold +
-             model_.halving_doubling_s_per_byte * bytes;
+      return 2 * rounds * a + 2 * share / b + share / g + fold;
     }
     case Algorithm::kTree: {
       // reduce up and broadcast down a binary tree, pipelined in chunks: each link carries the

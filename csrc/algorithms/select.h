@@ -7,13 +7,22 @@
 // Costs are in seconds.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "algorithms/sparse_decode.h"
 #include "transport/transport.h"
 
 namespace ringcomm {
+
+// The sizes at which the probe times the all-reduce algorithms, where 3 or more ranks share one
+// host, and those algorithms, in the order of LinkModel::factors' columns.
+constexpr std::array<size_t, 6> kMeasuredBytes = {4 << 10,  64 << 10, 256 << 10,
+                                                   1 << 20, 4 << 20,  16 << 20};
+constexpr std::array<Algorithm, 4> kMeasuredAlgorithms = {
+    Algorithm::kRing, Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHalvingDoubling};
 
 struct LinkModel {
   double alpha_s = 16e-6;          // defaults: TCP loopback on a small machine
@@ -27,10 +36,14 @@ struct LinkModel {
   // than the slots (the probe applies only while RINGCOMM_SHM_SINGLE_COPY_BYTES is left to its
   // default); once agreed, false if any rank with local peers has it off.
   bool single_copy = true;
-  // What halving-doubling takes per byte of the vector beyond this model's figure for it, on
-  // one host (probe_butterfly): the model charges it the ring's bytes, and there the ring's
-  // steps forward what they have just reduced, still in cache. 0 where not measured.
-  double halving_doubling_s_per_byte = 0;
+  // Where 3 or more ranks share one host, the probe times the all-reduce algorithms at a few
+  // sizes (probe_algorithms): what each took over its estimate by the figures above, at each of
+  // kMeasuredBytes, for each of kMeasuredAlgorithms. Estimates are scaled by it (Selector). Empty
+  // where not measured: every factor is then 1.
+  std::vector<std::array<double, kMeasuredAlgorithms.size()>> factors;
+  // The factor for `algo` at `bytes`: the nearest size's beyond the sizes measured, between two
+  // of them linear in log2(bytes); 1 for the hierarchical all-reduce and where not measured.
+  double factor(Algorithm algo, double bytes) const;
   // Bytes a link moves in one round's latency: what a round is worth against bytes.
   double round_bytes() const { return alpha_s * bytes_per_s; }
   std::string describe() const;
@@ -46,8 +59,10 @@ class Selector {
   const LinkModel& model() const { return model_; }
 
   // A dense all-reduce of `bytes` by ring, tree, recursive doubling, halving-doubling or (when
-  // the layout allows) hierarchical.
+  // the layout allows) hierarchical: the estimate below, scaled by the measured factor.
   double all_reduce_cost(Algorithm algo, double bytes) const;
+  // The same by the alpha-beta figures alone.
+  double estimate(Algorithm algo, double bytes) const;
   // The cheapest of them.
   Algorithm all_reduce(size_t bytes) const;
   // Broadcast and reduce: a binomial tree or a pipelined chain (chunks of `chunk_bytes`).

@@ -226,7 +226,14 @@ PYBIND11_MODULE(_C, m) {
              d["local_alpha_s"] = m.local_alpha_s;
              d["local_bytes_per_s"] = m.local_bytes_per_s;
              d["single_copy"] = m.single_copy;
-             d["halving_doubling_s_per_byte"] = m.halving_doubling_s_per_byte;
+             py::dict factors;  // {bytes: {algorithm: factor}}, empty where not measured
+             for (size_t point = 0; point < m.factors.size(); ++point) {
+               py::dict row;
+               for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a)
+                 row[algorithm_name(kMeasuredAlgorithms[a])] = m.factors[point][a];
+               factors[py::int_(kMeasuredBytes[point])] = row;
+             }
+             d["factors"] = factors;
              return d;
            })
       .def("stats",
