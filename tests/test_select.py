@@ -149,6 +149,7 @@ def test_measured_factors_scale_the_estimates(tmp_path):
 
 @pytest.mark.parametrize("line,message", [
     ("factor ring 65536 0", "expected 'factor <algorithm> <bytes> <positive value>'"),
+    ("factor ring 65536 inf", "expected 'factor <algorithm> <bytes> <positive value>'"),
     ("factor ring 65536", "expected 'factor <algorithm> <bytes> <positive value>'"),
     ("factor ring 1000 1.0", "holds a factor for ring at 1000 bytes"),
     ("factor chain 65536 1.0", "holds a factor for chain at 65536 bytes"),

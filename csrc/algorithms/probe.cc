@@ -28,11 +28,11 @@
 //      step 1 and 2 is then held to the pace of the links between hosts.
 //   4. gamma: the best of 3 local float32 sums of 256 KiB.
 //   5. where 3 or more ranks share one host (probe_algorithms): all-reduces of 4 KiB, 64 KiB,
-//      256 KiB, 1 MiB, 4 MiB and 16 MiB (kMeasuredBytes) by each algorithm whose estimate, scaled by the factors
-//      measured at the size before, is within 1.5x of the cheapest, in blocks of 1 untimed and
-//      3-15 timed rounds (about 0.5 ms by that guess). What each took over its estimate becomes
-//      its factor at that size (LinkModel::factors); an algorithm not timed gets the largest
-//      factor measured at that size, so it stays out of reach there.
+//      256 KiB, 1 MiB, 4 MiB and 16 MiB (kMeasuredBytes) by each algorithm whose estimate,
+//      scaled by the factors measured at the size before, is within 1.5x of the cheapest, in
+//      blocks of 1 untimed and 3-15 timed rounds (about 0.5 ms by that guess). What each took
+//      over its estimate becomes its factor at that size (LinkModel::factors); an algorithm not
+//      timed gets the largest factor measured at that size, so it stays out of reach there.
 //      Measured because the alpha-beta figures alone misjudged the algorithms on one host:
 //      - they charge the ring and halving-doubling the same bytes, and halving-doubling fewer
 //        rounds, so it won at every size; on a 2-vCPU guest with 4 ranks the ring took 195-1002
@@ -52,11 +52,10 @@
 // block is the faster one on the slowest rank. Measured, not assumed: on one host single copy made a
 // 2-rank 16 MiB all-reduce 1.5x faster, on another 1.9x slower (its kernel copied at 6-8 GB/s,
 // memcpy at 18-40), on a third 4x slower while its CPUs shared no cache, 1.1x while they did.
-// Bytes on the wire per rank: at most 11 x 64 KiB + 4 x 512 KiB + 4 x 4 MiB for steps 1-2, and
-// in step 5 at most 8 all-reduces of each size by each of the 4 algorithms (at 16 MiB, usually
-// by 2 of them). Each rank times
-// its own links; the caller agrees on the slowest rank's figures (a collective crosses every
-// link in lockstep).
+// Bytes on the wire per rank: at most 11 x 64 KiB + 4 x 512 KiB + 4 x 4 MiB in steps 1-2, and in
+// step 5 two blocks of 4-16 all-reduces of each size by each algorithm timed there (at 16 MiB
+// usually 2 of the 4). Each rank times its own links; the caller agrees on the slowest rank's
+// figures (a collective crosses every link in lockstep).
 #include <algorithm>
 #include <array>
 #include <cmath>

@@ -1,5 +1,6 @@
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -60,9 +61,9 @@ bool load_link_model(const std::string& path, LinkModel* model) {
       std::string algo;
       size_t bytes;
       double value;
-      RC_CHECK_ARG(bool(words >> algo >> bytes >> value) && value > 0, "RINGCOMM_TUNING: '",
-                   path, "': expected 'factor <algorithm> <bytes> <positive value>', got '",
-                   line, "'");
+      RC_CHECK_ARG(bool(words >> algo >> bytes >> value) && value > 0 && std::isfinite(value),
+                   "RINGCOMM_TUNING: '", path,
+                   "': expected 'factor <algorithm> <bytes> <positive value>', got '", line, "'");
       const auto [point, column] = factor_place(path, algo, bytes);
       factors[point][column] = value;
       ++factor_lines;
