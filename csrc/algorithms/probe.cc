@@ -41,7 +41,8 @@
 //        doubling once in three probes (estimates 30-39 us each), where the ring took 39.8 us
 //        and recursive doubling 26.2 (session 29).
 //      Between two sizes the factors are interpolated, and beyond 16 MiB each stays as measured
-//      there. Up to 16 MiB, not 4: over loopback TCP with 3 ranks the tree took 6.1 ms at 4 MiB
+//      there. A size whose all-reduces would take more than 100 ms in all, by the guesses, is
+//      not timed, nor any larger: from there on the factors stay as at the last size timed. Up to 16 MiB, not 4: over loopback TCP with 3 ranks the tree took 6.1 ms at 4 MiB
 //      like the ring's 6.0, and 1.23x the ring's time at 64 MiB, which 4 MiB's factors handed to
 //      the tree. 256 KiB and 4 MiB too: with 4 ranks on 2 vCPUs halving-doubling took 207 us at
 //      1 MiB against the ring's 286, the ring 4446 at 16 MiB against 5825, and at 4 MiB, which
@@ -185,6 +186,10 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
     Context& ctx, const LinkModel& links) {
   constexpr double kWorth = 1.5;  // times the cheapest guess: an algorithm worth timing
   constexpr double kBlock = 5e-4;
+  // Seconds one size's all-reduces may take (a guess before they run). 8 ranks on 2 vCPUs
+  // would have spent 407 ms at 16 MiB (the ring 13.2 ms, halving-doubling 15.3, the tree 22.6),
+  // half the probe's 821; 4 ranks about 250 of 550 where all four algorithms were timed there.
+  constexpr double kBudget = 0.1;
   const Selector plain(ctx.size(), links);
   float* data = reinterpret_cast<float*>(ctx.scratch(kMeasuredBytes.back()));
   std::memset(data, 0, kMeasuredBytes.back());
@@ -203,6 +208,16 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
     // Timed rounds for about kBlock seconds a block, 3 to 15: the medians of 3 rounds at 64 KiB
     // (30-50 us each) once put recursive doubling at 53.8 us, where it took 34.1 in the bench.
     const int rounds = int(std::clamp(kBlock / cheapest, 3.0, 15.0));
+    double expected = 0;  // by the guesses, the same on every rank
+    for (size_t a : timed) expected += guess[a] * 2 * (1 + rounds);
+    if (!factors.empty() && expected > kBudget) {
+      if (ctx.rank() == 0)
+        RC_LOG("algorithm probe, ", ctx.size(), " ranks: not timed from ", bytes,
+               " bytes on (about ", expected * 1e3, " ms); the factors stay as at ",
+               kMeasuredBytes[factors.size() - 1], " bytes");
+      while (factors.size() < kMeasuredBytes.size()) factors.push_back(factors.back());
+      break;
+    }
     const auto seconds = timed_ways(ctx, int(timed.size()), 1, rounds, [&](int way) {
       scheduled_all_reduce(ctx, kMeasuredAlgorithms[timed[size_t(way)]], data,
                            bytes / sizeof(float), DType::kFloat32, ReduceOp::kSum);
