@@ -8,7 +8,8 @@ import torch
 from ranks import TRANSPORTS, run_ranks
 
 SIZES = (8, 4096, 65536, 1 << 20, 64 << 20)
-MEASURED_BYTES = (4096, 65536, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # where the probe times the algorithms
+# Where 3 or more ranks share a host, the probe times these algorithms at these sizes.
+MEASURED_BYTES = (4096, 65536, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 MEASURED = ("ring", "recursive_doubling", "tree", "halving_doubling")
 
 
@@ -61,7 +62,7 @@ def test_probe_agrees_on_every_rank(transport, world, tmp_path):
         expect = {"ring"}
     assert choices[-1] in expect, model
     # The algorithms are timed only where 3 or more ranks share one host: there every one has a
-    # factor at each size, and at each size auto takes the algorithm measured fastest there.
+    # factor at each size (a size the probe's budget skipped takes the last one timed).
     factors = model["factors"]
     if world == 2 or transport == "mixed":
         assert factors == {}, model
