@@ -45,14 +45,16 @@
 //        doubling once in three probes (estimates 30-39 us each), where the ring took 39.8 us
 //        and recursive doubling 26.2 (session 29).
 //      Between two sizes the factors are interpolated, and beyond 16 MiB each stays as measured
-//      there. A size whose all-reduces would take more than 200 ms in all, by the guesses, is
-//      not timed, nor any larger: their factors are 1, the estimates alone. Not the last size
-//      timed: over loopback TCP with 3 ranks, factors kept from 1 MiB, where recursive doubling
-//      had been timed near the ring, handed it 64 MiB, which costs it 2.25x the ring's bytes. Up to 16 MiB, not 4: over loopback TCP with 3 ranks the tree took 6.1 ms at 4 MiB
-//      like the ring's 6.0, and 1.23x the ring's time at 64 MiB, which 4 MiB's factors handed to
-//      the tree. 256 KiB and 4 MiB too: with 4 ranks on 2 vCPUs halving-doubling took 207 us at
-//      1 MiB against the ring's 286, the ring 4446 at 16 MiB against 5825, and at 4 MiB, which
-//      the factors between them gave the ring, halving-doubling took 878 against 1071.
+//      there. Up to 16 MiB, not 4: over loopback TCP with 3 ranks the tree took 6.1 ms at 4 MiB
+//      like the ring's 6.0, and 4 MiB's factors handed it 64 MiB, where in that run it took
+//      1.22x the ring's time (another run: 0.85x). 256 KiB and 4 MiB too: with 4 ranks on 2
+//      vCPUs halving-doubling took 207 us at 1 MiB against the ring's 286, the ring 4446 at
+//      16 MiB against 5825, and at 4 MiB, which the factors between them gave the ring,
+//      halving-doubling took 878 against 1071.
+//      A size whose all-reduces would take more than 200 ms in all, by the guesses, is not
+//      timed, nor any larger: their factors are 1, the estimates alone. Not the last timed
+//      size's factors: over loopback TCP with 3 ranks, kept from 1 MiB, where recursive doubling
+//      had been timed near the ring, they handed it 64 MiB, 2.25x the ring's bytes.
 // And, before them where local ranks may single-copy (probe_single_copy): inside each host, a ring
 // all-reduce of 16 MiB (at least 2 x n messages) in slices of the single-copy size, in blocks of
 // 2 untimed + 2 timed rounds with single copy off, on, on, off; single copy stays if its better
