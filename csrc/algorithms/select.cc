@@ -25,16 +25,26 @@ std::string LinkModel::describe() const {
   return text;
 }
 
+constexpr bool powers_of_two(const std::array<size_t, kMeasuredBytes.size()>& sizes) {
+  for (size_t b : sizes)
+    if (b == 0 || (b & (b - 1)) != 0) return false;
+  return true;
+}
+static_assert(powers_of_two(kMeasuredBytes), "LinkModel::factor reads their log2 off their bits");
+
+// Runs on every auto all-reduce (Selector::all_reduce prices each algorithm): one log2, the
+// measured sizes' own logarithms read off their bits (they are powers of two).
 double LinkModel::factor(Algorithm algo, double bytes) const {
+  if (factors.empty()) return 1;
   const auto column = std::find(kMeasuredAlgorithms.begin(), kMeasuredAlgorithms.end(), algo);
-  if (factors.empty() || column == kMeasuredAlgorithms.end()) return 1;
+  if (column == kMeasuredAlgorithms.end()) return 1;
   const size_t a = size_t(column - kMeasuredAlgorithms.begin()), last = kMeasuredBytes.size() - 1;
   if (bytes <= double(kMeasuredBytes[0])) return factors[0][a];
   if (bytes >= double(kMeasuredBytes[last])) return factors[last][a];
   size_t hi = 1;
   while (double(kMeasuredBytes[hi]) < bytes) ++hi;
-  const double lo_log = std::log2(double(kMeasuredBytes[hi - 1]));
-  const double at = (std::log2(bytes) - lo_log) / (std::log2(double(kMeasuredBytes[hi])) - lo_log);
+  const double lo_log = __builtin_ctzll(kMeasuredBytes[hi - 1]);
+  const double at = (std::log2(bytes) - lo_log) / (__builtin_ctzll(kMeasuredBytes[hi]) - lo_log);
   return factors[hi - 1][a] + at * (factors[hi][a] - factors[hi - 1][a]);
 }
 
