@@ -29,6 +29,11 @@ std::string message_of(const std::exception_ptr& error) {
   }
 }
 
+// A failed operation's error as its Work reports it: the message followed by `where`.
+Error error_at(const std::exception_ptr& error, const std::string& where) {
+  return Error(message_of(error) + where, error_kind_of(error));
+}
+
 uint64_t hash_counts(const std::vector<size_t>& counts) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   for (size_t c : counts)
@@ -65,7 +70,7 @@ bool Work::wait(double timeout_s) {
   } else if (!cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return finished_; })) {
     return false;
   }
-  if (!error_.empty()) throw Error(error_);
+  if (!error_.empty()) throw Error(error_, error_kind_);
   return true;
 }
 
@@ -79,6 +84,11 @@ std::string Work::error() {
   return error_;
 }
 
+ErrorKind Work::error_kind() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return error_kind_;
+}
+
 void Work::on_finished(std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -90,13 +100,20 @@ void Work::on_finished(std::function<void()> fn) {
   fn();
 }
 
-void Work::finish(const std::string& error) {
+void Work::finish() { finish(nullptr); }
+
+void Work::finish(const Error& error) { finish(&error); }
+
+void Work::finish(const Error* error) {
   std::vector<std::function<void()>> callbacks;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (finished_) return;
     finished_ = true;
-    error_ = error;
+    if (error) {
+      error_ = error->what();
+      error_kind_ = error->kind();
+    }
     callbacks.swap(callbacks_);
   }
   cv_.notify_all();
@@ -550,7 +567,10 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
         std::lock_guard<std::mutex> lk(mu_);
         p2p_deadlines_.erase(id);
       }
-      work->finish(error ? str_cat(message_of(error), " [rank ", rank_, ", peer ", peer, "]") : "");
+      if (error)
+        work->finish(error_at(error, str_cat(" [rank ", rank_, ", peer ", peer, "]")));
+      else
+        work->finish();
     };
     if (is_send)
       mesh_->post_send(peer, buf, bytes, sig, done);
@@ -619,9 +639,11 @@ void Communicator::match_any_source() {
                          std::lock_guard<std::mutex> guard(mu_);
                          p2p_deadlines_.erase(id);
                        }
-                       work->finish(error ? str_cat(message_of(error), " [rank ", rank_,
-                                                    ", peer ", found, "]")
-                                          : "");
+                       if (error)
+                         work->finish(
+                             error_at(error, str_cat(" [rank ", rank_, ", peer ", found, "]")));
+                       else
+                         work->finish();
                      });
     lk.lock();
   }
@@ -639,7 +661,7 @@ void Communicator::check_may_block(bool async, const char* what) const {
 }
 
 void Communicator::check_usable_locked() const {
-  if (!broken_.empty()) throw Error("communicator is broken: " + broken_);
+  if (!broken_.empty()) throw Error("communicator is broken: " + broken_, broken_kind_);
   RC_CHECK_ARG(!stopping_, "communicator is closed");
 }
 
@@ -650,7 +672,7 @@ WorkPtr Communicator::finished_work() {
     check_usable_locked();
   }
   auto work = std::make_shared<Work>();
-  work->finish("");
+  work->finish();
   return work;
 }
 
@@ -717,12 +739,12 @@ void Communicator::run(Task& task) {
     scratch_.operation_done();
     account(task, begin_ns, sent0, received0, idle0);
     trace::Span span("callbacks", 0);
-    task.work->finish("");
+    task.work->finish();
   } catch (const std::exception& e) {
     std::string reason = str_cat(e.what(), " [rank ", rank_, ", during ", task.sig.describe(), "]");
     RC_LOG(reason);
     fail(reason, std::current_exception());
-    task.work->finish(reason);
+    task.work->finish(Error(reason, error_kind_of(std::current_exception())));
   }
 }
 
@@ -773,17 +795,21 @@ std::map<std::string, OpStats> Communicator::stats() const {
 void Communicator::fail(const std::string& reason, const std::exception_ptr& error) {
   std::deque<Task> dropped;
   std::deque<AnySource> unmatched;
+  const ErrorKind kind = error_kind_of(error);
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (broken_.empty()) broken_ = reason;
+    if (broken_.empty()) {
+      broken_ = reason;
+      broken_kind_ = kind;
+    }
     dropped.swap(queue_);
     unmatched.swap(any_source_);
     for (const AnySource& a : unmatched) p2p_deadlines_.erase(a.id);
   }
   cv_.notify_all();  // abort() waits for broken_
   mesh_->abort(reason, error);
-  for (Task& t : dropped) t.work->finish("communicator is broken: " + reason);
-  for (AnySource& a : unmatched) a.work->finish(reason);
+  for (Task& t : dropped) t.work->finish(Error("communicator is broken: " + reason, kind));
+  for (AnySource& a : unmatched) a.work->finish(Error(reason, kind));
 }
 
 void Communicator::abort(const std::string& reason) {
@@ -802,7 +828,8 @@ void Communicator::abort(const std::string& reason) {
     // only if nobody is inside it.
     if (!executing_ && broken_.empty()) {
       lk.unlock();
-      fail("aborted: " + why, std::make_exception_ptr(Error("aborted: " + why)));
+      const std::string reason = "aborted: " + why;
+      fail(reason, std::make_exception_ptr(Error(reason, ErrorKind::kAborted)));
     }
     return;
   }
@@ -821,7 +848,7 @@ void Communicator::progress_loop() {
       std::string reason = str_cat("aborted: ", abort_reason_, " [rank ", rank_, "]");
       executing_ = true;
       lk.unlock();
-      fail(reason, std::make_exception_ptr(Error(reason)));
+      fail(reason, std::make_exception_ptr(Error(reason, ErrorKind::kAborted)));
       lk.lock();
       executing_ = false;
       cv_.notify_all();
@@ -849,8 +876,9 @@ void Communicator::progress_loop() {
       std::string reason = stopping_ ? str_cat("communicator closed with ", what, " unfinished")
                                      : str_cat("timed out waiting for ", what);
       reason += str_cat(" [rank ", rank_, "]");
+      const ErrorKind kind = stopping_ ? ErrorKind::kAborted : ErrorKind::kTimeout;
       lk.unlock();
-      fail(reason, std::make_exception_ptr(Error(reason)));
+      fail(reason, std::make_exception_ptr(Error(reason, kind)));
       lk.lock();
       continue;
     }

@@ -83,6 +83,7 @@ class Work {
   bool wait(double timeout_s);
   bool is_completed();
   std::string error();  // empty unless failed
+  ErrorKind error_kind();
   // Runs `fn` once the operation has finished (at once if it already has), on whichever thread
   // finishes it.
   void on_finished(std::function<void()> fn);
@@ -90,12 +91,14 @@ class Work {
   int source() const { return source_; }
   void set_source(int rank) { source_ = rank; }
 
-  void finish(const std::string& error);
+  void finish();                    // succeeded
+  void finish(const Error& error);  // failed
   // A collective's cost, set before it finishes (zero for sends and receives).
   OpStats stats() const { return stats_; }
   void set_stats(const OpStats& stats) { stats_ = stats; }
 
  private:
+  void finish(const Error* error);  // null: succeeded
   const void* owner_;
   OpStats stats_;
   std::mutex mu_;
@@ -103,6 +106,7 @@ class Work {
   bool finished_ = false;
   std::atomic<int> source_{-1};
   std::string error_;
+  ErrorKind error_kind_ = ErrorKind::kOther;
   std::vector<std::function<void()>> callbacks_;
 };
 using WorkPtr = std::shared_ptr<Work>;
@@ -314,6 +318,7 @@ class Communicator {
   std::string abort_reason_;      // abort() asked; the progress thread fails what is left
   bool closing_ = false, closed_ = false;  // a thread outside the progress thread is closing / done
   std::string broken_;
+  ErrorKind broken_kind_ = ErrorKind::kOther;
   uint64_t next_seq_ = 0;
   std::map<int, uint64_t> send_seq_, recv_seq_;  // per peer, for send/recv
   // Posted sends/receives not yet finished: deadline and description, by id.

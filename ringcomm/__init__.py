@@ -11,7 +11,8 @@ import logging
 
 from . import _C
 from ._env import env_flag
-from ._C import RingcommError
+from ._C import (AbortedError, CollectiveTimeoutError, MismatchError, PeerLostError, ProtocolError,
+                 RingcommError)
 from .communicator import Communicator, Work, init, shm_bytes_read, shm_bytes_sent
 from .averager import GradientAverager
 from .backend import communicator_of, register_backend
@@ -32,6 +33,8 @@ if env_flag("RINGCOMM_DEBUG"):
     # Threads of the core may log until they are joined at exit; Python's logging is gone after.
     atexit.register(_C.set_log_sink, None)
 
-__all__ = ["Communicator", "GradientAverager", "RingcommError", "Work", "communicator_of", "hooks",
-           "init", "register_backend", "shm_bytes_read", "shm_bytes_sent", "trace"]
+__all__ = ["AbortedError", "CollectiveTimeoutError", "Communicator", "GradientAverager",
+           "MismatchError", "PeerLostError", "ProtocolError", "RingcommError", "Work",
+           "communicator_of", "hooks", "init", "register_backend", "shm_bytes_read",
+           "shm_bytes_sent", "trace"]
 __version__ = "0.1.0"

@@ -16,6 +16,13 @@ from .compress import TOPK_DTYPES
 from ._buffers import FLOATING, SPARSE_ALGORITHMS, TORCH_DTYPES, Buffer, algorithm_code, op_code
 
 RingcommError = _C.RingcommError
+CollectiveTimeoutError = _C.CollectiveTimeoutError
+
+
+def _error_of(core_work) -> Optional[RingcommError]:
+    """The failed operation's error, as the class of its kind; None if it succeeded."""
+    message = core_work.error()
+    return _C.error_types[core_work.error_kind()](message) if message else None
 
 _instance_counter = itertools.count()
 _live = set()  # communicators to close at exit, so progress threads never outlive Python
@@ -72,7 +79,7 @@ class Work:
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
         if not self._core.wait(-1.0 if timeout is None else float(timeout)):
-            raise RingcommError(f"timed out after {timeout}s waiting for the operation")
+            raise CollectiveTimeoutError(f"timed out after {timeout}s waiting for the operation")
         self._finished.wait()  # on_success may still be running on the progress thread
         return True
 
@@ -94,8 +101,7 @@ class Work:
         return self._finished.is_set() and not self._core.error()
 
     def exception(self) -> Optional[RingcommError]:
-        err = self._core.error()
-        return RingcommError(err) if err else None
+        return _error_of(self._core)
 
     def result(self):
         self.wait()
@@ -113,9 +119,9 @@ class Work:
         return self._future
 
     def _complete(self, future: torch.futures.Future):
-        err = self._core.error()
-        if err:
-            future.set_exception(RingcommError(err))
+        err = _error_of(self._core)
+        if err is not None:
+            future.set_exception(err)
         else:
             future.set_result(self._result)
 

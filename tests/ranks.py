@@ -162,14 +162,17 @@ def seconds_until_handler_runs(work, after: float = 0.3):
     return "wait returned without the handler running"
 
 
-def expect_error(fn):
-    """Calls fn, which must raise ringcomm.RingcommError: (its message, seconds it took)."""
+def expect_error(fn, kind=None):
+    """Calls fn, which must raise ringcomm.RingcommError, of class `kind` if given (a subclass:
+    ringcomm.MismatchError, ...): (its message, seconds it took)."""
     import ringcomm
 
     start = time.monotonic()
     try:
         fn()
     except ringcomm.RingcommError as e:
+        if kind is not None and type(e) is not kind:
+            raise AssertionError(f"expected {kind.__name__}, got {type(e).__name__}: {e}") from e
         return str(e), time.monotonic() - start
     raise AssertionError("expected RingcommError")
 

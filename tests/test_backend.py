@@ -638,7 +638,7 @@ def test_buffer_list_reads_in_cpp_what_python_reads(monkeypatch):
 
 def both_paths(comm):
     """A blocking all_reduce read in C++ and the same through Buffer: equal results; what the C++
-    reader leaves to Buffer named as before; a failure raised as RingcommError."""
+    reader leaves to Buffer named as before; a failure raised as the RingcommError of its kind."""
     assert comm._tensor_path is not None  # the module is built: the C++ reader is in use
     same = []
     for dtype, op in ((torch.float32, "sum"), (torch.float32, "avg"), (torch.bfloat16, "max"),
@@ -674,7 +674,7 @@ def test_a_blocking_all_reduce_reads_its_tensor_in_cpp():
     for same, errors in run_ranks(2, both_paths):
         assert all(same), same
         assert len(errors) == 5 and "contiguous" in errors[0] and "bool" in errors[1] and \
-            "integer" in errors[2] and "no memory" in errors[3] and errors[4] == "RingcommError", \
+            "integer" in errors[2] and "no memory" in errors[3] and errors[4] == "MismatchError", \
             errors
 
 

@@ -40,8 +40,10 @@ def mismatched(comm, kind, count):
         comm.all_reduce(torch.ones(5))
         call()
 
-    message, elapsed = expect_error(good_then_bad)
-    broken, _ = expect_error(lambda: comm.all_reduce(torch.ones(5)))
+    # Every rank raises MismatchError: the ranks that did not see the mismatch themselves hear it
+    # in the abort of one that did, with its kind; so does every later call.
+    message, elapsed = expect_error(good_then_bad, ringcomm.MismatchError)
+    broken, _ = expect_error(lambda: comm.all_reduce(torch.ones(5)), ringcomm.MismatchError)
     return message, elapsed, broken
 
 
@@ -109,6 +111,35 @@ def test_empty_against_nonempty_is_a_mismatch():
         assert "mismatched" in message
 
 
+def kinds_of_async_errors(comm):
+    """The error's class reaches every way an asynchronous operation reports it: wait(),
+    exception(), and the future (as DDP hooks use it). A wait that runs out of time is a
+    timeout, and leaves the operation running."""
+    if comm.rank == 1:
+        time.sleep(0.5)
+    work = comm.all_reduce(torch.ones(10), async_op=True)
+    waited = None
+    if comm.rank == 0:
+        waited = expect_error(lambda: work.wait(timeout=0.05), ringcomm.CollectiveTimeoutError)[0]
+    work.wait()
+    bad = comm.all_reduce(torch.ones(8 if comm.rank == 0 else 9), async_op=True)
+    future = bad.get_future()
+    expect_error(bad.wait, ringcomm.MismatchError)
+    from_future = None
+    try:
+        future.wait()
+    except Exception as e:  # noqa: BLE001  the future's own error, whatever its class
+        from_future = e
+    return waited, type(bad.exception()).__name__, type(from_future).__name__, str(from_future)
+
+
+def test_asynchronous_errors_keep_their_kind():
+    for rank, (waited, exception, from_future, text) in enumerate(run_ranks(2, kinds_of_async_errors)):
+        assert rank == 1 or "timed out after 0.05s" in waited, waited
+        assert exception == "MismatchError", exception
+        assert from_future == "MismatchError" and "count=8" in text, (from_future, text)
+
+
 # ---- dead peers ---------------------------------------------------------------------------
 
 def peer_dies(comm):
@@ -118,7 +149,9 @@ def peer_dies(comm):
         while True:
             comm.all_reduce(big)
     died_at = time.monotonic() + 0.5
-    message, _ = expect_error(lambda: [comm.all_reduce(big) for _ in range(10_000)])
+    # Its ring neighbours see the closed connection; the others hear of it in their aborts.
+    message, _ = expect_error(lambda: [comm.all_reduce(big) for _ in range(10_000)],
+                              ringcomm.PeerLostError)
     return message, time.monotonic() - died_at
 
 
@@ -134,7 +167,7 @@ def peer_silent(comm, hold):
     if comm.rank == 1:
         time.sleep(hold)  # never joins the collective
         return None
-    return expect_error(lambda: comm.all_reduce(torch.ones(100)))
+    return expect_error(lambda: comm.all_reduce(torch.ones(100)), ringcomm.CollectiveTimeoutError)
 
 
 def test_timeout_when_a_peer_never_joins():
@@ -147,12 +180,13 @@ def test_timeout_when_a_peer_never_joins():
 def one_rank_stuck(comm):
     """Ring of 3: rank 1 never joins; rank 2 joins late, so rank 0 (waiting on its ring
     neighbour 2, itself waiting on 1) times out first."""
+    timeout = ringcomm.CollectiveTimeoutError
     if comm.rank == 1:
         time.sleep(5.0)
-        return expect_error(lambda: comm.all_reduce(torch.ones(1 << 18)))[0]
+        return expect_error(lambda: comm.all_reduce(torch.ones(1 << 18)), timeout)[0]
     if comm.rank == 2:
         time.sleep(0.5)
-    return expect_error(lambda: comm.all_reduce(torch.ones(1 << 18), algorithm="ring"))[0]
+    return expect_error(lambda: comm.all_reduce(torch.ones(1 << 18), algorithm="ring"), timeout)[0]
 
 
 def test_a_timeout_names_the_rank_that_holds_everything_up():
@@ -239,18 +273,20 @@ def test_bad_arguments_raise_before_sending():
 def abort_pending(comm):
     """Rank 1 joins the first all_reduce late. Rank 0 aborts while it waits: its operation, and
     one queued behind it, fail at once; rank 1, joining, hears the reason."""
+    aborted = ringcomm.AbortedError
     if comm.rank == 1:
         time.sleep(1.0)
-        return expect_error(lambda: comm.all_reduce(torch.ones(1 << 20)))[0]
+        return expect_error(lambda: comm.all_reduce(torch.ones(1 << 20)), aborted)[0]
     running = comm.all_reduce(torch.ones(1 << 20), async_op=True)
     queued = comm.all_reduce(torch.ones(4), async_op=True)
     time.sleep(0.3)
     start = time.monotonic()
     threading.Thread(target=comm.abort, args=("preempted",)).start()  # from another thread
-    first = expect_error(running.wait)[0]
-    second = expect_error(queued.wait)[0]
+    first = expect_error(running.wait, aborted)[0]
+    second = expect_error(queued.wait, aborted)[0]
+    assert type(queued.exception()) is aborted
     elapsed = time.monotonic() - start
-    after = expect_error(lambda: comm.all_reduce(torch.ones(4)))[0]
+    after = expect_error(lambda: comm.all_reduce(torch.ones(4)), aborted)[0]
     time.sleep(1.2)  # alive while rank 1 joins (gone, it would read a reset, not the reason)
     start = time.monotonic()
     comm.close()  # returns at once: nothing left to finish

@@ -26,9 +26,14 @@ HEADER = struct.Struct("<IBBBBBBHiQQQQ")  # csrc/transport/wire.h WireHeader
 MESSAGE_MAGIC = 0x524D4331
 
 
-def header(kind=1, coll=1, count=4, payload=16):
+def header(kind=1, coll=1, count=4, payload=16, aux=0):
     """A message header as rank 0's all_reduce(4 float32, recursive_doubling) #0 expects it."""
-    return HEADER.pack(MESSAGE_MAGIC, kind, coll, 0, 0, 3, 0, 0, -1, 0, count, 0, payload)
+    return HEADER.pack(MESSAGE_MAGIC, kind, coll, 0, 0, 3, 0, 0, -1, 0, count, aux, payload)
+
+
+def abort_frame(error_kind, reason=b"its own reason"):
+    """An abort (message kind 2): the reason as payload, its error kind in `aux`."""
+    return header(kind=2, coll=0, count=0, payload=len(reason), aux=error_kind) + reason
 
 
 def mac(token, label, *parts):
@@ -246,14 +251,19 @@ def test_token_file(tmp_path, same):
 
 
 # A peer that passed the handshake, then sends what a correct rank never would. Rank 0 must
-# raise a clear error naming it — never crash, hang or accept the bytes.
+# raise a clear error naming it, of the class for what happened — never crash, hang or accept
+# the bytes.
 BAD_BYTES = {
-    "garbage": (os.urandom(64), "bad message magic"),
-    "truncated header": (header()[:20], "rank 1"),
-    "other collective": (header(coll=5) + bytes(16), "mismatch"),
-    "other count": (header(count=5, payload=20) + bytes(20), "mismatch"),
-    "payload that does not add up": (header(payload=1 << 40), "bytes"),
-    "unknown kind": (header(kind=9) + bytes(16), "unknown kind"),
+    "garbage": (os.urandom(64), "bad message magic", "ProtocolError"),
+    "truncated header": (header()[:20], "rank 1", "PeerLostError"),
+    "other collective": (header(coll=5) + bytes(16), "mismatch", "MismatchError"),
+    "other count": (header(count=5, payload=20) + bytes(20), "mismatch", "MismatchError"),
+    "payload that does not add up": (header(payload=1 << 40), "bytes", "ProtocolError"),
+    "unknown kind": (header(kind=9) + bytes(16), "unknown kind", "ProtocolError"),
+    # an abort is raised as the kind it names (3: a mismatch rank 1 saw)...
+    "abort": (abort_frame(3), "rank 1 aborted: its own reason", "MismatchError"),
+    # ... and a kind there is not is itself bytes that do not add up
+    "abort of no kind": (abort_frame(6), "aborted with error kind 6", "ProtocolError"),
 }
 
 
@@ -270,7 +280,8 @@ def peer_sending(store, rank, world, case):
         return None
     comm = ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=10), name="bad")
     t = torch.ones(4)
-    message, elapsed = expect_error(lambda: comm.all_reduce(t, algorithm="recursive_doubling"))
+    message, elapsed = expect_error(lambda: comm.all_reduce(t, algorithm="recursive_doubling"),
+                                    getattr(ringcomm, BAD_BYTES[case][2]))
     comm.close()
     return message, elapsed
 

@@ -138,8 +138,8 @@ Step0 exchange_sizes(Context& ctx, SparseSizes& s, size_t k, char* packed, size_
     const uint64_t* header = headers + kHeaderWords * q;
     check_peer_size(s, q, header[0], header[1]);
     if (header[2] > 1)
-      RC_THROW("sparse_all_reduce: rank ", q, " sent a header whose last word is ", header[2],
-               ", not 0 or 1");
+      RC_THROW_AS(kProtocol, "sparse_all_reduce: rank ", q, " sent a header whose last word is ",
+                  header[2], ", not 0 or 1");
     s.k[q] = header[0];
     s.packed[q] = header[1];
     step.sent_pairs[q] = header[2] == 1;

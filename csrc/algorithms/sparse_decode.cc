@@ -52,7 +52,7 @@ size_t scatter_add_below(DType value_dtype, DType out_dtype, void* out, const Sp
 }
 
 [[noreturn]] void bad_size(int from, const char* what, uint64_t value, const char* limit) {
-  RC_THROW("sparse_all_reduce: rank ", from, " sent ", what, " ", value, ", ", limit);
+  RC_THROW_AS(kProtocol, "sparse_all_reduce: rank ", from, " sent ", what, " ", value, ", ", limit);
 }
 
 // reduce_decoded's chunk of `out`: it and the pairs being added stay in a core's L2.
@@ -72,8 +72,8 @@ void scatter_add(DType value_dtype, DType out_dtype, void* out, const SparsePair
 void check_indices(const SparsePairs& p, size_t begin, size_t end, int from) {
   for (size_t i = 0; i < p.count; ++i)
     if (p.index_at(i) < int64_t(begin) || p.index_at(i) >= int64_t(end))
-      RC_THROW("sparse_all_reduce: rank ", from, " sent index ", p.index_at(i), " outside [", begin,
-               ", ", end, ")");
+      RC_THROW_AS(kProtocol, "sparse_all_reduce: rank ", from, " sent index ", p.index_at(i),
+                  " outside [", begin, ", ", end, ")");
 }
 
 void check_peer_size(const SparseSizes& s, int q, size_t k_q, size_t packed_q) {
@@ -96,7 +96,7 @@ SparsePairs decode_block(const SparseSizes& s, int q, const char* block, int32_t
   const size_t used = cpu::decode_indices(reinterpret_cast<const uint8_t*>(block), index_bytes,
                                           s.k[q], decoded, &range);
   if (used != index_bytes || (s.k[q] > 0 && used == 0))
-    RC_THROW("sparse_all_reduce: malformed index encoding from rank ", q);
+    RC_THROW_AS(kProtocol, "sparse_all_reduce: malformed index encoding from rank ", q);
   const SparsePairs pairs{reinterpret_cast<const char*>(decoded), block + index_bytes, s.k[q]};
   if (s.k[q] > 0 && (range.least < 0 || size_t(range.greatest) >= s.numel))
     check_indices(pairs, 0, s.numel, q);  // throws, naming the index

@@ -56,11 +56,58 @@ std::function<void(Args...)> gil_safe_callback_of(py::function fn) {
 
 std::function<void()> gil_safe_callback(py::function fn) { return gil_safe_callback_of<>(std::move(fn)); }
 
+// ringcomm.RingcommError (a RuntimeError) and a subclass per ErrorKind, as `error_types` indexed
+// by kind (kOther: RingcommError itself). They live as long as the interpreter.
+void bind_errors(py::module_& m) {
+  struct Named {
+    ErrorKind kind;
+    const char* name;
+    const char* doc;
+  };
+  static const Named subclasses[] = {
+      {ErrorKind::kTimeout, "CollectiveTimeoutError",
+       "A peer did not do its part within the communicator's timeout (the message names the "
+       "ranks waited on and, where they said, on whom they wait), or Work.wait(timeout) expired."},
+      {ErrorKind::kPeerLost, "PeerLostError",
+       "A peer's connection closed or failed: its process died or left."},
+      {ErrorKind::kMismatch, "MismatchError",
+       "Ranks issued different operations: collective, count, dtype, op or root (both named)."},
+      {ErrorKind::kProtocol, "ProtocolError",
+       "Bytes from a peer that do not add up: garbage, a forged header, a stranger on the port."},
+      {ErrorKind::kAborted, "AbortedError",
+       "The communicator was aborted (Communicator.abort, a signal handler) or closed."},
+  };
+  auto make = [&](const char* name, PyObject* base, const char* doc) {
+    const std::string qualified = std::string("ringcomm._C.") + name;
+    PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, base, nullptr);
+    if (type == nullptr) throw py::error_already_set();
+    m.add_object(name, py::handle(type));  // the module takes a reference; this one is kept
+    return type;
+  };
+  static PyObject* types[kErrorKinds] = {};
+  types[int(ErrorKind::kOther)] =
+      make("RingcommError", PyExc_RuntimeError,
+           "Any ringcomm failure; the subclasses name its kind. The communicator is broken "
+           "after one raised by an operation.");
+  for (const Named& n : subclasses) types[int(n.kind)] = make(n.name, types[0], n.doc);
+  py::tuple by_kind(kErrorKinds);
+  for (int k = 0; k < kErrorKinds; ++k)
+    by_kind[size_t(k)] = py::reinterpret_borrow<py::object>(types[k]);
+  m.attr("error_types") = by_kind;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(types[int(e.kind())], e.what());
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ringcomm core: communicators, transports, algorithms and CPU kernels";
-  py::register_exception<Error>(m, "RingcommError", PyExc_RuntimeError);
+  bind_errors(m);
 
   py::class_<Work, WorkPtr>(m, "Work")
       // Waits in slices of 100 ms with Python's signal handlers run between them: a SIGINT or a
@@ -88,6 +135,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("timeout_s") = -1.0)
       .def("is_completed", &Work::is_completed)
       .def("error", &Work::error)
+      .def("error_kind", [](Work& w) { return int(w.error_kind()); })
       .def("source", &Work::source)
       .def("stats", [](const Work& w) { return stats_dict(w.stats()); })
       .def("add_done_callback",

@@ -51,15 +51,15 @@ py::tuple device_count() {
 PYBIND11_MODULE(_C_cuda, m) {
   using namespace ringcomm;
   using G = py::call_guard<py::gil_scoped_release>;
-  // ringcomm::Error as ringcomm._C's RingcommError, so callers catch one class for both modules.
-  // The class lives as long as the interpreter (a reference held for good).
-  static PyObject* error_class =
-      py::object(py::module_::import("ringcomm._C").attr("RingcommError")).release().ptr();
+  // ringcomm::Error as ringcomm._C's RingcommError or its kind's subclass, so callers catch the
+  // same classes for both modules. The tuple lives as long as the interpreter (held for good).
+  static PyObject* error_types =
+      py::object(py::module_::import("ringcomm._C").attr("error_types")).release().ptr();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      PyErr_SetString(error_class, e.what());
+      PyErr_SetString(PyTuple_GET_ITEM(error_types, int(e.kind())), e.what());
     }
   });
 

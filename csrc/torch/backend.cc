@@ -171,7 +171,8 @@ bool all_reduce_tensor(py::capsule comm, py::handle tensor, int op, int algorith
     c.all_reduce(t.data_ptr(), size_t(t.numel()), *dtype, reduce_op, rc::Algorithm(algorithm),
                  false);
   } catch (const rc::Error& e) {  // as ringcomm._C raises it: this module's pybind11 is torch's
-    PyErr_SetString(py::module_::import("ringcomm._C").attr("RingcommError").ptr(), e.what());
+    py::object types = py::module_::import("ringcomm._C").attr("error_types");
+    PyErr_SetString(py::tuple(types)[size_t(e.kind())].ptr(), e.what());
     throw py::error_already_set();
   }
   return true;

@@ -146,7 +146,7 @@ void Mesh::interrupt(const std::string& reason) {
 void Mesh::throw_if_interrupted() const {
   if (!interrupted_.load(std::memory_order_relaxed)) return;
   std::lock_guard<std::mutex> lk(interrupt_mu_);
-  RC_THROW("aborted: ", interrupt_reason_);
+  RC_THROW_AS(kAborted, "aborted: ", interrupt_reason_);
 }
 
 std::string Mesh::address() const {
@@ -242,7 +242,7 @@ void Mesh::set_current(const Signature& sig) {
 }
 
 void Mesh::check_usable() const {
-  if (!abort_reason_.empty()) RC_THROW("transport aborted: ", abort_reason_);
+  if (!abort_reason_.empty()) throw Error("transport aborted: " + abort_reason_, abort_kind_);
 }
 
 Request Mesh::post_send(int peer, const void* data, size_t bytes, const Signature& sig,
@@ -393,7 +393,7 @@ bool Mesh::block(int wake_fd, Clock::time_point deadline, bool sleep) {
       shm_->progress();
       if (!shm_->waits_on(peer)) continue;
       tcp_->throw_if_peer_aborted(peer);
-      RC_THROW("connection to rank ", peer, " closed (peer exited or aborted)");
+      RC_THROW_AS(kPeerLost, "connection to rank ", peer, " closed (peer exited or aborted)");
     }
   }
   return true;
@@ -549,7 +549,7 @@ size_t Mesh::wait_any(const Request* reqs, size_t count, Clock::time_point deadl
     }
     block(-1, std::min(deadline, next_notice));
     if (Clock::now() >= deadline && !any_done() && !progress() && !any_done())
-      RC_THROW(describe_timeout(notice_every));
+      RC_THROW_AS(kTimeout, describe_timeout(notice_every));
   }
   end_idle();
   return found;
@@ -570,8 +570,9 @@ void Mesh::wake() {
 void Mesh::abort(const std::string& reason, const std::exception_ptr& error) {
   if (!abort_reason_.empty()) return;
   abort_reason_ = reason.empty() ? "aborted" : reason;
-  if (shm_) shm_->abort(abort_reason_);
-  tcp_->abort(abort_reason_);
+  abort_kind_ = error_kind_of(error);
+  if (shm_) shm_->abort(abort_reason_, abort_kind_);
+  tcp_->abort(abort_reason_, abort_kind_);
   std::vector<Callback> callbacks;
   for (Op& op : ops_) {
     if (op.id < 0) continue;

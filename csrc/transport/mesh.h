@@ -102,8 +102,8 @@ class Mesh final : public PartSink {
   // for a peer or the timeout.
   void interrupt(const std::string& reason);
 
-  // After an error: tell every peer why (best effort), stop sending, and fail every posted
-  // operation's callback with `error`.
+  // After an error: tell every peer why and the error's kind (best effort), stop sending, and
+  // fail every posted operation's callback with `error`.
   void abort(const std::string& reason, const std::exception_ptr& error);
   // Closes every transport (idempotent).
   void close();
@@ -178,6 +178,7 @@ class Mesh final : public PartSink {
   Signature current_;
   bool has_current_ = false;
   std::string abort_reason_;
+  ErrorKind abort_kind_ = ErrorKind::kOther;  // of the error that aborted
   std::vector<pollfd> fds_;  // reused by block()
   // interrupt(): the flag is read in every wait loop; the eventfd wakes a ppoll, the shared
   // memory doorbell a futex sleep.

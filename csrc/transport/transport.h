@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "common/inplace_function.h"
 #include "common/signature.h"
 
@@ -150,8 +151,9 @@ class Transport {
   virtual void sleep(Clock::time_point until) { (void)until; }
   virtual void ring_self() {}
 
-  // After an error: tell the peers why (best effort), stop sending, drop posted operations.
-  virtual void abort(const std::string& reason) = 0;
+  // After an error: tell the peers why and its kind (best effort; they raise the same kind),
+  // stop sending, drop posted operations.
+  virtual void abort(const std::string& reason, ErrorKind kind) = 0;
   // Releases connections and memory; idempotent.
   virtual void close() = 0;
   virtual uint64_t bytes_sent() const = 0;

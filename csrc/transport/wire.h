@@ -11,7 +11,7 @@ namespace ringcomm {
 
 constexpr uint32_t kMessageMagic = 0x524d4331;  // "RMC1"
 constexpr uint8_t kDataMessage = 1;
-constexpr uint8_t kAbortMessage = 2;  // payload: the reason, as text
+constexpr uint8_t kAbortMessage = 2;  // payload: the reason, as text; `aux`: its ErrorKind
 // No payload; `root`: a rank the sender has been waiting on for a while. Sent to every peer while
 // blocked (transport/mesh.cc), so that a rank that times out can follow who waits on whom to the
 // rank that is stuck.
@@ -52,10 +52,11 @@ inline WireHeader make_header(const Signature& sig, uint64_t bytes) {
   return h;
 }
 
-inline WireHeader make_abort_header(uint64_t text_bytes) {
+inline WireHeader make_abort_header(uint64_t text_bytes, ErrorKind why) {
   WireHeader h{};
   h.magic = kMessageMagic;
   h.kind = kAbortMessage;
+  h.aux = uint64_t(why);
   h.payload_bytes = text_bytes;
   return h;
 }
@@ -66,6 +67,15 @@ inline WireHeader make_waiting_header(int on) {
   h.kind = kWaitingMessage;
   h.root = on;
   return h;
+}
+
+// Throws what rank `peer` aborted with: its reason, as the kind it named. A kind no ErrorKind
+// has is reported as what it is, bytes that do not add up.
+[[noreturn]] inline void throw_remote_abort(int peer, const std::string& reason, uint64_t kind) {
+  if (kind >= uint64_t(kErrorKinds))
+    RC_THROW_AS(kProtocol, "protocol error: rank ", peer, " aborted with error kind ", kind,
+                " (there are ", kErrorKinds, "): ", reason);
+  throw Error(str_cat("rank ", peer, " aborted: ", reason), ErrorKind(kind));
 }
 
 inline Signature header_signature(const WireHeader& h) {

@@ -101,9 +101,9 @@ void NcclTransport::synchronize(cudaStream_t stream, double timeout_s) {
     if (done == cudaSuccess) return;
     if (std::chrono::steady_clock::now() > deadline) {
       abort();
-      RC_THROW("NCCL work did not finish within ", timeout_s,
-               " s (a peer may have failed or be running other collectives); the communicator "
-               "is aborted");
+      RC_THROW_AS(kTimeout, "NCCL work did not finish within ", timeout_s,
+                  " s (a peer may have failed or be running other collectives); the communicator "
+                  "is aborted");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }

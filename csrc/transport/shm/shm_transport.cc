@@ -34,7 +34,8 @@ struct Control {
   uint64_t slot_bytes;
   alignas(kLine) std::atomic<uint32_t> doorbell;  // futex word: bumped to wake the owner
   alignas(kLine) std::atomic<uint32_t> sleeping;  // the owner sleeps (or is about to)
-  alignas(kLine) std::atomic<uint32_t> aborted;   // set once `reason` is written
+  // 0; once `reason` is written, 1 + the reason's ErrorKind.
+  alignas(kLine) std::atomic<uint32_t> aborted;
   char reason[kMaxAbortText];
 };
 
@@ -462,8 +463,12 @@ void ShmTransport::pull(int peer, const Peer& p, Part& part, const Address& wher
           }
           skip -= remote[i].iov_len;
         }
-        RC_THROW("cannot read rank ", peer, "'s message of ", part.bytes, " bytes at ", stopped,
-                 ": ", got < 0 ? strerror(error) : str_cat("read ", got, " of ", asked, " bytes"));
+        // The peer has not aborted: it is gone (ESRCH), or it offered memory it does not have.
+        const std::string why =
+            got < 0 ? strerror(error) : str_cat("read ", got, " of ", asked, " bytes");
+        throw Error(str_cat("cannot read rank ", peer, "'s message of ", part.bytes, " bytes at ",
+                            stopped, ": ", why),
+                    got < 0 && error == ESRCH ? ErrorKind::kPeerLost : ErrorKind::kProtocol);
       }
       bytes -= moved;
     }
@@ -474,8 +479,8 @@ void ShmTransport::pull(int peer, const Peer& p, Part& part, const Address& wher
     // The list is the peer's word too: at most one range per byte and kMaxRanges in all, and
     // lengths that add up.
     if (where.ranges > std::min<uint64_t>(kMaxRanges, std::max<uint64_t>(1, part.bytes)))
-      RC_THROW("protocol error: rank ", peer, " offered ", where.ranges, " ranges for a message of ",
-               part.bytes, " bytes");
+      RC_THROW_AS(kProtocol, "protocol error: rank ", peer, " offered ", where.ranges,
+                  " ranges for a message of ", part.bytes, " bytes");
     remote_ranges_.resize(size_t(where.ranges));
     iovec list{remote_ranges_.data(), remote_ranges_.size() * sizeof(iovec)};
     iovec theirs{whole.iov_base, list.iov_len};
@@ -485,8 +490,8 @@ void ShmTransport::pull(int peer, const Peer& p, Part& part, const Address& wher
     for (const iovec& r : remote_ranges_)
       if (__builtin_add_overflow(total, uint64_t(r.iov_len), &total)) total = UINT64_MAX;
     if (total != part.bytes)
-      RC_THROW("protocol error: rank ", peer, "'s ranges hold ", total, " bytes of a message of ",
-               part.bytes);
+      RC_THROW_AS(kProtocol, "protocol error: rank ", peer, "'s ranges hold ", total,
+                  " bytes of a message of ", part.bytes);
     sender = {remote_ranges_.data(), remote_ranges_.size()};
   }
   RangeCursor from(sender);
@@ -515,8 +520,8 @@ bool ShmTransport::reap_pulled(int peer, Peer& p) {
   uint64_t pulled = p.out->pulled.load(std::memory_order_acquire);
   if (pulled == p.pulls_done) return false;
   if (pulled < p.pulls_done || pulled > p.pulls_sent)
-    RC_THROW("protocol error: rank ", peer, " counts ", pulled, " messages read of ", p.pulls_sent,
-             " sent");
+    RC_THROW_AS(kProtocol, "protocol error: rank ", peer, " counts ", pulled, " messages read of ",
+                p.pulls_sent, " sent");
   for (; p.pulls_done < pulled; ++p.pulls_done) {
     int64_t op = p.pulling.front().op;
     size_t bytes = p.pulling.front().bytes;
@@ -535,40 +540,40 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
     uint64_t head = p.in->head.load(std::memory_order_acquire);
     if (head == p.in_tail) break;
     if (head - p.in_tail > uint64_t(options_.slots))
-      RC_THROW("protocol error: rank ", peer, " published ", head - p.in_tail,
-               " slots into an inbox of ", options_.slots);
+      RC_THROW_AS(kProtocol, "protocol error: rank ", peer, " published ", head - p.in_tail,
+                  " slots into an inbox of ", options_.slots);
     const char* s = slot(p.in, p.in_tail);
     SlotHeader sh;
     memcpy(&sh, s, sizeof sh);
     if (sh.header.magic != kMessageMagic || sh.header.kind != kDataMessage)
-      RC_THROW("protocol error: garbage from rank ", peer, " (bad message magic)");
+      RC_THROW_AS(kProtocol, "protocol error: garbage from rank ", peer, " (bad message magic)");
     Signature theirs = header_signature(sh.header);
     if (p.recvs.empty()) {
       if (sh.first && has_current_ && stray_mismatch(theirs, current_))
-        RC_THROW("mismatched operations: rank ", peer, " issued ", theirs.describe(), " but rank ",
-                 rank_, " issued ", current_.describe());
+        RC_THROW_AS(kMismatch, "mismatched operations: rank ", peer, " issued ", theirs.describe(),
+                    " but rank ", rank_, " issued ", current_.describe());
       break;  // held until a receive is posted
     }
     Part& part = p.recvs.front();
     if (!part.started) {
       Signature ours = header_signature(part.header);
       if (!sh.first || theirs != ours)
-        RC_THROW("mismatched operations: rank ", peer, " issued ", theirs.describe(), " but rank ",
-                 rank_, " issued ", ours.describe());
+        RC_THROW_AS(kMismatch, "mismatched operations: rank ", peer, " issued ", theirs.describe(),
+                    " but rank ", rank_, " issued ", ours.describe());
       if (sh.header.payload_bytes != part.bytes)
-        RC_THROW("protocol error: rank ", peer, " sent ", sh.header.payload_bytes, " bytes for ",
-                 theirs.describe(), ", rank ", rank_, " expected ", part.bytes);
+        RC_THROW_AS(kProtocol, "protocol error: rank ", peer, " sent ", sh.header.payload_bytes,
+                    " bytes for ", theirs.describe(), ", rank ", rank_, " expected ", part.bytes);
     }
     if (sh.by_address) {
       Address where;
       if (!sh.first || part.started || sh.by_address != 1 || sh.fragment_bytes != sizeof where ||
           !p.in->can_pull.load(std::memory_order_relaxed))
-        RC_THROW("protocol error: rank ", peer, " sent a malformed single-copy slot for ",
-                 theirs.describe());
+        RC_THROW_AS(kProtocol, "protocol error: rank ", peer,
+                    " sent a malformed single-copy slot for ", theirs.describe());
       memcpy(&where, s + sizeof(SlotHeader), sizeof where);
       if (where.bytes != part.bytes)
-        RC_THROW("protocol error: rank ", peer, " offered ", where.bytes, " bytes for ",
-                 theirs.describe(), ", rank ", rank_, " expected ", part.bytes);
+        RC_THROW_AS(kProtocol, "protocol error: rank ", peer, " offered ", where.bytes,
+                    " bytes for ", theirs.describe(), ", rank ", rank_, " expected ", part.bytes);
       p.in->tail.store(++p.in_tail, std::memory_order_release);
       ring(p.control);  // the slot is free: a sender waiting for one need not wait for the pull
       pull(peer, p, part, where);
@@ -585,8 +590,8 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
     if ((sh.first != 0) == part.started || sh.fragment_bytes > options_.slot_bytes ||
         sh.fragment_bytes > part.bytes - part.done ||
         (sh.fragment_bytes == 0 && part.bytes != 0))
-      RC_THROW("protocol error: rank ", peer, " sent a slot of ", sh.fragment_bytes,
-               " bytes where ", part.bytes - part.done, " were left of ", theirs.describe());
+      RC_THROW_AS(kProtocol, "protocol error: rank ", peer, " sent a slot of ", sh.fragment_bytes,
+                  " bytes where ", part.bytes - part.done, " were left of ", theirs.describe());
     if (part.consume)
       part.consume(part.done, s + sizeof(SlotHeader), sh.fragment_bytes);
     else if (part.ranges.list)
@@ -630,7 +635,7 @@ bool ShmTransport::peek(int peer, Signature* sig) const {
   char text[kMaxAbortText];
   memcpy(text, p.control->reason, sizeof text);
   text[sizeof text - 1] = '\0';
-  RC_THROW("rank ", peer, " aborted: ", text);
+  throw_remote_abort(peer, text, p.control->aborted.load(std::memory_order_acquire) - 1u);
 }
 
 void ShmTransport::check_peer(int peer, const Peer& p) const {
@@ -696,14 +701,14 @@ void ShmTransport::ring_self() {
   futex(&control_->doorbell, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
-void ShmTransport::abort(const std::string& reason) {
+void ShmTransport::abort(const std::string& reason, ErrorKind kind) {
   if (aborted_) return;
   aborted_ = true;
   if (control_) {
     size_t n = std::min(reason.size(), sizeof(control_->reason) - 1);
     memcpy(control_->reason, reason.data(), n);
     control_->reason[n] = '\0';
-    control_->aborted.store(1, std::memory_order_release);
+    control_->aborted.store(1u + uint32_t(kind), std::memory_order_release);
   }
   for (int peer : active_) {
     Peer& p = peers_[peer];

@@ -105,7 +105,7 @@ class ShmTransport final : public Transport {
   bool busy() const override;
   void sleep(Clock::time_point until) override;
   void ring_self() override;
-  void abort(const std::string& reason) override;
+  void abort(const std::string& reason, ErrorKind kind) override;
   void close() override;
   uint64_t bytes_sent() const override { return bytes_sent_.load(std::memory_order_relaxed); }
   // Bytes every shared-memory transport of this process has written so far (the kernel's socket

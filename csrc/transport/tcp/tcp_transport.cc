@@ -110,30 +110,32 @@ void TcpTransport::introduce(int fd, int peer, int socket, const std::string& ad
                   read_fully(fd, &challenge.reply, sizeof challenge.reply, deadline) &&
                   challenge.reply.magic == kHandshakeMagic;
   if (!answered)
-    RC_THROW("rank ", peer, " at ", address, " dropped the handshake (not a ringcomm rank of ",
-             "this job at that address?)");
+    RC_THROW_AS(kProtocol, "rank ", peer, " at ", address,
+                " dropped the handshake (not a ringcomm rank of this job at that address?)");
   if (challenge.reply.version != kProtocolVersion)
-    RC_THROW("rank ", peer, " runs ringcomm protocol version ", challenge.reply.version,
-             ", rank ", rank_, " version ", kProtocolVersion, ": every rank must run the same ringcomm");
+    RC_THROW_AS(kProtocol, "rank ", peer, " runs ringcomm protocol version ",
+                challenge.reply.version, ", rank ", rank_, " version ", kProtocolVersion,
+                ": every rank must run the same ringcomm");
   if (!challenge.reply.accepted)
-    RC_THROW("rank ", peer, " at ", address, " refused the connection (different world size or "
-             "RINGCOMM_SOCKETS_PER_PEER? its log says why)");
+    RC_THROW_AS(kProtocol, "rank ", peer, " at ", address, " refused the connection (different ",
+                "world size or RINGCOMM_SOCKETS_PER_PEER? its log says why)");
   const size_t rest = sizeof challenge - sizeof challenge.reply;
   if (!read_fully(fd, reinterpret_cast<char*>(&challenge) + sizeof challenge.reply, rest, deadline))
-    RC_THROW("rank ", peer, " at ", address, " dropped the handshake");
+    RC_THROW_AS(kProtocol, "rank ", peer, " at ", address, " dropped the handshake");
   if (!challenge_valid(token, hello, challenge, peer)) {
     // A proof of nothing, so that a real rank of another job logs why it was turned down.
     const Proof none{};
     write_fully(fd, &none, sizeof none, deadline);
-    RC_THROW("the process at ", address, " is not rank ", peer, " of this job: it cannot prove ",
-             "that it knows the job token");
+    RC_THROW_AS(kProtocol, "the process at ", address, " is not rank ", peer,
+                " of this job: it cannot prove that it knows the job token");
   }
   const Proof proof = make_proof(token, hello, challenge);
   Reply verdict{};
   if (!write_fully(fd, &proof, sizeof proof, deadline) ||
       !read_fully(fd, &verdict, sizeof verdict, deadline) || !verdict.accepted)
-    RC_THROW("rank ", peer, " at ", address, " refused this rank's proof of the job token ",
-             "(started with another token? RINGCOMM_TOKEN_FILE differs?)");
+    RC_THROW_AS(kProtocol, "rank ", peer, " at ", address,
+                " refused this rank's proof of the job token (started with another token? ",
+                "RINGCOMM_TOKEN_FILE differs?)");
 }
 
 // The acceptor's side: until every (higher rank, socket) slot is filled. Each pending connection
@@ -167,9 +169,9 @@ void TcpTransport::accept_higher_ranks(const std::string& token, Clock::time_poi
     auto now = Clock::now();
     if (now >= deadline) {
       for (auto& p : pending) ::close(p.fd);
-      RC_THROW("rank ", rank_, ": timed out waiting for ", missing,
-               " connection(s) from higher ranks",
-               last_refusal.empty() ? "" : "; the last one refused: ", last_refusal);
+      RC_THROW_AS(kTimeout, "rank ", rank_, ": timed out waiting for ", missing,
+                  " connection(s) from higher ranks",
+                  last_refusal.empty() ? "" : "; the last one refused: ", last_refusal);
     }
     std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}};
     for (auto& p : pending) fds.push_back({p.fd, POLLIN, 0});
@@ -272,10 +274,12 @@ void TcpTransport::exchange(const std::vector<int>& peers, const std::vector<cha
   in.assign(peers.size(), 0);
   for (size_t i = 0; i < peers.size(); ++i)
     if (!write_fully(channel(peers[i], 0).fd, &out[i], 1, deadline))
-      RC_THROW("rank ", rank_, ": connection to rank ", peers[i], " lost while setting up");
+      RC_THROW_AS(kPeerLost, "rank ", rank_, ": connection to rank ", peers[i],
+                  " lost while setting up");
   for (size_t i = 0; i < peers.size(); ++i)
     if (!read_fully(channel(peers[i], 0).fd, &in[i], 1, deadline))
-      RC_THROW("rank ", rank_, ": connection to rank ", peers[i], " lost while setting up");
+      RC_THROW_AS(kPeerLost, "rank ", rank_, ": connection to rank ", peers[i],
+                  " lost while setting up");
 }
 
 bool TcpTransport::peer_closed(int peer) const {
@@ -334,7 +338,8 @@ bool TcpTransport::pump_send(Channel& ch) {
       if (errno == EAGAIN || errno == EINTR) return moved;
       int err = errno;
       throw_if_peer_aborted(ch);
-      RC_THROW("connection to rank ", ch.peer, " lost while sending: ", errno_string(err));
+      RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " lost while sending: ",
+                  errno_string(err));
     }
     moved = true;
     size_t sent = size_t(n);
@@ -354,7 +359,7 @@ bool TcpTransport::pump_send(Channel& ch) {
   std::string text(std::min<uint64_t>(ch.incoming.payload_bytes, kMaxAbortText), '\0');
   if (!read_fully(ch.fd, text.data(), text.size(), Clock::now() + std::chrono::seconds(1)))
     text = "(reason not received)";
-  RC_THROW("rank ", ch.peer, " aborted: ", text);
+  throw_remote_abort(ch.peer, text, ch.incoming.aux);
 }
 
 // A peer that aborts closes its sockets after writing its reason; if our data was still unread in
@@ -404,22 +409,23 @@ void TcpTransport::throw_if_peer_aborted(Channel& ch) {
 void TcpTransport::check_incoming(Channel& ch) {
   const WireHeader& h = ch.incoming;
   if (h.magic != kMessageMagic)
-    RC_THROW("protocol error: garbage from rank ", ch.peer, " (bad message magic)");
+    RC_THROW_AS(kProtocol, "protocol error: garbage from rank ", ch.peer, " (bad message magic)");
   if (h.kind == kAbortMessage) read_abort_and_throw(ch);
   if (h.kind != kDataMessage)
-    RC_THROW("protocol error: rank ", ch.peer, " sent a message of unknown kind ", int(h.kind));
+    RC_THROW_AS(kProtocol, "protocol error: rank ", ch.peer, " sent a message of unknown kind ",
+                int(h.kind));
   Signature theirs = header_signature(h);
   auto mismatch = [&](const Signature& ours) {
-    RC_THROW("mismatched operations: rank ", ch.peer, " issued ", theirs.describe(), " but rank ",
-             rank_, " issued ", ours.describe());
+    RC_THROW_AS(kMismatch, "mismatched operations: rank ", ch.peer, " issued ", theirs.describe(),
+                " but rank ", rank_, " issued ", ours.describe());
   };
   if (!ch.recvs.empty()) {
     const Part& p = ch.recvs.front();
     Signature ours = header_signature(p.header);
     if (theirs != ours) mismatch(ours);
     if (h.payload_bytes != p.bytes)
-      RC_THROW("protocol error: rank ", ch.peer, " sent ", h.payload_bytes, " bytes for ",
-               theirs.describe(), ", rank ", rank_, " expected ", p.bytes);
+      RC_THROW_AS(kProtocol, "protocol error: rank ", ch.peer, " sent ", h.payload_bytes,
+                  " bytes for ", theirs.describe(), ", rank ", rank_, " expected ", p.bytes);
     ch.incoming_matched = true;
   } else if (has_current_ && stray_mismatch(theirs, current_)) {
     mismatch(current_);
@@ -445,17 +451,18 @@ bool TcpTransport::pump_recv(Channel& ch, bool eager) {
         return moved;
       }
       if (n == 0)
-        RC_THROW("connection to rank ", ch.peer, " closed (peer exited or aborted)");
+        RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " closed (peer exited or aborted)");
       if (n < 0) {
         if (errno == EAGAIN || errno == EINTR) return moved;
-        RC_THROW("connection to rank ", ch.peer, " lost: ", errno_string(errno));
+        RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " lost: ", errno_string(errno));
       }
       moved = true;
       ch.incoming_got += size_t(n);
       if (ch.incoming_got < sizeof(WireHeader)) continue;
       if (ch.incoming.magic == kMessageMagic && ch.incoming.kind == kWaitingMessage) {
         if (ch.incoming.root < 0 || ch.incoming.root >= world_size_)
-          RC_THROW("protocol error: rank ", ch.peer, " says it waits on rank ", ch.incoming.root);
+          RC_THROW_AS(kProtocol, "protocol error: rank ", ch.peer, " says it waits on rank ",
+                      ch.incoming.root);
         ch.heard_waiting_on = ch.incoming.root;
         ch.heard_at = Clock::now();
         ch.incoming_got = 0;
@@ -471,10 +478,10 @@ bool TcpTransport::pump_recv(Channel& ch, bool eager) {
     while (p.done < p.bytes) {
       ssize_t n = recv(ch.fd, p.data + p.done, p.bytes - p.done, MSG_DONTWAIT);
       if (n == 0)
-        RC_THROW("connection to rank ", ch.peer, " closed (peer exited or aborted)");
+        RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " closed (peer exited or aborted)");
       if (n < 0) {
         if (errno == EAGAIN || errno == EINTR) return moved;
-        RC_THROW("connection to rank ", ch.peer, " lost: ", errno_string(errno));
+        RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " lost: ", errno_string(errno));
       }
       moved = true;
       p.done += size_t(n);
@@ -596,7 +603,7 @@ bool TcpTransport::pump_notice(Channel& ch) {
   return true;
 }
 
-void TcpTransport::abort(const std::string& reason) {
+void TcpTransport::abort(const std::string& reason, ErrorKind kind) {
   if (!abort_reason_.empty()) return;
   abort_reason_ = reason.empty() ? "aborted" : reason;
   std::string text = abort_reason_.substr(0, kMaxAbortText);
@@ -618,7 +625,7 @@ void TcpTransport::abort(const std::string& reason) {
           write_fully(ch.fd, p.data + p.done, p.bytes - p.done, deadline);
     }
     if (between_messages) {
-      WireHeader h = make_abort_header(text.size());
+      WireHeader h = make_abort_header(text.size(), kind);
       if (write_fully(ch.fd, &h, sizeof h, deadline)) write_fully(ch.fd, text.data(), text.size(), deadline);
     }
     // Half-close: the peer reads the frame, then end-of-stream. A full close could reset the

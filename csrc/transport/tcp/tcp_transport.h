@@ -60,7 +60,7 @@ class TcpTransport final : public Transport {
   bool busy() const override;
   void add_poll_fds(std::vector<pollfd>& fds) override;
   void on_poll(const pollfd* fds) override;
-  void abort(const std::string& reason) override;
+  void abort(const std::string& reason, ErrorKind kind) override;
   // After an abort, first reads what peers still send, for a short while, so that they get our
   // reason rather than a reset.
   void close() override;
