@@ -873,13 +873,23 @@ void Communicator::progress_loop() {
     auto deadline = earliest->second.first;
     std::string what = earliest->second.second;
     if (stopping_ || Clock::now() >= deadline) {
-      std::string reason = stopping_ ? str_cat("communicator closed with ", what, " unfinished")
-                                     : str_cat("timed out waiting for ", what);
-      reason += str_cat(" [rank ", rank_, "]");
-      const ErrorKind kind = stopping_ ? ErrorKind::kAborted : ErrorKind::kTimeout;
+      const bool timed_out = !stopping_;
+      executing_ = true;  // the mesh is this thread's while it follows the waiting notices
       lk.unlock();
-      fail(reason, std::make_exception_ptr(Error(reason, kind)));
+      // A peer that does not answer may itself wait on another (blocked in a collective): its
+      // waiting notices lead to the rank that holds everything up, as a collective's timeout
+      // says (Mesh::describe_chains).
+      std::string reason =
+          timed_out ? str_cat("timed out waiting for ", what,
+                              mesh_->describe_chains(mesh_->waiting_on(),
+                                                     Mesh::notice_period(timeout_)))
+                    : str_cat("communicator closed with ", what, " unfinished");
+      reason += str_cat(" [rank ", rank_, "]");
+      fail(reason, std::make_exception_ptr(
+                       Error(reason, timed_out ? ErrorKind::kTimeout : ErrorKind::kAborted)));
       lk.lock();
+      executing_ = false;
+      cv_.notify_all();
       continue;
     }
     // A receive from any source looks at its peers every millisecond: a shared-memory peer's

@@ -200,6 +200,33 @@ def test_a_timeout_names_the_rank_that_holds_everything_up():
     assert "rank 1" in stuck, stuck
 
 
+def receiver_of_a_blocked_rank(comm):
+    """Rank 1 gathers to rank 0, then waits to receive from it; rank 0 is still in the gather,
+    waiting on rank 2, which never comes. Rank 1's receive times out first (it began 0.5 s
+    earlier): its error follows rank 0's waiting notices to rank 2."""
+    if comm.rank == 2:
+        time.sleep(4.0)
+        return None
+    if comm.rank == 1:
+        comm.gather(torch.ones(3), None, dst=0)
+        return expect_error(lambda: comm.recv(torch.empty(3), 0),
+                            ringcomm.CollectiveTimeoutError)[0]
+    time.sleep(0.5)
+    outputs = [torch.empty(3) for _ in range(3)]
+    return expect_error(lambda: comm.gather(torch.ones(3), outputs, dst=0),
+                        ringcomm.CollectiveTimeoutError)[0]
+
+
+def test_a_receive_that_times_out_names_the_rank_that_holds_everything_up():
+    """A point-to-point timeout follows the waiting notices as a collective's does."""
+    root, receiver, _ = run_ranks(3, receiver_of_a_blocked_rank, comm_timeout=2.0, timeout=60)
+    assert "timed out waiting for" in receiver and "from rank 0" in receiver, receiver
+    assert "rank 0 waits on rank 2" in receiver, receiver
+    assert "nothing from rank(s) 2: stuck or slow" in receiver, receiver
+    # the root hears rank 1's reason in its abort, or times out itself: either names rank 2
+    assert "rank(s) 2" in root, root
+
+
 def leaf_leaves_early(comm):
     """Rank 0 reduces from ranks 1 and 2; rank 2 comes late, so rank 0 waits long enough to send
     its peers waiting notices; rank 1, done, closes and exits with those notices unread (its

@@ -87,8 +87,8 @@ void bind_errors(py::module_& m) {
   static PyObject* types[kErrorKinds] = {};
   types[int(ErrorKind::kOther)] =
       make("RingcommError", PyExc_RuntimeError,
-           "Any ringcomm failure; the subclasses name its kind. The communicator is broken "
-           "after one raised by an operation.");
+           "Any ringcomm failure; the subclasses name its kind. After one raised by an "
+           "operation the communicator is broken: later calls raise the same class.");
   for (const Named& n : subclasses) types[int(n.kind)] = make(n.name, types[0], n.doc);
   py::tuple by_kind(kErrorKinds);
   for (int k = 0; k < kErrorKinds; ++k)

@@ -426,14 +426,21 @@ std::string Mesh::describe_waiting() const {
   return text.empty() ? "nothing" : text;
 }
 
-// Why a wait timed out. A rank waited on may itself be waiting on another (a ring neighbour of
-// the rank that is stuck): its waiting notices say on whom, and so on down each chain to ranks that
-// say nothing. Those are named, so that every rank's error (the others read this one in its
-// abort) names the same culprit, not only the rank each waited on directly.
+Clock::duration Mesh::notice_period(Clock::duration timeout) {
+  return std::clamp<Clock::duration>(timeout / 20, std::chrono::milliseconds(100),
+                                     std::chrono::seconds(10));
+}
+
 std::string Mesh::describe_timeout(Clock::duration notice_every) {
-  std::string why = str_cat("timed out during ", has_current_ ? current_.describe() : "an operation",
-                            " waiting on ", describe_waiting());
-  const std::vector<int> waited = waiting_on();
+  return str_cat("timed out during ", has_current_ ? current_.describe() : "an operation",
+                 " waiting on ", describe_waiting(), describe_chains(waiting_on(), notice_every));
+}
+
+// A rank waited on may itself be waiting on another (a ring neighbour of the rank that is
+// stuck): its waiting notices say on whom, and so on down each chain to ranks that say nothing.
+// Those are named, so that every rank's error (the others read this one in its abort) names the
+// same culprit, not only the rank each waited on directly.
+std::string Mesh::describe_chains(const std::vector<int>& waited, Clock::duration notice_every) {
   const Clock::time_point fresh = Clock::now() - 3 * notice_every;
   std::string chain, quiet;
   bool cycle = false;
@@ -466,8 +473,8 @@ std::string Mesh::describe_timeout(Clock::duration notice_every) {
   const auto until = Clock::now() + std::min<Clock::duration>(2 * notice_every, std::chrono::seconds(1));
   for (follow(); !waited.empty() && !quiet.empty() && Clock::now() < until; follow())
     block(-1, std::min(until, Clock::now() + std::chrono::milliseconds(10)));
-  if (chain.empty()) return why;  // the ranks waited on are the ones that say nothing
-  why += chain;
+  if (chain.empty()) return "";  // the ranks waited on are the ones that say nothing
+  std::string why = chain;
   if (!quiet.empty()) why += "; nothing from rank(s) " + quiet + ": stuck or slow";
   return cycle ? why + " (a cycle: they wait on each other)" : why;
 }
@@ -487,8 +494,7 @@ size_t Mesh::wait_any(const Request* reqs, size_t count, Clock::time_point deadl
   const auto yield_for = std::chrono::microseconds(std::max(options_.yield_us, 0));
   Clock::time_point yield_until;
   // Waiting notices: every 1/20 of the time left (100 ms to 10 s), from one period in.
-  const Clock::duration notice_every = std::clamp<Clock::duration>(
-      (deadline - start) / 20, std::chrono::milliseconds(100), std::chrono::seconds(10));
+  const Clock::duration notice_every = notice_period(deadline - start);
   Clock::time_point next_notice = start + notice_every;
   // Since when nothing has moved. Taken from the clock reads the loop makes anyway, so an idle
   // stretch counts from its 32nd poll while spinning: idle_ns() may miss a microsecond of each.

@@ -102,6 +102,17 @@ class Mesh final : public PartSink {
   // for a peer or the timeout.
   void interrupt(const std::string& reason);
 
+  // The ranks this rank's pending messages wait on, sorted, once each.
+  std::vector<int> waiting_on() const;
+  // "; rank A waits on rank B; nothing from rank(s) B: stuck or slow": where the waiting notices
+  // heard from the ranks in `waited`, and from the ranks they wait on, lead; "" when the ranks
+  // in `waited` have said nothing. May wait a little (two notice periods, at most a second) for
+  // notices from ranks that have only just started waiting. `notice_every`: the period of the
+  // notices this rank expects (notice_period of the timeout).
+  std::string describe_chains(const std::vector<int>& waited, Clock::duration notice_every);
+  // How often a rank blocked in a wait of `timeout` announces on whom it waits.
+  static Clock::duration notice_period(Clock::duration timeout);
+
   // After an error: tell every peer why and the error's kind (best effort), stop sending, and
   // fail every posted operation's callback with `error`.
   void abort(const std::string& reason, const std::exception_ptr& error);
@@ -152,13 +163,12 @@ class Mesh final : public PartSink {
   bool block(int wake_fd, Clock::time_point deadline, bool sleep = true);
   void check_usable() const;
   void throw_if_interrupted() const;
-  // The ranks this rank's pending messages wait on, sorted, once each.
-  std::vector<int> waiting_on() const;
   // Appends them as the transports list them (repeats possible).
   void append_waited(std::vector<int>& peers) const;
   // Whether every rank waiting_on() would name is on another host (false when it names none).
   bool waits_only_on_other_hosts();
   std::string describe_waiting() const;
+  // Why a wait timed out: what it waited for, on whom, and describe_chains of those.
   std::string describe_timeout(Clock::duration notice_every);
   void agree_on_shm(const std::vector<std::string>& hosts,
                     const std::vector<std::string>& shm_addresses, Clock::time_point deadline);
