@@ -15,7 +15,8 @@ one fault into a random victim rank:
              parent pairs sockets with peers from /proc/<pid>/fd and /proc/net/tcp);
   stall      SIGSTOP, under a short communicator timeout; SIGKILL once the others are done.
 
-Every rank but the victim must raise a RingcommError naming the victim ("rank V"), kill/close
+Every rank but the victim must raise the RingcommError of the fault's kind (PeerLostError for a
+kill or a close, CollectiveTimeoutError for a stall) naming the victim ("rank V"), kill/close
 within about a second (detection = its raise time - the fault time, time.time() on one host),
 stall within about a second past the timeout (reported as the excess over the timeout). No
 process may still be alive `timeout + grace` seconds after the fault (a hang: it is killed and
@@ -54,6 +55,9 @@ KINDS = ("kill", "close_all", "close_one", "stall")
 KIND_WEIGHTS = (0.35, 0.2, 0.2, 0.25)
 TRANSPORTS = ("shm", "tcp", "mixed")
 DETECT_KINDS = ("kill", "close_all", "close_one")  # the p99 bound applies to these
+# What a survivor must raise for each kind (ringcomm._C's classes, docs/reliability.md).
+ERROR_CLASS = {"kill": "PeerLostError", "close_all": "PeerLostError",
+               "close_one": "PeerLostError", "stall": "CollectiveTimeoutError"}
 GRACE_S = 5.0          # a process alive timeout + GRACE_S after the fault is a hang
 SETUP_TIMEOUT_S = 60.0  # all ranks up and connected
 STATUS_BYTES = 256
@@ -538,7 +542,8 @@ def run_trial(spec: dict) -> dict:
             if r in errors:
                 t, etype, is_rc, text, op_index, op = errors[r]
                 s.update(error_type=etype, ringcomm_error=is_rc, text=text, op=op,
-                         detect_s=round(t - t_fault, 4), named=bool(is_rc) and names_rank(text, victim))
+                         detect_s=round(t - t_fault, 4),
+                         named=etype == f"ringcomm._C.{ERROR_CLASS[kind]}" and names_rank(text, victim))
                 if t < t_fault:
                     s["outcome"] = "early"
                 elif s["named"]:
@@ -688,7 +693,8 @@ def print_table(summary: dict, file=sys.stdout):
               f"{g['named']:>5} {g['wrong']:>5} {g['hangs']:>5} {g['leftovers']:>4} "
               f"{fmt_s(g['p50_s']):>7} {fmt_s(g['p99_s']):>7} {fmt_s(g['max_s']):>7}", file=file)
     print("(stall: times are past the communicator timeout; surv = ranks other than the victim; "
-          "wrong = raised without naming the victim, or not a RingcommError, or crashed)", file=file)
+          "wrong = raised without naming the victim, or not the fault's RingcommError class, or "
+          "crashed)", file=file)
 
 
 def trial_line(t: dict) -> str:

@@ -876,17 +876,24 @@ void Communicator::progress_loop() {
       const bool timed_out = !stopping_;
       executing_ = true;  // the mesh is this thread's while it follows the waiting notices
       lk.unlock();
-      // A peer that does not answer may itself wait on another (blocked in a collective): its
-      // waiting notices lead to the rank that holds everything up, as a collective's timeout
-      // says (Mesh::describe_chains).
-      std::string reason =
-          timed_out ? str_cat("timed out waiting for ", what,
-                              mesh_->describe_chains(mesh_->waiting_on(),
-                                                     Mesh::notice_period(timeout_)))
-                    : str_cat("communicator closed with ", what, " unfinished");
-      reason += str_cat(" [rank ", rank_, "]");
-      fail(reason, std::make_exception_ptr(
-                       Error(reason, timed_out ? ErrorKind::kTimeout : ErrorKind::kAborted)));
+      std::string reason;
+      std::exception_ptr error;
+      try {
+        // A peer that does not answer may itself wait on another (blocked in a collective): its
+        // waiting notices lead to the rank that holds everything up, as a collective's timeout
+        // says (Mesh::describe_chains). Reading them, a peer's abort may arrive: it says more.
+        reason = timed_out ? str_cat("timed out waiting for ", what,
+                                     mesh_->describe_chains(mesh_->waiting_on(),
+                                                            Mesh::notice_period(timeout_)))
+                           : str_cat("communicator closed with ", what, " unfinished");
+        reason += str_cat(" [rank ", rank_, "]");
+        error = std::make_exception_ptr(
+            Error(reason, timed_out ? ErrorKind::kTimeout : ErrorKind::kAborted));
+      } catch (const std::exception& e) {
+        reason = str_cat(e.what(), " [rank ", rank_, ", during send/recv]");
+        error = std::current_exception();
+      }
+      fail(reason, error);
       lk.lock();
       executing_ = false;
       cv_.notify_all();
