@@ -227,6 +227,25 @@ def test_a_receive_that_times_out_names_the_rank_that_holds_everything_up():
     assert "rank(s) 2" in root, root
 
 
+def abort_while_a_receive_times_out(comm):
+    """Rank 1's receive from rank 0 times out; while it looks for rank 0's waiting notices
+    (notice_period(6 s) = 0.3 s, so for up to 0.6 s), rank 0's abort arrives. Rank 1 fails with
+    rank 0's reason; the abort must not escape its progress thread (which would abort the
+    process)."""
+    comm.barrier()
+    if comm.rank == 0:
+        time.sleep(6.3)
+        comm.abort("gave up")
+        return None
+    return expect_error(lambda: comm.recv(torch.empty(3), 0))[0]
+
+
+def test_an_abort_read_while_a_receive_times_out_is_the_error():
+    _, message = run_ranks(2, abort_while_a_receive_times_out, comm_timeout=6.0, timeout=60,
+                           env={"RINGCOMM_TRANSPORT": "tcp"})
+    assert "rank 0 aborted: aborted: gave up" in message or "timed out waiting for" in message, message
+
+
 def leaf_leaves_early(comm):
     """Rank 0 reduces from ranks 1 and 2; rank 2 comes late, so rank 0 waits long enough to send
     its peers waiting notices; rank 1, done, closes and exits with those notices unread (its
