@@ -21,8 +21,7 @@ enum class ErrorKind : uint8_t {
   kProtocol,  // bytes from a peer that do not add up: garbage, a forged header, a stranger
   kAborted,   // the communicator was aborted (abort(), a signal handler, a closed communicator)
 };
-constexpr int kErrorKinds = 6;
-const char* error_kind_name(ErrorKind kind);
+constexpr int kErrorKinds = int(ErrorKind::kAborted) + 1;  // the last kind above, plus one
 
 class Error : public std::runtime_error {
  public:
