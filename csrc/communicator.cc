@@ -838,7 +838,12 @@ void Communicator::abort(const std::string& reason) {
 
 void Communicator::progress_loop() {
   std::unique_lock<std::mutex> lk(mu_);
+  // While only sends and receives are outstanding, this thread announces on whom it waits, as a
+  // collective's wait does (Mesh::wait_any): a peer blocked on this rank can then follow the
+  // chain past it. Unset until such a wait begins.
+  Clock::time_point next_notice;
   while (true) {
+    if (p2p_deadlines_.empty()) next_notice = Clock::time_point();
     cv_.wait(lk, [&] {
       return !executing_ && (stopping_ || !queue_.empty() || !p2p_deadlines_.empty() ||
                              (!abort_reason_.empty() && broken_.empty()));
@@ -903,13 +908,19 @@ void Communicator::progress_loop() {
     // message does not wake a thread that is not sleeping on the doorbell for a posted receive.
     const auto nap = any_source_.empty() ? Clock::duration(std::chrono::seconds(1))
                                          : Clock::duration(std::chrono::milliseconds(1));
+    const Clock::time_point now = Clock::now();
+    if (next_notice == Clock::time_point()) next_notice = now + Mesh::notice_period(timeout_);
     executing_ = true;
     lk.unlock();
     uint64_t drained;
     while (read(wake_fd_, &drained, sizeof drained) > 0) {}
     try {
+      if (now >= next_notice) {
+        mesh_->announce_waiting();
+        next_notice = now + Mesh::notice_period(timeout_);
+      }
       match_any_source();
-      mesh_->progress_until_event(wake_fd_, std::min(deadline, Clock::now() + nap));
+      mesh_->progress_until_event(wake_fd_, std::min({deadline, now + nap, next_notice}));
       match_any_source();
     } catch (const std::exception& e) {
       std::string reason = str_cat(e.what(), " [rank ", rank_, ", during send/recv]");

@@ -227,6 +227,27 @@ def test_a_receive_that_times_out_names_the_rank_that_holds_everything_up():
     assert "rank(s) 2" in root, root
 
 
+def root_in_a_receive(comm):
+    """Rank 0 waits in a broadcast on its root, rank 1, which is blocked in a receive from rank
+    2, which never comes. Rank 0 times out first (rank 1 began 0.5 s later)."""
+    if comm.rank == 2:
+        time.sleep(4.0)
+        return None
+    if comm.rank == 1:
+        time.sleep(0.5)
+        return expect_error(lambda: comm.recv(torch.empty(3), 2))[0]
+    return expect_error(lambda: comm.broadcast(torch.ones(3), 1),
+                        ringcomm.CollectiveTimeoutError)[0]
+
+
+def test_a_rank_blocked_in_a_receive_says_on_whom_it_waits():
+    """A rank waiting only in sends and receives announces on whom it waits, as one in a
+    collective does: a timeout that reaches it follows the chain on, to rank 2."""
+    waiting, _, _ = run_ranks(3, root_in_a_receive, comm_timeout=2.0, timeout=60)
+    assert "broadcast" in waiting and "waiting on rank(s) 1" in waiting, waiting
+    assert "rank 1 waits on rank 2; nothing from rank(s) 2: stuck or slow" in waiting, waiting
+
+
 def abort_while_a_receive_times_out(comm):
     """Rank 1's receive from rank 0 times out; while it looks for rank 0's waiting notices
     (notice_period(6 s) = 0.3 s, so for up to 0.6 s), rank 0's abort arrives. Rank 1 fails with

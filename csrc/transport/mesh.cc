@@ -426,6 +426,11 @@ std::string Mesh::describe_waiting() const {
   return text.empty() ? "nothing" : text;
 }
 
+void Mesh::announce_waiting() {
+  std::vector<int> waited = waiting_on();
+  if (!waited.empty()) tcp_->announce_waiting(waited[0]);
+}
+
 Clock::duration Mesh::notice_period(Clock::duration timeout) {
   return std::clamp<Clock::duration>(timeout / 20, std::chrono::milliseconds(100),
                                      std::chrono::seconds(10));
@@ -549,8 +554,7 @@ size_t Mesh::wait_any(const Request* reqs, size_t count, Clock::time_point deadl
     // Blocked for a while: tell every peer on whom, so that a peer that times out waiting on
     // this rank can name the rank that holds everything up.
     if (now >= next_notice) {
-      std::vector<int> waited = waiting_on();
-      if (!waited.empty()) tcp_->announce_waiting(waited[0]);
+      announce_waiting();
       next_notice = Clock::now() + notice_every;
     }
     block(-1, std::min(deadline, next_notice));

@@ -112,6 +112,9 @@ class Mesh final : public PartSink {
   std::string describe_chains(const std::vector<int>& waited, Clock::duration notice_every);
   // How often a rank blocked in a wait of `timeout` announces on whom it waits.
   static Clock::duration notice_period(Clock::duration timeout);
+  // Tells every peer that this rank waits on the first rank waiting_on() names (a waiting
+  // notice, sent with the next progress), so that their timeouts can follow the chain here.
+  void announce_waiting();
 
   // After an error: tell every peer why and the error's kind (best effort), stop sending, and
   // fail every posted operation's callback with `error`.
