@@ -543,7 +543,8 @@ def run_trial(spec: dict) -> dict:
                 t, etype, is_rc, text, op_index, op = errors[r]
                 s.update(error_type=etype, ringcomm_error=is_rc, text=text, op=op,
                          detect_s=round(t - t_fault, 4),
-                         named=etype == f"ringcomm._C.{ERROR_CLASS[kind]}" and names_rank(text, victim))
+                         named=(etype == f"ringcomm._C.{ERROR_CLASS[kind]}"
+                                and names_rank(text, victim)))
                 if t < t_fault:
                     s["outcome"] = "early"
                 elif s["named"]:
