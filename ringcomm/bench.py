@@ -34,9 +34,10 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
                    sample at a time; all_reduce only; pip install 'ringcomm[mpi]'.
   --floor          the memory floor: every rank at once computes torch.add(a, b, out=out) over
                    buffers of the size (reads it twice, writes it once; one thread per rank), the
-                   least a rank does if it could read its peer's data in place; a sample's time is
-                   the slowest rank's. With --coll all_reduce_coalesced, the layout's limit
-                   instead: every rank at once reads each element of its tensors and writes it
+                   least a rank does if it could read its peer's data in place; a sample lasts
+                   from the first rank's start to the last rank's end (across hosts, whose clocks
+                   differ, the slowest rank's time). With --coll all_reduce_coalesced, the
+                   layout's limit instead: every rank at once reads each element of its tensors and writes it
                    (ringcomm's pack into a staging buffer, a message at a time, then its unpack:
                    the one read and one write any all-reduce makes), the same for the views of
                    one buffer, and the limit is the flat all_reduce plus what the tensors' layout
@@ -250,6 +251,13 @@ def time_case(case: Case, iters: int, barrier, warmup: int) -> float:
 def time_calls(run, iters: int, barrier, warmup: int, gpu: bool = False) -> float:
     """Seconds per call of `iters` calls of run(), after `warmup` untimed ones (memory left alone
     for another sample's length comes back slowly: --sample-warmup)."""
+    start, end = call_span(run, iters, barrier, warmup, gpu)
+    return (end - start) / iters
+
+
+def call_span(run, iters: int, barrier, warmup: int, gpu: bool = False) -> tuple[float, float]:
+    """When `iters` calls of run() began and ended, by time.perf_counter (CLOCK_MONOTONIC: one
+    clock for every process of a host), after `warmup` untimed ones."""
     barrier()
     for _ in range(warmup):
         run()
@@ -261,12 +269,28 @@ def time_calls(run, iters: int, barrier, warmup: int, gpu: bool = False) -> floa
         run()
     if gpu:  # the work was only enqueued
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+    return start, time.perf_counter()
+
+
+def all_at_once(comm, spans: list[tuple[float, float]], iters: int) -> list[float]:
+    """Seconds per call of samples every rank runs at once without waiting for the others (the
+    floor's, the layout passes'): from the first rank's start to the last rank's end when the
+    ranks share one host's clock, else each sample's slowest rank. With more ranks than cores,
+    a rank the barrier wakes late starts late, and its own time misses that wait: in one sample
+    of 4 ranks on 2 cores (4 calls of torch.add over 64 MiB) the ranks' own times were
+    67.1-73.4 ms, the span 75.8 ms."""
+    if len(comm.hosts) > 1:
+        return slowest_rank(comm, [(end - start) / iters for start, end in spans])
+    bounds = torch.tensor([-start for start, _ in spans] + [end for _, end in spans],
+                          dtype=torch.float64)
+    comm.all_reduce(bounds, op="max")
+    n = len(spans)
+    return [(end + first) / iters for first, end in zip(bounds[:n].tolist(), bounds[n:].tolist())]
 
 
 def slowest_rank(comm, samples: list[float]) -> list[float]:
-    """Each sample's longest time over the ranks: a sample every rank runs at once (the floor's,
-    the wire's) lasts until the slowest rank is done."""
+    """Each sample's longest time over the ranks: a sample every rank runs at once (the wire's,
+    whose ranks wait on each other's bytes) lasts until the slowest rank is done."""
     slowest = torch.tensor(samples, dtype=torch.float64)
     comm.all_reduce(slowest, op="max")
     return slowest.tolist()
@@ -554,9 +578,12 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     sample_warmup = sample_warmup_iters(args, iters)
     for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
         for name, run in timed.items():
-            samples[name].append(time_calls(run, iters, comm.barrier, sample_warmup))
-    for name in passes:  # every rank runs them at once: a sample lasts until the slowest is done
-        samples[name] = slowest_rank(comm, samples[name])
+            if name in passes:
+                samples[name].append(call_span(run, iters, comm.barrier, sample_warmup))
+            else:
+                samples[name].append(time_calls(run, iters, comm.barrier, sample_warmup))
+    for name in passes:  # every rank runs them at once, none waiting for another
+        samples[name] = all_at_once(comm, samples[name], iters)
     stacked = [torch.cat(inputs(r)).double() for r in range(world)]
     expect = {"sum": sum(stacked), "avg": sum(stacked) / world,
               "prod": torch.stack(stacked).prod(0), "min": torch.stack(stacked).min(0).values,
@@ -813,10 +840,14 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
     samples = {lib: [] for lib in timed}
     for _ in range(args.repeats):  # interleaved, so drift hits every library alike
         for lib, case in cases.items():
-            samples[lib].append(case.sample(iters, sample_warmup) if lib == "mpi"
-                                else time_case(case, iters, comm.barrier, sample_warmup))
+            if lib == "mpi":
+                samples[lib].append(case.sample(iters, sample_warmup))
+            elif lib == "floor":
+                samples[lib].append(call_span(case.run, iters, comm.barrier, sample_warmup))
+            else:
+                samples[lib].append(time_case(case, iters, comm.barrier, sample_warmup))
     if "floor" in samples:
-        samples["floor"] = slowest_rank(comm, samples["floor"])
+        samples["floor"] = all_at_once(comm, samples["floor"], iters)
     if wire is not None:
         samples["wire"] = wire.bounds(ringcomm_case.nbytes, world)
     row = {"size": ringcomm_case.nbytes, "count": ringcomm_case.count, "type": args.datatype,

@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from ranks import run_ranks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -76,6 +78,21 @@ def test_bench_floor_row(tmp_path):
         ratio = r["ratios"]["floor"]
         assert abs(ratio["time"] - r["ringcomm"]["time_us"] / r["floor"]["time_us"]) < 1e-9
         assert abs(ratio["busbw"] * ratio["time"] - 1) < 1e-9  # same bytes: busbw ratio = 1 / time ratio
+
+
+def _floor_spans(comm, spans, iters):
+    from ringcomm.bench import all_at_once
+    return all_at_once(comm, spans[comm.rank], iters)
+
+
+def test_a_sample_every_rank_runs_at_once_lasts_from_the_first_start_to_the_last_end():
+    """The floor's samples: a rank that starts late (woken last by the barrier, with more ranks
+    than cores) makes the sample last longer though its own time is as short as the others'."""
+    spans = {0: [(10.0, 10.2), (20.0, 20.2)],   # each rank's own time: 0.2 s a sample, 2 calls
+             1: [(10.3, 10.5), (19.9, 20.1)]}   # sample 1: starts once rank 0 is done
+    results = run_ranks(2, _floor_spans, spans, 2)
+    for per_call in results:
+        assert per_call == pytest.approx([0.25, 0.15])  # (10.5 - 10.0) / 2, (20.2 - 19.9) / 2
 
 
 @pytest.fixture(scope="module")
