@@ -140,9 +140,10 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
   if (forced == "recursive_doubling") forced_all_reduce_ = Algorithm::kRecursiveDoubling;
   if (forced == "halving_doubling") forced_all_reduce_ = Algorithm::kHalvingDoubling;
   if (forced == "hierarchical") forced_all_reduce_ = Algorithm::kHierarchical;
+  if (forced == "shared_buffer") forced_all_reduce_ = Algorithm::kSharedBuffer;
   RC_CHECK_ARG(forced.empty() || forced == "auto" || forced_all_reduce_ != Algorithm::kAuto,
-               "RINGCOMM_ALGO=", forced,
-               ": expected ring, tree, recursive_doubling, halving_doubling, hierarchical or auto");
+               "RINGCOMM_ALGO=", forced, ": expected ring, tree, recursive_doubling, "
+               "halving_doubling, shared_buffer, hierarchical or auto");
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   watch_for_fork();
 }
@@ -157,9 +158,13 @@ void Communicator::connect(const std::vector<std::string>& addresses, const std:
     const Clock::time_point deadline = Clock::now() + timeout_;
     mesh_->connect(addresses, token, deadline);
     layout_ = HostLayout::of(mesh_->host_of());
+    std::vector<int> all(static_cast<size_t>(world_size_));
+    for (int r = 0; r < world_size_; ++r) all[size_t(r)] = r;
+    boards_ = mesh_->boards_reach(all);
     const bool uniform = layout_.uniform();
     selector_ = Selector(world_size_, calibrate(deadline), uniform ? int(layout_.hosts.size()) : 0,
-                         uniform ? int(layout_.hosts[0].size()) : 0);
+                         uniform ? int(layout_.hosts[0].size()) : 0,
+                         boards_ ? mesh_->board_bytes() : 0);
   }
   progress_thread_ = std::thread([this] {
     progress_thread_owner = this;
@@ -218,11 +223,16 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
     // Checked here, on the caller's thread, before anything is sent.
     RC_CHECK_ARG(wanted == Algorithm::kRing || wanted == Algorithm::kTree ||
                      wanted == Algorithm::kRecursiveDoubling ||
-                     wanted == Algorithm::kHalvingDoubling || wanted == Algorithm::kHierarchical,
+                     wanted == Algorithm::kHalvingDoubling || wanted == Algorithm::kHierarchical ||
+                     wanted == Algorithm::kSharedBuffer,
                  "all_reduce has no algorithm ", algorithm_name(wanted));
     RC_CHECK_ARG(wanted != Algorithm::kHierarchical || layout_.uniform(),
                  "the hierarchical all_reduce needs ranks on several hosts, the same number (more "
                  "than one) on each");
+    RC_CHECK_ARG(wanted != Algorithm::kSharedBuffer || boards_ || world_size_ == 1,
+                 "the shared_buffer all_reduce needs every rank on one host, reaching each other "
+                 "through shared memory with a board (RINGCOMM_TRANSPORT, "
+                 "RINGCOMM_SHM_BOARD_BYTES)");
     return wanted;
   }
   const Algorithm algo = selector_.all_reduce(bytes);
@@ -239,6 +249,8 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
              selector_.all_reduce_cost(Algorithm::kRecursiveDoubling, double(bytes)) * 1e6,
              " us, halving-doubling ",
              selector_.all_reduce_cost(Algorithm::kHalvingDoubling, double(bytes)) * 1e6,
+             " us, shared buffer ",
+             selector_.all_reduce_cost(Algorithm::kSharedBuffer, double(bytes)) * 1e6,
              " us, hierarchical ",
              selector_.all_reduce_cost(Algorithm::kHierarchical, double(bytes)) * 1e6, " us");
   }
@@ -385,6 +397,8 @@ WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp 
     mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
     if (algo == Algorithm::kHierarchical)
       hierarchical_all_reduce(ctx, layout_, buf, count, dtype, op);
+    else if (algo == Algorithm::kSharedBuffer)
+      shared_buffer_all_reduce(ctx, buf, count, dtype, op);
     else
       scheduled_all_reduce(ctx, algo, buf, count, dtype, op);
   }, async);

@@ -284,6 +284,7 @@ class Communicator {
   Scratch scratch_;
   Selector selector_;
   HostLayout layout_;  // ranks by host, from connect()
+  bool boards_ = false;  // every rank reaches every other through shared memory with a board
   // RINGCOMM_DEBUG: the power-of-two size classes whose all-reduce choice was logged
   mutable std::atomic<uint64_t> logged_choices_{0};
   // all_reduce_coalesced's reduction orders, built once per algorithm and shared with the

@@ -184,7 +184,8 @@ std::shared_ptr<const ReductionOrders> Communicator::reduction_orders(uint32_t a
   std::lock_guard<std::mutex> lk(orders_mu_);
   std::shared_ptr<ReductionOrders> grown;
   for (Algorithm a : {Algorithm::kRing, Algorithm::kTree, Algorithm::kRecursiveDoubling,
-                      Algorithm::kHalvingDoubling, Algorithm::kHierarchical}) {
+                      Algorithm::kHalvingDoubling, Algorithm::kHierarchical,
+                      Algorithm::kSharedBuffer}) {
     if (!(algorithms & (1u << unsigned(a))) || (orders_ && orders_->has(a))) continue;
     if (!grown)
       grown = orders_ ? std::make_shared<ReductionOrders>(*orders_)

@@ -21,7 +21,7 @@ FLOATING = {0, 1, 2, 3}
 OP_CODES = {"sum": 0, "avg": 1, "mean": 1, "prod": 2, "product": 2, "min": 3, "max": 4,
             "band": 5, "bor": 6, "bxor": 7}
 ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "recursive_doubling": 3, "halving_doubling": 12,
-              "hierarchical": 10}
+              "shared_buffer": 13, "hierarchical": 10}
 # sparse_all_reduce: "ring" is the dense fallback (scatter locally, then ring all-reduce).
 SPARSE_ALGORITHMS = {"auto": 0, "ring": 1, "sparse_gather": 8, "sparse_ranges": 9}
 

@@ -946,7 +946,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="anchors to run in the same run, comma-separated: gloo, backend "
                         "(ringcomm through torch.distributed), mpi (Open MPI's MPI_Allreduce; "
                         "pip install 'ringcomm[mpi]'), nccl, or ring, tree, recursive_doubling, "
-                        "halving_doubling "
+                        "halving_doubling, shared_buffer "
                         "(ringcomm's all_reduce forced to that algorithm, against --algo), "
                         "e.g. gloo,mpi or ring,tree,recursive_doubling")
     p.add_argument("--floor", action="store_true",

@@ -17,7 +17,7 @@ PLOT_INSTALL = "pip install 'ringcomm[plot]'"
 LIMITS = ("floor", "wire")
 # The series of ringcomm's all_reduce forced to one algorithm (bench --compare ring,...), beside
 # its --algo (default auto) column.
-ALGORITHMS = ("ring", "tree", "recursive_doubling", "halving_doubling")
+ALGORITHMS = ("ring", "tree", "recursive_doubling", "halving_doubling", "shared_buffer")
 # Bench series: (name in table heads and legends, short name in "vs ..." ratio heads)
 NAMES = {"ringcomm": ("ringcomm", "ringcomm"), "backend": ("ringcomm backend", "backend"),
          "gloo": ("gloo", "gloo"), "mpi": ("Open MPI", "Open MPI"),

@@ -12,7 +12,8 @@ COUNTS = [0, 1, 7, 4097, (1 << 17) + 3]
 # Small ring slices and tree chunks, so that the largest count runs the pipelines over many of
 # them in every dtype (the defaults need megabytes for that; test_transport_knobs and test_shm
 # move those).
-PIPELINED = {"RINGCOMM_RING_SLICE_BYTES": "16384", "RINGCOMM_TREE_CHUNK_BYTES": "8192"}
+PIPELINED = {"RINGCOMM_RING_SLICE_BYTES": "16384", "RINGCOMM_TREE_CHUNK_BYTES": "8192",
+             "RINGCOMM_SHM_BOARD_BYTES": "65536"}
 OPS = ["sum", "avg", "prod", "min", "max"]
 ALGOS = ["ring", "tree", "recursive_doubling", "halving_doubling"]
 
@@ -47,10 +48,20 @@ def hierarchical_possible(comm):
     return len(hosts) > 1 and all(len(h) == len(hosts[0]) > 1 for h in hosts)
 
 
+def shared_buffer_possible(comm):
+    """Every rank reaches every other through shared memory (each has a board by default)."""
+    return all(t in ("shm", "self") for t in comm.transports)
+
+
+def algorithms_for(comm):
+    """ALGOS, and the shared buffer where every rank is in shared memory."""
+    return ALGOS + ["shared_buffer"] * shared_buffer_possible(comm)
+
+
 def every_combination(comm, counts):
     """Runs every case; returns (failures, digest of all results) for the parent to compare."""
     failures, digest = [], hashlib.sha256()
-    algos = ALGOS + ["hierarchical"] * hierarchical_possible(comm)
+    algos = algorithms_for(comm) + ["hierarchical"] * hierarchical_possible(comm)
     for count in counts:
         for dtype in TORCH_DTYPES:
             for op in OPS:
@@ -86,14 +97,17 @@ def test_every_op_dtype_algorithm(world, transport):
         assert not failures, f"rank {rank}: {failures[:10]}"
         # two fake hosts of two ranks: the hierarchical all-reduce too
         assert ("hierarchical" in algos) == (transport == "mixed" and world == 4)
+        # every rank through shared memory: the shared buffer too, over many rounds of both
+        # halves of a 64 KiB board
+        assert ("shared_buffer" in algos) == (transport == "shm")
     # results are bitwise identical on every rank
     assert len({digest for _, digest, _ in results}) == 1
 
 
-def random_float_sums(comm, count, algos, repeats):
+def random_float_sums(comm, count, repeats):
     """Float inputs that round differently in different orders: a real determinism check."""
     out = {}
-    for algo in algos:
+    for algo in algorithms_for(comm):
         runs = []
         for _ in range(repeats):
             gen = torch.Generator().manual_seed(comm.rank)
@@ -105,9 +119,10 @@ def random_float_sums(comm, count, algos, repeats):
 
 
 @pytest.mark.parametrize("world", [3, 4])
-def test_deterministic_across_ranks_and_runs(world):
-    results = run_ranks(world, random_float_sums, 300_001, ALGOS, 3)
-    for algo in ALGOS:
+def test_deterministic_across_ranks_and_runs(world, transport):
+    results = run_ranks(world, random_float_sums, 300_001, 3)
+    assert ("shared_buffer" in results[0]) == (transport == "shm")
+    for algo in results[0]:
         digests = {d for r in results for d in r[algo]}
         assert len(digests) == 1, f"{algo}: {len(digests)} different results"
 
@@ -129,7 +144,7 @@ def integer_ops(comm):
                 total = torch.stack(xs).sum(0, dtype=torch.int64).to(dtype).to(torch.int64)
                 expects["avg"] = torch.div(total, n, rounding_mode="trunc").to(dtype).numpy()
             for op, expect in expects.items():
-                for algo in ALGOS:
+                for algo in algorithms_for(comm):
                     t = xs[comm.rank].clone()
                     comm.all_reduce(t, op=op, algorithm=algo)
                     if not np.array_equal(t.numpy(), expect):
@@ -193,3 +208,43 @@ def test_hierarchical_needs_hosts_of_equal_size(transport):
     env = {r: {"RINGCOMM_HOST_ID": h} for r, h in enumerate(["a", "a", "b"])}
     for message in run_ranks(3, hierarchical_refused, per_rank_env=env):
         assert "several hosts, the same number" in message
+
+
+def shared_buffer_refused(comm):
+    try:
+        comm.all_reduce(torch.ones(4), algorithm="shared_buffer")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_shared_buffer_needs_every_rank_in_shared_memory(transport):
+    """Over TCP, or with some ranks on another (fake) host, forcing it is a clear error before
+    anything moves; so is a board of 0 bytes."""
+    if transport == "shm":
+        results = run_ranks(2, shared_buffer_refused, env={"RINGCOMM_SHM_BOARD_BYTES": "0"})
+    else:
+        results = run_ranks(3 if transport == "mixed" else 2, shared_buffer_refused)
+    for message in results:
+        assert "shared_buffer all_reduce needs every rank on one host" in message, message
+
+
+def shared_buffer_against(comm, count_of, algo_of):
+    from ranks import expect_error
+    from ringcomm import MismatchError
+    t = torch.ones(count_of[comm.rank])
+    message, _ = expect_error(lambda: comm.all_reduce(t, algorithm=algo_of[comm.rank]),
+                              MismatchError)
+    return message
+
+
+@pytest.mark.parametrize("count_of, algo_of", [
+    ([300_000, 300_000, 300_001], ["shared_buffer"] * 3),   # one rank's count differs
+    ([300_000] * 3, ["shared_buffer", "shared_buffer", "ring"]),  # one rank's algorithm
+])
+def test_a_shared_buffer_mismatch_fails_every_rank_before_a_board_is_read(count_of, algo_of,
+                                                                           transport):
+    if transport != "shm":
+        pytest.skip("the shared buffer runs only where every rank is in shared memory")
+    for message in run_ranks(3, shared_buffer_against, count_of, algo_of, timeout=60):
+        assert "mismatch" in message.lower(), message

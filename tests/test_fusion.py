@@ -179,19 +179,26 @@ def coalesced_equals_per_tensor(comm, ops, bucket_sizes):
 
 # Under auto, with this link model (a round worth 512 bytes), tensors up to 2 KiB go by recursive
 # doubling and larger ones by halving-doubling at 4 ranks (up to 307 bytes at 3, then by ring);
-# tiny slices (256 B) give many slices per bucket and slices that cross bucket edges.
+# tiny slices (256 B) give many slices per bucket and slices that cross bucket edges. No boards:
+# the shared buffer's two rounds would take every size up to a board-full under this model.
 SMALL = {"RINGCOMM_TUNING": os.path.join(os.path.dirname(__file__), "small_messages.tuning"),
-         "RINGCOMM_FUSION_SLICE_BYTES": "256"}
+         "RINGCOMM_FUSION_SLICE_BYTES": "256", "RINGCOMM_SHM_BOARD_BYTES": "0"}
 
 
 # auto at 3 ranks: recursive doubling with a fold, ring; at 4: recursive doubling and
 # halving-doubling without a fold. Forced trees at 3 and 5 ranks: heaps with one and two levels
-# below the root; halving-doubling at 6: with a fold.
+# below the root; halving-doubling at 6: with a fold; the shared buffer at 3 and 4, over many
+# rounds of a 64 KiB board.
 @pytest.mark.parametrize("world,algo", [(2, "auto"), (3, "auto"), (4, "auto"), (3, "tree"),
                                         (5, "tree"), (6, "recursive_doubling"),
-                                        (6, "halving_doubling")])
-def test_all_reduce_coalesced_is_bitwise_per_tensor_all_reduce(world, algo):
+                                        (6, "halving_doubling"), (3, "shared_buffer"),
+                                        (4, "shared_buffer")])
+def test_all_reduce_coalesced_is_bitwise_per_tensor_all_reduce(world, algo, transport):
     env = dict(SMALL, RINGCOMM_ALGO=algo)
+    if algo == "shared_buffer":
+        if transport != "shm":
+            pytest.skip("the shared buffer runs only where every rank is in shared memory")
+        env["RINGCOMM_SHM_BOARD_BYTES"] = "65536"
     results = run_ranks(world, coalesced_equals_per_tensor, ["sum", "avg", "prod", "max"],
                         [25 << 20, 1000], env=env, timeout=120)
     for checked, naive_fusion_equal in results:

@@ -70,6 +70,11 @@ def test_orders_derived_from_step_lists(n):
     assert _C.reduction_orders(ALGORITHMS["tree"], n) == [tree_order(n, False), tree_order(n, True)]
     assert _C.reduction_orders(ALGORITHMS["recursive_doubling"], n) == [recursive_doubling_order(n)]
     assert _C.reduction_orders(ALGORITHMS["halving_doubling"], n) == halving_doubling_order(n)
+    # the shared buffer: not a step list; every element in rank order, left to right
+    left_to_right = "0"
+    for r in range(1, n):
+        left_to_right = f"({left_to_right} {r})"
+    assert _C.reduction_orders(ALGORITHMS["shared_buffer"], n) == [left_to_right]
 
 
 @pytest.mark.parametrize("hosts,per_host", [(2, 2), (3, 2), (2, 3), (4, 4)])

@@ -11,7 +11,7 @@ from ranks import TRANSPORTS, run_ranks
 SIZES = (8, 4096, 65536, 1 << 20, 64 << 20)
 # Where 3 or more ranks share a host, the probe times these algorithms at these sizes.
 MEASURED_BYTES = (4096, 65536, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
-MEASURED = ("ring", "recursive_doubling", "tree", "halving_doubling")
+MEASURED = ("ring", "recursive_doubling", "tree", "halving_doubling", "shared_buffer")
 
 
 def assert_same_model(got, want, rel):
@@ -57,7 +57,7 @@ def test_probe_agrees_on_every_rank(transport, world, tmp_path):
     # how fast this run measured shared memory against loopback TCP (on a busy machine they come
     # close); test_hierarchical_is_chosen_by_its_cost fixes the links.
     expect = {"mixed": {"halving_doubling", "hierarchical"},
-              "shm": {"ring", "halving_doubling", "tree"},
+              "shm": {"ring", "halving_doubling", "tree", "shared_buffer"},
               "tcp": {"ring", "halving_doubling", "tree"}}[transport]
     if transport == "shm" and world == 2:
         expect = {"ring"}
@@ -133,10 +133,11 @@ def write_model(path, alpha_us, bytes_per_s, reduce_bytes_per_s, local=None):
 
 
 def test_auto_follows_the_model(tmp_path):
-    # Latency costs nothing: the ring, which sends the fewest bytes, at every size (halving-doubling
-    # sends as few: a tie keeps the ring).
+    # Without boards (no shared-buffer all-reduce), first. Latency costs nothing: the ring, which
+    # sends the fewest bytes, at every size (halving-doubling sends as few: a tie keeps the ring).
     free = write_model(tmp_path / "free", 0, 1e9, 1e12)
-    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": free})
+    no_boards = {"RINGCOMM_SHM_BOARD_BYTES": "0"}
+    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": free, **no_boards})
     assert choices == ["ring"] * len(SIZES)
     # A round costs a millisecond: recursive doubling's two rounds, up to where its extra bytes
     # outweigh 2 ms against halving-doubling's four rounds of the ring's bytes (4 x alpha x beta
@@ -144,10 +145,20 @@ def test_auto_follows_the_model(tmp_path):
     # ranks halving-doubling needs a fold and the ring takes over, from where recursive doubling's
     # fold and extra bytes (3 S against 4/3 S) outweigh one round: 1 MiB.
     slow = write_model(tmp_path / "slow", 1000, 1e9, 1e12)
-    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": slow})
+    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": slow, **no_boards})
     assert choices == ["recursive_doubling"] * 4 + ["halving_doubling"]
-    (_, choices), *_ = run_ranks(3, model_and_choices, env={"RINGCOMM_TUNING": slow})
+    (_, choices), *_ = run_ranks(3, model_and_choices, env={"RINGCOMM_TUNING": slow, **no_boards})
     assert choices == ["recursive_doubling"] * 3 + ["ring"] * 2
+    # With boards (every rank in shared memory): the shared buffer's two rounds of messages and
+    # the ring's bytes, up to a board-full (2 MiB); beyond, two rounds per board-full, 64 at 64
+    # MiB, lose to halving-doubling's 4 and the ring's 4 (3 ranks). Latency free: the ring, whose
+    # reduction reads (n-1)/n of the bytes where the shared buffer's reads them all.
+    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": slow})
+    assert choices == ["shared_buffer"] * 4 + ["halving_doubling"]
+    (_, choices), *_ = run_ranks(3, model_and_choices, env={"RINGCOMM_TUNING": slow})
+    assert choices == ["shared_buffer"] * 4 + ["ring"]
+    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": free})
+    assert choices == ["ring"] * len(SIZES)
     # RINGCOMM_ALGO still forces
     (_, choices), *_ = run_ranks(4, model_and_choices,
                                  env={"RINGCOMM_TUNING": slow, "RINGCOMM_ALGO": "tree"})
@@ -180,7 +191,10 @@ def test_measured_factors_scale_the_estimates(tmp_path):
             # (halfway to 256 KiB in log2: factor 0.55), but not 1 MiB or 4 KiB
             "fast_tree": lambda algo, size: 0.1 if algo == "tree" and size == 65536 else 1.0,
     }.items():
-        path = write_factors(write_model(tmp_path / name, 100, 1e9, 1e10), factors)
+        # the shared buffer measured 100x its estimate everywhere: out of the way
+        path = write_factors(write_model(tmp_path / name, 100, 1e9, 1e10),
+                             lambda algo, size, f=factors: 100.0 if algo == "shared_buffer"
+                             else f(algo, size))
         (model, choices), *_ = run_ranks(4, model_and_choices,
                                          (8, 4096, 65536, 131072, 1 << 20, 64 << 20),
                                          env={"RINGCOMM_TUNING": path})

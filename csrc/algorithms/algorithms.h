@@ -1,7 +1,7 @@
 // Collective algorithms over a Context. Buffers are raw bytes of `count` elements of `dtype`.
 // Files: ring.cc, tree.cc (pipelined trees: double binary tree all-reduce, binomial and chain
-// broadcast/reduce), recursive_doubling.cc, halving_doubling.cc, hierarchical.cc, barrier.cc,
-// gather.cc, scatter.cc, alltoall.cc.
+// broadcast/reduce), recursive_doubling.cc, halving_doubling.cc, shared_buffer.cc,
+// hierarchical.cc, barrier.cc, gather.cc, scatter.cc, alltoall.cc.
 #pragma once
 
 #include <array>
@@ -89,6 +89,9 @@ void ring_reduce_scatter_in_place(Context& ctx, void* buf, size_t count, DType d
 void hierarchical_all_reduce(Context& ctx, const HostLayout& layout, void* buf, size_t count,
                              DType dtype, ReduceOp op);
 void recursive_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
+// Every rank reduces its slice from every rank's board (shared_buffer.cc): ranks of one host
+// that all reach each other through shared memory (Context::has_boards).
+void shared_buffer_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
 
 // reduce_scatter: `in` holds size() blocks of `count` elements; block rank() of the result
 // lands in `out`.

@@ -229,6 +229,17 @@ class Context {
                                     how.incoming_first ? mine : incoming, bytes / how.elem);
                       });
   }
+  // Shared memory's boards among this context's ranks (Mesh::boards_reach): whether every rank
+  // has one that every other reads in place; their size; rank `peer`'s; writing this rank's.
+  bool has_boards() const {
+    if (!members_.empty()) return mesh_.boards_reach(members_);
+    std::vector<int> all(static_cast<size_t>(mesh_.world_size()));
+    for (int r = 0; r < mesh_.world_size(); ++r) all[size_t(r)] = r;
+    return mesh_.boards_reach(all);
+  }
+  size_t board_bytes() const { return mesh_.board_bytes(); }
+  const char* board(int peer) const { return mesh_.board(global(peer)); }
+  void write_board(size_t offset, const void* src, size_t n) { mesh_.write_board(offset, src, n); }
   void set_current(const Signature& sig) { mesh_.set_current(sig); }
   void wait(Request r) {
     mesh_.wait(r, deadline_);

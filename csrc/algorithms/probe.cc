@@ -198,7 +198,7 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
   // would have spent 407 ms at 16 MiB (the ring 13.2 ms, halving-doubling 15.3, the tree 22.6),
   // half the probe's 821 (284 by the guesses).
   constexpr double kBudget = 0.2;
-  const Selector plain(ctx.size(), links);
+  const Selector plain(ctx.size(), links, 0, 0, ctx.has_boards() ? ctx.board_bytes() : 0);
   float* data = reinterpret_cast<float*>(ctx.scratch(kMeasuredBytes.back()));
   std::memset(data, 0, kMeasuredBytes.back());
   std::vector<std::array<double, kMeasuredAlgorithms.size()>> factors;
@@ -228,8 +228,13 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
       break;
     }
     const auto seconds = timed_ways(ctx, int(timed.size()), 1, rounds, [&](int way) {
-      scheduled_all_reduce(ctx, kMeasuredAlgorithms[timed[size_t(way)]], data,
-                           bytes / sizeof(float), DType::kFloat32, ReduceOp::kSum);
+      const Algorithm algo = kMeasuredAlgorithms[timed[size_t(way)]];
+      if (algo == Algorithm::kSharedBuffer)
+        shared_buffer_all_reduce(ctx, data, bytes / sizeof(float), DType::kFloat32,
+                                 ReduceOp::kSum);
+      else
+        scheduled_all_reduce(ctx, algo, data, bytes / sizeof(float), DType::kFloat32,
+                             ReduceOp::kSum);
     });
     double slowest = 0;
     std::string times;
@@ -240,7 +245,9 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
                        " us (estimate ", estimate[timed[k]] * 1e6, ")");
     }
     for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a)
-      if (row[a] == 0) row[a] = std::max(guess[a], kWorth * slowest) / estimate[a];
+      if (row[a] == 0)  // an algorithm the ranks cannot run (an infinite estimate) keeps 1
+        row[a] = std::isfinite(estimate[a]) ? std::max(guess[a], kWorth * slowest) / estimate[a]
+                                            : 1.0;
     factors.push_back(row);
     if (ctx.rank() == 0)
       RC_LOG("algorithm probe, ", ctx.size(), " ranks, all-reduce of ", bytes,

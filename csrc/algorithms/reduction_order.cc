@@ -77,6 +77,7 @@ void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
         append(blocks.offset(b), blocks.count(b), program_id(algo, b));
       return;
     }
+    case Algorithm::kSharedBuffer: append(0, count, program_id(algo, 0)); return;
     case Algorithm::kHierarchical: {
       const int k = int(layout_.hosts.at(0).size()), h = int(layout_.hosts.size());
       Segments local(count, k);
@@ -125,8 +126,8 @@ std::vector<int> run_all(ScheduleOf schedule_of, int blocks, const std::vector<i
 
 }  // namespace
 
-// Pieces: the ring's segments, the tree's halves, recursive doubling's one block,
-// halving-doubling's p blocks, or for the
+// Pieces: the ring's segments, the tree's halves, recursive doubling's and the shared buffer's
+// one, halving-doubling's p blocks, or for the
 // hierarchical algorithm j * hosts + h (host segment j, piece h of it).
 void ReductionOrders::require(Algorithm algo) {
   if (has(algo)) return;
@@ -145,6 +146,12 @@ void ReductionOrders::require(Algorithm algo) {
     case Algorithm::kHalvingDoubling:
       pieces = run_all(halving_doubling_schedule, butterfly_size(n), ranks, expr);
       break;
+    case Algorithm::kSharedBuffer: {  // one expression for every element: rank order
+      int node = ranks[0];
+      for (int r = 1; r < n; ++r) node = expr.combine(node, ranks[size_t(r)]);
+      pieces.push_back(node);
+      break;
+    }
     case Algorithm::kHierarchical: {
       // Inside each host, a ring reduce-scatter over its ranks; then, for each host segment j,
       // a ring all-reduce over the hosts' sums of it.

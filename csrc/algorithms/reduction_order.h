@@ -11,6 +11,8 @@
 //   halving-doubling (halving_doubling.cc): block k, Segments(count, p), p the largest power of
 //     two <= n;
 //   double binary tree (tree.cc): the two halves, tree_halves(count);
+//   shared buffer (shared_buffer.cc): the whole buffer, in rank order (not a step list: every
+//     element is reduced at one rank over all contributions at once);
 //   hierarchical (hierarchical.cc): host segment j, piece h of it: the ring reduce-scatter's
 //     segment j over each host's ranks, then the ring all-reduce's segment h over the hosts'.
 // A coalesced all-reduce (coalesced.cc) reduces each element at one rank that has every rank's
@@ -77,8 +79,8 @@ class ReductionOrders {
   // unless they are there.
   void require(Algorithm algo);
   // Appends the ranges of a `count`-element buffer that all_reduce with `algo` (ring, tree,
-  // recursive doubling or hierarchical; required first) reduces in one order each, shifted by
-  // `base`.
+  // recursive doubling, halving-doubling, shared buffer or hierarchical; required first)
+  // reduces in one order each, shifted by `base`.
   void ranges(Algorithm algo, size_t count, size_t base, std::vector<OrderedRange>& out) const;
   const ReductionProgram& program(int id) const { return programs_[size_t(id)]; }
   // Scratch that any of the programs built so far needs.

@@ -88,6 +88,13 @@ double Selector::estimate(Algorithm algo, double bytes) const {
       const double depth = std::ceil(std::log2(n));
       return 2 * depth * a + 2 * bytes / b + 2 * bytes / g;
     }
+    case Algorithm::kSharedBuffer: {
+      // each rank copies the others' slices onto its board and their results off theirs, and
+      // reduces its slice from all n boards; two rounds of messages per board-full
+      if (board_bytes_ == 0) return INFINITY;
+      const double rounds = std::max(1.0, std::ceil(bytes / double(board_bytes_)));
+      return 2 * rounds * a + 2 * (n - 1) / n * bytes / b + bytes / g;
+    }
     case Algorithm::kHierarchical: {
       // ring reduce-scatter and all-gather inside the host over its links, and between them a
       // ring all-reduce of this rank's 1/K of the vector across the H hosts
@@ -109,7 +116,7 @@ Algorithm Selector::all_reduce(size_t bytes) const {
   // ring, and on 2 hosts of 2 with the same figures for both classes of links it costs what the
   // hierarchical all-reduce does (the same shape, which knows the hosts).
   for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHierarchical,
-                      Algorithm::kHalvingDoubling}) {
+                      Algorithm::kHalvingDoubling, Algorithm::kSharedBuffer}) {
     const double cost = all_reduce_cost(a, double(bytes));
     if (cost < best_cost * (1 - 1e-9)) best = a, best_cost = cost;
   }

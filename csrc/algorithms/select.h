@@ -21,8 +21,9 @@ namespace ringcomm {
 // host, and those algorithms, in the order of LinkModel::factors' columns.
 constexpr std::array<size_t, 6> kMeasuredBytes = {4 << 10,  64 << 10, 256 << 10,
                                                    1 << 20, 4 << 20,  16 << 20};
-constexpr std::array<Algorithm, 4> kMeasuredAlgorithms = {
-    Algorithm::kRing, Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHalvingDoubling};
+constexpr std::array<Algorithm, 5> kMeasuredAlgorithms = {
+    Algorithm::kRing, Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHalvingDoubling,
+    Algorithm::kSharedBuffer};
 
 struct LinkModel {
   double alpha_s = 16e-6;          // defaults: TCP loopback on a small machine
@@ -52,14 +53,16 @@ struct LinkModel {
 class Selector {
  public:
   // `hosts` hosts of `per_host` ranks each when the hierarchical all-reduce can run on the ranks
-  // (HostLayout::uniform), else 0.
-  Selector(int n, LinkModel model, int hosts = 0, int per_host = 0)
-      : n_(n), model_(model), hosts_(hosts), per_host_(per_host) {}
+  // (HostLayout::uniform), else 0. `board_bytes`: the size of the boards when the shared-buffer
+  // all-reduce can (Context::has_boards), else 0.
+  Selector(int n, LinkModel model, int hosts = 0, int per_host = 0, size_t board_bytes = 0)
+      : n_(n), model_(model), hosts_(hosts), per_host_(per_host), board_bytes_(board_bytes) {}
   int ranks() const { return n_; }
   const LinkModel& model() const { return model_; }
 
   // A dense all-reduce of `bytes` by ring, tree, recursive doubling, halving-doubling or (when
-  // the layout allows) hierarchical: the estimate below, scaled by the measured factor.
+  // the ranks allow) shared buffer or hierarchical: the estimate below, scaled by the measured
+  // factor.
   double all_reduce_cost(Algorithm algo, double bytes) const;
   // The same by the alpha-beta figures alone.
   double estimate(Algorithm algo, double bytes) const;
@@ -73,6 +76,7 @@ class Selector {
   int n_;
   LinkModel model_;
   int hosts_, per_host_;
+  size_t board_bytes_;
 };
 
 // The sparse all-reduce's ways after its step 0 (every rank's pair count and packed size known).

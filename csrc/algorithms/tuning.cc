@@ -31,6 +31,14 @@ std::string measured_sizes() {
   return text + " bytes";
 }
 
+std::string measured_algorithms() {
+  std::string text;
+  for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a)
+    text += str_cat(a ? (a + 1 < kMeasuredAlgorithms.size() ? ", " : " and ") : "",
+                    algorithm_name(kMeasuredAlgorithms[a]));
+  return text;
+}
+
 // A line "factor <algorithm> <bytes> <value>": where in LinkModel::factors it goes.
 std::pair<size_t, size_t> factor_place(const std::string& path, const std::string& algo,
                                        size_t bytes) {
@@ -40,8 +48,7 @@ std::pair<size_t, size_t> factor_place(const std::string& path, const std::strin
     ++column;
   RC_CHECK_ARG(point < kMeasuredBytes.size() && column < kMeasuredAlgorithms.size(),
                "RINGCOMM_TUNING: '", path, "' holds a factor for ", algo, " at ", bytes,
-               " bytes; the probe measures ring, recursive_doubling, tree and halving_doubling at ",
-               measured_sizes());
+               " bytes; the probe measures ", measured_algorithms(), " at ", measured_sizes());
   return {point, column};
 }
 
@@ -90,8 +97,9 @@ bool load_link_model(const std::string& path, LinkModel* model) {
   for (const auto& row : factors)
     for (double f : row) complete = complete && f > 0;
   RC_CHECK_ARG(factor_lines == 0 || complete, "RINGCOMM_TUNING: '", path,
-               "' holds some factors but not all: one for each of ring, recursive_doubling, tree "
-               "and halving_doubling at each size, or none");
+               "' holds some factors but not all: one for each of ", measured_algorithms(),
+               " at each size, or none (a file saved before shared_buffer was measured: delete it "
+               "to probe again)");
   model->factors = factor_lines ? factors : decltype(factors){};
   RC_CHECK_ARG(model->local_alpha_s >= 0 && model->local_bytes_per_s > 0,
                "RINGCOMM_TUNING: '", path, "' holds a negative or zero figure");

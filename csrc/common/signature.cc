@@ -41,6 +41,7 @@ const char* algorithm_name(Algorithm a) {
     case Algorithm::kHierarchical: return "hierarchical";
     case Algorithm::kNccl: return "nccl";
     case Algorithm::kHalvingDoubling: return "halving_doubling";
+    case Algorithm::kSharedBuffer: return "shared_buffer";
   }
   return "unknown-algorithm";
 }

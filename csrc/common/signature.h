@@ -46,6 +46,7 @@ enum class Algorithm : uint8_t {
   kHierarchical = 10,
   kNccl = 11,  // NCCL's own ncclAllReduce, beside ringcomm's schedules over NCCL
   kHalvingDoubling = 12,
+  kSharedBuffer = 13,
 };
 const char* algorithm_name(Algorithm a);
 

@@ -230,6 +230,13 @@ void Mesh::agree_on_shm(const std::vector<std::string>& hosts,
   }
 }
 
+bool Mesh::boards_reach(const std::vector<int>& ranks) const {
+  if (board_bytes() == 0) return false;
+  for (int r : ranks)
+    if (r != rank_ && (route_.at(size_t(r)) != shm_.get() || !shm_->board(r))) return false;
+  return true;
+}
+
 const char* Mesh::transport_of(int peer) const {
   return peer == rank_ ? "self" : route_.at(size_t(peer)) ? route_[peer]->name() : "none";
 }

@@ -59,6 +59,12 @@ class Mesh final : public PartSink {
   void offer_huge_pages(const void* data, size_t bytes) {
     if (shm_) shm_->offer_huge_pages(data, bytes);
   }
+  // Shared memory's boards (shm::ShmTransport::board): whether this rank and every rank of
+  // `ranks` but itself reach each other through shared memory, each with a board.
+  bool boards_reach(const std::vector<int>& ranks) const;
+  size_t board_bytes() const { return shm_ ? shm_->board_bytes() : 0; }
+  const char* board(int rank) const { return shm_ ? shm_->board(rank) : nullptr; }
+  void write_board(size_t offset, const void* src, size_t n) { shm_->write_board(offset, src, n); }
   // Name of the transport that carries data to `peer` ("tcp", "shm"; "self" for this rank).
   const char* transport_of(int peer) const;
   // After connect(): each rank's host, as the lowest rank on that host (same on every rank).

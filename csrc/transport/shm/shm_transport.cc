@@ -32,6 +32,7 @@ struct Control {
   uint32_t locals;
   uint32_t slots;
   uint64_t slot_bytes;
+  uint64_t board_bytes;
   alignas(kLine) std::atomic<uint32_t> doorbell;  // futex word: bumped to wake the owner
   alignas(kLine) std::atomic<uint32_t> sleeping;  // the owner sleeps (or is about to)
   // 0; once `reason` is written, 1 + the reason's ErrorKind.
@@ -163,6 +164,11 @@ ShmOptions ShmOptions::from_env() {
                               : StreamMode::kNever;
   RC_CHECK_ARG(o.slots >= 2 && o.slots <= 1024, "RINGCOMM_SHM_SLOTS must be in [2, 1024], got ",
                o.slots);
+  const int64_t board = env_int("RINGCOMM_SHM_BOARD_BYTES", int64_t(o.board_bytes));
+  RC_CHECK_ARG(board == 0 || (board >= (64 << 10) && board <= (1 << 30) && board % 4096 == 0),
+               "RINGCOMM_SHM_BOARD_BYTES must be 0 or a multiple of 4096 in [64 KiB, 1 GiB], got ",
+               board);
+  o.board_bytes = size_t(board);
   return o;
 }
 
@@ -191,7 +197,8 @@ bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
   local_index_ = int(std::find(local.begin(), local.end(), rank_) - local.begin());
   if (options_.slot_bytes == 0) options_.slot_bytes = auto_slot_bytes(local.size(), options_.slots);
   inbox_bytes_ = sizeof(Inbox) + size_t(options_.slots) * (sizeof(SlotHeader) + options_.slot_bytes);
-  size_t total = kControlBytes + local.size() * inbox_bytes_;
+  board_offset_ = (kControlBytes + local.size() * inbox_bytes_ + 4095) / 4096 * 4096;
+  size_t total = board_offset_ + options_.board_bytes;
   if (fd_ < 0) {
     *why = str_cat("memfd_create failed: ", strerror(errno));
     return false;
@@ -218,6 +225,8 @@ bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
   control_->locals = uint32_t(local.size());
   control_->slots = uint32_t(options_.slots);
   control_->slot_bytes = options_.slot_bytes;
+  control_->board_bytes = options_.board_bytes;
+  board_writer_ = SlotWriter(options_.stream);
   for (size_t i = 0; i < local.size(); ++i) new (own_.base + kControlBytes + i * inbox_bytes_) Inbox();
   return true;
 }
@@ -249,7 +258,7 @@ bool ShmTransport::map_peer(int peer, const std::string& address, std::string* w
   auto* control = static_cast<Control*>(base);
   if (control->magic != kSegmentMagic || control->nonce != nonce ||
       control->locals != local_.size() || control->slots != uint32_t(options_.slots) ||
-      control->slot_bytes != options_.slot_bytes) {
+      control->slot_bytes != options_.slot_bytes || control->board_bytes != options_.board_bytes) {
     munmap(base, own_.bytes);
     *why = str_cat("rank ", peer, "'s segment is not the one it announced (another process at pid ",
                    pid, ", or other RINGCOMM_SHM_* settings)");
@@ -283,6 +292,20 @@ void ShmTransport::enable(int peer) {
 }
 
 bool ShmTransport::enabled(int peer) const { return peers_[peer].enabled; }
+
+const char* ShmTransport::board(int rank) const {
+  if (board_bytes() == 0) return nullptr;
+  if (rank == rank_) return own_.base + board_offset_;
+  const Peer& p = peers_.at(size_t(rank));
+  return p.enabled ? p.segment.base + board_offset_ : nullptr;
+}
+
+void ShmTransport::write_board(size_t offset, const void* src, size_t n) {
+  if (offset > board_bytes() || n > board_bytes() - offset)
+    RC_THROW("board write of ", n, " bytes at ", offset, " beyond its ", board_bytes());
+  board_writer_.write(own_.base + board_offset_ + offset, n,
+                      [&](SlotOut& out) { out.append(src, n); });
+}
 
 bool ShmTransport::waits_on(int peer) const {
   const Peer& p = peers_[peer];

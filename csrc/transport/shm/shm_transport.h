@@ -11,6 +11,11 @@
 // (a futex); a rank that publishes a slot, frees one or aborts rings the peer's doorbell when the
 // peer sleeps.
 //
+// The board: a region at the end of each segment that every local peer reads in place, for
+// collectives whose ranks read each other's contributions where they lie (the shared-buffer
+// all-reduce, algorithms/shared_buffer.cc). It holds only data: its users agree by messages
+// through the inboxes when it may be written and read.
+//
 // Single copy: a send of at least `single_copy_bytes` from a buffer puts only the buffer's address
 // in a slot; the receiver reads the bytes out of the sender's memory with process_vm_readv (into
 // the receive buffer, or through a cache-sized scratch buffer into a consumer), then counts the
@@ -47,6 +52,7 @@ struct ShmOptions {
   // scheduled to move its bytes; through the slots it moves them itself).
   int64_t single_copy_bytes = -1;
   bool huge_pages = true;  // RINGCOMM_SHM_HUGE_PAGES (huge_pages.h)
+  size_t board_bytes = 2 << 20;  // RINGCOMM_SHM_BOARD_BYTES; 0: no board
   StreamMode stream = StreamMode::kAuto;  // RINGCOMM_SHM_STREAM (stream_copy.h)
   static ShmOptions from_env();
 };
@@ -82,6 +88,13 @@ class ShmTransport final : public Transport {
   // `data` is about to be sent: where local peers read it by single copy, a buffer sent again
   // is collapsed into huge pages (huge_pages.h).
   void offer_huge_pages(const void* data, size_t bytes);
+  // The board's size (every local rank's is the same), and rank `rank`'s board: this rank's or
+  // a mapped peer's; nullptr for none.
+  size_t board_bytes() const { return own_.base ? options_.board_bytes : 0; }
+  const char* board(int rank) const;
+  // Writes `n` bytes at `offset` of this rank's board, with plain or streamed stores as the
+  // writer of its slots chooses (stream_copy.h): peers on other CPUs read them.
+  void write_board(size_t offset, const void* src, size_t n);
   // Data to `peer` goes through shared memory from now on (both sides mapped).
   void enable(int peer);
   bool enabled(int peer) const;
@@ -175,6 +188,8 @@ class ShmTransport final : public Transport {
   std::vector<int> local_;    // local ranks, in rank order
   int local_index_ = -1;
   size_t inbox_bytes_ = 0;
+  size_t board_offset_ = 0;   // of the board in every segment
+  SlotWriter board_writer_;
   std::vector<Peer> peers_;   // by rank
   std::vector<int> active_;   // enabled peers
   Signature current_;
