@@ -69,7 +69,7 @@ OPS = ("all_reduce", "all_reduce_async", "broadcast", "reduce", "all_gather", "a
        "reduce_scatter", "barrier", "gather", "scatter", "all_to_all", "sparse_all_reduce",
        "all_reduce_coalesced", "broadcast_coalesced", "all_gather_coalesced", "send_recv")
 OP_WEIGHTS = (6, 2, 2, 1, 2, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1)
-ALGORITHMS = ("auto", "ring", "tree", "recursive_doubling")
+ALGORITHMS = ("auto", "ring", "tree", "recursive_doubling", "shared_buffer")
 SPARSE_ALGORITHMS = ("auto", "ring", "sparse_gather", "sparse_ranges")
 
 
@@ -190,6 +190,14 @@ def shutdown_tcp_sockets(inodes=None) -> int:
     return n
 
 
+def runnable(comm, algo: str) -> str:
+    """`algo`, or auto for shared_buffer where some rank is not in shared memory (the same on
+    every rank: with the transport mixed none has every peer there, with tcp none has any)."""
+    if algo == "shared_buffer" and any(t not in ("shm", "self") for t in comm.transports):
+        return "auto"
+    return algo
+
+
 def make_op(rng: random.Random, world: int):
     """One random op, drawn the same on every rank (same rng state): (description, callable
     taking (comm, rank))."""
@@ -206,14 +214,14 @@ def make_op(rng: random.Random, world: int):
         desc = f"all_reduce(n={n}, op={op}, algorithm={algo})"
 
         def run(comm, rank):
-            comm.all_reduce(torch.empty(n, dtype=f32), op=op, algorithm=algo)
+            comm.all_reduce(torch.empty(n, dtype=f32), op=op, algorithm=runnable(comm, algo))
     elif name == "all_reduce_async":
         algo, m = rng.choice(ALGORITHMS), rng.choice(SIZES[:6])
         desc = f"async all_reduce(n={n}, algorithm={algo}) + broadcast(n={m}, src={root})"
 
         def run(comm, rank):
             a, b = torch.empty(n, dtype=f32), torch.empty(m, dtype=f32)
-            w1 = comm.all_reduce(a, algorithm=algo, async_op=True)
+            w1 = comm.all_reduce(a, algorithm=runnable(comm, algo), async_op=True)
             w2 = comm.broadcast(b, root, async_op=True)
             w1.wait()
             w2.wait()
