@@ -29,7 +29,7 @@
 //   4. gamma: the best of 3 local float32 sums of 256 KiB.
 //   5. where 3 or more ranks share one host (probe_algorithms): all-reduces of 4 KiB, 64 KiB,
 //      256 KiB, 1 MiB, 4 MiB and 16 MiB (kMeasuredBytes) by each algorithm whose estimate,
-//      scaled by the factors measured at the size before, is within 1.5x of the cheapest, in
+//      scaled by its factor where it was last timed, is within 1.5x of the cheapest, in
 //      blocks of 1 untimed and 3-15 timed rounds (about 0.5 ms by that guess). What each took
 //      over its estimate becomes its factor at that size (LinkModel::factors). An algorithm not
 //      timed is taken to cost its guess, and at least 1.5x what the slowest timed one took, so
@@ -202,12 +202,18 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
   float* data = reinterpret_cast<float*>(ctx.scratch(kMeasuredBytes.back()));
   std::memset(data, 0, kMeasuredBytes.back());
   std::vector<std::array<double, kMeasuredAlgorithms.size()>> factors;
+  // Each algorithm's factor where it was last timed (1 before). Guesses scale by it, not by the
+  // factor an untimed algorithm is given (1.5x the slowest timed one, below), which would keep
+  // it untimed at every larger size: in one probe the shared buffer lost at 1 MiB and was never
+  // timed again, where at 4 and 16 MiB it took 0.39 and 0.66x the ring's time.
+  std::array<double, kMeasuredAlgorithms.size()> measured;
+  measured.fill(1.0);
   for (size_t bytes : kMeasuredBytes) {
-    // Guesses: the estimates, scaled by the factors measured at the size before.
+    // Guesses: the estimates, scaled by the factors last measured.
     std::array<double, kMeasuredAlgorithms.size()> estimate{}, guess{}, row{};
     for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a) {
       estimate[a] = plain.estimate(kMeasuredAlgorithms[a], double(bytes));
-      guess[a] = estimate[a] * (factors.empty() ? 1.0 : factors.back()[a]);
+      guess[a] = estimate[a] * measured[a];
     }
     const double cheapest = *std::min_element(guess.begin(), guess.end());
     std::vector<size_t> timed;  // columns
@@ -239,7 +245,7 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
     double slowest = 0;
     std::string times;
     for (size_t k = 0; k < timed.size(); ++k) {
-      row[timed[k]] = seconds[k] / estimate[timed[k]];
+      row[timed[k]] = measured[timed[k]] = seconds[k] / estimate[timed[k]];
       slowest = std::max(slowest, seconds[k]);
       times += str_cat(" ", algorithm_name(kMeasuredAlgorithms[timed[k]]), " ", seconds[k] * 1e6,
                        " us (estimate ", estimate[timed[k]] * 1e6, ")");
