@@ -194,9 +194,10 @@ def test_hierarchical_all_reduce_on_fake_hosts(hosts, transport):
         assert len({next(iter(r[2][op])) for r in results}) == 1
 
 
-def hierarchical_refused(comm):
+def refused(comm, algorithm):
+    """Why forcing `algorithm` is refused on this rank, before anything moves."""
     try:
-        comm.all_reduce(torch.ones(4), algorithm="hierarchical")
+        comm.all_reduce(torch.ones(4), algorithm=algorithm)
     except ValueError as e:
         return str(e)
     return "no error"
@@ -206,25 +207,17 @@ def test_hierarchical_needs_hosts_of_equal_size(transport):
     if transport != "shm":
         pytest.skip("a check before anything moves: one transport is enough")
     env = {r: {"RINGCOMM_HOST_ID": h} for r, h in enumerate(["a", "a", "b"])}
-    for message in run_ranks(3, hierarchical_refused, per_rank_env=env):
+    for message in run_ranks(3, refused, "hierarchical", per_rank_env=env):
         assert "several hosts, the same number" in message
-
-
-def shared_buffer_refused(comm):
-    try:
-        comm.all_reduce(torch.ones(4), algorithm="shared_buffer")
-    except ValueError as e:
-        return str(e)
-    return "no error"
 
 
 def test_shared_buffer_needs_every_rank_in_shared_memory(transport):
     """Over TCP, or with some ranks on another (fake) host, forcing it is a clear error before
     anything moves; so is a board of 0 bytes."""
     if transport == "shm":
-        results = run_ranks(2, shared_buffer_refused, env={"RINGCOMM_SHM_BOARD_BYTES": "0"})
+        results = run_ranks(2, refused, "shared_buffer", env={"RINGCOMM_SHM_BOARD_BYTES": "0"})
     else:
-        results = run_ranks(3 if transport == "mixed" else 2, shared_buffer_refused)
+        results = run_ranks(3 if transport == "mixed" else 2, refused, "shared_buffer")
     for message in results:
         assert "shared_buffer all_reduce needs every rank on one host" in message, message
 
