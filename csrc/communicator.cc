@@ -158,9 +158,7 @@ void Communicator::connect(const std::vector<std::string>& addresses, const std:
     const Clock::time_point deadline = Clock::now() + timeout_;
     mesh_->connect(addresses, token, deadline);
     layout_ = HostLayout::of(mesh_->host_of());
-    std::vector<int> all(static_cast<size_t>(world_size_));
-    for (int r = 0; r < world_size_; ++r) all[size_t(r)] = r;
-    boards_ = mesh_->boards_reach(all);
+    boards_ = mesh_->boards_everywhere();
     const bool uniform = layout_.uniform();
     selector_ = Selector(world_size_, calibrate(deadline), uniform ? int(layout_.hosts.size()) : 0,
                          uniform ? int(layout_.hosts[0].size()) : 0,

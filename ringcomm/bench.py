@@ -37,11 +37,11 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
                    least a rank does if it could read its peer's data in place; a sample lasts
                    from the first rank's start to the last rank's end (across hosts, whose clocks
                    differ, the slowest rank's time). With --coll all_reduce_coalesced, the
-                   layout's limit instead: every rank at once reads each element of its tensors and writes it
-                   (ringcomm's pack into a staging buffer, a message at a time, then its unpack:
-                   the one read and one write any all-reduce makes), the same for the views of
-                   one buffer, and the limit is the flat all_reduce plus what the tensors' layout
-                   adds to those two passes (tensors minus views).
+                   layout's limit instead: every rank at once reads each element of its tensors
+                   and writes it (ringcomm's pack into a staging buffer, a message at a time, then
+                   its unpack: the one read and one write any all-reduce makes), the same for the
+                   views of one buffer, and the limit is the flat all_reduce plus what the
+                   tensors' layout adds to those two passes (tensors minus views).
   --wire           the link limit: before the rows, every rank opens a plain TCP socket to its ring
                    successor ((rank + 1) % n, at the address it published in the Store) and all
                    ranks at once stream max(16 MiB, largest size) bytes to it while receiving as

@@ -232,10 +232,7 @@ class Context {
   // Shared memory's boards among this context's ranks (Mesh::boards_reach): whether every rank
   // has one that every other reads in place; their size; rank `peer`'s; writing this rank's.
   bool has_boards() const {
-    if (!members_.empty()) return mesh_.boards_reach(members_);
-    std::vector<int> all(static_cast<size_t>(mesh_.world_size()));
-    for (int r = 0; r < mesh_.world_size(); ++r) all[size_t(r)] = r;
-    return mesh_.boards_reach(all);
+    return members_.empty() ? mesh_.boards_everywhere() : mesh_.boards_reach(members_);
   }
   size_t board_bytes() const { return mesh_.board_bytes(); }
   const char* board(int peer) const { return mesh_.board(global(peer)); }

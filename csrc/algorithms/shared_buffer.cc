@@ -43,16 +43,15 @@ namespace {
 // Reduction sub-pieces: the result is copied to the board while it is still in cache.
 constexpr size_t kReducePieceBytes = 64 << 10;
 
-// A round's message to every peer, and waiting for every peer's.
+// A round's message to every peer, and waiting for every peer's: no bytes, only the signature.
+char nothing;
 void notify(Context& ctx) {
-  static char none;
-  for (int d = 1; d < ctx.size(); ++d) ctx.send((ctx.rank() + d) % ctx.size(), &none, 0);
+  for (int d = 1; d < ctx.size(); ++d) ctx.send((ctx.rank() + d) % ctx.size(), &nothing, 0);
 }
 void await_peers(Context& ctx) {
-  static char none;
   const int n = ctx.size(), me = ctx.rank();
   std::vector<Request> notices;
-  for (int d = 1; d < n; ++d) notices.push_back(ctx.recv((me + n - d) % n, &none, 0));
+  for (int d = 1; d < n; ++d) notices.push_back(ctx.recv((me + n - d) % n, &nothing, 0));
   for (Request r : notices) ctx.wait(r);
 }
 
@@ -106,7 +105,8 @@ void shared_buffer_all_reduce(Context& ctx, void* buffer, size_t count, DType dt
       for (size_t done = 0; done < sl.count(me); done += reduce_elems) {
         const size_t len = std::min(reduce_elems, sl.count(me) - done);
         for (int p = 0; p < n; ++p)
-          inputs[size_t(p)] = p == me ? mine + done * elem : ctx.board(p) + slot_at(k, me) + done * elem;
+          inputs[size_t(p)] =
+              p == me ? mine + done * elem : ctx.board(p) + slot_at(k, me) + done * elem;
         program.run(dtype, op, inputs.data(), mine + done * elem, len, scratch);
         if (op == ReduceOp::kAvg) cpu::divide(dtype, mine + done * elem, len, n);
         ctx.write_board(slot_at(k, me) + done * elem, mine + done * elem, len * elem);

@@ -237,6 +237,12 @@ bool Mesh::boards_reach(const std::vector<int>& ranks) const {
   return true;
 }
 
+bool Mesh::boards_everywhere() const {
+  std::vector<int> all(static_cast<size_t>(world_size_));
+  for (int r = 0; r < world_size_; ++r) all[size_t(r)] = r;
+  return boards_reach(all);
+}
+
 const char* Mesh::transport_of(int peer) const {
   return peer == rank_ ? "self" : route_.at(size_t(peer)) ? route_[peer]->name() : "none";
 }

@@ -60,8 +60,10 @@ class Mesh final : public PartSink {
     if (shm_) shm_->offer_huge_pages(data, bytes);
   }
   // Shared memory's boards (shm::ShmTransport::board): whether this rank and every rank of
-  // `ranks` but itself reach each other through shared memory, each with a board.
+  // `ranks` but itself (every rank: boards_everywhere) reach each other through shared memory,
+  // each with a board.
   bool boards_reach(const std::vector<int>& ranks) const;
+  bool boards_everywhere() const;
   size_t board_bytes() const { return shm_ ? shm_->board_bytes() : 0; }
   const char* board(int rank) const { return shm_ ? shm_->board(rank) : nullptr; }
   void write_board(size_t offset, const void* src, size_t n) { shm_->write_board(offset, src, n); }
