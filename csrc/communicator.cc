@@ -4,6 +4,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <fstream>
@@ -135,15 +136,13 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
   mesh_->set_trace_id(trace_id_);
   // Read once: a coalesced call asks for every buffer's algorithm.
   const std::string forced = env_string("RINGCOMM_ALGO");
-  if (forced == "ring") forced_all_reduce_ = Algorithm::kRing;
-  if (forced == "tree") forced_all_reduce_ = Algorithm::kTree;
-  if (forced == "recursive_doubling") forced_all_reduce_ = Algorithm::kRecursiveDoubling;
-  if (forced == "halving_doubling") forced_all_reduce_ = Algorithm::kHalvingDoubling;
-  if (forced == "hierarchical") forced_all_reduce_ = Algorithm::kHierarchical;
-  if (forced == "shared_buffer") forced_all_reduce_ = Algorithm::kSharedBuffer;
+  std::string names;
+  for (Algorithm a : kAllReduceAlgorithms) {
+    if (forced == algorithm_name(a)) forced_all_reduce_ = a;
+    names += str_cat(algorithm_name(a), ", ");
+  }
   RC_CHECK_ARG(forced.empty() || forced == "auto" || forced_all_reduce_ != Algorithm::kAuto,
-               "RINGCOMM_ALGO=", forced, ": expected ring, tree, recursive_doubling, "
-               "halving_doubling, shared_buffer, hierarchical or auto");
+               "RINGCOMM_ALGO=", forced, ": expected one of ", names, "or auto");
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   watch_for_fork();
 }
@@ -219,10 +218,8 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
   const Algorithm wanted = requested != Algorithm::kAuto ? requested : forced_all_reduce_;
   if (wanted != Algorithm::kAuto) {
     // Checked here, on the caller's thread, before anything is sent.
-    RC_CHECK_ARG(wanted == Algorithm::kRing || wanted == Algorithm::kTree ||
-                     wanted == Algorithm::kRecursiveDoubling ||
-                     wanted == Algorithm::kHalvingDoubling || wanted == Algorithm::kHierarchical ||
-                     wanted == Algorithm::kSharedBuffer,
+    RC_CHECK_ARG(std::find(std::begin(kAllReduceAlgorithms), std::end(kAllReduceAlgorithms),
+                           wanted) != std::end(kAllReduceAlgorithms),
                  "all_reduce has no algorithm ", algorithm_name(wanted));
     RC_CHECK_ARG(wanted != Algorithm::kHierarchical || layout_.uniform(),
                  "the hierarchical all_reduce needs ranks on several hosts, the same number (more "
@@ -393,12 +390,7 @@ WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp 
   auto sig = collective(Collective::kAllReduce, dtype, op, algo, count);
   return submit(sig, [=](Context& ctx) {
     mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
-    if (algo == Algorithm::kHierarchical)
-      hierarchical_all_reduce(ctx, layout_, buf, count, dtype, op);
-    else if (algo == Algorithm::kSharedBuffer)
-      shared_buffer_all_reduce(ctx, buf, count, dtype, op);
-    else
-      scheduled_all_reduce(ctx, algo, buf, count, dtype, op);
+    all_reduce_by(ctx, algo, layout_, buf, count, dtype, op);
   }, async);
 }
 

@@ -183,9 +183,7 @@ void complete(Signature& sig, Collective coll, ReduceOp op, Algorithm algo, int 
 std::shared_ptr<const ReductionOrders> Communicator::reduction_orders(uint32_t algorithms) {
   std::lock_guard<std::mutex> lk(orders_mu_);
   std::shared_ptr<ReductionOrders> grown;
-  for (Algorithm a : {Algorithm::kRing, Algorithm::kTree, Algorithm::kRecursiveDoubling,
-                      Algorithm::kHalvingDoubling, Algorithm::kHierarchical,
-                      Algorithm::kSharedBuffer}) {
+  for (Algorithm a : kAllReduceAlgorithms) {
     if (!(algorithms & (1u << unsigned(a))) || (orders_ && orders_->has(a))) continue;
     if (!grown)
       grown = orders_ ? std::make_shared<ReductionOrders>(*orders_)

@@ -165,6 +165,17 @@ def test_auto_follows_the_model(tmp_path):
     assert choices == ["tree"] * len(SIZES)
 
 
+def test_ringcomm_algo_names_every_all_reduce_algorithm():
+    """RINGCOMM_ALGO takes each all-reduce algorithm by name (the shared buffer where every rank
+    is in shared memory) and refuses another, naming them all."""
+    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_ALGO": "shared_buffer"})
+    assert choices == ["shared_buffer"] * len(SIZES)
+    for status, message in run_ranks(2, model_and_choices, env={"RINGCOMM_ALGO": "bogus"},
+                                     allow_errors=True):
+        assert status == "error" and "RINGCOMM_ALGO=bogus: expected one of ring, tree, " \
+            "recursive_doubling, halving_doubling, shared_buffer, hierarchical, or auto" in message
+
+
 def write_factors(path, factors):
     """Append a factor line for each (algorithm, size); `factors(algorithm, size)` gives it."""
     with open(path, "a") as f:

@@ -77,6 +77,10 @@ AllReduceSchedule all_reduce_schedule(Algorithm algo, int n, int rank, size_t co
 // halving-doubling).
 void scheduled_all_reduce(Context& ctx, Algorithm algo, void* buf, size_t count, DType dtype,
                           ReduceOp op);
+// all_reduce of `buf` in place by any algorithm of kAllReduceAlgorithms (hierarchical over
+// `layout`'s hosts).
+void all_reduce_by(Context& ctx, Algorithm algo, const HostLayout& layout, void* buf, size_t count,
+                   DType dtype, ReduceOp op);
 // Its blocks alone, without building the step list (the coalesced planner asks for a thousand
 // buffers' a call).
 Segments all_reduce_blocks(Algorithm algo, int n, size_t count);

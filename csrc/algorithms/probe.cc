@@ -234,13 +234,8 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
       break;
     }
     const auto seconds = timed_ways(ctx, int(timed.size()), 1, rounds, [&](int way) {
-      const Algorithm algo = kMeasuredAlgorithms[timed[size_t(way)]];
-      if (algo == Algorithm::kSharedBuffer)
-        shared_buffer_all_reduce(ctx, data, bytes / sizeof(float), DType::kFloat32,
-                                 ReduceOp::kSum);
-      else
-        scheduled_all_reduce(ctx, algo, data, bytes / sizeof(float), DType::kFloat32,
-                             ReduceOp::kSum);
+      all_reduce_by(ctx, kMeasuredAlgorithms[timed[size_t(way)]], HostLayout{}, data,
+                    bytes / sizeof(float), DType::kFloat32, ReduceOp::kSum);
     });
     double slowest = 0;
     std::string times;

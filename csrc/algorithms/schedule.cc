@@ -196,6 +196,16 @@ void scheduled_all_reduce(Context& ctx, Algorithm algo, void* buf, size_t count,
   ctx.finish();
 }
 
+void all_reduce_by(Context& ctx, Algorithm algo, const HostLayout& layout, void* buf, size_t count,
+                   DType dtype, ReduceOp op) {
+  if (algo == Algorithm::kHierarchical)
+    hierarchical_all_reduce(ctx, layout, buf, count, dtype, op);
+  else if (algo == Algorithm::kSharedBuffer)
+    shared_buffer_all_reduce(ctx, buf, count, dtype, op);
+  else
+    scheduled_all_reduce(ctx, algo, buf, count, dtype, op);
+}
+
 int Expressions::leaf(int operand) {
   auto [it, added] = made_.emplace(std::make_pair(-1, operand), int(nodes.size()));
   if (added) nodes.push_back({-1, -1, operand});

@@ -49,6 +49,10 @@ enum class Algorithm : uint8_t {
   kSharedBuffer = 13,
 };
 const char* algorithm_name(Algorithm a);
+// The algorithms all_reduce can be asked for by name (algorithm=, RINGCOMM_ALGO), auto aside.
+constexpr Algorithm kAllReduceAlgorithms[] = {
+    Algorithm::kRing,           Algorithm::kTree,         Algorithm::kRecursiveDoubling,
+    Algorithm::kHalvingDoubling, Algorithm::kSharedBuffer, Algorithm::kHierarchical};
 
 // Two ranks agree on an operation iff their signatures are equal.
 struct Signature {
