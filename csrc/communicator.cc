@@ -123,11 +123,29 @@ void Work::finish(const Error* error) {
 
 // ---- Communicator ----
 
+namespace {
+
+// RINGCOMM_RETUNE_CALLS: auto, by default, retunes where the link model was probed for this run
+// (RINGCOMM_TUNING unset); a model pinned in a file or "off" keeps its choices, so the same
+// inputs give the same bits run after run.
+uint64_t retune_period(int world_size) {
+  constexpr uint64_t kPeriod = 64;
+  const std::string calls = env_string("RINGCOMM_RETUNE_CALLS", "auto");
+  if (world_size < 2) return 0;
+  if (calls == "auto") return env_string("RINGCOMM_TUNING").empty() ? kPeriod : 0;
+  const int64_t period = env_int("RINGCOMM_RETUNE_CALLS", 0);
+  RC_CHECK_ARG(period >= 0, "RINGCOMM_RETUNE_CALLS=", calls, " is negative");
+  return uint64_t(period);
+}
+
+}  // namespace
+
 Communicator::Communicator(int rank, int world_size, double timeout_s,
                            const std::string& master_addr)
     : rank_(rank), world_size_(world_size), trace_id_(next_trace_id++),
       timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))),
-      selector_(world_size, LinkModel{}) {
+      selector_(world_size, LinkModel{}),
+      retuner_(retune_period(world_size)) {
   RC_CHECK_ARG(world_size >= 1, "world_size must be >= 1, got ", world_size);
   RC_CHECK_ARG(rank >= 0 && rank < world_size, "rank ", rank, " out of range for world_size ",
                world_size);
@@ -247,9 +265,17 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
              " us, shared buffer ",
              selector_.all_reduce_cost(Algorithm::kSharedBuffer, double(bytes)) * 1e6,
              " us, hierarchical ",
-             selector_.all_reduce_cost(Algorithm::kHierarchical, double(bytes)) * 1e6, " us");
+             selector_.all_reduce_cost(Algorithm::kHierarchical, double(bytes)) * 1e6, " us",
+             retuner_.covers(bytes) ? " (retuned as it runs: RINGCOMM_RETUNE_CALLS)" : "");
   }
   return algo;
+}
+
+Algorithm Communicator::algorithm_for(size_t bytes, Algorithm requested) const {
+  const Algorithm algo = choose_all_reduce(bytes, requested);
+  const bool retuned = requested == Algorithm::kAuto && forced_all_reduce_ == Algorithm::kAuto &&
+                       retuner_.covers(bytes);
+  return retuned ? retuner_.current(selector_, bytes) : algo;
 }
 
 Algorithm Communicator::choose_rooted(size_t bytes) const {
@@ -386,11 +412,18 @@ Signature Communicator::collective(Collective coll, DType dtype, ReduceOp op, Al
 
 WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp op,
                                  Algorithm algo, bool async) {
-  algo = choose_all_reduce(count * dtype_size(dtype), algo);
+  const size_t bytes = count * dtype_size(dtype);
+  const bool retuned = algo == Algorithm::kAuto && forced_all_reduce_ == Algorithm::kAuto &&
+                       retuner_.covers(bytes);
+  algo = choose_all_reduce(bytes, algo);
+  if (retuned) algo = Algorithm::kAuto;  // settled in run()
   auto sig = collective(Collective::kAllReduce, dtype, op, algo, count);
   return submit(sig, [=](Context& ctx) {
-    mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
-    all_reduce_by(ctx, algo, layout_, buf, count, dtype, op);
+    mesh_->offer_huge_pages(buf, bytes);
+    const Clock::time_point start = Clock::now();
+    all_reduce_by(ctx, ctx.signature().algo, layout_, buf, count, dtype, op);
+    if (retuned)
+      retuner_.ran(ctx, bytes, std::chrono::duration<double>(Clock::now() - start).count());
   }, async);
 }
 
@@ -737,6 +770,10 @@ void Communicator::run(Task& task) {
     const int64_t begin_ns = trace::ns_of(begin);
     const uint64_t sent0 = mesh_->payload_sent(), received0 = mesh_->payload_received();
     const int64_t idle0 = mesh_->idle_ns();
+    // Here, in the order operations run (the same on every rank), before the signature that
+    // names it goes on the wire.
+    if (task.sig.coll == Collective::kAllReduce && task.sig.algo == Algorithm::kAuto)
+      task.sig.algo = retuner_.next(selector_, task.sig.count * dtype_size(task.sig.dtype));
     mesh_->set_current(task.sig);
     Context ctx(*mesh_, task.sig, begin + timeout_, scratch_, selector_);
     task.body(ctx);

@@ -17,6 +17,7 @@
 
 #include "algorithms/algorithms.h"
 #include "algorithms/reduction_order.h"
+#include "algorithms/retune.h"
 #include "transport/mesh.h"
 
 namespace ringcomm {
@@ -195,8 +196,14 @@ class Communicator {
                                const std::vector<BufferRef>& inputs, size_t bucket_bytes,
                                bool async);
 
-  // The algorithm all_reduce would use (RINGCOMM_ALGO overrides kAuto).
+  // The algorithm the cost model picks for all_reduce (RINGCOMM_ALGO overrides kAuto), which
+  // all_reduce_coalesced reduces in the order of.
   Algorithm choose_all_reduce(size_t bytes, Algorithm requested) const;
+  // The algorithm all_reduce runs now outside trials: as above, or where auto retunes
+  // (RINGCOMM_RETUNE_CALLS) what its last trials found.
+  Algorithm algorithm_for(size_t bytes, Algorithm requested) const;
+  // What auto's trials found, one entry per size class retuned so far (algorithms/retune.h).
+  std::vector<Retuner::Report> auto_trials() const { return retuner_.report(); }
   // Broadcast's and reduce's shape for `bytes`: binomial tree or chain.
   Algorithm choose_rooted(size_t bytes) const;
   // The cost model every rank agreed on when connecting.
@@ -232,6 +239,7 @@ class Communicator {
       const std::vector<BufferRef>& buffers, ReduceOp op, size_t bucket_bytes,
       const FusedReduceOptions& options);
   struct Task {
+    // An all-reduce's algorithm kAuto: one auto retunes, settled by run() (Retuner::next).
     Signature sig;
     std::function<void(Context&)> body;  // collectives: runs to completion
     std::function<void()> post;          // send/recv: posts to the transport and returns
@@ -283,6 +291,7 @@ class Communicator {
   std::unique_ptr<Mesh> mesh_;
   Scratch scratch_;
   Selector selector_;
+  Retuner retuner_;
   HostLayout layout_;  // ranks by host, from connect()
   bool boards_ = false;  // every rank reaches every other through shared memory with a board
   // RINGCOMM_DEBUG: the power-of-two size classes whose all-reduce choice was logged

@@ -511,8 +511,15 @@ class Communicator:
     # -- state ----------------------------------------------------------------------------
 
     def algorithm_for(self, nbytes: int, algorithm: str = "auto") -> str:
-        """The all_reduce algorithm used for a message of `nbytes` bytes."""
-        return self._core.choose_all_reduce(int(nbytes), algorithm_code(algorithm))
+        """The all_reduce algorithm a message of `nbytes` bytes runs now (where auto retunes, what
+        its last trials found)."""
+        return self._core.algorithm_for(int(nbytes), algorithm_code(algorithm))
+
+    def auto_trials(self) -> list[dict]:
+        """What auto's trials found (RINGCOMM_RETUNE_CALLS), one dict per size class retuned so
+        far: `bytes` (the class: bytes .. 2 x bytes - 1), `candidates`, `seconds` (each one's
+        median in the last agreed trials, empty before them), `winner`, `rounds`."""
+        return self._core.auto_trials()
 
     @property
     def broken(self) -> Optional[str]:

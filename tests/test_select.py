@@ -301,7 +301,7 @@ def test_a_bad_saved_model_is_a_clear_error(tmp_path):
 def refuse_a_non_all_reduce_algorithm(comm):
     t = torch.ones(8)
     try:
-        comm._core.choose_all_reduce(32, 4)  # 4: the chain, a broadcast shape
+        comm._core.algorithm_for(32, 4)  # 4: the chain, a broadcast shape
     except ValueError as e:
         refused = str(e)
     else:

@@ -109,18 +109,42 @@ double Selector::estimate(Algorithm algo, double bytes) const {
   }
 }
 
+namespace {
+
+// Costs equal but for rounding keep the earlier algorithm: halving-doubling on 2 ranks is the
+// ring, and on 2 hosts of 2 with the same figures for both classes of links it costs what the
+// hierarchical all-reduce does (the same shape, which knows the hosts).
+constexpr Algorithm kAllReduceOrder[] = {
+    Algorithm::kRing,         Algorithm::kRecursiveDoubling, Algorithm::kTree,
+    Algorithm::kHierarchical, Algorithm::kHalvingDoubling,   Algorithm::kSharedBuffer};
+
+}  // namespace
+
 Algorithm Selector::all_reduce(size_t bytes) const {
-  Algorithm best = Algorithm::kRing;
+  Algorithm best = kAllReduceOrder[0];
   double best_cost = all_reduce_cost(best, double(bytes));
-  // Costs equal but for rounding keep the earlier algorithm: halving-doubling on 2 ranks is the
-  // ring, and on 2 hosts of 2 with the same figures for both classes of links it costs what the
-  // hierarchical all-reduce does (the same shape, which knows the hosts).
-  for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHierarchical,
-                      Algorithm::kHalvingDoubling, Algorithm::kSharedBuffer}) {
+  for (Algorithm a : kAllReduceOrder) {
     const double cost = all_reduce_cost(a, double(bytes));
     if (cost < best_cost * (1 - 1e-9)) best = a, best_cost = cost;
   }
   return best;
+}
+
+std::vector<Algorithm> Selector::all_reduce_candidates(size_t bytes, double within,
+                                                      size_t most) const {
+  const Algorithm chosen = all_reduce(bytes);
+  double least = INFINITY;
+  for (Algorithm a : kAllReduceOrder) least = std::min(least, estimate(a, double(bytes)));
+  std::vector<Algorithm> others;
+  for (Algorithm a : kAllReduceOrder)
+    if (a != chosen && estimate(a, double(bytes)) <= within * least) others.push_back(a);
+  std::stable_sort(others.begin(), others.end(), [&](Algorithm x, Algorithm y) {
+    return all_reduce_cost(x, double(bytes)) < all_reduce_cost(y, double(bytes));
+  });
+  std::vector<Algorithm> out{chosen};
+  for (Algorithm a : others)
+    if (out.size() < most) out.push_back(a);
+  return out;
 }
 
 double Selector::rooted_cost(Algorithm shape, double bytes, double chunk_bytes) const {

@@ -68,6 +68,10 @@ class Selector {
   double estimate(Algorithm algo, double bytes) const;
   // The cheapest of them.
   Algorithm all_reduce(size_t bytes) const;
+  // The cheapest, then the others that the alpha-beta figures alone (estimate) put within
+  // `within` times the least estimate, by their cost: at most `most` (the candidates auto times
+  // as it runs, algorithms/retune.h).
+  std::vector<Algorithm> all_reduce_candidates(size_t bytes, double within, size_t most) const;
   // Broadcast and reduce: a binomial tree or a pipelined chain (chunks of `chunk_bytes`).
   double rooted_cost(Algorithm shape, double bytes, double chunk_bytes) const;
   Algorithm rooted(size_t bytes, size_t chunk_bytes) const;

@@ -168,9 +168,25 @@ PYBIND11_MODULE(_C, m) {
            [](Communicator& c, std::function<void(const std::string&, const std::string&)> set,
               std::function<std::string(const std::string&)> get) { c.rendezvous({set, get}); },
            py::arg("set"), py::arg("get"), G())
-      .def("choose_all_reduce",
+      .def("algorithm_for",
            [](const Communicator& c, size_t bytes, int algo) {
-             return std::string(algorithm_name(c.choose_all_reduce(bytes, Algorithm(algo))));
+             return std::string(algorithm_name(c.algorithm_for(bytes, Algorithm(algo))));
+           })
+      .def("auto_trials",
+           [](const Communicator& c) {
+             py::list out;
+             for (const Retuner::Report& r : c.auto_trials()) {
+               py::list candidates;
+               for (Algorithm a : r.candidates) candidates.append(algorithm_name(a));
+               py::dict d;
+               d["bytes"] = r.bytes;
+               d["candidates"] = candidates;
+               d["seconds"] = r.seconds;
+               d["winner"] = algorithm_name(r.winner);
+               d["rounds"] = r.rounds;
+               out.append(d);
+             }
+             return out;
            })
       // Returns the Work only when async: wrapping it for a call that has finished costs more
       // than a small all-reduce's exchange.

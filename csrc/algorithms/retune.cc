@@ -1,0 +1,96 @@
+#include "algorithms/retune.h"
+
+#include <algorithm>
+
+#include "algorithms/algorithms.h"
+#include "common/error.h"
+#include "common/logging.h"
+
+namespace ringcomm {
+namespace {
+
+int log2_floor(size_t bytes) { return 63 - __builtin_clzll(uint64_t(bytes)); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+Retuner::Retuner(uint64_t period) : period_(period) {
+  RC_CHECK_ARG(period == 0 || period >= kLeastPeriod, "RINGCOMM_RETUNE_CALLS=", period,
+               ": 0 (never) or at least ", kLeastPeriod, " (a round's trials and a call more)");
+}
+
+Retuner::SizeClass& Retuner::size_class(const Selector& select, size_t bytes) {
+  auto [it, added] = classes_.try_emplace(log2_floor(bytes));
+  SizeClass& c = it->second;
+  if (added) {
+    // Priced at the class's first call: every rank makes it with the same bytes.
+    c.candidates = select.all_reduce_candidates(bytes, kWorth, kMost);
+    c.period = period_;
+    c.trials.assign(c.candidates.size() * kBlock, 0.0);
+  }
+  return c;
+}
+
+Algorithm Retuner::next(const Selector& select, size_t bytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  SizeClass& c = size_class(select, bytes);
+  if (c.call < c.trials.size()) return c.candidates[c.call / kBlock];
+  return c.candidates[c.winner];
+}
+
+void Retuner::ran(Context& ctx, size_t bytes, double seconds) {
+  std::unique_lock<std::mutex> lk(mu_);
+  const int size_log2 = log2_floor(bytes);
+  SizeClass& c = classes_.at(size_log2);
+  if (c.call < c.trials.size()) c.trials[c.call] = seconds;
+  // One candidate has nothing to try against: its trials are plain calls.
+  if (c.candidates.size() > 1 && c.call + 1 == c.trials.size()) {
+    lk.unlock();  // the agreement waits for the other ranks; report() must not
+    agree(ctx, size_log2, c);
+    lk.lock();
+  }
+  if (++c.call >= c.period) c.call = 0;
+}
+
+void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
+  std::vector<double> trials = c.trials;
+  recursive_doubling_all_reduce(ctx, trials.data(), trials.size(), DType::kFloat64,
+                                ReduceOp::kMin);
+  const size_t k = c.candidates.size();
+  std::vector<double> medians(k);
+  for (size_t a = 0; a < k; ++a)
+    medians[a] = median({trials.begin() + long(a * kBlock + kWarm),
+                         trials.begin() + long((a + 1) * kBlock)});
+  size_t best = size_t(std::min_element(medians.begin(), medians.end()) - medians.begin());
+  if (medians[best] >= medians[c.winner] * (1 - kMargin)) best = c.winner;
+  if (best != c.winner && ctx.rank() == 0)
+    RC_LOG("all_reduce of ", size_t(1) << size_log2, " bytes and more: ",
+           algorithm_name(c.candidates[best]), " from now on, not ",
+           algorithm_name(c.candidates[c.winner]), " (trials: ", medians[best] * 1e6,
+           " us against ", medians[c.winner] * 1e6, ")");
+  std::lock_guard<std::mutex> lk(mu_);
+  c.period = best == c.winner ? std::min(c.period * 2, period_ * kLongest) : period_;
+  c.medians = std::move(medians);
+  c.winner = best;
+  ++c.rounds;
+}
+
+std::vector<Retuner::Report> Retuner::report() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<Report> out;
+  for (const auto& [log2, c] : classes_)
+    out.push_back({size_t(1) << log2, c.candidates, c.medians, c.candidates[c.winner], c.rounds});
+  return out;
+}
+
+Algorithm Retuner::current(const Selector& select, size_t bytes) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  const auto it = classes_.find(log2_floor(bytes));
+  return it == classes_.end() ? select.all_reduce(bytes) : it->second.candidates[it->second.winner];
+}
+
+}  // namespace ringcomm

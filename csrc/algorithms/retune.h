@@ -1,0 +1,104 @@
+// auto's all-reduce choice for large messages, kept up to date by timing the calls themselves.
+//
+// The probe (probe.cc) times the algorithms once, when the communicator connects, and only up to
+// 16 MiB; larger messages take 16 MiB's factors. Both go wrong where the machine changes under a
+// running job. On the 2-vCPU guest of docs/performance.md, which flips between two states (its
+// vCPUs sharing a core's caches or not), 4 ranks at 64 MiB: the shared buffer took 0.83-0.87x
+// the ring's time in the runs of one state, 0.78x in the other, and 1.00x in a run that flipped
+// half-way; the probe, run in whichever state the connection met, handed 64 MiB to the ring or to
+// halving-doubling in 4 runs of 7, 1.11-1.25x the best forced algorithm's time.
+//
+// For each power-of-two size class from kLeastBytes up, auto all-reduces run, by their number in
+// that class's current round (the same on every rank: the calls of a class come in one order on
+// every rank, or the collectives mismatch):
+//   trials:  a block of calls by each candidate in turn, kWarm untimed and kRepeats timed.
+//            Candidates (Selector::all_reduce_candidates, at most kMost): the model's choice,
+//            then the algorithms the alpha-beta figures alone put within kWorth of the least
+//            estimate, by the model's cost. Those figures tell apart what moves more bytes (the
+//            tree, recursive doubling: 1.38x the ring's estimate at 4 ranks and 64 MiB); the
+//            probe's factors, measured at connection and only up to 16 MiB, are what the trials
+//            check. Taken from the model's costs instead, the shared buffer, untimed by a probe
+//            at 16 MiB and so priced at 1.5x the slowest algorithm timed there, was never tried;
+//   the last trial, after its all-reduce, agrees on them: one recursive-doubling all-reduce (min)
+//            of each trial's seconds. Min, because a rank's time runs from its own call, and the
+//            rank that called last waited for no other: its time is the algorithm's own. The
+//            winner is the candidate with the least median, kept unless another is faster by
+//            more than kMargin;
+//   then the winner, to the end of the round: `period` calls, doubled (up to kLongest x) each
+//            time a round keeps its winner, back to `period` when it changes.
+// Trials cost at most (k-1) * kBlock calls of slower algorithms a round: in the first round of
+// 64 calls, with candidates 1.25x the winner's time, 8 x 0.25 / 64 = 3 % of the round.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "algorithms/select.h"
+#include "common/signature.h"
+
+namespace ringcomm {
+
+class Context;
+
+class Retuner {
+ public:
+  // Below 1 MiB the agreement (5-20 us on shared memory, 50-100 over TCP) would weigh on calls
+  // of tens of microseconds, and the probe times every size up to 16 MiB.
+  static constexpr size_t kLeastBytes = 1 << 20;
+  // A block per candidate, not calls of each in turn: the first call after a switch pays for the
+  // other's traces in the caches. 4 ranks at 4 MiB, medians of 12 calls (each call's time on its
+  // fastest rank): the shared buffer took 961 and 1452 us in turn with halving-doubling and the
+  // ring, 853 and 962 in blocks (halving-doubling 1089 and 1607, 1066 and 1536).
+  static constexpr size_t kWarm = 1, kRepeats = 3, kBlock = kWarm + kRepeats;
+  static constexpr size_t kMost = 3;           // candidates
+  static constexpr double kWorth = 1.25;       // times the least estimate
+  static constexpr double kMargin = 0.02;
+  static constexpr uint64_t kLongest = 16;     // rounds grow to 16x `period`
+  static constexpr uint64_t kLeastPeriod = kMost * kBlock + 1;
+
+  // `period`: the calls of a round at first; 0: never retune (auto keeps the model's choice).
+  explicit Retuner(uint64_t period = 0);
+
+  bool covers(size_t bytes) const { return period_ > 0 && bytes >= kLeastBytes; }
+  // On the thread running operations, in their order: the algorithm of the next auto all-reduce
+  // of `bytes` (covered).
+  Algorithm next(const Selector& select, size_t bytes);
+  // After it ran: this rank's seconds. After the last trial of a round, agrees on the winner with
+  // every rank (a collective on `ctx`).
+  void ran(Context& ctx, size_t bytes, double seconds);
+
+  // What the trials found, for reports and tests: one entry per size class retuned so far.
+  struct Report {
+    size_t bytes;                      // the class: bytes .. 2 x bytes - 1
+    std::vector<Algorithm> candidates;
+    std::vector<double> seconds;       // each candidate's median in the last agreed trials
+    Algorithm winner;                  // what the calls outside trials run
+    uint64_t rounds;                   // rounds of trials agreed
+  };
+  std::vector<Report> report() const;
+  // The algorithm an auto all-reduce of `bytes` runs outside trials: the winner, or the model's
+  // choice before a class's first call.
+  Algorithm current(const Selector& select, size_t bytes) const;
+
+ private:
+  struct SizeClass {
+    std::vector<Algorithm> candidates;
+    size_t winner = 0;                 // index into candidates
+    uint64_t call = 0;                 // in this round
+    uint64_t period = 0;               // this round's calls
+    std::vector<double> trials;        // this round's seconds: this rank's, then the agreed ones
+    std::vector<double> medians;       // per candidate, from the last agreement
+    uint64_t rounds = 0;
+  };
+  SizeClass& size_class(const Selector& select, size_t bytes);
+  void agree(Context& ctx, int size_log2, SizeClass& c);
+
+  const uint64_t period_;
+  mutable std::mutex mu_;  // report() and current() may run on any thread
+  std::map<int, SizeClass> classes_;  // by floor(log2(bytes))
+};
+
+}  // namespace ringcomm
