@@ -3,10 +3,10 @@
 // The probe (probe.cc) times the algorithms once, when the communicator connects, and only up to
 // 16 MiB; larger messages take 16 MiB's factors. Both go wrong where the machine changes under a
 // running job. On the 2-vCPU guest of docs/performance.md, which flips between two states (its
-// vCPUs sharing a core's caches or not), 4 ranks at 64 MiB: the shared buffer took 0.83-0.87x
-// the ring's time in the runs of one state, 0.78x in the other, and 1.00x in a run that flipped
-// half-way; the probe, run in whichever state the connection met, handed 64 MiB to the ring or to
-// halving-doubling in 4 runs of 7, 1.11-1.25x the best forced algorithm's time.
+// vCPUs sharing a core's caches or not), 4 ranks at 64 MiB: the shared buffer took 0.83-0.88x
+// the ring's time in 5 runs in one state, 0.75-0.82x in 2 in the other, 1.00x in a run that
+// flipped; the probe, run in whichever state the connection met, handed 64 MiB to the ring or
+// to halving-doubling in 5 runs of 8, at 1.11-1.23x the shared buffer's time.
 //
 // For each power-of-two size class from kLeastBytes up, auto all-reduces run, by their number in
 // that class's current round (the same on every rank: the calls of a class come in one order on
