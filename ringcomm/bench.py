@@ -884,10 +884,13 @@ def auto_choice(args, comm, row: dict, libs: list[str]) -> dict:
     if args.algo != "auto" or not forced:
         return {}
     chose = comm.algorithm_for(row["size"])
-    if chose not in forced:
-        return {"auto_chose": chose}
-    best = min(row[lib]["time_us"] for lib in forced)
-    return {"auto_chose": chose, "chosen_vs_best": row[chose]["time_us"] / best}
+    # what auto's trials found in this size's class, where it retunes (RINGCOMM_RETUNE_CALLS)
+    trials = [t for t in comm.auto_trials() if t["bytes"] <= row["size"] < 2 * t["bytes"]]
+    out = {"auto_chose": chose, "auto_trials": trials[0]} if trials else {"auto_chose": chose}
+    if chose in forced:
+        best = min(row[lib]["time_us"] for lib in forced)
+        out["chosen_vs_best"] = row[chose]["time_us"] / best
+    return out
 
 
 def free_port() -> int:
