@@ -35,25 +35,31 @@ Retuner::SizeClass& Retuner::size_class(const Selector& select, size_t bytes) {
   return c;
 }
 
+long Retuner::trial_of(const SizeClass& c) {
+  const long t = long(c.call) - long(c.start);
+  return t >= 0 && t < long(c.trials.size()) ? t : -1;
+}
+
 Algorithm Retuner::next(const Selector& select, size_t bytes) {
   std::lock_guard<std::mutex> lk(mu_);
   SizeClass& c = size_class(select, bytes);
-  if (c.call < c.trials.size()) return c.candidates[c.call / kBlock];
-  return c.candidates[c.winner];
+  const long t = trial_of(c);
+  return c.candidates[t >= 0 ? size_t(t) / kBlock : c.winner];
 }
 
 void Retuner::ran(Context& ctx, size_t bytes, double seconds) {
   std::unique_lock<std::mutex> lk(mu_);
   const int size_log2 = log2_floor(bytes);
   SizeClass& c = classes_.at(size_log2);
-  if (c.call < c.trials.size()) c.trials[c.call] = seconds;
+  const long t = trial_of(c);
+  if (t >= 0) c.trials[size_t(t)] = seconds;
   // One candidate has nothing to try against: its trials are plain calls.
-  if (c.candidates.size() > 1 && c.call + 1 == c.trials.size()) {
+  if (c.candidates.size() > 1 && t + 1 == long(c.trials.size())) {
     lk.unlock();  // the agreement waits for the other ranks; report() must not
     agree(ctx, size_log2, c);
     lk.lock();
   }
-  if (++c.call >= c.period) c.call = 0;
+  if (++c.call >= c.period) c.call = c.start = 0;
 }
 
 void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
@@ -66,7 +72,9 @@ void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
     medians[a] = median({trials.begin() + long(a * kBlock + kWarm),
                          trials.begin() + long((a + 1) * kBlock)});
   size_t best = size_t(std::min_element(medians.begin(), medians.end()) - medians.begin());
-  if (medians[best] >= medians[c.winner] * (1 - kMargin)) best = c.winner;
+  // The first round's winner is what its trials measured: the incumbent is then only the
+  // model's guess. After that a winner keeps its place unless beaten by kMargin.
+  if (c.rounds > 0 && medians[best] >= medians[c.winner] * (1 - kMargin)) best = c.winner;
   if (best != c.winner && ctx.rank() == 0)
     RC_LOG("all_reduce of ", size_t(1) << size_log2, " bytes and more: ",
            algorithm_name(c.candidates[best]), " from now on, not ",

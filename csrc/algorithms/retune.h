@@ -11,6 +11,9 @@
 // For each power-of-two size class from kLeastBytes up, auto all-reduces run, by their number in
 // that class's current round (the same on every rank: the calls of a class come in one order on
 // every rank, or the collectives mismatch):
+//   prelude, in the first round only: kBlock calls by the model's choice, untimed. A size's first
+//            calls pay for first touches: in one bench run the shared buffer's trials, the first
+//            64 MiB calls of the process, took 25.1 ms, where it then took 18.2 over 7 samples;
 //   trials:  a block of calls by each candidate in turn, kWarm untimed and kRepeats timed.
 //            Candidates (Selector::all_reduce_candidates, at most kMost): the model's choice,
 //            then the algorithms the alpha-beta figures alone put within kWorth of the least
@@ -22,8 +25,10 @@
 //   the last trial, after its all-reduce, agrees on them: one recursive-doubling all-reduce (min)
 //            of each trial's seconds. Min, because a rank's time runs from its own call, and the
 //            rank that called last waited for no other: its time is the algorithm's own. The
-//            winner is the candidate with the least median, kept unless another is faster by
-//            more than kMargin;
+//            winner is the candidate with the least median; after the first round the winner
+//            stays unless another is faster by more than kMargin (in one run the first round
+//            kept the model's halving-doubling, 24.3 ms, over the shared buffer's 24.0, which
+//            then measured 21.3 ms against its 24.0 over 7 samples);
 //   then the winner, to the end of the round: `period` calls, doubled (up to kLongest x) each
 //            time a round keeps its winner, back to `period` when it changes.
 // Trials cost at most (k-1) * kBlock calls of slower algorithms a round: in the first round of
@@ -57,7 +62,7 @@ class Retuner {
   static constexpr double kWorth = 1.25;       // times the least estimate
   static constexpr double kMargin = 0.02;
   static constexpr uint64_t kLongest = 16;     // rounds grow to 16x `period`
-  static constexpr uint64_t kLeastPeriod = kMost * kBlock + 1;
+  static constexpr uint64_t kLeastPeriod = (kMost + 1) * kBlock + 1;
 
   // `period`: the calls of a round at first; 0: never retune (auto keeps the model's choice).
   explicit Retuner(uint64_t period = 0);
@@ -88,12 +93,14 @@ class Retuner {
     std::vector<Algorithm> candidates;
     size_t winner = 0;                 // index into candidates
     uint64_t call = 0;                 // in this round
+    uint64_t start = kBlock;           // the round's first trial: after a prelude in the first
     uint64_t period = 0;               // this round's calls
     std::vector<double> trials;        // this round's seconds: this rank's, then the agreed ones
     std::vector<double> medians;       // per candidate, from the last agreement
     uint64_t rounds = 0;
   };
   SizeClass& size_class(const Selector& select, size_t bytes);
+  static long trial_of(const SizeClass& c);  // this call's index in c.trials, or -1
   void agree(Context& ctx, int size_log2, SizeClass& c);
 
   const uint64_t period_;
