@@ -86,3 +86,32 @@ def test_a_rank_yields_its_cpu_only_to_ranks_of_its_host(same_host):
         assert spent > 0.25 * hold, spent
     else:
         assert spent < 0.05 * hold, spent
+
+
+def stacked_calls(comm, calls):
+    """This rank's thread pinned to CPU 0, as its peer's: the median seconds of 8-byte
+    all-reduces (they run on the calling thread)."""
+    import os
+    import statistics
+    import time
+
+    os.sched_setaffinity(0, {0})
+    t = torch.ones(2)
+    for _ in range(10):
+        comm.all_reduce(t)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        comm.all_reduce(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def test_a_rank_does_not_spin_while_a_peer_waits_on_its_cpu():
+    # Both ranks on one CPU, with 200 us of spinning before a rank yields: spinning while the peer
+    # waits for the CPU, each handoff would take the whole spin (400 us a call or more).
+    spin_s = 200e-6
+    medians = run_ranks(2, stacked_calls, 101, env={"RINGCOMM_TRANSPORT": "shm",
+                                                     "RINGCOMM_SPIN_US": "200",
+                                                     "RINGCOMM_TUNING": "off"})
+    assert all(m < spin_s / 2 for m in medians), medians

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -35,6 +36,8 @@ struct Control {
   uint64_t board_bytes;
   alignas(kLine) std::atomic<uint32_t> doorbell;  // futex word: bumped to wake the owner
   alignas(kLine) std::atomic<uint32_t> sleeping;  // the owner sleeps (or is about to)
+  // The CPU the owner was on when it last began to wait (peer_on_this_cpu); -1 before.
+  alignas(kLine) std::atomic<int32_t> cpu;
   // 0; once `reason` is written, 1 + the reason's ErrorKind.
   alignas(kLine) std::atomic<uint32_t> aborted;
   char reason[kMaxAbortText];
@@ -220,6 +223,7 @@ bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
   }
   own_ = {static_cast<char*>(base), total};
   control_ = new (own_.base) Control();
+  control_->cpu.store(-1, std::memory_order_relaxed);
   control_->magic = kSegmentMagic;
   control_->nonce = nonce_;
   control_->locals = uint32_t(local.size());
@@ -716,6 +720,16 @@ void ShmTransport::sleep(Clock::time_point until) {
     futex(&control_->doorbell, FUTEX_WAIT, seen, &ts);
   }
   control_->sleeping.store(0, std::memory_order_relaxed);
+}
+
+bool ShmTransport::peer_on_this_cpu() {
+  if (!control_) return false;
+  const int cpu = sched_getcpu();
+  control_->cpu.store(cpu, std::memory_order_relaxed);
+  if (cpu < 0) return false;
+  for (int peer : active_)
+    if (peers_[size_t(peer)].control->cpu.load(std::memory_order_relaxed) == cpu) return true;
+  return false;
 }
 
 void ShmTransport::ring_self() {

@@ -95,6 +95,9 @@ class ShmTransport final : public Transport {
   // Writes `n` bytes at `offset` of this rank's board, with plain or streamed stores as the
   // writer of its slots chooses (stream_copy.h): peers on other CPUs read them.
   void write_board(size_t offset, const void* src, size_t n);
+  // Publishes the CPU this rank is on, for its peers, and says whether a local peer was on it
+  // when it last began to wait: the scheduler has put both on one CPU.
+  bool peer_on_this_cpu();
   // Data to `peer` goes through shared memory from now on (both sides mapped).
   void enable(int peer);
   bool enabled(int peer) const;
