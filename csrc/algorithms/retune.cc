@@ -20,7 +20,8 @@ double median(std::vector<double> v) {
 
 Retuner::Retuner(uint64_t period) : period_(period) {
   RC_CHECK_ARG(period == 0 || period >= kLeastPeriod, "RINGCOMM_RETUNE_CALLS=", period,
-               ": 0 (never) or at least ", kLeastPeriod, " (a round's trials and a call more)");
+               ": 0 (never) or at least ", kLeastPeriod,
+               " (the first round's opening calls, a block per candidate and a call more)");
 }
 
 Retuner::SizeClass& Retuner::size_class(const Selector& select, size_t bytes) {
