@@ -271,11 +271,14 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
   return algo;
 }
 
+bool Communicator::retuned(size_t bytes, Algorithm requested) const {
+  return requested == Algorithm::kAuto && forced_all_reduce_ == Algorithm::kAuto &&
+         retuner_.covers(bytes);
+}
+
 Algorithm Communicator::algorithm_for(size_t bytes, Algorithm requested) const {
   const Algorithm algo = choose_all_reduce(bytes, requested);
-  const bool retuned = requested == Algorithm::kAuto && forced_all_reduce_ == Algorithm::kAuto &&
-                       retuner_.covers(bytes);
-  return retuned ? retuner_.current(selector_, bytes) : algo;
+  return retuned(bytes, requested) ? retuner_.current(selector_, bytes) : algo;
 }
 
 Algorithm Communicator::choose_rooted(size_t bytes) const {
@@ -413,16 +416,15 @@ Signature Communicator::collective(Collective coll, DType dtype, ReduceOp op, Al
 WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp op,
                                  Algorithm algo, bool async) {
   const size_t bytes = count * dtype_size(dtype);
-  const bool retuned = algo == Algorithm::kAuto && forced_all_reduce_ == Algorithm::kAuto &&
-                       retuner_.covers(bytes);
+  const bool retune = retuned(bytes, algo);
   algo = choose_all_reduce(bytes, algo);
-  if (retuned) algo = Algorithm::kAuto;  // settled in run()
+  if (retune) algo = Algorithm::kAuto;  // settled in run()
   auto sig = collective(Collective::kAllReduce, dtype, op, algo, count);
   return submit(sig, [=](Context& ctx) {
     mesh_->offer_huge_pages(buf, bytes);
     const Clock::time_point start = Clock::now();
     all_reduce_by(ctx, ctx.signature().algo, layout_, buf, count, dtype, op);
-    if (retuned)
+    if (retune)
       retuner_.ran(ctx, bytes, std::chrono::duration<double>(Clock::now() - start).count());
   }, async);
 }

@@ -202,6 +202,8 @@ class Communicator {
   // The algorithm all_reduce runs now outside trials: as above, or where auto retunes
   // (RINGCOMM_RETUNE_CALLS) what its last trials found.
   Algorithm algorithm_for(size_t bytes, Algorithm requested) const;
+  // Whether an all_reduce of `bytes` asked for `requested` is one auto retunes.
+  bool retuned(size_t bytes, Algorithm requested) const;
   // What auto's trials found, one entry per size class retuned so far (algorithms/retune.h).
   std::vector<Retuner::Report> auto_trials() const { return retuner_.report(); }
   // Broadcast's and reduce's shape for `bytes`: binomial tree or chain.

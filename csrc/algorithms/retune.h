@@ -95,7 +95,7 @@ class Retuner {
     uint64_t call = 0;                 // in this round
     uint64_t start = kBlock;           // the round's first trial: after a prelude in the first
     uint64_t period = 0;               // this round's calls
-    std::vector<double> trials;        // this round's seconds: this rank's, then the agreed ones
+    std::vector<double> trials;        // this round's seconds on this rank
     std::vector<double> medians;       // per candidate, from the last agreement
     uint64_t rounds = 0;
   };
