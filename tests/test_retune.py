@@ -18,7 +18,7 @@ SLOW_RING = {"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_TUNING": "off",
 
 
 def auto_calls(comm, calls, path):
-    """`calls` auto all-reduces of 4 MiB, each checked; the algorithm each ran, from the timeline."""
+    """`calls` auto all-reduces of 4 MiB, each checked; the algorithm each ran (the timeline)."""
     from ringcomm import trace
     torch.set_num_threads(1)
     n = comm.world_size
