@@ -265,8 +265,7 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
              " us, shared buffer ",
              selector_.all_reduce_cost(Algorithm::kSharedBuffer, double(bytes)) * 1e6,
              " us, hierarchical ",
-             selector_.all_reduce_cost(Algorithm::kHierarchical, double(bytes)) * 1e6, " us",
-             retuner_.covers(bytes) ? " (retuned as it runs: RINGCOMM_RETUNE_CALLS)" : "");
+             selector_.all_reduce_cost(Algorithm::kHierarchical, double(bytes)) * 1e6, " us");
   }
   return algo;
 }
@@ -417,8 +416,7 @@ WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp 
                                  Algorithm algo, bool async) {
   const size_t bytes = count * dtype_size(dtype);
   const bool retune = retuned(bytes, algo);
-  algo = choose_all_reduce(bytes, algo);
-  if (retune) algo = Algorithm::kAuto;  // settled in run()
+  algo = retune ? Algorithm::kAuto : choose_all_reduce(bytes, algo);  // kAuto: settled in run()
   auto sig = collective(Collective::kAllReduce, dtype, op, algo, count);
   return submit(sig, [=](Context& ctx) {
     mesh_->offer_huge_pages(buf, bytes);

@@ -32,6 +32,14 @@ Retuner::SizeClass& Retuner::size_class(const Selector& select, size_t bytes) {
     c.candidates = select.all_reduce_candidates(bytes, kWorth, kMost);
     c.period = period_;
     c.trials.assign(c.candidates.size() * kBlock, 0.0);
+    if (debug_enabled()) {
+      std::string names;
+      for (Algorithm a : c.candidates)
+        names += str_cat(names.empty() ? "" : ", ", algorithm_name(a), " (model ",
+                         select.all_reduce_cost(a, double(bytes)) * 1e6, " us)");
+      RC_LOG("auto all_reduce of ", size_t(1) << log2_floor(bytes),
+             " bytes and more, retuned as it runs (RINGCOMM_RETUNE_CALLS): ", names);
+    }
   }
   return c;
 }

@@ -725,7 +725,10 @@ void ShmTransport::sleep(Clock::time_point until) {
 bool ShmTransport::peer_on_this_cpu() {
   if (!control_) return false;
   const int cpu = sched_getcpu();
-  control_->cpu.store(cpu, std::memory_order_relaxed);
+  // Written only when it changes: peers read this line at every wait, and a store each time
+  // would take it from their caches on the small-message path.
+  if (control_->cpu.load(std::memory_order_relaxed) != cpu)
+    control_->cpu.store(cpu, std::memory_order_relaxed);
   if (cpu < 0) return false;
   for (int peer : active_)
     if (peers_[size_t(peer)].control->cpu.load(std::memory_order_relaxed) == cpu) return true;
