@@ -11,10 +11,11 @@ MIB4 = 4 << 20
 COUNT = MIB4 // 4
 # 3 ranks in shared memory with fixed figures (RINGCOMM_TUNING=off): the model picks the ring at
 # 4 MiB and the shared buffer is the other candidate (its estimate 1.16x the ring's). A ring
-# slice of 4 KiB makes the ring about 3x slower than the shared buffer (which the model does not
-# know): 2.3-2.7 ms against 0.72-0.81 on the 2-vCPU guest.
+# slice of 1 KiB makes the ring about 8x slower than the shared buffer (which the model does not
+# know): 6.4-7.1 ms against 0.83-0.93 on the 2-vCPU guest. (A 4 KiB slice, 2.3-2.7 against
+# 0.72-0.81 ms, once left the trials at 3.0 against 2.1.)
 SLOW_RING = {"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_TUNING": "off",
-             "RINGCOMM_RING_SLICE_BYTES": "4096", "RINGCOMM_RETUNE_CALLS": "20"}
+             "RINGCOMM_RING_SLICE_BYTES": "1024", "RINGCOMM_RETUNE_CALLS": "20"}
 
 
 def auto_calls(comm, calls, path):
@@ -46,7 +47,7 @@ def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
     (found,) = trials
     assert found["bytes"] == MIB4 and found["candidates"] == ["ring", "shared_buffer"]
     ring, shared = found["seconds"]
-    assert ring > 1.5 * shared, found
+    assert ring > shared, found  # what the trials measured decides: no bound on the ratio
     assert found["winner"] == now == "shared_buffer" and found["rounds"] == 2
     # Rounds of 20 calls (RINGCOMM_RETUNE_CALLS). The first: 4 calls by the model's choice, a
     # block of 1 + 3 calls by each candidate, the model's first, then the winner. The second: the
