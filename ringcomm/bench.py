@@ -8,7 +8,8 @@
 Without RANK in the environment it launches `--ranks` local ranks itself (each one this module
 under the env:// variables torchrun sets). Times are medians over --repeats samples of --iters
 back-to-back operations (rank 0's clock, after a barrier), each sample after --sample-warmup
-untimed ones: samples of several libraries interleave, and on this kind of machine memory left
+untimed ones: samples of several libraries interleave (each repeat starting one library further
+on, so none always follows the same one), and on this kind of machine memory left
 alone for the length of another library's sample comes back slowly (a 16 MiB torch.add takes
 2.3x its steady time on the first call after 50 ms idle and 7 calls to recover), so each
 library's sample starts from the same warm state. algbw = size / time; busbw = algbw x
@@ -246,6 +247,17 @@ class Case:
 
 def time_case(case: Case, iters: int, barrier, warmup: int) -> float:
     return time_calls(case.run, iters, barrier, warmup, gpu=case.device != "cpu")
+
+
+def interleaved(names: list[str], repeats: int):
+    """The order samples are taken in: every name once per repeat, so drift hits all alike, and
+    each repeat starting one name further on, so none always follows the same one. A sample right
+    after another's pays for what that one left in the caches and memory: with the floor's
+    torch.add over three 64 MiB buffers per rank always just before it, auto's 64 MiB all-reduces
+    at 4 ranks ran 20-35% slower in some samples than the same algorithm forced a column later."""
+    for r in range(repeats):
+        start = r % len(names)
+        yield from names[start:] + names[:start]
 
 
 def time_calls(run, iters: int, barrier, warmup: int, gpu: bool = False) -> float:
@@ -576,12 +588,12 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
             run()
     samples = {name: [] for name in timed}
     sample_warmup = sample_warmup_iters(args, iters)
-    for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
-        for name, run in timed.items():
-            if name in passes:
-                samples[name].append(call_span(run, iters, comm.barrier, sample_warmup))
-            else:
-                samples[name].append(time_calls(run, iters, comm.barrier, sample_warmup))
+    for name in interleaved(list(timed), args.repeats):
+        run = timed[name]
+        if name in passes:
+            samples[name].append(call_span(run, iters, comm.barrier, sample_warmup))
+        else:
+            samples[name].append(time_calls(run, iters, comm.barrier, sample_warmup))
     for name in passes:  # every rank runs them at once, none waiting for another
         samples[name] = all_at_once(comm, samples[name], iters)
     stacked = [torch.cat(inputs(r)).double() for r in range(world)]
@@ -838,14 +850,14 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
         for _ in range(args.warmup_iters):
             case.run()
     samples = {lib: [] for lib in timed}
-    for _ in range(args.repeats):  # interleaved, so drift hits every library alike
-        for lib, case in cases.items():
-            if lib == "mpi":
-                samples[lib].append(case.sample(iters, sample_warmup))
-            elif lib == "floor":
-                samples[lib].append(call_span(case.run, iters, comm.barrier, sample_warmup))
-            else:
-                samples[lib].append(time_case(case, iters, comm.barrier, sample_warmup))
+    for lib in interleaved(list(cases), args.repeats):
+        case = cases[lib]
+        if lib == "mpi":
+            samples[lib].append(case.sample(iters, sample_warmup))
+        elif lib == "floor":
+            samples[lib].append(call_span(case.run, iters, comm.barrier, sample_warmup))
+        else:
+            samples[lib].append(time_case(case, iters, comm.barrier, sample_warmup))
     if "floor" in samples:
         samples["floor"] = all_at_once(comm, samples["floor"], iters)
     if wire is not None:
