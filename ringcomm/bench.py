@@ -9,7 +9,7 @@ Without RANK in the environment it launches `--ranks` local ranks itself (each o
 under the env:// variables torchrun sets). Times are medians over --repeats samples of --iters
 back-to-back operations (rank 0's clock, after a barrier), each sample after --sample-warmup
 untimed ones: samples of several libraries interleave (each repeat starting one library further
-on, so none always follows the same one), and on this kind of machine memory left
+on, every other one backwards, so none always follows the same one), and on this kind of machine memory left
 alone for the length of another library's sample comes back slowly (a 16 MiB torch.add takes
 2.3x its steady time on the first call after 50 ms idle and 7 calls to recover), so each
 library's sample starts from the same warm state. algbw = size / time; busbw = algbw x
@@ -250,14 +250,15 @@ def time_case(case: Case, iters: int, barrier, warmup: int) -> float:
 
 
 def interleaved(names: list[str], repeats: int):
-    """The order samples are taken in: every name once per repeat, so drift hits all alike, and
-    each repeat starting one name further on, so none always follows the same one. A sample right
-    after another's pays for what that one left in the caches and memory: with the floor's
-    torch.add over three 64 MiB buffers per rank always just before it, auto's 64 MiB all-reduces
-    at 4 ranks ran 20-35% slower in some samples than the same algorithm forced a column later."""
+    """The order samples are taken in: every name once per repeat, so drift hits all alike;
+    each repeat starts at the next name and every other one runs backwards, so no name always
+    follows the same other one (a sample pays for what the one before it left in the caches and
+    memory: the floor's torch.add over three buffers of the size on every rank, for one). The
+    same order on every rank, as the collectives need."""
+    n = len(names)
     for r in range(repeats):
-        start = r % len(names)
-        yield from names[start:] + names[:start]
+        step = -1 if r % 2 else 1
+        yield from (names[(r + step * i) % n] for i in range(n))
 
 
 def time_calls(run, iters: int, barrier, warmup: int, gpu: bool = False) -> float:
