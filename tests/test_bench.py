@@ -126,6 +126,21 @@ def test_samples_interleave_with_a_different_lead_and_neighbours_each_repeat():
         assert len(before) > 1, (name, before)
 
 
+def test_bench_warms_auto_up_past_its_first_trials(tmp_path):
+    """4 calls before the only sample, where auto's first trials take 16: the bench runs auto
+    until they are over, so the sample times the winner."""
+    out_file = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "1M", "-n", "3",
+           "-w", "1", "--sample-warmup", "0", "--repeats", "1", "--compare", "ring",
+           "--json", str(out_file)]
+    env = dict(os.environ, RINGCOMM_TRANSPORT="shm", RINGCOMM_RETUNE_CALLS="20")
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = json.loads(out_file.read_text())["rows"]
+    assert row["auto_trials"]["rounds"] == 1, row["auto_trials"]
+    assert len(row["auto_trials"]["seconds"]) == len(row["auto_trials"]["candidates"]) > 1
+
+
 def test_bench_plot_writes_a_png(limits_run):
     _, out = limits_run
     assert_png(out / "rows.png", 20_000)  # two panels, three series, a legend
