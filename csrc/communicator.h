@@ -220,6 +220,8 @@ class Communicator {
   std::map<std::string, OpStats> stats() const;
   // Idle time of every wait so far, collectives and sends/receives alike.
   int64_t idle_ns() const { return mesh_->idle_ns(); }
+  // Times this rank moved off a CPU where a local peer waited (RINGCOMM_SHM_UNSTACK).
+  uint64_t cpu_moves() const { return mesh_->cpu_moves(); }
   // Empty unless an error has broken this communicator.
   std::string broken_reason();
   // Fails the operation in progress and every queued one at once with "aborted: <reason>",

@@ -393,10 +393,13 @@ class Communicator:
         "buckets": the same by DDP bucket index for the ringcomm hooks (ringcomm.stats), with
         "comm_s" the time from the hook's call to the bucket's average being ready;
         "bytes_sent": bytes written per transport, message headers included;
-        "idle_s": the time all waits spent idle, sends and receives included.
+        "idle_s": the time all waits spent idle, sends and receives included;
+        "cpu_moves": times this rank moved off a CPU the scheduler had put a local peer on too
+        (RINGCOMM_SHM_UNSTACK).
         """
         return {"collectives": self._core.stats(), "buckets": self.bucket_stats.as_dict(),
-                "bytes_sent": self.bytes_sent_by_transport(), "idle_s": self._core.idle_s}
+                "bytes_sent": self.bytes_sent_by_transport(), "idle_s": self._core.idle_s,
+                "cpu_moves": self._core.cpu_moves}
 
     def broadcast(self, tensor, src: int, async_op: bool = False):
         buf = Buffer(tensor)

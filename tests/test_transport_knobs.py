@@ -1,4 +1,6 @@
 """Transport settings: several sockets per peer (striping), bind address / interface choice."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -115,3 +117,34 @@ def test_a_rank_does_not_spin_while_a_peer_waits_on_its_cpu():
                                                      "RINGCOMM_SPIN_US": "200",
                                                      "RINGCOMM_TUNING": "off"})
     assert all(m < spin_s / 2 for m in medians), medians
+
+
+def stack_until_moved(comm, seconds):
+    """Puts this rank's thread on CPU 0, as its peer's, with both CPUs 0 and 1 allowed, before
+    each 8-byte all-reduce, until a rank has moved off (or `seconds`): this rank's moves, and
+    the CPUs its thread may run on afterwards."""
+    import os
+    import time
+
+    t = torch.zeros(2)
+    end = time.monotonic() + seconds
+    while True:
+        os.sched_setaffinity(0, {0})  # migrates there now
+        os.sched_setaffinity(0, {0, 1})  # and may leave
+        t[0], t[1] = comm.stats()["cpu_moves"], float(time.monotonic() > end)
+        comm.all_reduce(t, op="max")  # both ranks stop at the same call
+        if t.sum() > 0:
+            return comm.stats()["cpu_moves"], sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
+@pytest.mark.parametrize("unstack", ["1", "0"])
+def test_the_higher_rank_moves_off_a_cpu_its_peer_waits_on(unstack):
+    # Two ranks, two CPUs, both put on CPU 0: rank 1 moves its thread to CPU 1 and gives it its
+    # CPU set back; rank 0 stays. RINGCOMM_SHM_UNSTACK=0: neither moves.
+    got = run_ranks(2, stack_until_moved, 3.0 if unstack == "1" else 0.3,
+                    env={"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_TUNING": "off",
+                         "RINGCOMM_SHM_UNSTACK": unstack})
+    assert [cpus for _, cpus in got] == [[0, 1], [0, 1]]
+    moves = [m for m, _ in got]
+    assert moves[0] == 0 and (moves[1] >= 1 if unstack == "1" else moves[1] == 0), moves

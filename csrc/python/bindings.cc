@@ -307,6 +307,7 @@ PYBIND11_MODULE(_C, m) {
              return d;
            })
       .def_property_readonly("idle_s", [](const Communicator& c) { return c.idle_ns() * 1e-9; })
+      .def_property_readonly("cpu_moves", &Communicator::cpu_moves)
       .def("broken_reason", &Communicator::broken_reason)
       .def("on_progress_thread", &Communicator::on_progress_thread)
       .def("abort", &Communicator::abort, py::arg("reason") = "", G())

@@ -138,6 +138,7 @@ class Mesh final : public PartSink {
   // Time wait() spent with nothing to move: spinning, yielding or asleep until a peer's bytes
   // came (the rest of a wait moves bytes and reduces them).
   int64_t idle_ns() const { return idle_ns_.load(std::memory_order_relaxed); }
+  uint64_t cpu_moves() const { return shm_ ? shm_->cpu_moves() : 0; }
   // Timeline spans (common/trace.h) of the sends and receives carry this communicator's number.
   void set_trace_id(uint64_t id) { trace_id_ = id; }
 

@@ -54,6 +54,7 @@ struct ShmOptions {
   bool huge_pages = true;  // RINGCOMM_SHM_HUGE_PAGES (huge_pages.h)
   size_t board_bytes = 2 << 20;  // RINGCOMM_SHM_BOARD_BYTES; 0: no board
   StreamMode stream = StreamMode::kAuto;  // RINGCOMM_SHM_STREAM (stream_copy.h)
+  bool unstack = true;  // RINGCOMM_SHM_UNSTACK (ShmTransport::move_off)
   static ShmOptions from_env();
 };
 
@@ -96,8 +97,11 @@ class ShmTransport final : public Transport {
   // writer of its slots chooses (stream_copy.h): peers on other CPUs read them.
   void write_board(size_t offset, const void* src, size_t n);
   // Publishes the CPU this rank is on, for its peers, and says whether a local peer was on it
-  // when it last began to wait: the scheduler has put both on one CPU.
+  // when it last began to wait: the scheduler has put both on one CPU. The higher rank of the
+  // two may first move off it (move_off), and then says no.
   bool peer_on_this_cpu();
+  // Times this rank's waiting thread moved off a CPU a local peer waited on.
+  uint64_t cpu_moves() const { return cpu_moves_.load(std::memory_order_relaxed); }
   // Data to `peer` goes through shared memory from now on (both sides mapped).
   void enable(int peer);
   bool enabled(int peer) const;
@@ -174,6 +178,7 @@ class ShmTransport final : public Transport {
   // Throws the peer's reason if it has aborted.
   void check_peer(int peer, const Peer& p) const;
   char* slot(Inbox* box, uint64_t index) const;
+  bool move_off(int cpu);
 
   const int rank_, world_size_;
   ShmOptions options_;
@@ -195,6 +200,8 @@ class ShmTransport final : public Transport {
   SlotWriter board_writer_;
   std::vector<Peer> peers_;   // by rank
   std::vector<int> active_;   // enabled peers
+  std::chrono::steady_clock::time_point move_tried_{};
+  std::atomic<uint64_t> cpu_moves_{0};
   Signature current_;
   bool has_current_ = false;
   bool aborted_ = false;
