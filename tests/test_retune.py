@@ -91,3 +91,13 @@ def test_ranks_that_retune_differently_fail_with_a_mismatch_not_a_hang():
                              per_rank_env={1: {"RINGCOMM_RETUNE_CALLS": "0"},
                                            2: {"RINGCOMM_RETUNE_CALLS": "0"}}):
         assert "mismatch" in message.lower(), message
+
+
+def test_a_winner_gives_way_only_when_beaten_twice_in_a_row(tmp_path):
+    """The verdict on a round's trials (Retuner::judge), in one process: a candidate that beats
+    the winner once is checked by trials at once, and takes over only if it wins those too."""
+    import subprocess
+    from ranks import build_native
+    binary = build_native("retune_judge", str(tmp_path))
+    run = subprocess.run([binary], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr

@@ -68,7 +68,21 @@ void Retuner::ran(Context& ctx, size_t bytes, double seconds) {
     agree(ctx, size_log2, c);
     lk.lock();
   }
-  if (++c.call >= c.period) c.call = c.start = 0;
+  if (++c.call >= c.period || c.recheck) {
+    c.call = c.start = 0;
+    c.recheck = false;
+  }
+}
+
+Retuner::Verdict Retuner::judge(const std::vector<double>& medians, size_t winner,
+                                size_t challenger, uint64_t rounds) {
+  const size_t best = size_t(std::min_element(medians.begin(), medians.end()) - medians.begin());
+  // The first round's winner is what its trials measured: the incumbent is then only the
+  // model's guess.
+  if (rounds == 0 || best == winner) return {best, kNone, false};
+  if (medians[best] >= medians[winner] * (1 - kMargin)) return {winner, kNone, false};
+  if (best == challenger) return {best, kNone, false};  // beaten in two trials in a row
+  return {winner, best, true};
 }
 
 void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
@@ -80,19 +94,21 @@ void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
   for (size_t a = 0; a < k; ++a)
     medians[a] = median({trials.begin() + long(a * kBlock + kWarm),
                          trials.begin() + long((a + 1) * kBlock)});
-  size_t best = size_t(std::min_element(medians.begin(), medians.end()) - medians.begin());
-  // The first round's winner is what its trials measured: the incumbent is then only the
-  // model's guess. After that a winner keeps its place unless beaten by kMargin.
-  if (c.rounds > 0 && medians[best] >= medians[c.winner] * (1 - kMargin)) best = c.winner;
-  if (best != c.winner && ctx.rank() == 0)
+  const Verdict v = judge(medians, c.winner, c.challenger, c.rounds);
+  const size_t beaten_by = v.recheck ? v.challenger : v.winner;
+  if (beaten_by != c.winner && ctx.rank() == 0)
     RC_LOG("all_reduce of ", size_t(1) << size_log2, " bytes and more: ",
-           algorithm_name(c.candidates[best]), " from now on, not ",
-           algorithm_name(c.candidates[c.winner]), " (trials: ", medians[best] * 1e6,
-           " us against ", medians[c.winner] * 1e6, ")");
+           algorithm_name(c.candidates[beaten_by]),
+           v.recheck ? " beat " : " from now on, not ", algorithm_name(c.candidates[c.winner]),
+           " (trials: ", medians[beaten_by] * 1e6, " us against ", medians[c.winner] * 1e6,
+           v.recheck ? "): trials again" : ")");
   std::lock_guard<std::mutex> lk(mu_);
-  c.period = best == c.winner ? std::min(c.period * 2, period_ * kLongest) : period_;
+  if (!v.recheck)
+    c.period = v.winner == c.winner ? std::min(c.period * 2, period_ * kLongest) : period_;
   c.medians = std::move(medians);
-  c.winner = best;
+  c.winner = v.winner;
+  c.challenger = v.challenger;
+  c.recheck = v.recheck;
   ++c.rounds;
 }
 

@@ -25,10 +25,15 @@
 //   the last trial, after its all-reduce, agrees on them: one recursive-doubling all-reduce (min)
 //            of each trial's seconds. Min, because a rank's time runs from its own call, and the
 //            rank that called last waited for no other: its time is the algorithm's own. The
-//            winner is the candidate with the least median; after the first round the winner
-//            stays unless another is faster by more than kMargin (in one run the first round
-//            kept the model's halving-doubling, 24.3 ms, over the shared buffer's 24.0, which
-//            then measured 21.3 ms against its 24.0 over 7 samples);
+//            winner is the candidate with the least median (judge()); after the first round
+//            the winner stays unless another is faster by more than kMargin (in one run the
+//            first round kept the model's halving-doubling, 24.3 ms, over the shared buffer's
+//            24.0, which then measured 21.3 ms against its 24.0 over 7 samples) in two trials
+//            in a row: the one that beats it is checked by trials at once, the round cut short.
+//            A spell of a few tens of milliseconds hits one trial: in one bench run (4 ranks,
+//            16 MiB) the first two blocks of a second round timed the shared buffer at 7.40 ms
+//            and the ring at 7.45, and halving-doubling's 5.41 took the size for the rest of
+//            the run at 1.51x the shared buffer's 4.79 forced beside it;
 //   then the winner, to the end of the round: `period` calls, doubled (up to kLongest x) each
 //            time a round keeps its winner, back to `period` when it changes.
 // Trials cost at most (k-1) * kBlock calls of slower algorithms a round: in the first round of
@@ -75,6 +80,17 @@ class Retuner {
   // every rank (a collective on `ctx`).
   void ran(Context& ctx, size_t bytes, double seconds);
 
+  // The agreement's verdict on a round's medians (one per candidate), the same on every rank:
+  // the winner from now on; a candidate that beat the winner once and is to be checked by trials
+  // at once (`recheck`), or kNone.
+  static constexpr size_t kNone = size_t(-1);
+  struct Verdict {
+    size_t winner, challenger;
+    bool recheck;
+  };
+  static Verdict judge(const std::vector<double>& medians, size_t winner, size_t challenger,
+                       uint64_t rounds);
+
   // What the trials found, for reports and tests: one entry per size class retuned so far.
   struct Report {
     size_t bytes;                      // the class: bytes .. 2 x bytes - 1
@@ -98,6 +114,8 @@ class Retuner {
     std::vector<double> trials;        // this round's seconds on this rank
     std::vector<double> medians;       // per candidate, from the last agreement
     uint64_t rounds = 0;
+    size_t challenger = kNone;         // beat the winner in the last trials
+    bool recheck = false;              // ends the round after this call
   };
   SizeClass& size_class(const Selector& select, size_t bytes);
   static long trial_of(const SizeClass& c);  // this call's index in c.trials, or -1
