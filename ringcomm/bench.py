@@ -827,7 +827,7 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
 def settle_auto(case: Case, most_calls: int = 100) -> None:
     """Warms up auto's all-reduce until its first trials are over, where it retunes the size
     (Communicator.auto_trials): after 4 calls by the model's choice they run each candidate 4
-    times (12 calls with 3 candidates), more than the untimed calls before the first sample
+    times (16 calls with 4 candidates), more than the untimed calls before the first sample
     cover at the larger sizes (5, then 2 before each sample at 64 MiB). Every rank stops at the
     same call: the trials' end is agreed. Later rounds' trials fall in the samples, as they
     would in a job."""

@@ -133,7 +133,7 @@ def test_bench_warms_auto_up_past_its_first_trials(tmp_path):
     cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "1M", "-n", "3",
            "-w", "1", "--sample-warmup", "0", "--repeats", "1", "--compare", "ring",
            "--json", str(out_file)]
-    env = dict(os.environ, RINGCOMM_TRANSPORT="shm", RINGCOMM_RETUNE_CALLS="20")
+    env = dict(os.environ, RINGCOMM_TRANSPORT="shm", RINGCOMM_RETUNE_CALLS="24")
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     (row,) = json.loads(out_file.read_text())["rows"]

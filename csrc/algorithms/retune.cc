@@ -88,7 +88,7 @@ Retuner::Verdict Retuner::judge(const std::vector<double>& medians, size_t winne
 void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
   std::vector<double> trials = c.trials;
   recursive_doubling_all_reduce(ctx, trials.data(), trials.size(), DType::kFloat64,
-                                ReduceOp::kMin);
+                                ReduceOp::kAvg);
   const size_t k = c.candidates.size();
   std::vector<double> medians(k);
   for (size_t a = 0; a < k; ++a)

@@ -22,9 +22,18 @@
 //            probe's factors, measured at connection and only up to 16 MiB, are what the trials
 //            check. Taken from the model's costs instead, the shared buffer, untimed by a probe
 //            at 16 MiB and so priced at 1.5x the slowest algorithm timed there, was never tried;
-//   the last trial, after its all-reduce, agrees on them: one recursive-doubling all-reduce (min)
-//            of each trial's seconds. Min, because a rank's time runs from its own call, and the
-//            rank that called last waited for no other: its time is the algorithm's own. The
+//            Up to 4: at 2 ranks four algorithms move the same bytes, and with 3 the shared
+//            buffer, priced last by the probe, was left out at 16 MiB where it was the fastest
+//            (1.27x in auto's row);
+//   the last trial, after its all-reduce, agrees on them: one recursive-doubling all-reduce (avg)
+//            of each trial's seconds, a call's mean time over the ranks. A rank's call runs from
+//            its own start to its own end: back to back, one that calls early waits for the
+//            others and one that calls late does not, and the mean takes these lags out. The
+//            fastest rank's time (min) measured the work left
+//            after the last arrival: at 16 KiB and 4 ranks, recursive doubling 4 us a call
+//            where it took 15; at 256 KiB the ring 44 us against halving-doubling's 71, which
+//            forced took 57 against the ring's 62. The slowest's (max) measured the lags: at 4
+//            MiB halving-doubling 2055 us where forced it took 912. The
 //            winner is the candidate with the least median (judge()); after the first round
 //            the winner stays unless another is faster by more than kMargin (in one run the
 //            first round kept the model's halving-doubling, 24.3 ms, over the shared buffer's
@@ -37,7 +46,7 @@
 //   then the winner, to the end of the round: `period` calls, doubled (up to kLongest x) each
 //            time a round keeps its winner, back to `period` when it changes.
 // Trials cost at most (k-1) * kBlock calls of slower algorithms a round: in the first round of
-// 64 calls, with candidates 1.25x the winner's time, 8 x 0.25 / 64 = 3 % of the round.
+// 64 calls, with candidates 1.25x the winner's time, 12 x 0.25 / 64 = 5 % of the round.
 #pragma once
 
 #include <cstddef>
@@ -55,15 +64,19 @@ class Context;
 
 class Retuner {
  public:
-  // Below 1 MiB the agreement (5-20 us on shared memory, 50-100 over TCP) would weigh on calls
-  // of tens of microseconds, and the probe times every size up to 16 MiB.
-  static constexpr size_t kLeastBytes = 1 << 20;
+  // From 4 KiB: the probe's choice, made in the state the connection met, lost by 1.33-1.46x at
+  // 4, 16 and 64 KiB in runs where the guest flipped after it (4 ranks: the shared buffer 18.3
+  // and 21.5 us against recursive doubling's 13.8 and 14.7; the ring 53.4 against
+  // halving-doubling's 36.5). Below, the agreement (5-20 us on shared memory, 50-100 over TCP)
+  // would weigh on calls of a microsecond or two, and recursive doubling, the model's choice
+  // there, was the fastest in every run.
+  static constexpr size_t kLeastBytes = 4 << 10;
   // A block per candidate, not calls of each in turn: the first call after a switch pays for the
   // other's traces in the caches. 4 ranks at 4 MiB, medians of 12 calls (each call's time on its
   // fastest rank): the shared buffer took 961 and 1452 us in turn with halving-doubling and the
   // ring, 853 and 962 in blocks (halving-doubling 1089 and 1607, 1066 and 1536).
   static constexpr size_t kWarm = 1, kRepeats = 3, kBlock = kWarm + kRepeats;
-  static constexpr size_t kMost = 3;           // candidates
+  static constexpr size_t kMost = 4;           // candidates
   static constexpr double kWorth = 1.25;       // times the least estimate
   static constexpr double kMargin = 0.02;
   static constexpr uint64_t kLongest = 16;     // rounds grow to 16x `period`
