@@ -21,7 +21,7 @@
 //            tree, recursive doubling: 1.38x the ring's estimate at 4 ranks and 64 MiB); the
 //            probe's factors, measured at connection and only up to 16 MiB, are what the trials
 //            check. Taken from the model's costs instead, the shared buffer, untimed by a probe
-//            at 16 MiB and so priced at 1.5x the slowest algorithm timed there, was never tried;
+//            at 16 MiB and so priced at 1.5x the slowest algorithm timed there, was never tried.
 //            Up to 4: at 2 ranks four algorithms move the same bytes, and with 3 the shared
 //            buffer, priced last by the probe, was left out at 16 MiB where it was the fastest
 //            (1.27x in auto's row);
@@ -29,17 +29,16 @@
 //            of each trial's seconds, a call's mean time over the ranks. A rank's call runs from
 //            its own start to its own end: back to back, one that calls early waits for the
 //            others and one that calls late does not, and the mean takes these lags out. The
-//            fastest rank's time (min) measured the work left
-//            after the last arrival: at 16 KiB and 4 ranks, recursive doubling 4 us a call
-//            where it took 15; at 256 KiB the ring 44 us against halving-doubling's 71, which
-//            forced took 57 against the ring's 62. The slowest's (max) measured the lags: at 4
-//            MiB halving-doubling 2055 us where forced it took 912. The
-//            winner is the candidate with the least median (judge()); after the first round
-//            the winner stays unless another is faster by more than kMargin (in one run the
-//            first round kept the model's halving-doubling, 24.3 ms, over the shared buffer's
-//            24.0, which then measured 21.3 ms against its 24.0 over 7 samples) in two trials
-//            in a row: the one that beats it is checked by trials at once, the round cut short.
-//            A spell of a few tens of milliseconds hits one trial: in one bench run (4 ranks,
+//            fastest rank's time (min) measured the work left after the last arrival: at 16 KiB
+//            and 4 ranks, recursive doubling 4 us a call where it took 15; at 256 KiB the ring
+//            44 us against halving-doubling's 71, which forced took 57 against the ring's 62.
+//            The slowest's (max) measured the lags: at 4 MiB halving-doubling 2055 us where
+//            forced it took 912. The winner is the candidate with the least median (judge());
+//            after the first round the winner stays unless another is faster by more than
+//            kMargin (in one run the first round kept the model's halving-doubling, 24.3 ms,
+//            over the shared buffer's 24.0, which then measured 21.3 ms against its 24.0 over
+//            7 samples) in two trials in a row: the one that beats it is checked by trials at
+//            once, the round cut short. A spell of a few tens of milliseconds hits one trial: in one bench run (4 ranks,
 //            16 MiB) the first two blocks of a second round timed the shared buffer at 7.40 ms
 //            and the ring at 7.45, and halving-doubling's 5.41 took the size for the rest of
 //            the run at 1.51x the shared buffer's 4.79 forced beside it;

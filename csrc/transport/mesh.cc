@@ -511,7 +511,8 @@ size_t Mesh::wait_any(const Request* reqs, size_t count, Clock::time_point deadl
   // Not while a local peer waits on this CPU: spinning keeps from it the CPU it needs to answer.
   // 2 ranks on 2 vCPUs, 8 B: spells of 10.8-11.1 us a call (each side spinning its 5 us, then
   // yielding) among samples of 1.3-3.1, while an Open MPI job shared the machine.
-  const bool stacked = shm_ && shm_->peer_on_this_cpu();  // asked even when not spinning: it moves
+  // Asked without spinning too: the higher rank of two on one CPU moves off it there.
+  const bool stacked = shm_ && shm_->peer_on_this_cpu();
   bool spinning = options_.spin_us > 0 && !stacked;
   const auto yield_for = std::chrono::microseconds(std::max(options_.yield_us, 0));
   Clock::time_point yield_until;

@@ -770,7 +770,13 @@ bool ShmTransport::move_off(int cpu) {
   CPU_SET(target, &only);
   // The first call migrates the thread before it returns; the second does not move it back.
   if (sched_setaffinity(0, sizeof only, &only) != 0) return false;
-  sched_setaffinity(0, sizeof allowed, &allowed);
+  if (sched_setaffinity(0, sizeof allowed, &allowed) != 0) {
+    // Not seen; said always, not only under RINGCOMM_DEBUG: it leaves the caller's thread pinned.
+    options_.unstack = false;
+    log_line(str_cat("ringcomm: rank ", rank_, " moved its waiting thread to CPU ", target,
+                     " and could not give it its CPU set back (", strerror(errno),
+                     "): it stays there; no more moves (RINGCOMM_SHM_UNSTACK)"));
+  }
   control_->cpu.store(sched_getcpu(), std::memory_order_relaxed);
   cpu_moves_.fetch_add(1, std::memory_order_relaxed);
   return true;
