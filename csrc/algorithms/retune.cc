@@ -63,15 +63,14 @@ void Retuner::ran(Context& ctx, size_t bytes, double seconds) {
   const long t = trial_of(c);
   if (t >= 0) c.trials[size_t(t)] = seconds;
   // One candidate has nothing to try against: its trials are plain calls.
-  if (c.candidates.size() > 1 && t + 1 == long(c.trials.size())) {
+  const bool agreed = c.candidates.size() > 1 && t + 1 == long(c.trials.size());
+  if (agreed) {
     lk.unlock();  // the agreement waits for the other ranks; report() must not
     agree(ctx, size_log2, c);
     lk.lock();
   }
-  if (++c.call >= c.period || c.recheck) {
-    c.call = c.start = 0;
-    c.recheck = false;
-  }
+  // A challenger left by the agreement is checked at once: the round ends here.
+  if (++c.call >= c.period || (agreed && c.challenger != kNone)) c.call = c.start = 0;
 }
 
 Retuner::Verdict Retuner::judge(const std::vector<double>& medians, size_t winner,
@@ -79,10 +78,10 @@ Retuner::Verdict Retuner::judge(const std::vector<double>& medians, size_t winne
   const size_t best = size_t(std::min_element(medians.begin(), medians.end()) - medians.begin());
   // The first round's winner is what its trials measured: the incumbent is then only the
   // model's guess.
-  if (rounds == 0 || best == winner) return {best, kNone, false};
-  if (medians[best] >= medians[winner] * (1 - kMargin)) return {winner, kNone, false};
-  if (best == challenger) return {best, kNone, false};  // beaten in two trials in a row
-  return {winner, best, true};
+  if (rounds == 0 || best == winner) return {best, kNone};
+  if (medians[best] >= medians[winner] * (1 - kMargin)) return {winner, kNone};
+  if (best == challenger) return {best, kNone};  // beaten in two trials in a row
+  return {winner, best};
 }
 
 void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
@@ -95,20 +94,20 @@ void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
     medians[a] = median({trials.begin() + long(a * kBlock + kWarm),
                          trials.begin() + long((a + 1) * kBlock)});
   const Verdict v = judge(medians, c.winner, c.challenger, c.rounds);
-  const size_t beaten_by = v.recheck ? v.challenger : v.winner;
+  const bool recheck = v.challenger != kNone;
+  const size_t beaten_by = recheck ? v.challenger : v.winner;
   if (beaten_by != c.winner && ctx.rank() == 0)
     RC_LOG("all_reduce of ", size_t(1) << size_log2, " bytes and more: ",
            algorithm_name(c.candidates[beaten_by]),
-           v.recheck ? " beat " : " from now on, not ", algorithm_name(c.candidates[c.winner]),
+           recheck ? " beat " : " from now on, not ", algorithm_name(c.candidates[c.winner]),
            " (trials: ", medians[beaten_by] * 1e6, " us against ", medians[c.winner] * 1e6,
-           v.recheck ? "): trials again" : ")");
+           recheck ? "): trials again" : ")");
   std::lock_guard<std::mutex> lk(mu_);
-  if (!v.recheck)
+  if (!recheck)
     c.period = v.winner == c.winner ? std::min(c.period * 2, period_ * kLongest) : period_;
   c.medians = std::move(medians);
   c.winner = v.winner;
   c.challenger = v.challenger;
-  c.recheck = v.recheck;
   ++c.rounds;
 }
 

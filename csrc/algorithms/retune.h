@@ -93,12 +93,11 @@ class Retuner {
   void ran(Context& ctx, size_t bytes, double seconds);
 
   // The agreement's verdict on a round's medians (one per candidate), the same on every rank:
-  // the winner from now on; a candidate that beat the winner once and is to be checked by trials
-  // at once (`recheck`), or kNone.
+  // the winner from now on, and a candidate that beat the winner once, to be checked by trials
+  // at once, or kNone.
   static constexpr size_t kNone = size_t(-1);
   struct Verdict {
     size_t winner, challenger;
-    bool recheck;
   };
   static Verdict judge(const std::vector<double>& medians, size_t winner, size_t challenger,
                        uint64_t rounds);
@@ -127,7 +126,6 @@ class Retuner {
     std::vector<double> medians;       // per candidate, from the last agreement
     uint64_t rounds = 0;
     size_t challenger = kNone;         // beat the winner in the last trials
-    bool recheck = false;              // ends the round after this call
   };
   SizeClass& size_class(const Selector& select, size_t bytes);
   static long trial_of(const SizeClass& c);  // this call's index in c.trials, or -1

@@ -1,6 +1,6 @@
 // Retuner::judge (csrc/algorithms/retune.h), the verdict every rank draws from a round's agreed
 // medians: the first round takes its fastest; later a candidate must beat the winner by more
-// than kMargin in two trials in a row, the second run at once (recheck). Prints "ok", or the
+// than kMargin in two trials in a row, the second run at once (a challenger). Prints "ok", or the
 // first wrong verdict and exits 1.
 //
 // usage: retune_judge
@@ -17,12 +17,9 @@ constexpr size_t kNone = Retuner::kNone;
 bool expect(const char* what, const std::vector<double>& medians, size_t winner,
             size_t challenger, uint64_t rounds, Retuner::Verdict want) {
   const Retuner::Verdict got = Retuner::judge(medians, winner, challenger, rounds);
-  if (got.winner == want.winner && got.challenger == want.challenger &&
-      got.recheck == want.recheck)
-    return true;
-  std::printf("%s: winner %zu, challenger %zu, recheck %d; want %zu, %zu, %d\n", what,
-              got.winner, got.challenger, int(got.recheck), want.winner, want.challenger,
-              int(want.recheck));
+  if (got.winner == want.winner && got.challenger == want.challenger) return true;
+  std::printf("%s: winner %zu, challenger %zu; want %zu, %zu\n", what, got.winner,
+              got.challenger, want.winner, want.challenger);
   return false;
 }
 
@@ -31,20 +28,20 @@ bool expect(const char* what, const std::vector<double>& medians, size_t winner,
 int main() {
   bool ok = true;
   // The first round trusts its trials, however close: the incumbent is the model's guess.
-  ok &= expect("first round", {24.3, 30.0, 24.0}, 0, kNone, 0, {2, kNone, false});
+  ok &= expect("first round", {24.3, 30.0, 24.0}, 0, kNone, 0, {2, kNone});
   // Later, within the margin the winner stays.
-  ok &= expect("within the margin", {24.3, 30.0, 24.0}, 0, kNone, 3, {0, kNone, false});
+  ok &= expect("within the margin", {24.3, 30.0, 24.0}, 0, kNone, 3, {0, kNone});
   // Beaten by more: trials again at once, the winner kept until then.
-  ok &= expect("beaten once", {7.40, 7.45, 5.41}, 0, kNone, 1, {0, 2, true});
+  ok &= expect("beaten once", {7.40, 7.45, 5.41}, 0, kNone, 1, {0, 2});
   // Beaten again by the same one: it takes over.
-  ok &= expect("beaten twice", {7.40, 7.45, 5.41}, 0, 2, 2, {2, kNone, false});
+  ok &= expect("beaten twice", {7.40, 7.45, 5.41}, 0, 2, 2, {2, kNone});
   // The check clears it: the winner stays and nothing waits.
-  ok &= expect("cleared", {4.79, 7.45, 7.36}, 0, 2, 2, {0, kNone, false});
-  ok &= expect("cleared within the margin", {5.50, 7.45, 5.41}, 0, 2, 2, {0, kNone, false});
+  ok &= expect("cleared", {4.79, 7.45, 7.36}, 0, 2, 2, {0, kNone});
+  ok &= expect("cleared within the margin", {5.50, 7.45, 5.41}, 0, 2, 2, {0, kNone});
   // Another one beats it in the check: that one is checked next.
-  ok &= expect("another challenger", {7.40, 5.00, 7.36}, 0, 2, 2, {0, 1, true});
+  ok &= expect("another challenger", {7.40, 5.00, 7.36}, 0, 2, 2, {0, 1});
   // The winner fastest: any challenger is dropped.
-  ok &= expect("winner fastest", {4.79, 7.45, 7.36}, 0, 1, 5, {0, kNone, false});
+  ok &= expect("winner fastest", {4.79, 7.45, 7.36}, 0, 1, 5, {0, kNone});
   if (ok) std::printf("ok\n");
   return ok ? 0 : 1;
 }
