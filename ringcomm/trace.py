@@ -198,15 +198,18 @@ def _chrome_trace(rank: int, events, dropped: int, threads: dict, python_events)
                     "args": {"name": names.get(tid, f"thread {tid}")}})
         out.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid,
                     "args": {"sort_index": tid}})
-    return {"traceEvents": out, "displayTimeUnit": "ms",
-            "otherData": {"ringcomm_rank": rank, "ringcomm_job": _job_key(),
-                          "ringcomm_dropped_events": dropped}}
+    # otherData first: every rank's stop() reads the job key of each part there (_job_of).
+    return {"otherData": {"ringcomm_rank": rank, "ringcomm_job": _job_key(),
+                          "ringcomm_dropped_events": dropped},
+            "traceEvents": out, "displayTimeUnit": "ms"}
 
 
 def _write_json(path: str, data: dict) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(data, f)
+        # dumps, not dump: json.dump streams through the pure-Python encoder, 29.6 s for two
+        # files of 164k events (24 and 73 MB) where the C one takes a tenth of that
+        f.write(json.dumps(data))
     os.replace(tmp, path)
 
 
@@ -227,6 +230,21 @@ def merge(parts: list, out: str) -> dict:
     return merged
 
 
+def _job_of(part: str) -> Optional[str]:
+    """The job key a part was written with: read off its head, where _chrome_trace puts it (a
+    part of 164k events, 24 MB, took seconds to load whole, and every rank's stop() reads every
+    part written so far); a part laid out otherwise is loaded whole."""
+    with open(part) as f:
+        head = f.read(4096)
+        key = '{"otherData": '
+        if head.startswith(key):
+            with contextlib.suppress(ValueError):
+                other, _ = json.JSONDecoder().raw_decode(head, len(key))
+                return other.get("ringcomm_job")
+        f.seek(0)
+        return json.load(f).get("otherData", {}).get("ringcomm_job")
+
+
 def _merge_if_complete(path: str) -> Optional[str]:
     """Merges the job's parts into `path` if all WORLD_SIZE of them are written (under a lock, so
     exactly the last rank to finish does it)."""
@@ -237,9 +255,8 @@ def _merge_if_complete(path: str) -> Optional[str]:
         parts = []
         for part in glob.glob(f"{glob.escape(path)}.rank*.json"):
             try:
-                with open(part) as f:
-                    if json.load(f).get("otherData", {}).get("ringcomm_job") == job:
-                        parts.append(part)
+                if _job_of(part) == job:
+                    parts.append(part)
             except (OSError, ValueError):
                 continue  # another job's part being written
         if len(parts) < world:
