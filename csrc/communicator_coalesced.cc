@@ -230,9 +230,13 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
     if (coalesced_calls_.size() > kCoalescedPlansKept) coalesced_calls_.pop_back();
   }
   if (plan->buckets.empty()) return finished_work();  // an empty list
-  return submit(plan->buckets[0].sig, [this, plan](Context& ctx) {
+  size_t largest = 0;
+  for (const FusedBucket& b : plan->buckets)
+    largest = std::max(largest, b.sig.count * dtype_size(b.sig.dtype));
+  return submit(plan->buckets[0].sig, [this, plan, largest](Context& ctx) {
     for (const iovec& run : plan->runs) mesh_->offer_huge_pages(run.iov_base, run.iov_len);
-    coalesced_all_reduce(ctx, *plan);
+    // Here, in the order operations run: the retuned choice is the same on every rank.
+    coalesced_all_reduce(ctx, *plan, algorithm_for(largest, Algorithm::kAuto));
   }, async, plan->buckets.size());
 }
 

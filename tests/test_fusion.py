@@ -3,6 +3,7 @@
 "Equal" below is bitwise: floats are compared through their integer bit patterns, so -0.0 vs 0.0
 and the last bit of a rounding count. Inputs are finite.
 """
+import json
 import os
 from array import array
 
@@ -238,6 +239,90 @@ def coalesced_under_default_knobs(comm):
         comm.all_reduce(t)
     comm.all_reduce_coalesced(tensors)
     return all(same(a, b) for a, b in zip(tensors, expect))
+
+
+# ---- through the boards: each element still in its own tensor's order ----------------------
+
+ALGORITHMS = ["ring", "recursive_doubling", "tree", "halving_doubling", "shared_buffer"]
+MEASURED = [4096, 65536, 262144, 1048576, 4194304, 16777216]
+
+
+def boards_from_256k(path):
+    """SMALL's link model pinned with measured factors: the shared buffer 1000x its estimate up to
+    64 KiB and 0.001x from 256 KiB, every other algorithm as estimated. Tensors of a few KiB go
+    by the ring (3 ranks), a bucket of 256 KiB or more by the shared buffer."""
+    with open(SMALL["RINGCOMM_TUNING"]) as f:
+        lines = f.read().splitlines()
+    for algo in ALGORITHMS:
+        for size in MEASURED:
+            factor = 1 if algo != "shared_buffer" else (1000 if size <= 65536 else 0.001)
+            lines.append(f"factor {algo} {size} {factor}")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def coalesced_through_boards(comm, path):
+    from ringcomm import trace
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(comm.rank)
+
+    def spread(n, dtype=torch.float32):  # magnitudes spread: each order shows in the last bits
+        x = torch.randn(n, generator=gen, dtype=torch.float64)
+        return (x * torch.exp(torch.randn(n, generator=gen, dtype=torch.float64) * 4)).to(dtype)
+
+    ran, equal = [], []
+    calls = [("sum", 25 << 20), ("prod", 25 << 20), ("max", 25 << 20), ("sum", 270_000),
+             ("avg", 25 << 20)]
+    for i, (op, bucket_bytes) in enumerate(calls):
+        # 100 tensors of 2.8 KB (the ring's each), spaced apart, and others of three dtypes
+        tensors = [spread(700) for _ in range(100)] + [spread(3), torch.zeros(0), spread(5000),
+                                                       spread(300, torch.float64),
+                                                       torch.randint(-9, 9, (40,), generator=gen)]
+        if op == "avg":
+            tensors = tensors[:-1]
+        expect = [t.clone() for t in tensors]
+        for t in expect:
+            comm.all_reduce(t, op=op)
+        trace.start(f"{path}.{i}")
+        comm.all_reduce_coalesced(tensors, op=op, bucket_bytes=bucket_bytes)
+        trace.stop()
+        with open(f"{path}.{i}.rank{comm.rank}.json") as f:
+            events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+        (call,) = [e for e in events if e["name"] == "all_reduce_coalesced"]
+        ran.append((call["args"]["algorithm"], sum(e["name"] == "board-in" for e in events) > 0))
+        equal.append(all(same(a, b) for a, b in zip(tensors, expect)))
+    # Not vacuous: the shared buffer's rank order over the fused float32 bytes gives other bits.
+    tensors = [spread(700) for _ in range(100)]
+    expect = [t.clone() for t in tensors]
+    for t in expect:
+        comm.all_reduce(t)
+    fused = torch.cat(tensors)
+    comm.all_reduce(fused, algorithm="shared_buffer")
+    # Ranks that pass the same bytes in other tensors disagree on the first bucket's first
+    # message, on the boards as in the pipeline.
+    odd = comm.rank % 2
+    try:
+        comm.all_reduce_coalesced([spread(70000 if odd else 30000), spread(30000 if odd else 70000)])
+        mismatch = "no error"
+    except ringcomm.RingcommError as e:
+        mismatch = str(e)
+    return ran, equal, same(fused, torch.cat(expect)), comm.algorithm_for(2800), mismatch
+
+
+def test_coalesced_buckets_through_the_boards_keep_each_tensors_order(tmp_path, transport):
+    if transport != "shm":
+        pytest.skip("the boards are shared memory's")
+    env = {"RINGCOMM_TUNING": boards_from_256k(tmp_path / "model"),
+           "RINGCOMM_SHM_BOARD_BYTES": "65536"}  # 10.9 KB slots: 30 rounds and more a bucket
+    for ran, equal, fused_equal, small, mismatch in run_ranks(
+            3, coalesced_through_boards, str(tmp_path / "t"), env=env, timeout=120):
+        assert small == "ring"
+        # sum, prod and max through the boards, in one bucket or two; avg is scaled on the way
+        # out, so it goes through the pipeline
+        assert ran == [("shared_buffer", True)] * 4 + [("direct", False)]
+        assert equal == [True] * 5
+        assert not fused_equal
+        assert "mismatched operations" in mismatch, mismatch
 
 
 def test_all_reduce_coalesced_default_knobs():

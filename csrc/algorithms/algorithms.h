@@ -96,6 +96,24 @@ void recursive_doubling_all_reduce(Context& ctx, void* buf, size_t count, DType 
 // Every rank reduces its slice from every rank's board (shared_buffer.cc): ranks of one host
 // that all reach each other through shared memory (Context::has_boards).
 void shared_buffer_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op);
+// The elements a shared-buffer all-reduce works on, where they lie: one buffer, or a coalesced
+// bucket's pieces of the caller's buffers (coalesced.cc).
+class BoardElements {
+ public:
+  virtual ~BoardElements() = default;
+  // This rank's elements [first, first + count), onto its board at `offset`.
+  virtual void copy_in(Context& ctx, size_t first, size_t count, size_t offset) = 0;
+  // Reduces elements [first, first + count) from rank p's contributions at inputs[p] and this
+  // rank's where it lies (inputs[rank] is not read); the result replaces this rank's, and goes
+  // onto its board at `offset`.
+  virtual void reduce(Context& ctx, size_t first, size_t count, const char* const* inputs,
+                      size_t offset) = 0;
+  // Elements [first, first + count) of the result, from `src` (a peer's board).
+  virtual void copy_out(size_t first, size_t count, const char* src) = 0;
+};
+// shared_buffer_all_reduce's rounds over `count` elements of `dtype`, its messages under `sig`.
+void shared_buffer_rounds(Context& ctx, BoardElements& elements, size_t count, DType dtype,
+                          const Signature& sig);
 
 // reduce_scatter: `in` holds size() blocks of `count` elements; block rank() of the result
 // lands in `out`.

@@ -1,7 +1,9 @@
 // Coalesced collectives: the caller's buffers, grouped by dtype and cut into buckets (one
-// operation on the wire each, with its own sequence number and signature), flow through a
-// pipeline of slices. A slice is packed from the buffers into a slice buffer (cast and scaled on
-// the way, kernels/cpu/pack.h), exchanged, and unpacked back into the buffers.
+// operation on the wire each, with its own sequence number and signature). An all_reduce whose
+// buckets can go through shared memory's boards runs each through the shared buffer's rounds
+// (shared_buffer.cc) over the buffers where they lie (BucketElements). Otherwise they flow
+// through a pipeline of slices. A slice is packed from the buffers into a slice buffer (cast and
+// scaled on the way, kernels/cpu/pack.h), exchanged, and unpacked back into the buffers.
 //
 // Iteration t of the pipeline runs stage 0 of slice t, then stage 1 of slice t-1, then stage 2
 // of slice t-2. Every wait progresses all posted messages, so packing slice t and unpacking
@@ -59,6 +61,16 @@ size_t message_elems(const FusedBucket& b, size_t pieces) {
 // contribution straight from the buffers, and the parts it sends travel as ranges of them.
 bool coalesced_from_buffers(const CoalescedAllReduce& plan, const FusedBucket& b) {
   return plan.pack_scaling.kind == cpu::ScaleKind::kNone && b.buffers.dtype() == b.sig.dtype;
+}
+
+// Every bucket can go through the shared-buffer rounds: the ranks reach each other's boards,
+// and each bucket holds elements (an empty one is checked against the peers' signatures by the
+// pipeline's messages) that need no cast or scaling either way.
+bool on_boards(const Context& ctx, const CoalescedAllReduce& plan) {
+  if (!ctx.has_boards() || plan.unpack_scaling.kind != cpu::ScaleKind::kNone) return false;
+  for (const FusedBucket& b : plan.buckets)
+    if (b.buffers.count() == 0 || !coalesced_from_buffers(plan, b)) return false;
+  return true;
 }
 
 // The caller's memory holding fused elements [begin, begin + count) of `list`, listed in
@@ -199,11 +211,54 @@ void reduce_from_buffers(const CoalescedAllReduce& plan, const FusedBucket& b, s
   });
 }
 
+// A bucket's elements where they lie in the caller's buffers, for the shared-buffer rounds
+// (shared_buffer.cc): gathered onto the board range by range, each reduced by its own buffer's
+// program (every rank's contribution is at hand), the results scattered back.
+class BucketElements : public BoardElements {
+ public:
+  BucketElements(const CoalescedAllReduce& plan, const FusedBucket& b, char* temps)
+      : plan_(plan), b_(b), temps_(temps) {}
+  void copy_in(Context& ctx, size_t first, size_t count, size_t offset) override {
+    ScratchFrame frame(ctx);
+    ctx.write_board(offset, ranges_of(ctx, b_.buffers, first, count));
+  }
+  void reduce(Context& ctx, size_t first, size_t count, const char* const* inputs,
+              size_t offset) override {
+    reduce_from_buffers(plan_, b_, first, count, ctx.rank(), inputs, nullptr, temps_, ctx.size());
+    copy_in(ctx, first, count, offset);
+  }
+  void copy_out(size_t first, size_t count, const char* src) override {
+    cpu::unpack(src, b_.sig.dtype, b_.buffers, first, first + count, {});
+  }
+
+ private:
+  const CoalescedAllReduce& plan_;
+  const FusedBucket& b_;
+  char* temps_;
+};
+
 }  // namespace
 
-void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
+void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan, Algorithm flat) {
   const int n = ctx.size(), me = ctx.rank();
   if (n == 1 || plan.buckets.empty()) return;
+  size_t temp_bytes = 1;
+  for (const FusedBucket& b : plan.buckets)
+    temp_bytes = std::max(temp_bytes, plan.orders->scratch_bytes(b.sig.dtype));
+  char* temps = ctx.scratch(temp_bytes);
+  if (flat == Algorithm::kSharedBuffer && on_boards(ctx, plan)) {
+    ctx.settle_algorithm(Algorithm::kSharedBuffer);
+    for (size_t i = 0; i < plan.buckets.size(); ++i) {
+      const FusedBucket& b = plan.buckets[i];
+      Signature sig = b.sig;
+      sig.seq = ctx.signature().seq + i;
+      sig.algo = Algorithm::kSharedBuffer;
+      ctx.set_current(sig);
+      BucketElements elements(plan, b, temps);
+      shared_buffer_rounds(ctx, elements, b.buffers.count(), sig.dtype, sig);
+    }
+    return;
+  }
   // A slice is n parts, one per rank. Parts that travel as ranges of the buffers between ranks
   // of one host that send by single copy need no slices to pipeline packing with: they are cut
   // evenly into parts of at least the ring's slice, as large as the flat all-reduce's. Each
@@ -223,10 +278,6 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan) {
       slices_of(plan.buckets, [&](const FusedBucket& b) { return part_elems(b) * size_t(n); });
   const auto sigs = signatures(ctx, plan.buckets);
   const size_t part_bytes = max_message_bytes(plan.buckets, part_elems);
-  size_t temp_bytes = 1;
-  for (const FusedBucket& b : plan.buckets)
-    temp_bytes = std::max(temp_bytes, plan.orders->scratch_bytes(b.sig.dtype));
-  char* temps = ctx.scratch(temp_bytes);
   constexpr size_t depth = 3;
   struct SlotState {
     char* buffer;    // the packed slice, then the reduced parts

@@ -39,8 +39,11 @@ struct CoalescedAllReduce {
 };
 
 // Every element is reduced at one rank from all contributions, in plan.orders' order, and the
-// results are unpacked (with plan.unpack_scaling) into the buffers on every rank.
-void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan);
+// results are unpacked (with plan.unpack_scaling) into the buffers on every rank. `flat`: what
+// auto runs for a flat all-reduce of the largest bucket's bytes; where that is kSharedBuffer the
+// buckets go through the boards if they can (every rank reaching every board, no cast or
+// scaling), else through the pipeline. Every rank must pass the same.
+void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan, Algorithm flat);
 // The root's buffers are copied into every other rank's; each bucket's sig.algo picks a binomial
 // tree or a chain.
 void coalesced_broadcast(Context& ctx, const std::vector<FusedBucket>& buckets, int root);

@@ -147,6 +147,9 @@ class Context {
   int rank() const { return members_.empty() ? mesh_.rank() : index_; }
   int size() const { return members_.empty() ? mesh_.world_size() : int(members_.size()); }
   const Signature& signature() const { return sig_; }
+  // An operation that settles its way as it runs (a coalesced all-reduce: through the boards or
+  // the pipeline) names it here, for its reports (the timeline).
+  void settle_algorithm(Algorithm algo) { sig_.algo = algo; }
   // The cost model, for algorithms that choose their way once they know the sizes.
   const Selector& selector() const { return selector_; }
 
@@ -230,13 +233,18 @@ class Context {
                       });
   }
   // Shared memory's boards among this context's ranks (Mesh::boards_reach): whether every rank
-  // has one that every other reads in place; their size; rank `peer`'s; writing this rank's.
+  // has one that every other reads in place; their size; rank `peer`'s; writing this rank's,
+  // from one buffer or gathered from ranges.
   bool has_boards() const {
     return members_.empty() ? mesh_.boards_everywhere() : mesh_.boards_reach(members_);
   }
   size_t board_bytes() const { return mesh_.board_bytes(); }
   const char* board(int peer) const { return mesh_.board(global(peer)); }
-  void write_board(size_t offset, const void* src, size_t n) { mesh_.write_board(offset, src, n); }
+  void write_board(size_t offset, Ranges from) { mesh_.write_board(offset, from); }
+  void write_board(size_t offset, const void* src, size_t n) {
+    const iovec one{const_cast<void*>(src), n};
+    write_board(offset, Ranges{&one, 1});
+  }
   void set_current(const Signature& sig) { mesh_.set_current(sig); }
   void wait(Request r) {
     mesh_.wait(r, deadline_);

@@ -29,7 +29,9 @@
 // the ring's 2(n-1) steps.
 //
 // Every element is reduced at one rank, in rank order whatever the size: the same bits on every
-// rank (reduction_order.cc).
+// rank (reduction_order.cc). The rounds work on BoardElements: a flat buffer's, here, or a
+// coalesced bucket's over the caller's buffers (coalesced.cc), each element reduced in the order
+// of its own buffer's all_reduce.
 
 #include <cstring>
 
@@ -45,13 +47,14 @@ constexpr size_t kReducePieceBytes = 64 << 10;
 
 // A round's message to every peer, and waiting for every peer's: no bytes, only the signature.
 char nothing;
-void notify(Context& ctx) {
-  for (int d = 1; d < ctx.size(); ++d) ctx.send((ctx.rank() + d) % ctx.size(), &nothing, 0);
+void notify(Context& ctx, const Signature& sig) {
+  for (int d = 1; d < ctx.size(); ++d)
+    ctx.send((ctx.rank() + d) % ctx.size(), &nothing, 0, sig);
 }
-void await_peers(Context& ctx) {
+void await_peers(Context& ctx, const Signature& sig) {
   const int n = ctx.size(), me = ctx.rank();
   std::vector<Request> notices;
-  for (int d = 1; d < n; ++d) notices.push_back(ctx.recv((me + n - d) % n, &nothing, 0));
+  for (int d = 1; d < n; ++d) notices.push_back(ctx.recv((me + n - d) % n, &nothing, 0, sig));
   for (Request r : notices) ctx.wait(r);
 }
 
@@ -64,11 +67,44 @@ ReductionProgram rank_order_program(int n) {
   return program;
 }
 
+// One buffer's elements, reduced in rank order.
+class FlatElements : public BoardElements {
+ public:
+  FlatElements(Context& ctx, void* buf, DType dtype, ReduceOp op)
+      : buf_(static_cast<char*>(buf)), elem_(dtype_size(dtype)), dtype_(dtype), op_(op),
+        n_(ctx.size()), program_(rank_order_program(n_)),
+        scratch_(ctx.scratch(program_.scratch_bytes(dtype))), inputs_(size_t(n_)) {}
+  void copy_in(Context& ctx, size_t first, size_t count, size_t offset) override {
+    ctx.write_board(offset, buf_ + first * elem_, count * elem_);
+  }
+  void reduce(Context& ctx, size_t first, size_t count, const char* const* inputs,
+              size_t offset) override {
+    char* mine = buf_ + first * elem_;
+    for (int p = 0; p < n_; ++p) inputs_[size_t(p)] = p == ctx.rank() ? mine : inputs[p];
+    program_.run(dtype_, op_, inputs_.data(), mine, count, scratch_);
+    if (op_ == ReduceOp::kAvg) cpu::divide(dtype_, mine, count, n_);
+    ctx.write_board(offset, mine, count * elem_);
+  }
+  void copy_out(size_t first, size_t count, const char* src) override {
+    std::memcpy(buf_ + first * elem_, src, count * elem_);
+  }
+
+ private:
+  char* buf_;
+  size_t elem_;
+  DType dtype_;
+  ReduceOp op_;
+  int n_;
+  ReductionProgram program_;
+  char* scratch_;
+  std::vector<const char*> inputs_;
+};
+
 }  // namespace
 
-void shared_buffer_all_reduce(Context& ctx, void* buffer, size_t count, DType dtype, ReduceOp op) {
+void shared_buffer_rounds(Context& ctx, BoardElements& elements, size_t count, DType dtype,
+                          const Signature& sig) {
   const int n = ctx.size(), me = ctx.rank();
-  if (n == 1) return;  // avg of one rank is its value
   RC_CHECK_ARG(ctx.has_boards(), "the shared_buffer all_reduce needs every rank on one host, "
                "reaching each other through shared memory with a board (RINGCOMM_SHM_BOARD_BYTES)");
   const size_t elem = dtype_size(dtype);
@@ -76,9 +112,6 @@ void shared_buffer_all_reduce(Context& ctx, void* buffer, size_t count, DType dt
   const size_t slot = half_bytes / size_t(n) / 64 * 64 / elem;  // elements, lines whole
   RC_CHECK_ARG(slot > 0, "RINGCOMM_SHM_BOARD_BYTES too small for ", n, " ranks");
   const size_t slot_bytes = slot * elem, piece = slot * size_t(n);
-  char* buf = static_cast<char*>(buffer);
-  const ReductionProgram program = rank_order_program(n);
-  char* scratch = ctx.scratch(program.scratch_bytes(dtype));
   std::vector<const char*> inputs(static_cast<size_t>(n));
   const size_t reduce_elems = std::max<size_t>(1, kReducePieceBytes / elem);
   const size_t rounds = piece_count(count, piece);
@@ -91,37 +124,38 @@ void shared_buffer_all_reduce(Context& ctx, void* buffer, size_t count, DType dt
     const Segments sl = slices(k);
     trace::Span span("board-in", (sl.offset(n) - sl.count(me)) * elem);
     for (int s = 0; s < n; ++s)
-      if (s != me)
-        ctx.write_board(slot_at(k, s), buf + (k * piece + sl.offset(s)) * elem, sl.count(s) * elem);
-    notify(ctx);
+      if (s != me) elements.copy_in(ctx, k * piece + sl.offset(s), sl.count(s), slot_at(k, s));
+    notify(ctx, sig);
   };
   copy_in(0);
   for (size_t k = 0; k < rounds; ++k) {
     const Segments sl = slices(k);
-    await_peers(ctx);
+    await_peers(ctx, sig);
     {
       trace::Span span("reduce", sl.count(me) * elem * size_t(n));
-      char* mine = buf + (k * piece + sl.offset(me)) * elem;
       for (size_t done = 0; done < sl.count(me); done += reduce_elems) {
         const size_t len = std::min(reduce_elems, sl.count(me) - done);
         for (int p = 0; p < n; ++p)
-          inputs[size_t(p)] =
-              p == me ? mine + done * elem : ctx.board(p) + slot_at(k, me) + done * elem;
-        program.run(dtype, op, inputs.data(), mine + done * elem, len, scratch);
-        if (op == ReduceOp::kAvg) cpu::divide(dtype, mine + done * elem, len, n);
-        ctx.write_board(slot_at(k, me) + done * elem, mine + done * elem, len * elem);
+          if (p != me) inputs[size_t(p)] = ctx.board(p) + slot_at(k, me) + done * elem;
+        elements.reduce(ctx, k * piece + sl.offset(me) + done, len, inputs.data(),
+                        slot_at(k, me) + done * elem);
       }
     }
-    notify(ctx);
+    notify(ctx, sig);
     if (k + 1 < rounds) copy_in(k + 1);
-    await_peers(ctx);
+    await_peers(ctx, sig);
     trace::Span span("board-out", (sl.offset(n) - sl.count(me)) * elem);
     for (int s = 0; s < n; ++s)
       if (s != me)
-        std::memcpy(buf + (k * piece + sl.offset(s)) * elem, ctx.board(s) + slot_at(k, s),
-                    sl.count(s) * elem);
+        elements.copy_out(k * piece + sl.offset(s), sl.count(s), ctx.board(s) + slot_at(k, s));
   }
   ctx.finish();
+}
+
+void shared_buffer_all_reduce(Context& ctx, void* buffer, size_t count, DType dtype, ReduceOp op) {
+  if (ctx.size() == 1) return;  // avg of one rank is its value
+  FlatElements elements(ctx, buffer, dtype, op);
+  shared_buffer_rounds(ctx, elements, count, dtype, ctx.signature());
 }
 
 }  // namespace ringcomm

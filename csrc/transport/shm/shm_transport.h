@@ -93,9 +93,10 @@ class ShmTransport final : public Transport {
   // a mapped peer's; nullptr for none.
   size_t board_bytes() const { return own_.base ? options_.board_bytes : 0; }
   const char* board(int rank) const;
-  // Writes `n` bytes at `offset` of this rank's board, with plain or streamed stores as the
-  // writer of its slots chooses (stream_copy.h): peers on other CPUs read them.
-  void write_board(size_t offset, const void* src, size_t n);
+  // Writes the bytes of `from`, back to back, at `offset` of this rank's board, with plain or
+  // streamed stores as the writer of its slots chooses (stream_copy.h): peers on other CPUs read
+  // them.
+  void write_board(size_t offset, Ranges from);
   // Publishes the CPU this rank is on, for its peers, and says whether a local peer was on it
   // when it last began to wait: the scheduler has put both on one CPU. The higher rank of the
   // two may first move off it (move_off), and then says no.
