@@ -1,9 +1,10 @@
-"""Runs a function on N real processes that talk over loopback TCP.
+"""Runs a function on N real processes, over the transport the test module runs with.
 
 Each rank is a process with its own ringcomm.Communicator, rendezvousing through a torch
-FileStore. Ranks are forked from a clean, single-threaded fork server (not from the pytest process,
-whose torch may have started OpenMP threads: a fork from there can deadlock in the child). Results (or exceptions) come back to the test; a rank that does not finish
-within `timeout` seconds fails the test instead of hanging it.
+FileStore in a temporary directory removed when the ranks are done. Ranks are forked from a clean,
+single-threaded fork server (not from the pytest process, whose torch may have started OpenMP
+threads: a fork from there can deadlock in the child). Results (or exceptions) come back to the
+test; a rank that does not finish within `timeout` seconds fails the test instead of hanging it.
 """
 from __future__ import annotations
 
@@ -91,7 +92,13 @@ def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 
     ("error", text) instead of failing the test. `env` is added to each rank's environment, then
     per_rank_env[rank] (a dict) to that rank's.
     """
-    tmp = tempfile.mkdtemp(prefix="ringcomm-test-")
+    with tempfile.TemporaryDirectory(prefix="ringcomm-test-") as tmp:
+        return _run_ranks_in(tmp, world, fn, args, timeout, comm_timeout, make_comm,
+                             allow_errors, env, per_rank_env)
+
+
+def _run_ranks_in(tmp, world, fn, args, timeout, comm_timeout, make_comm, allow_errors, env,
+                  per_rank_env):
     store_path = os.path.join(tmp, "store")
     queue = CTX.Queue()
     def rank_env(r):
