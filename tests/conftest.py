@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -27,6 +28,16 @@ TRANSPORT_MODULES = {"test_all_reduce", "test_collectives", "test_errors", "test
 def pytest_generate_tests(metafunc):
     if metafunc.module.__name__ in TRANSPORT_MODULES:
         metafunc.parametrize("transport", sorted(ranks.TRANSPORTS), indirect=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files(tmp_path_factory):
+    """The suite's processes (ranks, torchrun's agents, which leave their torchelastic_*
+    directories behind) write their temporary files under pytest's own temporary directory,
+    which pytest removes a few runs later, not straight into /tmp."""
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # read TMPDIR again
+    yield
 
 
 @pytest.fixture(autouse=True)
