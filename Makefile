@@ -21,8 +21,15 @@ $(VENV)/.installed: $(SOURCES)
 
 install: $(VENV)/.installed
 
+# Two workers, each test module on one of them (its module fixtures built once), and the tests
+# marked serial alone afterwards (pytest.ini). Most of a test's time is spent waiting (timeouts,
+# launches), so two workers on two cores halve the time with room to spare.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest tests --durations=30
+	rc=0; \
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m 'not serial' --durations=30 || rc=1; \
+	$(PY) -m pytest tests -m serial --durations=5 || rc=1; \
+	exit $$rc
 
 # The main job: ringcomm vs gloo and Open MPI, $(RANKS) local ranks, with the memory floor, one run.
 bench: install

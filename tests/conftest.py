@@ -25,6 +25,17 @@ TRANSPORT_MODULES = {"test_all_reduce", "test_collectives", "test_errors", "test
                      "test_fusion"}
 
 
+# The modules that take longest, longest first: `make test`'s workers take modules in collection
+# order, and one started last would run alone at the end (the torch suite: a minute).
+FIRST = ("test_torch_suite", "test_errors", "test_bench", "test_fusion", "test_powersgd",
+         "test_hooks", "test_clients", "test_backend")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(FIRST)))  # stable
+
+
 def pytest_generate_tests(metafunc):
     if metafunc.module.__name__ in TRANSPORT_MODULES:
         metafunc.parametrize("transport", sorted(ranks.TRANSPORTS), indirect=True)

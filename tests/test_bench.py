@@ -280,6 +280,7 @@ def test_bench_compare_mpi_without_mpi_says_what_to_install(monkeypatch, missing
         bench.main(["--compare", "gloo,mpi"])
 
 
+@pytest.mark.serial  # Open MPI's segments in /dev/shm: not beside the tests that check it
 def test_bench_compare_mpi(tmp_path):
     pytest.importorskip("mpi4py")
     out_file = tmp_path / "mpi.json"

@@ -73,6 +73,7 @@ def die_in_the_middle(comm, victim, stamp_dir):
 # By default (RINGCOMM_TUNING=off in tests: single copy kept unprobed) 2 ranks move the 1 MiB
 # slices of their 2 MiB halves by single copy, 3 and 4 their 512 KiB ones; 4 KiB forces it on
 # small messages too.
+@pytest.mark.serial  # compares /dev/shm before and after, which other tests' processes change
 @pytest.mark.parametrize("world,single_copy", [(2, None), (3, None), (4, None), (4, "4096")])
 def test_killed_rank_leaves_nothing_and_the_others_raise_within_a_second(world, single_copy,
                                                                           tmp_path):

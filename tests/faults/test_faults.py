@@ -23,6 +23,11 @@ CASES = [f"{kind}-{transport}" for kind in ("kill", "close_all", "close_one", "s
 BOUND_S = 3.0  # detection, or for a stall time past the communicator timeout
 
 
+# Each trial compares /dev/shm and the listening ports before and after it, and bounds times:
+# alone, not beside other tests.
+pytestmark = pytest.mark.serial
+
+
 @pytest.fixture(scope="module")
 def ci_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults") / "faults.json"
