@@ -777,7 +777,7 @@ void Communicator::run(Task& task) {
     mesh_->set_current(task.sig);
     Context ctx(*mesh_, task.sig, begin + timeout_, scratch_, selector_);
     task.body(ctx);
-    task.sig.algo = ctx.signature().algo;
+    task.sig.algo = ctx.algorithm_ran();
     scratch_.operation_done();
     account(task, begin_ns, sent0, received0, idle0);
     trace::Span span("callbacks", 0);

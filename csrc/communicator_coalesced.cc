@@ -230,13 +230,10 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
     if (coalesced_calls_.size() > kCoalescedPlansKept) coalesced_calls_.pop_back();
   }
   if (plan->buckets.empty()) return finished_work();  // an empty list
-  size_t largest = 0;
-  for (const FusedBucket& b : plan->buckets)
-    largest = std::max(largest, b.sig.count * dtype_size(b.sig.dtype));
-  return submit(plan->buckets[0].sig, [this, plan, largest](Context& ctx) {
+  return submit(plan->buckets[0].sig, [this, plan](Context& ctx) {
     for (const iovec& run : plan->runs) mesh_->offer_huge_pages(run.iov_base, run.iov_len);
     // Here, in the order operations run: the retuned choice is the same on every rank.
-    coalesced_all_reduce(ctx, *plan, algorithm_for(largest, Algorithm::kAuto));
+    coalesced_all_reduce(ctx, *plan, algorithm_for(plan->largest_bucket_bytes, Algorithm::kAuto));
   }, async, plan->buckets.size());
 }
 
@@ -287,6 +284,7 @@ std::shared_ptr<const CoalescedAllReduce> Communicator::plan_all_reduce_coalesce
     complete(b.fused.sig, Collective::kAllReduceCoalesced, op, Algorithm::kDirect, -1);
     plan->buckets.push_back(std::move(b.fused));
   }
+  finish_plan(*plan);
   return plan;
 }
 

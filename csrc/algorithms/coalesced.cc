@@ -63,15 +63,6 @@ bool coalesced_from_buffers(const CoalescedAllReduce& plan, const FusedBucket& b
   return plan.pack_scaling.kind == cpu::ScaleKind::kNone && b.buffers.dtype() == b.sig.dtype;
 }
 
-// Every bucket can go through the shared-buffer rounds: the ranks reach each other's boards,
-// and each bucket holds elements (an empty one is checked against the peers' signatures by the
-// pipeline's messages) that need no cast or scaling either way.
-bool on_boards(const Context& ctx, const CoalescedAllReduce& plan) {
-  if (!ctx.has_boards() || plan.unpack_scaling.kind != cpu::ScaleKind::kNone) return false;
-  for (const FusedBucket& b : plan.buckets)
-    if (b.buffers.count() == 0 || !coalesced_from_buffers(plan, b)) return false;
-  return true;
-}
 
 // The caller's memory holding fused elements [begin, begin + count) of `list`, listed in
 // scratch.
@@ -239,6 +230,16 @@ class BucketElements : public BoardElements {
 
 }  // namespace
 
+void finish_plan(CoalescedAllReduce& plan) {
+  plan.largest_bucket_bytes = 0;
+  plan.fits_boards = plan.unpack_scaling.kind == cpu::ScaleKind::kNone;
+  for (const FusedBucket& b : plan.buckets) {
+    plan.largest_bucket_bytes =
+        std::max(plan.largest_bucket_bytes, b.sig.count * dtype_size(b.sig.dtype));
+    plan.fits_boards &= b.buffers.count() > 0 && coalesced_from_buffers(plan, b);
+  }
+}
+
 void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan, Algorithm flat) {
   const int n = ctx.size(), me = ctx.rank();
   if (n == 1 || plan.buckets.empty()) return;
@@ -246,7 +247,7 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan, Algorith
   for (const FusedBucket& b : plan.buckets)
     temp_bytes = std::max(temp_bytes, plan.orders->scratch_bytes(b.sig.dtype));
   char* temps = ctx.scratch(temp_bytes);
-  if (flat == Algorithm::kSharedBuffer && on_boards(ctx, plan)) {
+  if (flat == Algorithm::kSharedBuffer && plan.fits_boards && ctx.has_boards()) {
     ctx.settle_algorithm(Algorithm::kSharedBuffer);
     for (size_t i = 0; i < plan.buckets.size(); ++i) {
       const FusedBucket& b = plan.buckets[i];

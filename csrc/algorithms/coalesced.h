@@ -36,7 +36,16 @@ struct CoalescedAllReduce {
   // large enough to hold a huge page: the communicator offers them for huge pages, as it offers
   // a flat all-reduce's buffer, since single copy reads such runs as one.
   std::vector<iovec> runs;
+  // Set by finish_plan once the buckets are planned:
+  size_t largest_bucket_bytes = 0;  // on the wire: auto's choice for the call is the flat one's
+  // Every bucket holds elements (an empty one is checked against the peers' signatures by the
+  // pipeline's messages) that need no cast or scaling either way: the buckets can go through
+  // shared memory's boards where the ranks reach each other's.
+  bool fits_boards = false;
 };
+
+// Fills in what the plan's buckets decide (the fields after `runs`).
+void finish_plan(CoalescedAllReduce& plan);
 
 // Every element is reduced at one rank from all contributions, in plan.orders' order, and the
 // results are unpacked (with plan.unpack_scaling) into the buffers on every rank. `flat`: what

@@ -128,7 +128,7 @@ class Context {
  public:
   Context(Mesh& mesh, const Signature& sig, Clock::time_point deadline, Scratch& scratch,
           const Selector& selector)
-      : mesh_(mesh), sig_(sig), deadline_(deadline), scratch_(scratch), selector_(selector),
+      : mesh_(mesh), sig_(sig), ran_(sig.algo), deadline_(deadline), scratch_(scratch), selector_(selector),
         sends_(scratch.sends), staged_(scratch.staged) {
     sends_.clear();  // what a failed operation left
     staged_.clear();
@@ -148,8 +148,10 @@ class Context {
   int size() const { return members_.empty() ? mesh_.world_size() : int(members_.size()); }
   const Signature& signature() const { return sig_; }
   // An operation that settles its way as it runs (a coalesced all-reduce: through the boards or
-  // the pipeline) names it here, for its reports (the timeline).
-  void settle_algorithm(Algorithm algo) { sig_.algo = algo; }
+  // the pipeline) names it here, for its reports (the timeline); its messages keep their
+  // signatures.
+  void settle_algorithm(Algorithm algo) { ran_ = algo; }
+  Algorithm algorithm_ran() const { return ran_; }
   // The cost model, for algorithms that choose their way once they know the sizes.
   const Selector& selector() const { return selector_; }
 
@@ -289,6 +291,7 @@ class Context {
 
   Mesh& mesh_;
   Signature sig_;
+  Algorithm ran_;  // what the operation ran, for its reports: sig_.algo unless settled
   Clock::time_point deadline_;
   Scratch& scratch_;
   const Selector& selector_;
