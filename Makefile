@@ -22,8 +22,9 @@ $(VENV)/.installed: $(SOURCES)
 install: $(VENV)/.installed
 
 # Two workers, each test module on one of them (its module fixtures built once), and the tests
-# marked serial alone afterwards (pytest.ini). Most of a test's time is spent waiting (timeouts,
-# launches), so two workers on two cores halve the time with room to spare.
+# marked serial (pytest.ini: they need the machine to themselves) alone afterwards. One worker
+# waits most of its time (timeouts, launches): on 2 cores it used 65% of one. Two take about 70%
+# of its time; three took longer than two, and tests that time an idle CPU failed.
 TEST_WORKERS ?= 2
 test: install
 	rc=0; \

@@ -75,6 +75,7 @@ def cpu_while_waiting(comm, hold_s):
     return spent
 
 
+@pytest.mark.serial  # an idle CPU: a yielding rank gets it back at once
 @pytest.mark.parametrize("same_host", [True, False])
 def test_a_rank_yields_its_cpu_only_to_ranks_of_its_host(same_host):
     # RINGCOMM_YIELD_US far above the wait: a rank on the waited-for rank's host yields (and,
@@ -109,6 +110,7 @@ def stacked_calls(comm, calls):
     return statistics.median(times)
 
 
+@pytest.mark.serial  # CPU 0 for the two ranks alone
 def test_a_rank_does_not_spin_while_a_peer_waits_on_its_cpu():
     # Both ranks on one CPU, with 200 us of spinning before a rank yields: spinning while the peer
     # waits for the CPU, each handoff would take the whole spin (400 us a call or more).
@@ -137,6 +139,7 @@ def stack_until_moved(comm, seconds):
             return comm.stats()["cpu_moves"], sorted(os.sched_getaffinity(0))
 
 
+@pytest.mark.serial  # CPUs 0 and 1 for the two ranks alone
 @pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
 @pytest.mark.parametrize("unstack", ["1", "0"])
 def test_the_higher_rank_moves_off_a_cpu_its_peer_waits_on(unstack):
