@@ -49,8 +49,8 @@ def main(argv=None) -> int:
                    help="comma-separated ranks to draw (default all)")
     args = p.parse_args(argv)
     if args.command == "merge":
-        merged = trace.merge(args.parts, args.out)
-        print(f"{args.out}: {len(merged['traceEvents'])} events from {len(args.parts)} parts")
+        count = trace.merge(args.parts, args.out)
+        print(f"{args.out}: {count} events from {len(args.parts)} parts")
         return 0
     from ringcomm.plot import timeline_plot
     with open(args.trace) as f:

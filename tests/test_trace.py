@@ -229,6 +229,47 @@ def test_core_log_lines_go_to_the_ringcomm_logger(tmp_path):
         assert "transports by peer" not in err  # the logger had a handler: not on stderr
 
 
+def test_merge_cuts_the_events_out_of_parts_it_wrote_and_loads_the_others(tmp_path,
+                                                                          monkeypatch):
+    """Parts in the writer's layout are merged as text (their events never parsed), others
+    loaded: the merged events are every part's, in order, whatever their strings hold, and the
+    merged file is itself a part that merges again."""
+    from ringcomm import trace
+
+    def event(name, rank):
+        return {"name": name, "ph": "X", "ts": 1.0, "dur": 2.0, "pid": rank, "tid": 1, "args": {}}
+
+    tricky = ['], "displayTimeUnit": "ms"}', '"traceEvents": [', "\u00e9\n", "é"]
+    written = []
+    for rank, names in enumerate([tricky, [], ["all_reduce"]]):
+        events = [event(name, rank) for name in names]
+        part = tmp_path / f"p{rank}.json"
+        trace._write_json(str(part), {
+            "otherData": {"ringcomm_rank": rank, "ringcomm_dropped_events": 0,
+                          "ringcomm_events": len(events)},
+            "traceEvents": events, "displayTimeUnit": "ms"})
+        written.append((part, events))
+    # the writer's layout without the count: loaded, not cut
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"otherData": {"ringcomm_rank": 3, "ringcomm_dropped_events": 2},
+                                 "traceEvents": [event("x", 3)], "displayTimeUnit": "ms"}))
+    parts = [str(p) for p, _ in written] + [str(other)]
+    loads, loaded = json.loads, []
+    monkeypatch.setattr(json, "loads", lambda text, **kw: loaded.append(text) or loads(text, **kw))
+    out = tmp_path / "merged.json"
+    count = trace.merge(parts, str(out))
+    assert loaded == [other.read_text()]  # the writer's parts were cut
+    merged = loads(out.read_text())
+    expected = [e for _, events in written for e in events] + [event("x", 3)]
+    assert count == len(expected) == 6 and merged["traceEvents"] == expected
+    assert merged["otherData"] == {"ringcomm_ranks": [0, 1, 2, 3], "ringcomm_dropped_events": 2,
+                                   "ringcomm_events": 6}
+    again = tmp_path / "again.json"
+    assert trace.merge([str(out), str(written[2][0])], str(again)) == 7
+    assert len(loaded) == 1
+    assert loads(again.read_text())["traceEvents"] == expected + written[2][1]
+
+
 def test_timeline_script_merges_parts_and_draws_a_window(tmp_path):
     parts = []
     for rank in (0, 1):
@@ -242,7 +283,8 @@ def test_timeline_script_merges_parts_and_draws_a_window(tmp_path):
                    timeout=60, capture_output=True)
     merged = json.loads(out.read_text())
     assert len(merged["traceEvents"]) == 2
-    assert merged["otherData"] == {"ringcomm_ranks": [0, 1], "ringcomm_dropped_events": 1}
+    assert merged["otherData"] == {"ringcomm_ranks": [0, 1], "ringcomm_dropped_events": 1,
+                                   "ringcomm_events": 2}
     png = tmp_path / "t.png"
     subprocess.run([sys.executable, TIMELINE, "plot", str(out), str(png), "--ranks", "1",
                     "--from", "0", "--to", "12"], check=True, timeout=60, capture_output=True)
