@@ -63,7 +63,6 @@ bool coalesced_from_buffers(const CoalescedAllReduce& plan, const FusedBucket& b
   return plan.pack_scaling.kind == cpu::ScaleKind::kNone && b.buffers.dtype() == b.sig.dtype;
 }
 
-
 // The caller's memory holding fused elements [begin, begin + count) of `list`, listed in
 // scratch.
 Ranges ranges_of(Context& ctx, const cpu::PackList& list, size_t begin, size_t count) {

@@ -128,8 +128,8 @@ class Context {
  public:
   Context(Mesh& mesh, const Signature& sig, Clock::time_point deadline, Scratch& scratch,
           const Selector& selector)
-      : mesh_(mesh), sig_(sig), ran_(sig.algo), deadline_(deadline), scratch_(scratch), selector_(selector),
-        sends_(scratch.sends), staged_(scratch.staged) {
+      : mesh_(mesh), sig_(sig), ran_(sig.algo), deadline_(deadline), scratch_(scratch),
+        selector_(selector), sends_(scratch.sends), staged_(scratch.staged) {
     sends_.clear();  // what a failed operation left
     staged_.clear();
   }
