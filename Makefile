@@ -23,8 +23,8 @@ install: $(VENV)/.installed
 
 # Two workers, each test module on one of them (its module fixtures built once), and the tests
 # marked serial (pytest.ini: they need the machine to themselves) alone afterwards. One worker
-# waits most of its time (timeouts, launches): on 2 cores it used 65% of one. Two take about 70%
-# of its time; three took longer than two, and tests that time an idle CPU failed.
+# waits most of its time (timeouts, launches): on 2 cores it used 65% of one, 750 s. Two took
+# 579-615 s in all; three took longer than two, and tests that time an idle CPU failed.
 TEST_WORKERS ?= 2
 test: install
 	rc=0; \
