@@ -5,7 +5,9 @@ side. Rerun it with
     python tests/torch_suite.py                      # both backends, the whole selection
     python tests/torch_suite.py --backend ringcomm -k all_gather
 
-tests/test_torch_suite.py runs it in CI. Each test spawns its ranks (torch's MultiProcessTestCase).
+tests/test_torch_suite.py runs it in CI. Each test forks its ranks from the pytest process, which
+has imported torch and the suite once: spawned ranks (torch's default) import both again, 3 s a
+rank on two cores, and CI's ten tests took 68 s that way, 9 s forked.
 """
 from __future__ import annotations
 
@@ -48,13 +50,22 @@ KNOWN_DIFFERENCES = {
                                  "DDP's logging data, where the test expects dist.get_backend()",
 }
 
-# What CI runs (tests/test_torch_suite.py): one of each kind, 45 s on two cores.
-CI_SELECTION = [
-    "test_all_reduce_sum", "test_all_reduce_coalesced_sum", "test_all_gather_coalesced_simple",
-    "test_broadcast", "test_scatter", "test_gather", "test_send_recv_with_tag",
-    "test_batch_isend_irecv_gloo_tags", "test_all_gather_object_default_pg",
-    "test_DistributedDataParallelCPU",
-]
+# What torch's decorators skip for a CPU backend on 2 ranks, on gloo as on ringcomm (torch 2.13):
+# they ask for MPI, NCCL, two GPUs, 4 ranks or file:// initialisation, or are marked failing. CI (tests/test_torch_suite.py) runs the whole selection on
+# ringcomm, 23 s on two cores, and expects every other test to pass.
+SKIPPED = {
+    "test_all_to_all", "test_all_to_all_single_equal_split", "test_all_to_all_single_unequal_split",
+    "test_all_to_all_full_group", "test_barrier_timeout_global", "test_send_recv_nccl",
+    "test_batch_isend_irecv_op_err", "test_broadcast_object_list", "test_gather_object",
+    "test_ddp_comm_hook_logging", "test_ddp_control_flow_different_across_ranks",
+    "test_ddp_uneven_inputs_stop_iteration_sync_bn", "test_ddp_sync_bn_training_vs_eval",
+    "test_average_parameters", "test_periodic_model_averager",
+}
+
+
+def expected(name: str) -> str:
+    """The outcome of `name` on ringcomm."""
+    return "skipped" if name in SKIPPED else "failed" if name in KNOWN_DIFFERENCES else "passed"
 
 
 class Failed(Exception):
@@ -71,7 +82,7 @@ def run(backend: str, selection, world_size: int = 2, timeout: float = 900) -> d
                    WORLD_SIZE=str(world_size), TEMP_DIR=tmp, RINGCOMM_TORCH_SUITE="1")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                "--timeout=120", f"--junitxml={report}",
-               *(f"{__file__}::TestDistBackendWithSpawn::{name}" for name in selection)]
+               *(f"{__file__}::TestDistBackendWithFork::{name}" for name in selection)]
         subprocess.run(cmd, env=env, cwd=os.path.dirname(__file__), timeout=timeout,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if not os.path.exists(report):
@@ -111,7 +122,8 @@ def main(argv=None):
 
 
 if os.environ.get("RINGCOMM_TORCH_SUITE"):
-    # Collected by the pytest run that run() starts (and imported by every rank it spawns).
+    # Collected by the pytest run that run() starts, whose ranks are forks of it.
+    import torch.multiprocessing
     import ringcomm  # noqa: F401  registers the backend
     from torch.testing._internal.distributed import distributed_test
 
@@ -122,11 +134,13 @@ if os.environ.get("RINGCOMM_TORCH_SUITE"):
         # was imported as gloo; from here on the ranks initialise and check "ringcomm".
         distributed_test.BACKEND = backend
 
-    class TestDistBackendWithSpawn(distributed_test.TestDistBackend,
-                                   distributed_test.DistributedTest._DistTestBase):
+    class TestDistBackendWithFork(distributed_test.TestDistBackend,
+                                  distributed_test.DistributedTest._DistTestBase):
         def setUp(self):
             super().setUp()
-            self._spawn_processes()
+            # torch 2.13's MultiProcessTestCase lost _fork_processes; _start_processes takes any
+            # process class.
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
 
 elif __name__ == "__main__":
     main()
