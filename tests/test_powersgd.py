@@ -210,7 +210,8 @@ def test_full_rank_is_dense_averaging_and_error_feedback_loses_nothing(world):
 
 def compiled_ddp(store, rank, world):
     """torch.compile'd DDP with compiled autograd: DDP's python reducer calls the hook once per
-    parameter with (grad, param), synchronously."""
+    parameter with (grad, param), synchronously. The hook is kept out of dynamo: no graph it
+    compiles holds ringcomm's code."""
     import torch._dynamo
 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -221,8 +222,13 @@ def compiled_ddp(store, rank, world):
     state = PowerSGDState(start_iter=2)
     ddp.register_comm_hook(state, powersgd_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    traced = []  # where each operation in the graphs that dynamo compiled comes from
 
-    @torch.compile(backend="eager")  # dynamo without inductor's C++ compile: fast
+    def recording_backend(graph, example_inputs):  # dynamo without inductor's C++ compile: fast
+        traced.extend(node.meta.get("stack_trace") or "" for node in graph.graph.nodes)
+        return graph.forward
+
+    @torch.compile(backend=recording_backend)
     def backward(xb, yb):
         nn.functional.cross_entropy(ddp(xb), yb).backward()
 
@@ -230,14 +236,17 @@ def compiled_ddp(store, rank, world):
         opt.zero_grad()
         backward(xb, yb)
         opt.step()
-    return state.step, state.stats.compressed_tensors, sorted(state.memory), flat_params(model)
+    in_ringcomm = sum(os.path.join("ringcomm", "hooks", "") in trace for trace in traced)
+    return (state.step, state.stats.compressed_tensors, sorted(state.memory), flat_params(model),
+            len(traced), in_ringcomm)
 
 
 def test_compiled_ddp_tuples():
     results = run_ranks(2, compiled_ddp, make_comm=False, timeout=120)
-    for steps, compressed, slots, _ in results:
+    for steps, compressed, slots, _, traced, in_ringcomm in results:
         # the 6th step ends when its first parameter comes round again; memory per weight
         assert steps == 5 and compressed == 2 * 4 and len(slots) == 2, (steps, compressed, slots)
+        assert traced > 0 and in_ringcomm == 0, (traced, in_ringcomm)
     assert torch.equal(results[0][3], results[1][3])
 
 

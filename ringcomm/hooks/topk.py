@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compress, trace
-from .default import _completed, _ringcomm_named
+from .default import _completed, _as_hook
 from .state import ReportsBuckets, communicator_for
 
 
@@ -311,7 +311,7 @@ def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int, la
     return work, finished
 
 
-@_ringcomm_named
+@_as_hook
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: top-k sparse exchange with error feedback (see TopKState for when a bucket
     goes dense)."""
