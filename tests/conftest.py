@@ -19,8 +19,8 @@ os.environ["RINGCOMM_TUNING"] = "off"
 # before ranks.py starts its fork server, so every rank and every launched script inherits it.
 os.environ["OMP_NUM_THREADS"] = "1"
 
-# Modules whose tests run once per transport (ranks.TRANSPORTS); the others use the default
-# (RINGCOMM_TRANSPORT=auto: shared memory between the local ranks).
+# Modules whose tests run once per transport (ranks.TRANSPORTS), but those marked transport_fixed;
+# the others use the default (RINGCOMM_TRANSPORT=auto: shared memory between the local ranks).
 TRANSPORT_MODULES = {"test_all_reduce", "test_collectives", "test_errors", "test_sparse",
                      "test_fusion"}
 
@@ -37,7 +37,8 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_generate_tests(metafunc):
-    if metafunc.module.__name__ in TRANSPORT_MODULES:
+    if (metafunc.module.__name__ in TRANSPORT_MODULES
+            and metafunc.definition.get_closest_marker("transport_fixed") is None):
         metafunc.parametrize("transport", sorted(ranks.TRANSPORTS), indirect=True)
 
 

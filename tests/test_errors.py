@@ -262,6 +262,7 @@ def abort_while_a_receive_times_out(comm):
     return expect_error(lambda: comm.recv(torch.empty(3), 0))[0]
 
 
+@pytest.mark.transport_fixed
 def test_an_abort_read_while_a_receive_times_out_is_the_error():
     _, message = run_ranks(2, abort_while_a_receive_times_out, comm_timeout=6.0, timeout=60,
                            env={"RINGCOMM_TRANSPORT": "tcp"})
@@ -298,6 +299,7 @@ def too_few_descriptors(store, rank, world):
                                                       timeout=timedelta(seconds=20), name="fds"))[0]
 
 
+@pytest.mark.transport_fixed
 def test_a_descriptor_limit_too_low_for_the_mesh_is_a_clear_error():
     messages = run_ranks(2, too_few_descriptors, make_comm=False, timeout=60,
                          env={"RINGCOMM_SOCKETS_PER_PEER": "64", "RINGCOMM_TRANSPORT": "tcp"})

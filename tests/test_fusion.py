@@ -64,6 +64,7 @@ SCALINGS = [(SCALE_NONE, 1.0), (SCALE_MULTIPLY, 0.37), (SCALE_DIVIDE, 3.0)]
 @pytest.mark.parametrize("src,dst,kind,factor",
                          [c + s for c in FLOAT_CONVERSIONS for s in SCALINGS]
                          + [(t, t, SCALE_NONE, 1.0) for t in (torch.int32, torch.bool, torch.uint8)])
+@pytest.mark.transport_fixed
 def test_pack_and_unpack_match_torch(src, dst, kind, factor):
     sizes = [5, 0, 1, 1000, 0, 37, 4099]
     tensors = random_list(src, sizes, seed=len(sizes) + kind)
@@ -84,6 +85,7 @@ def test_pack_and_unpack_match_torch(src, dst, kind, factor):
         assert same(torch.cat(targets), expect), (begin, end)
 
 
+@pytest.mark.transport_fixed
 @pytest.mark.parametrize("nbytes", [1, 255, 256, 257, 287, 383, 384, 4096 + 97])
 def test_plain_copies_at_every_alignment_of_source_and_destination(nbytes):
     # Same-dtype packs and unpacks are the kernels' own vector copies from 256 bytes on: every
@@ -106,6 +108,7 @@ def test_plain_copies_at_every_alignment_of_source_and_destination(nbytes):
             assert bool((back[:s] == 0xCD).all()) and bool((back[s + nbytes:] == 0xCD).all())
 
 
+@pytest.mark.transport_fixed
 def test_fp16_packing_rounds_once_over_all_values():
     # Every fp16 value, widened, scaled by 1/3 and packed back to fp16, against torch's rounding.
     h = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
@@ -117,6 +120,7 @@ def test_fp16_packing_rounds_once_over_all_values():
     assert same(out, (src * (1 / 3)).half())
 
 
+@pytest.mark.transport_fixed
 def test_kernel_argument_errors():
     a = torch.zeros(4, dtype=torch.float64)
     out = torch.empty(4, dtype=torch.float16)
@@ -674,6 +678,7 @@ def test_gradient_averager_details():
     assert all(run_ranks(2, averager_details))
 
 
+@pytest.mark.transport_fixed
 def test_gradient_averager_arguments():
     lin = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="compression must be None, 'fp16', 'bf16', a ringcomm.hooks.TopKState or a "
@@ -687,6 +692,7 @@ def test_gradient_averager_arguments():
 
 # ---- the benchmark's coalesced mode -----------------------------------------------------------
 
+@pytest.mark.transport_fixed
 def test_bench_coalesced_mode_checks_results(tmp_path):
     import json
     import subprocess
@@ -718,6 +724,7 @@ def test_bench_coalesced_mode_checks_results(tmp_path):
     assert "# layout limit = flat all_reduce + tensors' passes - views' passes" in run.stdout
 
 
+@pytest.mark.transport_fixed
 def test_layout_passes_read_and_write_every_element():
     # Two messages' worth (RINGCOMM_FUSION_SLICE_BYTES each) in four tensors: every element is
     # packed into the one staging buffer, then every element unpacked from it, so both halves end
