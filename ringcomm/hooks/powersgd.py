@@ -41,7 +41,7 @@ import torch
 
 import torch.distributed as dist
 
-from .default import _completed, _as_hook
+from .default import _completed, _ringcomm_named
 from .state import ReportsBuckets, communicator_for
 
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # float16 / bfloat16 gradients: math in float32
@@ -465,7 +465,7 @@ CUDA_REFUSED = ("ringcomm's PowerSGD runs on CPU gradients only; for CUDA gradie
                 "allreduce_hook, bf16_compress_hook or topk_hook")
 
 
-@_as_hook
+@_ringcomm_named
 def powersgd_hook(state: PowerSGDState,
                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: PowerSGD low-rank compression with error feedback (dense during the first

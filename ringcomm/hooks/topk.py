@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compress, trace
-from .default import _completed, _as_hook
+from .default import _completed, _ringcomm_named
 from .state import ReportsBuckets, communicator_for
 
 
@@ -311,7 +311,7 @@ def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int, la
     return work, finished
 
 
-@_as_hook
+@_ringcomm_named
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: top-k sparse exchange with error feedback (see TopKState for when a bucket
     goes dense)."""
