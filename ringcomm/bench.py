@@ -66,6 +66,7 @@ bench/report.py turns --json files into docs/performance.md's markdown tables.
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures
 import contextlib
 import functools
@@ -81,6 +82,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -933,15 +935,53 @@ def free_port() -> int:
 
 
 def launch(args, argv) -> int:
-    """Starts --ranks local ranks, each running this module as torchrun would."""
+    """Starts --ranks local ranks, each with the environment torchrun gives its workers, waits for
+    them and returns the exit code furthest from 0. The ranks are forks of this process, which
+    has imported torch already: a fresh interpreter per rank imports it again, 2.5 s of CPU each
+    on two cores. With --compare nccl they are fresh interpreters: main() has asked CUDA for the
+    GPUs, and CUDA does not work in a fork of a process that did."""
     port = free_port()
-    procs = []
+    fresh = "nccl" in compared(args)
+    sys.stdout.flush()  # else a fork writes out again what this process has buffered
+    sys.stderr.flush()
+    ranks = []
     for rank in range(args.ranks):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "ringcomm.bench", *argv], env=env))
-    codes = [p.wait() for p in procs]
+        env = {"RANK": str(rank), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(args.ranks), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        if fresh:
+            ranks.append(subprocess.Popen([sys.executable, "-m", "ringcomm.bench", *argv],
+                                          env=dict(os.environ, **env)))
+            continue
+        pid = os.fork()
+        if pid == 0:
+            os._exit(forked_rank(args, env))
+        ranks.append(pid)
+    codes = [p.wait() if fresh else os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in ranks]
     return max(codes, key=abs)
+
+
+def forked_rank(args, env: dict) -> int:
+    """A forked rank's life, ended as an interpreter's would be: SystemExit's code (its message
+    printed), or a traceback and 1, then the exit handlers (the timeline's part is written by
+    one)."""
+    os.environ.update(env)
+    try:
+        worker(args)
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
 
 
 def compare_list(text: str) -> str:
