@@ -5,8 +5,8 @@
     torchrun --nproc-per-node 4 -m ringcomm.bench -b 8 -e 64M --coll all_reduce
     python -m ringcomm.bench --coll all_reduce_coalesced --tensors 1000 --tensor-bytes 1K-16K --compare gloo
 
-Without RANK in the environment it launches `--ranks` local ranks itself (each one this module
-under the env:// variables torchrun sets). Times are medians over --repeats samples of --iters
+Without RANK in the environment it launches `--ranks` local ranks itself (forks of the launcher,
+each under the env:// variables torchrun sets; fresh interpreters with --compare nccl). Times are medians over --repeats samples of --iters
 back-to-back operations (rank 0's clock, after a barrier), each sample after --sample-warmup
 untimed ones: samples of several libraries interleave (each repeat starting one library further
 on, every other one backwards, so none always follows the same one), and on this kind of
