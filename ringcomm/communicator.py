@@ -588,7 +588,9 @@ def init(store=None, rank: Optional[int] = None, world_size: Optional[int] = Non
 def shm_bytes_sent() -> int:
     """Bytes this process has sent through shared memory so far, through every communicator (the
     torch backend's and closed ones included; the kernel's socket counters do not see them):
-    written to a peer's slots, or read by the peer out of this process's memory (single copy)."""
+    written to a peer's slots, read by the peer out of this process's memory (single copy), or
+    put on this process's board for peers to read (the shared_buffer all-reduce: once per
+    reader)."""
     return _C.shm_bytes_sent()
 
 

@@ -135,6 +135,29 @@ def test_stats_count_calls_payload_bytes_and_time():
         assert total["idle_s"] >= ar["idle_s"]
 
 
+def _through_boards(comm, count):
+    sent = {}
+    for algorithm in ("ring", "shared_buffer"):
+        before = ringcomm.shm_bytes_sent()
+        work = comm.all_reduce(torch.ones(count), algorithm=algorithm, async_op=True)
+        work.wait()
+        sent[algorithm] = (work.stats()["bytes_sent"], work.stats()["bytes_received"],
+                           ringcomm.shm_bytes_sent() - before)
+    return sent
+
+
+def test_stats_count_the_payload_read_through_the_boards():
+    """The shared_buffer all-reduce moves its payload through the boards, not messages: what
+    peers read of a rank's board counts as sent, what it reads of theirs as received, 2(n-1)/n of
+    the buffer each way, as the ring's."""
+    world, count = 3, 3 << 12
+    payload = 2 * (world - 1) * count * 4 // world
+    for sent in run_ranks(world, _through_boards, count, env={"RINGCOMM_TRANSPORT": "shm"}):
+        for algorithm, (payload_sent, payload_received, shm_sent) in sent.items():
+            assert payload_sent == payload_received == payload, (algorithm, sent)
+            assert payload <= shm_sent < payload + 4096, (algorithm, sent)  # + messages' headers
+
+
 DDP_JOB = """
 import json, os, torch, torch.distributed as dist
 import torch.nn.functional as F

@@ -101,11 +101,12 @@ void shared_buffer_all_reduce(Context& ctx, void* buf, size_t count, DType dtype
 class BoardElements {
  public:
   virtual ~BoardElements() = default;
-  // This rank's elements [first, first + count), onto its board at `offset`.
+  // This rank's elements [first, first + count), onto its board at `offset`, for the one peer
+  // that reduces them.
   virtual void copy_in(Context& ctx, size_t first, size_t count, size_t offset) = 0;
   // Reduces elements [first, first + count) from rank p's contributions at inputs[p] and this
   // rank's where it lies (inputs[rank] is not read); the result replaces this rank's, and goes
-  // onto its board at `offset`.
+  // onto its board at `offset`, for every peer.
   virtual void reduce(Context& ctx, size_t first, size_t count, const char* const* inputs,
                       size_t offset) = 0;
   // Elements [first, first + count) of the result, from `src` (a peer's board).

@@ -209,19 +209,23 @@ class BucketElements : public BoardElements {
   BucketElements(const CoalescedAllReduce& plan, const FusedBucket& b, char* temps)
       : plan_(plan), b_(b), temps_(temps) {}
   void copy_in(Context& ctx, size_t first, size_t count, size_t offset) override {
-    ScratchFrame frame(ctx);
-    ctx.write_board(offset, ranges_of(ctx, b_.buffers, first, count));
+    publish(ctx, first, count, offset, 1);
   }
   void reduce(Context& ctx, size_t first, size_t count, const char* const* inputs,
               size_t offset) override {
     reduce_from_buffers(plan_, b_, first, count, ctx.rank(), inputs, nullptr, temps_, ctx.size());
-    copy_in(ctx, first, count, offset);
+    publish(ctx, first, count, offset, ctx.size() - 1);
   }
   void copy_out(size_t first, size_t count, const char* src) override {
     cpu::unpack(src, b_.sig.dtype, b_.buffers, first, first + count, {});
   }
 
  private:
+  void publish(Context& ctx, size_t first, size_t count, size_t offset, int readers) {
+    ScratchFrame frame(ctx);
+    ctx.write_board(offset, ranges_of(ctx, b_.buffers, first, count), readers);
+  }
+
   const CoalescedAllReduce& plan_;
   const FusedBucket& b_;
   char* temps_;

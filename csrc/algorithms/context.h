@@ -235,17 +235,22 @@ class Context {
                       });
   }
   // Shared memory's boards among this context's ranks (Mesh::boards_reach): whether every rank
-  // has one that every other reads in place; their size; rank `peer`'s; writing this rank's,
-  // from one buffer or gathered from ranges.
+  // has one that every other reads in place; their size; writing this rank's, from one buffer or
+  // gathered from ranges, for `readers` peers to read; `bytes` of rank `peer`'s at `offset`, to
+  // be read. The bytes count as the payload sent and received, as messages' do.
   bool has_boards() const {
     return members_.empty() ? mesh_.boards_everywhere() : mesh_.boards_reach(members_);
   }
   size_t board_bytes() const { return mesh_.board_bytes(); }
-  const char* board(int peer) const { return mesh_.board(global(peer)); }
-  void write_board(size_t offset, Ranges from) { mesh_.write_board(offset, from); }
-  void write_board(size_t offset, const void* src, size_t n) {
+  void write_board(size_t offset, Ranges from, int readers) {
+    mesh_.write_board(offset, from, readers);
+  }
+  void write_board(size_t offset, const void* src, size_t n, int readers) {
     const iovec one{const_cast<void*>(src), n};
-    write_board(offset, Ranges{&one, 1});
+    write_board(offset, Ranges{&one, 1}, readers);
+  }
+  const char* read_board(int peer, size_t offset, size_t bytes) {
+    return mesh_.read_board(global(peer), offset, bytes);
   }
   void set_current(const Signature& sig) { mesh_.set_current(sig); }
   void wait(Request r) {

@@ -26,7 +26,8 @@
 // read once and written once), P read and 2P/n written by the reduction: (5n-2)/n P, against
 // (6n-3)/n P for the ring over the slots, which copies into the peer's slots and out again at
 // every step (18 against 27 block-passes at n = 4). Two rounds of messages per piece instead of
-// the ring's 2(n-1) steps.
+// the ring's 2(n-1) steps. Payload, as the statistics count it: what peers read of a rank's board
+// is sent, what it reads of theirs received, 2(n-1)/n P each way, as the ring's.
 //
 // Every element is reduced at one rank, in rank order whatever the size: the same bits on every
 // rank (reduction_order.cc). The rounds work on BoardElements: a flat buffer's, here, or a
@@ -75,7 +76,7 @@ class FlatElements : public BoardElements {
         n_(ctx.size()), program_(rank_order_program(n_)),
         scratch_(ctx.scratch(program_.scratch_bytes(dtype))), inputs_(size_t(n_)) {}
   void copy_in(Context& ctx, size_t first, size_t count, size_t offset) override {
-    ctx.write_board(offset, buf_ + first * elem_, count * elem_);
+    ctx.write_board(offset, buf_ + first * elem_, count * elem_, 1);
   }
   void reduce(Context& ctx, size_t first, size_t count, const char* const* inputs,
               size_t offset) override {
@@ -83,7 +84,7 @@ class FlatElements : public BoardElements {
     for (int p = 0; p < n_; ++p) inputs_[size_t(p)] = p == ctx.rank() ? mine : inputs[p];
     program_.run(dtype_, op_, inputs_.data(), mine, count, scratch_);
     if (op_ == ReduceOp::kAvg) cpu::divide(dtype_, mine, count, n_);
-    ctx.write_board(offset, mine, count * elem_);
+    ctx.write_board(offset, mine, count * elem_, n_ - 1);
   }
   void copy_out(size_t first, size_t count, const char* src) override {
     std::memcpy(buf_ + first * elem_, src, count * elem_);
@@ -136,7 +137,8 @@ void shared_buffer_rounds(Context& ctx, BoardElements& elements, size_t count, D
       for (size_t done = 0; done < sl.count(me); done += reduce_elems) {
         const size_t len = std::min(reduce_elems, sl.count(me) - done);
         for (int p = 0; p < n; ++p)
-          if (p != me) inputs[size_t(p)] = ctx.board(p) + slot_at(k, me) + done * elem;
+          if (p != me)
+            inputs[size_t(p)] = ctx.read_board(p, slot_at(k, me) + done * elem, len * elem);
         elements.reduce(ctx, k * piece + sl.offset(me) + done, len, inputs.data(),
                         slot_at(k, me) + done * elem);
       }
@@ -147,7 +149,8 @@ void shared_buffer_rounds(Context& ctx, BoardElements& elements, size_t count, D
     trace::Span span("board-out", (sl.offset(n) - sl.count(me)) * elem);
     for (int s = 0; s < n; ++s)
       if (s != me)
-        elements.copy_out(k * piece + sl.offset(s), sl.count(s), ctx.board(s) + slot_at(k, s));
+        elements.copy_out(k * piece + sl.offset(s), sl.count(s),
+                          ctx.read_board(s, slot_at(k, s), sl.count(s) * elem));
   }
   ctx.finish();
 }

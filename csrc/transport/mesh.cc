@@ -243,6 +243,19 @@ bool Mesh::boards_everywhere() const {
   return boards_reach(all);
 }
 
+// Only the thread running operations writes the payload counters: no read-modify-write needed.
+void Mesh::write_board(size_t offset, Ranges from, int readers) {
+  shm_->write_board(offset, from, readers);
+  payload_sent_.store(payload_sent_.load(std::memory_order_relaxed) + from.bytes() * size_t(readers),
+                      std::memory_order_relaxed);
+}
+
+const char* Mesh::read_board(int rank, size_t offset, size_t bytes) {
+  payload_received_.store(payload_received_.load(std::memory_order_relaxed) + bytes,
+                          std::memory_order_relaxed);
+  return shm_->board(rank) + offset;
+}
+
 const char* Mesh::transport_of(int peer) const {
   return peer == rank_ ? "self" : route_.at(size_t(peer)) ? route_[peer]->name() : "none";
 }

@@ -66,7 +66,10 @@ class Mesh final : public PartSink {
   bool boards_everywhere() const;
   size_t board_bytes() const { return shm_ ? shm_->board_bytes() : 0; }
   const char* board(int rank) const { return shm_ ? shm_->board(rank) : nullptr; }
-  void write_board(size_t offset, Ranges from) { shm_->write_board(offset, from); }
+  // The payload through the boards, counted as messages' is: what `readers` peers read of this
+  // rank's board as sent, what this rank reads of a peer's (`bytes` at `offset`) as received.
+  void write_board(size_t offset, Ranges from, int readers);
+  const char* read_board(int rank, size_t offset, size_t bytes);
   // Name of the transport that carries data to `peer` ("tcp", "shm"; "self" for this rank).
   const char* transport_of(int peer) const;
   // After connect(): each rank's host, as the lowest rank on that host (same on every rank).

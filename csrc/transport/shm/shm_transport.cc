@@ -307,13 +307,15 @@ const char* ShmTransport::board(int rank) const {
   return p.enabled ? p.segment.base + board_offset_ : nullptr;
 }
 
-void ShmTransport::write_board(size_t offset, Ranges from) {
+void ShmTransport::write_board(size_t offset, Ranges from, int readers) {
   const size_t n = from.bytes();
   if (offset > board_bytes() || n > board_bytes() - offset)
     RC_THROW("board write of ", n, " bytes at ", offset, " beyond its ", board_bytes());
   board_writer_.write(own_.base + board_offset_ + offset, n, [&](SlotOut& out) {
     for (size_t i = 0; i < from.count; ++i) out.append(from.list[i].iov_base, from.list[i].iov_len);
   });
+  bytes_sent_.fetch_add(n * size_t(readers), std::memory_order_relaxed);
+  process_bytes_sent.fetch_add(n * size_t(readers), std::memory_order_relaxed);
 }
 
 bool ShmTransport::waits_on(int peer) const {

@@ -94,9 +94,9 @@ class ShmTransport final : public Transport {
   size_t board_bytes() const { return own_.base ? options_.board_bytes : 0; }
   const char* board(int rank) const;
   // Writes the bytes of `from`, back to back, at `offset` of this rank's board, with plain or
-  // streamed stores as the writer of its slots chooses (stream_copy.h): peers on other CPUs read
-  // them.
-  void write_board(size_t offset, Ranges from);
+  // streamed stores as the writer of its slots chooses (stream_copy.h), for `readers` peers on
+  // other CPUs to read: counted as sent to each of them.
+  void write_board(size_t offset, Ranges from, int readers);
   // Publishes the CPU this rank is on, for its peers, and says whether a local peer was on it
   // when it last began to wait: the scheduler has put both on one CPU. The higher rank of the
   // two may first move off it (move_off), and then says no.
