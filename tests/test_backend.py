@@ -15,6 +15,7 @@ import torch.distributed as dist
 import ringcomm
 from ringcomm import fusion
 from ringcomm._buffers import TORCH_DTYPES, Buffer
+import ranks
 from ranks import run_ranks, run_torchrun, seconds_until_handler_runs
 
 
@@ -680,21 +681,23 @@ def test_a_blocking_all_reduce_reads_its_tensor_in_cpp():
             errors
 
 
+def _built_in(cache: str) -> str:
+    os.environ["RINGCOMM_TORCH_BUILD_DIR"] = cache
+    m = ringcomm.backend.built()
+    return "loaded" if m is not None and m.tensor_lists([]) == (b"", b"", b"") else "none"
+
+
 def test_built_loads_only_a_finished_build_and_never_waits(tmp_path):
     import fcntl
     import shutil
 
     ringcomm.backend.load()  # built, in this process's cache
     real = ringcomm.backend._build_dir(ringcomm.backend._sources())
-    code = ("import ringcomm.backend as b\n"
-            "m = b.built()\n"
-            "print('loaded' if m is not None and m.tensor_lists([]) == (b'', b'', b'') else 'none')\n")
 
     def built_in_a_fresh_process(cache):
-        env = dict(os.environ, RINGCOMM_TORCH_BUILD_DIR=str(cache))
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                             timeout=120, check=True)
-        return run.stdout.strip()
+        # a fork of the ranks' fork server, which has imported ringcomm and nothing more
+        with ranks.CTX.Pool(1) as pool:
+            return pool.apply(_built_in, (str(cache),))
 
     assert built_in_a_fresh_process(real.parent) == "loaded"
     with open(real / "ringcomm.lock") as lock:  # a rebuild under way: not loaded, not waited on
