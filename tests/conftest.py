@@ -25,10 +25,11 @@ TRANSPORT_MODULES = {"test_all_reduce", "test_collectives", "test_errors", "test
                      "test_fusion"}
 
 
-# The modules that take longest, longest first: `make test`'s workers take modules in collection
-# order, and one started last would run alone at the end (the torch suite: a minute).
-FIRST = ("test_torch_suite", "test_errors", "test_bench", "test_fusion", "test_powersgd",
-         "test_hooks", "test_clients", "test_backend")
+# The modules that take longest, longest first (30-110 s each with two workers, session 36):
+# `make test`'s workers take modules in collection order, and one started last would run alone at
+# the end.
+FIRST = ("test_hooks", "test_powersgd", "test_errors", "test_clients", "test_bench", "test_fusion",
+         "test_backend", "test_topk_hook", "test_trace", "test_torch_suite")
 
 
 def pytest_collection_modifyitems(items):
@@ -49,7 +50,6 @@ def temporary_files(tmp_path_factory):
     which pytest removes a few runs later, not straight into /tmp."""
     os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
     tempfile.tempdir = None  # read TMPDIR again
-    yield
 
 
 @pytest.fixture(autouse=True)
