@@ -6,14 +6,15 @@
     python -m ringcomm.bench --coll all_reduce_coalesced --tensors 1000 --tensor-bytes 1K-16K --compare gloo
 
 Without RANK in the environment it launches `--ranks` local ranks itself (forks of the launcher,
-each under the env:// variables torchrun sets; fresh interpreters with --compare nccl). Times are medians over --repeats samples of --iters
-back-to-back operations (rank 0's clock, after a barrier), each sample after --sample-warmup
-untimed ones: samples of several libraries interleave (each repeat starting one library further
-on, every other one backwards, so none always follows the same one), and on this kind of
-machine memory left alone for the length of another library's sample comes back slowly (a
-16 MiB torch.add takes 2.3x its steady time on the first call after 50 ms idle and 7 calls to
-recover), so each library's sample starts from the same warm state. algbw = size / time; busbw = algbw x
-2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter and all_gather, 1 for broadcast and reduce.
+each under the env:// variables torchrun sets; fresh interpreters with --compare nccl). Times are
+medians over --repeats samples of --iters back-to-back operations (rank 0's clock, after a
+barrier), each sample after --sample-warmup untimed ones: samples of several libraries interleave
+(each repeat starting one library further on, every other one backwards, so none always follows the
+same one), and on this kind of machine memory left alone for the length of another library's sample
+comes back slowly (a 16 MiB torch.add takes 2.3x its steady time on the first call after 50 ms idle
+and 7 calls to recover), so each library's sample starts from the same warm state. algbw = size /
+time; busbw = algbw x 2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter and all_gather, 1 for
+broadcast and reduce.
 #wrong counts result elements that differ from a float64 reference (with -c 1).
 
 Anchors, measured in the same run with the same sizes, iterations and repeats, their samples
