@@ -86,6 +86,12 @@ std::map<std::string, std::string> parse_address(const std::string& text) {
   return fields;
 }
 
+// The payload counters: only the thread running operations writes them (messages done, boards
+// written and read), so no read-modify-write is needed; other threads read them (statistics).
+void add_payload(std::atomic<uint64_t>& counter, uint64_t bytes) {
+  counter.store(counter.load(std::memory_order_relaxed) + bytes, std::memory_order_relaxed);
+}
+
 }  // namespace
 
 std::string host_identity() {
@@ -243,16 +249,13 @@ bool Mesh::boards_everywhere() const {
   return boards_reach(all);
 }
 
-// Only the thread running operations writes the payload counters: no read-modify-write needed.
 void Mesh::write_board(size_t offset, Ranges from, int readers) {
   shm_->write_board(offset, from, readers);
-  payload_sent_.store(payload_sent_.load(std::memory_order_relaxed) + from.bytes() * size_t(readers),
-                      std::memory_order_relaxed);
+  add_payload(payload_sent_, from.bytes() * size_t(readers));
 }
 
 const char* Mesh::read_board(int rank, size_t offset, size_t bytes) {
-  payload_received_.store(payload_received_.load(std::memory_order_relaxed) + bytes,
-                          std::memory_order_relaxed);
+  add_payload(payload_received_, bytes);
   return shm_->board(rank) + offset;
 }
 
@@ -365,9 +368,7 @@ void Mesh::remove(Op& op) {
 void Mesh::part_done(int64_t id) {
   Op* op = find(id);
   if (--op->parts_left > 0) return;
-  // Only the thread running operations writes these: no read-modify-write needed.
-  std::atomic<uint64_t>& payload = op->is_send ? payload_sent_ : payload_received_;
-  payload.store(payload.load(std::memory_order_relaxed) + op->bytes, std::memory_order_relaxed);
+  add_payload(op->is_send ? payload_sent_ : payload_received_, op->bytes);
   if (op->posted_ns && trace::enabled()) {
     // From posted to done as this thread saw it: a message's span includes waiting for its peer.
     trace::Event e{op->is_send ? "send" : "recv", nullptr, op->posted_ns, trace::now_ns(),
