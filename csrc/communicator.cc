@@ -47,6 +47,11 @@ uint64_t hash_counts(const std::vector<size_t>& counts) {
 namespace {
 // The communicator whose progress thread this is (nullptr elsewhere).
 thread_local const void* progress_thread_owner = nullptr;
+// The communicator whose finished collective's completion callbacks this thread runs: the thread
+// still holds the transport (executing_) but no longer uses it, so an abort() from a callback
+// tells the peers at once instead of leaving it to the progress thread, which a process exiting
+// right after the callback (the future it completed woke the main thread) could overtake.
+thread_local const void* completing_owner = nullptr;
 
 // Set in a child forked after a communicator was made (a DataLoader worker, say). The child
 // shares the parent's sockets and shared memory but not its progress thread: it must neither
@@ -781,6 +786,10 @@ void Communicator::run(Task& task) {
     scratch_.operation_done();
     account(task, begin_ns, sent0, received0, idle0);
     trace::Span span("callbacks", 0);
+    struct Completing {
+      explicit Completing(const void* owner) { completing_owner = owner; }
+      ~Completing() { completing_owner = nullptr; }
+    } completing(this);
     task.work->finish();
   } catch (const std::exception& e) {
     std::string reason = str_cat(e.what(), " [rank ", rank_, ", during ", task.sig.describe(), "]");
@@ -865,17 +874,22 @@ void Communicator::abort(const std::string& reason) {
   wake();
   cv_.notify_all();
   std::unique_lock<std::mutex> lk(mu_);
-  if (on_progress_thread() || !progress_thread_.joinable()) {
+  const bool completing = completing_owner == this;
+  if (completing || on_progress_thread() || !progress_thread_.joinable()) {
     // No thread to hand it to (a callback, or never connected): fail here, outside the mesh
-    // only if nobody is inside it.
-    if (!executing_ && broken_.empty()) {
+    // only if nobody is inside it. Otherwise the progress thread does once the mesh is free.
+    if ((completing || !executing_) && broken_.empty()) {
       lk.unlock();
-      const std::string reason = "aborted: " + why;
-      fail(reason, std::make_exception_ptr(Error(reason, ErrorKind::kAborted)));
+      fail_aborted(why);
     }
     return;
   }
   cv_.wait_for(lk, std::chrono::seconds(1), [&] { return !broken_.empty(); });
+}
+
+void Communicator::fail_aborted(const std::string& why) {
+  const std::string reason = str_cat("aborted: ", why, " [rank ", rank_, "]");
+  fail(reason, std::make_exception_ptr(Error(reason, ErrorKind::kAborted)));
 }
 
 void Communicator::progress_loop() {
@@ -892,10 +906,10 @@ void Communicator::progress_loop() {
     });
     if (!abort_reason_.empty() && broken_.empty()) {
       // Nothing was running to notice the interrupt: tell the peers and fail what is queued.
-      std::string reason = str_cat("aborted: ", abort_reason_, " [rank ", rank_, "]");
+      const std::string why = abort_reason_;
       executing_ = true;
       lk.unlock();
-      fail(reason, std::make_exception_ptr(Error(reason, ErrorKind::kAborted)));
+      fail_aborted(why);
       lk.lock();
       executing_ = false;
       cv_.notify_all();

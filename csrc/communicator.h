@@ -269,6 +269,7 @@ class Communicator {
   void match_any_source();
   void run(Task& task);
   void fail(const std::string& reason, const std::exception_ptr& error);
+  void fail_aborted(const std::string& why);  // fail() with "aborted: <why> [rank r]"
   void progress_loop();
   void wake();
   void check_rank(int r, const char* what) const;

@@ -374,6 +374,32 @@ def test_abort_fails_pending_operations_at_once_and_tells_peers():
     assert "preempted" in peer, peer
 
 
+def abort_from_completion_callback(comm):
+    """Rank 1 aborts from the callback of an all_reduce that completed (as a DDP hook does when
+    its next step fails): abort() returns having told the peers, so rank 1 may exit at once."""
+    if comm.rank == 0:
+        time.sleep(0.5)  # rank 1's callback is in place before its all_reduce can complete
+        comm.all_reduce(torch.ones(4))
+        return expect_error(lambda: comm.all_reduce(torch.ones(4)), ringcomm.AbortedError)
+    seen = []
+
+    def callback(future):  # on the progress thread, as the all_reduce completes
+        comm.abort("stopped in a callback")
+        seen.append(comm.broken)
+
+    comm.all_reduce(torch.ones(4), async_op=True).get_future().then(callback).wait()
+    return seen[0]
+
+
+def test_abort_from_a_completion_callback_tells_the_peers_before_returning():
+    (message, elapsed), broken = run_ranks(2, abort_from_completion_callback, timeout=60,
+                                           comm_timeout=30)
+    # Broken as abort() returns, not once the progress thread comes round to it: a process
+    # exiting right after the callback must not leave its peers reading a bare close.
+    assert broken and "aborted: stopped in a callback" in broken, broken
+    assert "stopped in a callback" in message and elapsed < 2, (message, elapsed)
+
+
 def send_then_abort(comm):
     """Rank 1 sends, then aborts; rank 0 receives only after both: the message it already holds
     arrives, the next receive fails with rank 1's reason."""
