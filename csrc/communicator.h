@@ -227,7 +227,9 @@ class Communicator {
   // Fails the operation in progress and every queued one at once with "aborted: <reason>",
   // tells the peers (their operations with this rank fail with the reason too) and leaves this
   // communicator broken. From any thread; returns once that is done (a second of grace for the
-  // thread running an operation to notice). close() afterwards does not wait for anything.
+  // thread running an operation to notice), also from a collective's completion callback. From a
+  // send's or receive's callback, which runs inside the transport, the progress thread tells the
+  // peers as soon as the callback returns. close() afterwards does not wait for anything.
   void abort(const std::string& reason);
   // Finishes queued work, stops the progress thread and closes connections. A second caller
   // waits for the first. From the progress thread (a completion callback) it only asks the

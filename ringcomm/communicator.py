@@ -533,7 +533,9 @@ class Communicator:
         """Fails the running and every queued operation at once with "aborted: <reason>" and
         tells the peers, whose operations with this rank fail with the reason too; the
         communicator is broken after (close() then waits for nothing). From any thread, a
-        signal handler or a completion callback."""
+        signal handler or a completion callback; it returns once the peers are told, except from
+        the callback of a send or receive, which runs inside the transport: the progress thread
+        tells them as soon as that callback returns."""
         self._core.abort(str(reason))
 
     def close(self):
