@@ -472,9 +472,10 @@ def group_abort(store, rank, world):
     dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))
     if rank == 1:
-        time.sleep(1.5)  # joins after rank 0 has given up
+        store.wait(["test/aborted"], timedelta(seconds=30))  # joins after rank 0 has given up
         with pytest.raises(RuntimeError, match="ProcessGroup.abort") as info:
             dist.all_reduce(torch.ones(1 << 20))
+        store.set("test/heard", "1")
         return str(info.value)
     work = dist.all_reduce(torch.ones(1 << 20), async_op=True)
     time.sleep(0.3)
@@ -483,7 +484,8 @@ def group_abort(store, rank, world):
     with pytest.raises(RuntimeError, match="aborted: ProcessGroup.abort"):
         work.wait()
     elapsed = time.monotonic() - start
-    time.sleep(1.5)  # alive while rank 1 joins and reads the reason
+    store.set("test/aborted", "1")
+    store.wait(["test/heard"], timedelta(seconds=30))  # alive until rank 1 has read the reason
     return elapsed
 
 

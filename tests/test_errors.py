@@ -342,13 +342,17 @@ def test_bad_arguments_raise_before_sending():
 
 # ---- abort and signals --------------------------------------------------------------------
 
-def abort_pending(comm):
+def abort_pending(store, rank, world):
     """Rank 1 joins the first all_reduce late. Rank 0 aborts while it waits: its operation, and
     one queued behind it, fail at once; rank 1, joining, hears the reason."""
+    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
     aborted = ringcomm.AbortedError
-    if comm.rank == 1:
-        time.sleep(1.0)
-        return expect_error(lambda: comm.all_reduce(torch.ones(1 << 20)), aborted)[0]
+    if rank == 1:
+        store.wait(["test/aborted"], timedelta(seconds=30))
+        message = expect_error(lambda: comm.all_reduce(torch.ones(1 << 20)), aborted)[0]
+        store.set("test/heard", "1")
+        comm.close()
+        return message
     running = comm.all_reduce(torch.ones(1 << 20), async_op=True)
     queued = comm.all_reduce(torch.ones(4), async_op=True)
     time.sleep(0.3)
@@ -359,7 +363,9 @@ def abort_pending(comm):
     assert type(queued.exception()) is aborted
     elapsed = time.monotonic() - start
     after = expect_error(lambda: comm.all_reduce(torch.ones(4)), aborted)[0]
-    time.sleep(1.2)  # alive while rank 1 joins (gone, it would read a reset, not the reason)
+    store.set("test/aborted", "1")
+    # Alive until rank 1 has heard the reason: gone, it would read a reset, not the reason.
+    store.wait(["test/heard"], timedelta(seconds=30))
     start = time.monotonic()
     comm.close()  # returns at once: nothing left to finish
     return first, second, after, elapsed, time.monotonic() - start
@@ -367,7 +373,7 @@ def abort_pending(comm):
 
 def test_abort_fails_pending_operations_at_once_and_tells_peers():
     (first, second, after, elapsed, closed), peer = run_ranks(2, abort_pending, timeout=60,
-                                                               comm_timeout=30)
+                                                               make_comm=False)
     assert "aborted: preempted" in first and "aborted: preempted" in second, (first, second)
     assert "broken" in after
     assert elapsed < 2 and closed < 1, (elapsed, closed)  # not the 30 s timeout
@@ -400,23 +406,29 @@ def test_abort_from_a_completion_callback_tells_the_peers_before_returning():
     assert "stopped in a callback" in message and elapsed < 2, (message, elapsed)
 
 
-def send_then_abort(comm):
+def send_then_abort(store, rank, world):
     """Rank 1 sends, then aborts; rank 0 receives only after both: the message it already holds
     arrives, the next receive fails with rank 1's reason."""
-    if comm.rank == 1:
+    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
+    if rank == 1:
         comm.send(torch.arange(100.0), 0)
         comm.abort("stopped after sending")
-        time.sleep(1.5)  # alive while rank 0 reads (gone, it would read a close)
+        store.set("test/aborted", "1")
+        # Alive until rank 0 has read both: gone, it would read a close.
+        store.wait(["test/heard"], timedelta(seconds=30))
+        comm.close()
         return None
-    time.sleep(0.5)
+    store.wait(["test/aborted"], timedelta(seconds=30))
     t = torch.zeros(100)
     comm.recv(t, 1)
     message, elapsed = expect_error(lambda: comm.recv(torch.zeros(100), 1))
+    store.set("test/heard", "1")
+    comm.close()
     return t, message, elapsed
 
 
 def test_what_a_peer_sent_before_aborting_still_arrives():
-    (t, message, elapsed), _ = run_ranks(2, send_then_abort, timeout=60, comm_timeout=30)
+    (t, message, elapsed), _ = run_ranks(2, send_then_abort, timeout=60, make_comm=False)
     assert torch.equal(t, torch.arange(100.0))
     assert "stopped after sending" in message and elapsed < 2, (message, elapsed)
 
