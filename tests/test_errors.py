@@ -433,19 +433,25 @@ def test_what_a_peer_sent_before_aborting_still_arrives():
     assert "stopped after sending" in message and elapsed < 2, (message, elapsed)
 
 
-def abort_blocking_call(comm):
+def abort_blocking_call(store, rank, world):
     """A blocking call runs on the caller's thread; abort from a timer thread interrupts it."""
-    if comm.rank == 1:
-        time.sleep(1.5)
+    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
+    if rank == 1:
+        # Alive, never joining, until rank 0 has its error: gone, it would read a close.
+        store.wait(["test/interrupted"], timedelta(seconds=30))
+        comm.close()
         return None
     threading.Timer(0.3, comm.abort, args=("stop",)).start()
     start = time.monotonic()
     message = expect_error(lambda: comm.all_reduce(torch.ones(8)))[0]
-    return message, time.monotonic() - start
+    elapsed = time.monotonic() - start
+    store.set("test/interrupted", "1")
+    comm.close()
+    return message, elapsed
 
 
 def test_abort_interrupts_a_blocking_call_on_another_thread():
-    (message, elapsed), _ = run_ranks(2, abort_blocking_call, timeout=60, comm_timeout=30)
+    (message, elapsed), _ = run_ranks(2, abort_blocking_call, timeout=60, make_comm=False)
     assert "aborted: stop" in message and elapsed < 2, (message, elapsed)
 
 
