@@ -786,9 +786,10 @@ void Communicator::run(Task& task) {
     scratch_.operation_done();
     account(task, begin_ns, sent0, received0, idle0);
     trace::Span span("callbacks", 0);
-    struct Completing {
+    struct Completing {  // restores the outer one: a callback may run another communicator's call
+      const void* outer = completing_owner;
       explicit Completing(const void* owner) { completing_owner = owner; }
-      ~Completing() { completing_owner = nullptr; }
+      ~Completing() { completing_owner = outer; }
     } completing(this);
     task.work->finish();
   } catch (const std::exception& e) {
