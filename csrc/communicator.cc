@@ -550,8 +550,10 @@ WorkPtr Communicator::sparse_all_reduce(const int32_t* indices, const void* valu
                "sparse_all_reduce supports op sum and avg, got ", op_name(op));
   RC_CHECK_ARG(numel <= size_t(INT32_MAX), "sparse_all_reduce: numel ", numel, " exceeds int32 indices");
   RC_CHECK_ARG(k <= size_t(INT32_MAX), "sparse_all_reduce: ", k, " pairs, more than 2^31 - 1");
-  RC_CHECK_ARG(algo == Algorithm::kAuto || algo == Algorithm::kSparseGather ||
-                   algo == Algorithm::kSparseRanges || algo == Algorithm::kRing,
+  RC_CHECK_ARG(algo == Algorithm::kAuto ||
+                   std::find(std::begin(kSparseAllReduceAlgorithms),
+                             std::end(kSparseAllReduceAlgorithms), algo) !=
+                       std::end(kSparseAllReduceAlgorithms),
                "sparse_all_reduce algorithm must be auto, sparse_gather, sparse_ranges or ring");
   for (size_t i = 0; i < k; ++i)
     RC_CHECK_ARG(indices[i] >= 0 && size_t(indices[i]) < numel, "index ", indices[i],

@@ -4,26 +4,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# Codes match csrc/common/dtype.h.
-TORCH_DTYPES = {
-    torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
-    torch.int8: 4, torch.uint8: 5, torch.int32: 6, torch.int64: 7, torch.bool: 8,
-}
-NUMPY_DTYPES = {
-    np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2,
-    np.dtype(np.int8): 4, np.dtype(np.uint8): 5, np.dtype(np.int32): 6, np.dtype(np.int64): 7,
-    np.dtype(np.bool_): 8,
-}
-FLOATING = {0, 1, 2, 3}
+from . import _C
 
-# Values follow torch.distributed.ReduceOp: SUM=0, AVG=1, PRODUCT=2, MIN=3, MAX=4, BAND=5, BOR=6,
-# BXOR=7.
-OP_CODES = {"sum": 0, "avg": 1, "mean": 1, "prod": 2, "product": 2, "min": 3, "max": 4,
-            "band": 5, "bor": 6, "bxor": 7}
-ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "recursive_doubling": 3, "halving_doubling": 12,
-              "shared_buffer": 13, "hierarchical": 10}
-# sparse_all_reduce: "ring" is the dense fallback (scatter locally, then ring all-reduce).
-SPARSE_ALGORITHMS = {"auto": 0, "ring": 1, "sparse_gather": 8, "sparse_ranges": 9}
+# The core's codes by name (csrc/common/dtype.h, signature.h), under torch's and numpy's types.
+TORCH_DTYPES = {getattr(torch, name): code for name, code in _C.DTYPE_CODES.items()}
+NUMPY_DTYPES = {np.dtype(name): code for name, code in _C.DTYPE_CODES.items()
+                if name != "bfloat16"}  # numpy has none
+FLOATING = set(_C.FLOATING_DTYPE_CODES.values())
+
+# The core's codes follow torch.distributed.ReduceOp's values (SUM=0, AVG=1, PRODUCT=2, ...);
+# torch's names for two of them are accepted too.
+OP_CODES = {**_C.OP_CODES, "mean": _C.OP_CODES["avg"], "product": _C.OP_CODES["prod"]}
+ALGORITHMS = dict(_C.ALGORITHM_CODES)
+SPARSE_ALGORITHMS = dict(_C.SPARSE_ALGORITHM_CODES)
 
 
 def has_memory(t: torch.Tensor) -> bool:

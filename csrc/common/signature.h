@@ -53,6 +53,9 @@ const char* algorithm_name(Algorithm a);
 constexpr Algorithm kAllReduceAlgorithms[] = {
     Algorithm::kRing,           Algorithm::kTree,         Algorithm::kRecursiveDoubling,
     Algorithm::kHalvingDoubling, Algorithm::kSharedBuffer, Algorithm::kHierarchical};
+// The same for sparse_all_reduce (kRing: scatter locally, then the dense ring all-reduce).
+constexpr Algorithm kSparseAllReduceAlgorithms[] = {Algorithm::kRing, Algorithm::kSparseGather,
+                                                    Algorithm::kSparseRanges};
 
 // Two ranks agree on an operation iff their signatures are equal.
 struct Signature {

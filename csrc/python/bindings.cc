@@ -108,6 +108,22 @@ void bind_errors(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ringcomm core: communicators, transports, algorithms and CPU kernels";
   bind_errors(m);
+  // The codes the calls below take, by name: ringcomm's Python tables are made from these.
+  py::dict dtypes, floating, ops, algorithms, sparse_algorithms;
+  for (int t = 0; t < kNumDTypes; ++t) {
+    dtypes[dtype_name(DType(t))] = t;
+    if (is_floating(DType(t))) floating[dtype_name(DType(t))] = t;
+  }
+  for (int op = 0; op < kNumReduceOps; ++op) ops[op_name(ReduceOp(op))] = op;
+  algorithms[algorithm_name(Algorithm::kAuto)] = int(Algorithm::kAuto);
+  for (Algorithm a : kAllReduceAlgorithms) algorithms[algorithm_name(a)] = int(a);
+  sparse_algorithms[algorithm_name(Algorithm::kAuto)] = int(Algorithm::kAuto);
+  for (Algorithm a : kSparseAllReduceAlgorithms) sparse_algorithms[algorithm_name(a)] = int(a);
+  m.attr("DTYPE_CODES") = dtypes;
+  m.attr("FLOATING_DTYPE_CODES") = floating;
+  m.attr("OP_CODES") = ops;
+  m.attr("ALGORITHM_CODES") = algorithms;
+  m.attr("SPARSE_ALGORITHM_CODES") = sparse_algorithms;
 
   py::class_<Work, WorkPtr>(m, "Work")
       // Waits in slices of 100 ms with Python's signal handlers run between them: a SIGINT or a
