@@ -380,26 +380,33 @@ def test_abort_fails_pending_operations_at_once_and_tells_peers():
     assert "preempted" in peer, peer
 
 
-def abort_from_completion_callback(comm):
+def abort_from_completion_callback(store, rank, world):
     """Rank 1 aborts from the callback of an all_reduce that completed (as a DDP hook does when
     its next step fails): abort() returns having told the peers, so rank 1 may exit at once."""
-    if comm.rank == 0:
-        time.sleep(0.5)  # rank 1's callback is in place before its all_reduce can complete
+    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
+    if rank == 0:
+        # Rank 1's callback is in place before its all_reduce can complete.
+        store.wait(["test/armed"], timedelta(seconds=30))
         comm.all_reduce(torch.ones(4))
-        return expect_error(lambda: comm.all_reduce(torch.ones(4)), ringcomm.AbortedError)
+        result = expect_error(lambda: comm.all_reduce(torch.ones(4)), ringcomm.AbortedError)
+        comm.close()
+        return result
     seen = []
 
     def callback(future):  # on the progress thread, as the all_reduce completes
         comm.abort("stopped in a callback")
         seen.append(comm.broken)
 
-    comm.all_reduce(torch.ones(4), async_op=True).get_future().then(callback).wait()
+    done = comm.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
+    store.set("test/armed", "1")
+    done.wait()
+    comm.close()
     return seen[0]
 
 
 def test_abort_from_a_completion_callback_tells_the_peers_before_returning():
     (message, elapsed), broken = run_ranks(2, abort_from_completion_callback, timeout=60,
-                                           comm_timeout=30)
+                                           make_comm=False)
     # Broken as abort() returns, not once the progress thread comes round to it: a process
     # exiting right after the callback must not leave its peers reading a bare close.
     assert broken and "aborted: stopped in a callback" in broken, broken
