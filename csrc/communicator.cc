@@ -241,9 +241,8 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
   const Algorithm wanted = requested != Algorithm::kAuto ? requested : forced_all_reduce_;
   if (wanted != Algorithm::kAuto) {
     // Checked here, on the caller's thread, before anything is sent.
-    RC_CHECK_ARG(std::find(std::begin(kAllReduceAlgorithms), std::end(kAllReduceAlgorithms),
-                           wanted) != std::end(kAllReduceAlgorithms),
-                 "all_reduce has no algorithm ", algorithm_name(wanted));
+    RC_CHECK_ARG(listed(kAllReduceAlgorithms, wanted), "all_reduce has no algorithm ",
+                 algorithm_name(wanted));
     RC_CHECK_ARG(wanted != Algorithm::kHierarchical || layout_.uniform(),
                  "the hierarchical all_reduce needs ranks on several hosts, the same number (more "
                  "than one) on each");
@@ -550,10 +549,7 @@ WorkPtr Communicator::sparse_all_reduce(const int32_t* indices, const void* valu
                "sparse_all_reduce supports op sum and avg, got ", op_name(op));
   RC_CHECK_ARG(numel <= size_t(INT32_MAX), "sparse_all_reduce: numel ", numel, " exceeds int32 indices");
   RC_CHECK_ARG(k <= size_t(INT32_MAX), "sparse_all_reduce: ", k, " pairs, more than 2^31 - 1");
-  RC_CHECK_ARG(algo == Algorithm::kAuto ||
-                   std::find(std::begin(kSparseAllReduceAlgorithms),
-                             std::end(kSparseAllReduceAlgorithms), algo) !=
-                       std::end(kSparseAllReduceAlgorithms),
+  RC_CHECK_ARG(algo == Algorithm::kAuto || listed(kSparseAllReduceAlgorithms, algo),
                "sparse_all_reduce algorithm must be auto, sparse_gather, sparse_ranges or ring");
   for (size_t i = 0; i < k; ++i)
     RC_CHECK_ARG(indices[i] >= 0 && size_t(indices[i]) < numel, "index ", indices[i],

@@ -3,6 +3,7 @@
 // numeric values are part of the wire header, so they never change.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -56,6 +57,13 @@ constexpr Algorithm kAllReduceAlgorithms[] = {
 // The same for sparse_all_reduce (kRing: scatter locally, then the dense ring all-reduce).
 constexpr Algorithm kSparseAllReduceAlgorithms[] = {Algorithm::kRing, Algorithm::kSparseGather,
                                                     Algorithm::kSparseRanges};
+// Whether `list` (one of the two above) holds `a`.
+template <size_t N>
+constexpr bool listed(const Algorithm (&list)[N], Algorithm a) {
+  for (Algorithm x : list)
+    if (x == a) return true;
+  return false;
+}
 
 // Two ranks agree on an operation iff their signatures are equal.
 struct Signature {

@@ -65,7 +65,6 @@ class Mesh final : public PartSink {
   bool boards_reach(const std::vector<int>& ranks) const;
   bool boards_everywhere() const;
   size_t board_bytes() const { return shm_ ? shm_->board_bytes() : 0; }
-  const char* board(int rank) const { return shm_ ? shm_->board(rank) : nullptr; }
   // The payload through the boards, counted as messages' is: what `readers` peers read of this
   // rank's board as sent, what this rank reads of a peer's (`bytes` at `offset`) as received.
   void write_board(size_t offset, Ranges from, int readers);
