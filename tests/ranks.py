@@ -60,7 +60,7 @@ TRANSPORTS = {
 transport = None
 
 
-def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm, env):
+def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm, with_store, env):
     try:
         os.environ.update(env)
         store = dist.FileStore(store_path, world)
@@ -68,7 +68,7 @@ def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm, en
             import ringcomm
 
             comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=comm_timeout))
-            result = fn(comm, *args)
+            result = fn(comm, store, *args) if with_store else fn(comm, *args)
             comm.close()
         else:
             result = fn(store, rank, world, *args)
@@ -84,21 +84,22 @@ def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm, en
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 30,
-              make_comm: bool = True, allow_errors: bool = False, env: dict | None = None,
-              per_rank_env: dict | None = None):
-    """Runs fn(comm, *args) on `world` ranks (fn(store, rank, world, *args) without make_comm).
+              make_comm: bool = True, with_store: bool = False, allow_errors: bool = False,
+              env: dict | None = None, per_rank_env: dict | None = None):
+    """Runs fn(comm, *args) on `world` ranks (fn(store, rank, world, *args) without make_comm;
+    fn(comm, store, *args) with_store: the ranks' store, for handshakes beside the communicator).
 
     Returns the per-rank results. With allow_errors, a rank's exception is returned as
     ("error", text) instead of failing the test. `env` is added to each rank's environment, then
     per_rank_env[rank] (a dict) to that rank's.
     """
     with tempfile.TemporaryDirectory(prefix="ringcomm-test-") as tmp:
-        return _run_ranks_in(tmp, world, fn, args, timeout, comm_timeout, make_comm,
+        return _run_ranks_in(tmp, world, fn, args, timeout, comm_timeout, make_comm, with_store,
                              allow_errors, env, per_rank_env)
 
 
-def _run_ranks_in(tmp, world, fn, args, timeout, comm_timeout, make_comm, allow_errors, env,
-                  per_rank_env):
+def _run_ranks_in(tmp, world, fn, args, timeout, comm_timeout, make_comm, with_store,
+                  allow_errors, env, per_rank_env):
     store_path = os.path.join(tmp, "store")
     queue = CTX.Queue()
     def rank_env(r):
@@ -108,7 +109,7 @@ def _run_ranks_in(tmp, world, fn, args, timeout, comm_timeout, make_comm, allow_
         return out
 
     procs = [CTX.Process(target=_child, args=(fn, r, world, store_path, comm_timeout, queue, args,
-                                              make_comm, rank_env(r)), daemon=True)
+                                              make_comm, with_store, rank_env(r)), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

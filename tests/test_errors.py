@@ -342,16 +342,14 @@ def test_bad_arguments_raise_before_sending():
 
 # ---- abort and signals --------------------------------------------------------------------
 
-def abort_pending(store, rank, world):
+def abort_pending(comm, store):
     """Rank 1 joins the first all_reduce late. Rank 0 aborts while it waits: its operation, and
     one queued behind it, fail at once; rank 1, joining, hears the reason."""
-    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
     aborted = ringcomm.AbortedError
-    if rank == 1:
+    if comm.rank == 1:
         store.wait(["test/aborted"], timedelta(seconds=30))
         message = expect_error(lambda: comm.all_reduce(torch.ones(1 << 20)), aborted)[0]
         store.set("test/heard", "1")
-        comm.close()
         return message
     running = comm.all_reduce(torch.ones(1 << 20), async_op=True)
     queued = comm.all_reduce(torch.ones(4), async_op=True)
@@ -373,24 +371,21 @@ def abort_pending(store, rank, world):
 
 def test_abort_fails_pending_operations_at_once_and_tells_peers():
     (first, second, after, elapsed, closed), peer = run_ranks(2, abort_pending, timeout=60,
-                                                               make_comm=False)
+                                                               comm_timeout=30, with_store=True)
     assert "aborted: preempted" in first and "aborted: preempted" in second, (first, second)
     assert "broken" in after
     assert elapsed < 2 and closed < 1, (elapsed, closed)  # not the 30 s timeout
     assert "preempted" in peer, peer
 
 
-def abort_from_completion_callback(store, rank, world):
+def abort_from_completion_callback(comm, store):
     """Rank 1 aborts from the callback of an all_reduce that completed (as a DDP hook does when
     its next step fails): abort() returns having told the peers, so rank 1 may exit at once."""
-    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
-    if rank == 0:
+    if comm.rank == 0:
         # Rank 1's callback is in place before its all_reduce can complete.
         store.wait(["test/armed"], timedelta(seconds=30))
         comm.all_reduce(torch.ones(4))
-        result = expect_error(lambda: comm.all_reduce(torch.ones(4)), ringcomm.AbortedError)
-        comm.close()
-        return result
+        return expect_error(lambda: comm.all_reduce(torch.ones(4)), ringcomm.AbortedError)
     seen = []
 
     def callback(future):  # on the progress thread, as the all_reduce completes
@@ -400,65 +395,60 @@ def abort_from_completion_callback(store, rank, world):
     done = comm.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
     store.set("test/armed", "1")
     done.wait()
-    comm.close()
     return seen[0]
 
 
 def test_abort_from_a_completion_callback_tells_the_peers_before_returning():
     (message, elapsed), broken = run_ranks(2, abort_from_completion_callback, timeout=60,
-                                           make_comm=False)
+                                           comm_timeout=30, with_store=True)
     # Broken as abort() returns, not once the progress thread comes round to it: a process
     # exiting right after the callback must not leave its peers reading a bare close.
     assert broken and "aborted: stopped in a callback" in broken, broken
     assert "stopped in a callback" in message and elapsed < 2, (message, elapsed)
 
 
-def send_then_abort(store, rank, world):
+def send_then_abort(comm, store):
     """Rank 1 sends, then aborts; rank 0 receives only after both: the message it already holds
     arrives, the next receive fails with rank 1's reason."""
-    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
-    if rank == 1:
+    if comm.rank == 1:
         comm.send(torch.arange(100.0), 0)
         comm.abort("stopped after sending")
         store.set("test/aborted", "1")
         # Alive until rank 0 has read both: gone, it would read a close.
         store.wait(["test/heard"], timedelta(seconds=30))
-        comm.close()
         return None
     store.wait(["test/aborted"], timedelta(seconds=30))
     t = torch.zeros(100)
     comm.recv(t, 1)
     message, elapsed = expect_error(lambda: comm.recv(torch.zeros(100), 1))
     store.set("test/heard", "1")
-    comm.close()
     return t, message, elapsed
 
 
 def test_what_a_peer_sent_before_aborting_still_arrives():
-    (t, message, elapsed), _ = run_ranks(2, send_then_abort, timeout=60, make_comm=False)
+    (t, message, elapsed), _ = run_ranks(2, send_then_abort, timeout=60, comm_timeout=30,
+                                         with_store=True)
     assert torch.equal(t, torch.arange(100.0))
     assert "stopped after sending" in message and elapsed < 2, (message, elapsed)
 
 
-def abort_blocking_call(store, rank, world):
+def abort_blocking_call(comm, store):
     """A blocking call runs on the caller's thread; abort from a timer thread interrupts it."""
-    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=30))
-    if rank == 1:
+    if comm.rank == 1:
         # Alive, never joining, until rank 0 has its error: gone, it would read a close.
         store.wait(["test/interrupted"], timedelta(seconds=30))
-        comm.close()
         return None
     threading.Timer(0.3, comm.abort, args=("stop",)).start()
     start = time.monotonic()
     message = expect_error(lambda: comm.all_reduce(torch.ones(8)))[0]
     elapsed = time.monotonic() - start
     store.set("test/interrupted", "1")
-    comm.close()
     return message, elapsed
 
 
 def test_abort_interrupts_a_blocking_call_on_another_thread():
-    (message, elapsed), _ = run_ranks(2, abort_blocking_call, timeout=60, make_comm=False)
+    (message, elapsed), _ = run_ranks(2, abort_blocking_call, timeout=60, comm_timeout=30,
+                                      with_store=True)
     assert "aborted: stop" in message and elapsed < 2, (message, elapsed)
 
 
