@@ -244,6 +244,9 @@ class Communicator {
   std::shared_ptr<const CoalescedAllReduce> plan_all_reduce_coalesced(
       const std::vector<BufferRef>& buffers, ReduceOp op, size_t bucket_bytes,
       const FusedReduceOptions& options);
+  // Whether the plan's call asks for shared memory's boards (else the pipeline: coalesced.cc);
+  // on the thread running operations, in their order.
+  bool coalesced_through_boards(const CoalescedAllReduce& plan) const;
   struct Task {
     // An all-reduce's algorithm kAuto: one auto retunes, settled by run() (Retuner::next).
     Signature sig;

@@ -275,8 +275,10 @@ def coalesced_through_boards(comm, path):
         return (x * torch.exp(torch.randn(n, generator=gen, dtype=torch.float64) * 4)).to(dtype)
 
     ran, equal = [], []
+    # 60 KB buckets: a flat all-reduce of one would go by the ring under this model, and the
+    # call still takes the boards
     calls = [("sum", 25 << 20), ("prod", 25 << 20), ("max", 25 << 20), ("sum", 270_000),
-             ("avg", 25 << 20)]
+             ("sum", 60_000), ("avg", 25 << 20)]
     for i, (op, bucket_bytes) in enumerate(calls):
         # 100 tensors of 2.8 KB (the ring's each), spaced apart, and others of three dtypes
         tensors = [spread(700) for _ in range(100)] + [spread(3), torch.zeros(0), spread(5000),
@@ -310,7 +312,8 @@ def coalesced_through_boards(comm, path):
         mismatch = "no error"
     except ringcomm.RingcommError as e:
         mismatch = str(e)
-    return ran, equal, same(fused, torch.cat(expect)), comm.algorithm_for(2800), mismatch
+    return (ran, equal, same(fused, torch.cat(expect)), comm.algorithm_for(2800),
+            comm.algorithm_for(60_000), mismatch)
 
 
 def test_coalesced_buckets_through_the_boards_keep_each_tensors_order(tmp_path, transport):
@@ -318,13 +321,13 @@ def test_coalesced_buckets_through_the_boards_keep_each_tensors_order(tmp_path, 
         pytest.skip("the boards are shared memory's")
     env = {"RINGCOMM_TUNING": boards_from_256k(tmp_path / "model"),
            "RINGCOMM_SHM_BOARD_BYTES": "65536"}  # 10.9 KB slots: 30 rounds and more a bucket
-    for ran, equal, fused_equal, small, mismatch in run_ranks(
+    for ran, equal, fused_equal, small, bucket, mismatch in run_ranks(
             3, coalesced_through_boards, str(tmp_path / "t"), env=env, timeout=120):
-        assert small == "ring"
-        # sum, prod and max through the boards, in one bucket or two; avg is scaled on the way
-        # out, so it goes through the pipeline
-        assert ran == [("shared_buffer", True)] * 4 + [("direct", False)]
-        assert equal == [True] * 5
+        assert small == bucket == "ring"
+        # sum, prod and max through the boards, in one bucket, two, or buckets a flat all-reduce
+        # would send by the ring; avg is scaled on the way out, so it goes through the pipeline
+        assert ran == [("shared_buffer", True)] * 5 + [("direct", False)]
+        assert equal == [True] * 6
         assert not fused_equal
         assert "mismatched operations" in mismatch, mismatch
 

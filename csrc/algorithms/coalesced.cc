@@ -243,14 +243,14 @@ void finish_plan(CoalescedAllReduce& plan) {
   }
 }
 
-void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan, Algorithm flat) {
+void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan, bool boards) {
   const int n = ctx.size(), me = ctx.rank();
   if (n == 1 || plan.buckets.empty()) return;
   size_t temp_bytes = 1;
   for (const FusedBucket& b : plan.buckets)
     temp_bytes = std::max(temp_bytes, plan.orders->scratch_bytes(b.sig.dtype));
   char* temps = ctx.scratch(temp_bytes);
-  if (flat == Algorithm::kSharedBuffer && plan.fits_boards && ctx.has_boards()) {
+  if (boards && plan.fits_boards && ctx.has_boards()) {
     ctx.settle_algorithm(Algorithm::kSharedBuffer);
     for (size_t i = 0; i < plan.buckets.size(); ++i) {
       const FusedBucket& b = plan.buckets[i];

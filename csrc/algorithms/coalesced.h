@@ -37,7 +37,7 @@ struct CoalescedAllReduce {
   // a flat all-reduce's buffer, since single copy reads such runs as one.
   std::vector<iovec> runs;
   // Set by finish_plan once the buckets are planned:
-  size_t largest_bucket_bytes = 0;  // on the wire: auto's choice for the call is the flat one's
+  size_t largest_bucket_bytes = 0;  // on the wire (Communicator::coalesced_through_boards)
   // Every bucket holds elements (an empty one is checked against the peers' signatures by the
   // pipeline's messages) that need no cast or scaling either way: the buckets can go through
   // shared memory's boards where the ranks reach each other's.
@@ -48,11 +48,10 @@ struct CoalescedAllReduce {
 void finish_plan(CoalescedAllReduce& plan);
 
 // Every element is reduced at one rank from all contributions, in plan.orders' order, and the
-// results are unpacked (with plan.unpack_scaling) into the buffers on every rank. `flat`: what
-// auto runs for a flat all-reduce of the largest bucket's bytes; where that is kSharedBuffer the
-// buckets go through the boards if they can (every rank reaching every board, no cast or
+// results are unpacked (with plan.unpack_scaling) into the buffers on every rank. With `boards`
+// the buckets go through the boards if they can (every rank reaching every board, no cast or
 // scaling), else through the pipeline. Every rank must pass the same.
-void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan, Algorithm flat);
+void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan, bool boards);
 // The root's buffers are copied into every other rank's; each bucket's sig.algo picks a binomial
 // tree or a chain.
 void coalesced_broadcast(Context& ctx, const std::vector<FusedBucket>& buckets, int root);
