@@ -238,7 +238,7 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
 }
 
 // The boards, unless RINGCOMM_ALGO forces another algorithm, or two ranks send by single copy.
-// They beat the pipeline by 1.06-1.75x at 4 and 8 ranks, with single copy or without, on views
+// They beat the pipeline by 1.07-1.75x at 4 and 8 ranks, with single copy or without, on views
 // of one buffer and on spread tensors, on a 2-vCPU and a 16-core guest; at 2 ranks through the
 // slots they are level or ahead by a few percent (docs/performance.md, session 38). At 2 ranks
 // by single copy the pipeline reads views of one buffer straight out of the peer's memory (3.1
