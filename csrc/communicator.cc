@@ -856,8 +856,15 @@ void Communicator::fail(const std::string& reason, const std::exception_ptr& err
     unmatched.swap(any_source_);
     for (const AnySource& a : unmatched) p2p_deadlines_.erase(a.id);
   }
-  cv_.notify_all();  // abort() waits for broken_
   mesh_->abort(reason, error);
+  {
+    // Only now may abort() return: a process that exits once it has, as soon as broken_ is set,
+    // left its peers a bare close (the flaky PowerSGD test's [prepare] case, aborting from the
+    // calling thread).
+    std::lock_guard<std::mutex> lk(mu_);
+    peers_told_ = true;
+  }
+  cv_.notify_all();
   for (Task& t : dropped) t.work->finish(Error("communicator is broken: " + reason, kind));
   for (AnySource& a : unmatched) a.work->finish(Error(reason, kind));
 }
@@ -883,7 +890,7 @@ void Communicator::abort(const std::string& reason) {
     }
     return;
   }
-  cv_.wait_for(lk, std::chrono::seconds(1), [&] { return !broken_.empty(); });
+  cv_.wait_for(lk, std::chrono::seconds(1), [&] { return peers_told_; });
 }
 
 void Communicator::fail_aborted(const std::string& why) {

@@ -339,6 +339,7 @@ class Communicator {
   bool closing_ = false, closed_ = false;  // a thread outside the progress thread is closing / done
   std::string broken_;
   ErrorKind broken_kind_ = ErrorKind::kOther;
+  bool peers_told_ = false;       // fail() has told the peers why: what abort() waits for
   uint64_t next_seq_ = 0;
   std::map<int, uint64_t> send_seq_, recv_seq_;  // per peer, for send/recv
   // Posted sends/receives not yet finished: deadline and description, by id.
