@@ -858,9 +858,9 @@ void Communicator::fail(const std::string& reason, const std::exception_ptr& err
   }
   mesh_->abort(reason, error);
   {
-    // Only now may abort() return: a process that exits once it has, as soon as broken_ is set,
-    // left its peers a bare close (the flaky PowerSGD test's [prepare] case, aborting from the
-    // calling thread).
+    // abort() returns only now, with the peers told. It used to return once broken_ was set, and
+    // a process exiting right after left its peers a bare close (the flaky PowerSGD test's
+    // [prepare] case, which aborts from the calling thread).
     std::lock_guard<std::mutex> lk(mu_);
     peers_told_ = true;
   }
