@@ -45,7 +45,10 @@ def same_bits(x, y):
 
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
 @pytest.mark.parametrize("op", list(OPS))
-@pytest.mark.parametrize("n,offset", [(1, 0), (1000, 0), (4099, 1), (1 << 20, 0), (1 << 20, 3)])
+# Aligned: one element (a tail only), one chunk with a tail for 1- and 2-byte dtypes, many chunks
+# without and with a tail; misaligned: the element-by-element path.
+@pytest.mark.parametrize("n,offset", [(1, 0), (1000, 0), (4099, 1), (1 << 20, 0), ((1 << 20) + 3, 0),
+                                      (1 << 20, 3)])
 def test_reduce_matches_the_cpu_kernel_bit_for_bit(dtype, op, n, offset):
     if op in ("band", "bor", "bxor") and dtype.is_floating_point:
         pytest.skip("bitwise ops are for integers and bool")
