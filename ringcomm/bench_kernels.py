@@ -11,7 +11,10 @@ pack: the memory layout's cost in a coalesced collective. ringcomm's pack and un
 (the passes all_reduce_coalesced makes over the caller's tensors) on --tensors float32 tensors
 of --tensor-bytes (seed 0), out of cache (a 64 MiB copy between samples), one thread:
 - spread: each tensor allocated between temporaries, as `python -m ringcomm.bench --coll
-  all_reduce_coalesced` makes them, so they lie apart on the heap;
+  all_reduce_coalesced` makes them, so they lie apart on the heap, out of order: the heap
+  hands back freed temporaries, and about two in five tensors lie below the one before;
+- spread, by address: the same tensors walked in the order they lie in memory, which
+  separates the cost of the walk's order from that of the tensors' placement;
 - views of one buffer: the same sizes back to back;
 - one buffer: a single piece of the same bytes (no per-tensor work at all).
 Each sample packs every tensor into one staging buffer and unpacks it back.
@@ -101,7 +104,9 @@ def bench_pack(args):
             _C.unpack_kernel(staging.data_ptr(), f32, f32, ptrs, sizes, 0, total, 0, 1.0)
         return run
 
-    cases = {"spread": pack_unpack(spread), "views of one buffer": pack_unpack(views),
+    by_address = sorted(spread, key=lambda t: t.data_ptr())
+    cases = {"spread": pack_unpack(spread), "spread, by address": pack_unpack(by_address),
+             "views of one buffer": pack_unpack(views),
              "one buffer": pack_unpack([one])}
     samples = {name: [] for name in cases}
     for _ in range(args.repeats):  # interleaved, each out of cache

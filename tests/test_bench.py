@@ -337,7 +337,7 @@ def test_kernel_bench_pack_compares_memory_layouts(tmp_path, capsys):
     bench_kernels.main(["pack", "--tensors", "200", "--tensor-bytes", "1K-4K", "--repeats", "3",
                         "--json", str(out)])
     printed = capsys.readouterr().out
-    for layout in ("spread", "views of one buffer", "one buffer"):
+    for layout in ("spread", "spread, by address", "views of one buffer", "one buffer"):
         assert re.search(rf"^  {layout} +[0-9.]+ +[0-9.]+ +[0-9.]+$", printed, re.M), printed
     report = json.loads(out.read_text())
     assert report["tensors"] == 200 and len(report["samples_us"]["spread"]) == 3
