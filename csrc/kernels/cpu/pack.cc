@@ -89,6 +89,7 @@ void pack(const PackList& src, size_t begin, size_t end, void* dst, DType dst_dt
   const size_t in_size = dtype_size(src.dtype()), out_size = dtype_size(dst_dtype);
   char* out = static_cast<char*>(dst);
   kernels::for_parts(src, begin, end, [&](size_t i, size_t first, size_t n) {
+    fetch_ahead(src, i);
     convert(src.dtype(), src.data(i) + (first - src.offset(i)) * in_size, dst_dtype,
             out + (first - begin) * out_size, n, scaling);
   });
@@ -99,6 +100,7 @@ void unpack(const void* src, DType src_dtype, const PackList& dst, size_t begin,
   const size_t in_size = dtype_size(src_dtype), out_size = dtype_size(dst.dtype());
   const char* in = static_cast<const char*>(src);
   kernels::for_parts(dst, begin, end, [&](size_t i, size_t first, size_t n) {
+    fetch_ahead(dst, i);
     convert(src_dtype, in + (first - begin) * in_size, dst.dtype(),
             dst.data(i) + (first - dst.offset(i)) * out_size, n, scaling);
   });
