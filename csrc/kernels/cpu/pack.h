@@ -26,9 +26,9 @@ void copy_bytes(void* dst, const void* src, size_t n);
 // (in the bench, two in five lie below the one before), and walking them in list order cost
 // 1.06-1.22x walking the same memory in address order (bench_kernels pack). Asking for the next
 // buffer's first 4 lines while the current one is worked on made all_reduce_coalesced of 1000 such
-// tensors of 1-16 KiB 6-16% faster at 2 ranks (nine runs, interleaved in one process); at 4 ranks
-// on 2 CPUs five runs of seven were 2-12% faster, two 2% and 10% slower. 2 lines, or a second
-// buffer ahead, gained nothing more (docs/performance.md, session 39).
+// tensors of 1-16 KiB faster in all 14 runs at 2 ranks (interleaved in one process): by 6-18% in
+// 13, by 1% in one; at 4 ranks on 2 CPUs five runs of seven were 2-12% faster, two 2% and 10%
+// slower. 2 lines, or a second buffer ahead, gained nothing more (docs/performance.md, session 39).
 inline void fetch_ahead(const PackList& list, size_t i) {
   constexpr size_t kLines = 4;
   if (i + 1 >= list.size()) return;
