@@ -72,7 +72,6 @@ Ranges ranges_of(Context& ctx, const cpu::PackList& list, size_t begin, size_t c
   auto* ranges = reinterpret_cast<iovec*>(ctx.scratch(most * sizeof(iovec)));
   size_t used = 0;
   kernels::for_parts(list, begin, begin + count, [&](size_t i, size_t pos, size_t len) {
-    cpu::fetch_ahead(list, i);  // the ranges are copied right after: their first lines on the way
     ranges[used++] = {list.data(i) + (pos - list.offset(i)) * e, len * e};
   });
   return {ranges, used};

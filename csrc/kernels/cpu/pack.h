@@ -21,20 +21,28 @@ using math::Scaling;
 // rarely aligned alike.
 void copy_bytes(void* dst, const void* src, size_t n);
 
-// Starts loading the first lines of buffer i + 1 of `list`, for a walk over the list that is about
-// to work on buffer i. Tensors allocated one by one lie in whatever order the heap handed them out
-// (in the bench, two in five lie below the one before), and walking them in list order cost
-// 1.06-1.22x walking the same memory in address order (bench_kernels pack). Asking for the next
-// buffer's first 4 lines while the current one is worked on made all_reduce_coalesced of 1000 such
-// tensors of 1-16 KiB faster in all 14 runs at 2 ranks (interleaved in one process): by 6-18% in
-// 13, by 1% in one; at 4 ranks on 2 CPUs five runs of seven were 2-12% faster, two 2% and 10%
-// slower. 2 lines, or a second buffer ahead, gained nothing more (docs/performance.md, session 39).
-inline void fetch_ahead(const PackList& list, size_t i) {
+// Starts loading the first lines of [data, data + bytes), the next piece of a walk over pieces that
+// lie apart (the caller's tensors), while the walk works on the current one. Tensors allocated one
+// by one lie in whatever order the heap handed them out (in the bench, two in five lie below the
+// one before), and walking them in list order cost 1.06-1.22x walking the same memory in address
+// order (bench_kernels pack). With the next piece's first 4 lines asked for one piece ahead in
+// pack, unpack, the reduction over the caller's buffers and the copy of ranges onto a board,
+// all_reduce_coalesced of 1000 such tensors of 1-16 KiB was 1-17% faster at 2 ranks in 7 runs of 7,
+// and at 4 ranks on 2 CPUs 1-6% faster in 4 runs of 6, the same in one, 7% slower in one
+// (interleaved in one process). Asking for every range's head at once when the ranges are listed
+// was slower than one ahead, and both together slower than either; 2 lines, or 2 pieces ahead,
+// gained nothing (docs/performance.md, session 39).
+inline void fetch_head(const void* data, size_t bytes) {
   constexpr size_t kLines = 4;
-  if (i + 1 >= list.size()) return;
-  const char* next = list.data(i + 1);
-  const size_t lines = std::min(kLines, (list.count(i + 1) * dtype_size(list.dtype()) + 63) / 64);
-  for (size_t l = 0; l < lines; ++l) __builtin_prefetch(next + 64 * l, /*rw=*/0, /*locality=*/3);
+  const char* at = static_cast<const char*>(data);
+  const size_t lines = std::min(kLines, (bytes + 63) / 64);
+  for (size_t l = 0; l < lines; ++l) __builtin_prefetch(at + 64 * l, /*rw=*/0, /*locality=*/3);
+}
+
+// fetch_head of buffer i + 1 of `list`, for a walk that is about to work on buffer i.
+inline void fetch_ahead(const PackList& list, size_t i) {
+  if (i + 1 < list.size())
+    fetch_head(list.data(i + 1), list.count(i + 1) * dtype_size(list.dtype()));
 }
 
 // out[i] = convert(in[i]) for n elements.

@@ -312,7 +312,11 @@ void ShmTransport::write_board(size_t offset, Ranges from, int readers) {
   if (offset > board_bytes() || n > board_bytes() - offset)
     RC_THROW("board write of ", n, " bytes at ", offset, " beyond its ", board_bytes());
   board_writer_.write(own_.base + board_offset_ + offset, n, [&](SlotOut& out) {
-    for (size_t i = 0; i < from.count; ++i) out.append(from.list[i].iov_base, from.list[i].iov_len);
+    for (size_t i = 0; i < from.count; ++i) {
+      if (i + 1 < from.count)  // the caller's tensors, in no order: kernels/cpu/pack.h
+        cpu::fetch_head(from.list[i + 1].iov_base, from.list[i + 1].iov_len);
+      out.append(from.list[i].iov_base, from.list[i].iov_len);
+    }
   });
   bytes_sent_.fetch_add(n * size_t(readers), std::memory_order_relaxed);
   process_bytes_sent.fetch_add(n * size_t(readers), std::memory_order_relaxed);
