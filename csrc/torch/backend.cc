@@ -24,6 +24,7 @@
 #include <cstring>
 #include <optional>
 
+#include "common/prefetch.h"
 #include "communicator.h"
 
 namespace rc = ringcomm;
@@ -80,16 +81,11 @@ std::optional<rc::DType> plain_dtype(PyObject* item, c10::Device device) {
   return dtype;
 }
 
-// Starts loading `bytes` from `p` into the cache: a hint, never a fault.
-void prefetch_lines(const void* p, size_t bytes) {
-  for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at);
-}
-
 // Starts loading the StorageImpl of `t` (its TensorImpl must be loaded): a hint only.
 void prefetch_storage(const at::Tensor& t) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->has_storage())
-    prefetch_lines(impl->unsafe_storage().unsafeGetStorageImpl(), sizeof(c10::StorageImpl));
+    rc::prefetch_lines(impl->unsafe_storage().unsafeGetStorageImpl(), sizeof(c10::StorageImpl));
 }
 
 // Starts loading what plain_dtype and tensor_lists read of `item` (its Python object, its
@@ -97,10 +93,10 @@ void prefetch_storage(const at::Tensor& t) {
 // must be loaded), 2 its storage (the TensorImpl must be). Hints only, nothing is checked here
 // but what following a link needs.
 void prefetch_tensor(PyObject* item, int stage) {
-  if (stage == 0) return prefetch_lines(item, sizeof(THPVariable));
+  if (stage == 0) return rc::prefetch_lines(item, sizeof(THPVariable));
   if (!THPVariable_CheckExact(item)) return;
   const at::Tensor& t = THPVariable_Unpack(item);
-  if (stage == 1) return prefetch_lines(t.unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+  if (stage == 1) return rc::prefetch_lines(t.unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
   prefetch_storage(t);
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include "common/dtype.h"
+#include "common/prefetch.h"
 #include "kernels/pack_list.h"
 
 namespace ringcomm {
@@ -34,9 +35,7 @@ void copy_bytes(void* dst, const void* src, size_t n);
 // gained nothing (docs/performance.md, session 39).
 inline void fetch_head(const void* data, size_t bytes) {
   constexpr size_t kLines = 4;
-  const char* at = static_cast<const char*>(data);
-  const size_t lines = std::min(kLines, (bytes + 63) / 64);
-  for (size_t l = 0; l < lines; ++l) __builtin_prefetch(at + 64 * l, /*rw=*/0, /*locality=*/3);
+  prefetch_lines(data, std::min(bytes, kLines * 64));
 }
 
 // fetch_head of buffer i + 1 of `list`, for a walk that is about to work on buffer i.
