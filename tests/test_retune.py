@@ -37,6 +37,10 @@ def auto_calls(comm, calls, path):
     return comm.auto_trials(), comm.algorithm_for(MIB4), ran, wrong
 
 
+# Alone: it needs the ring measured slower than the shared buffer (about 8x on an idle machine).
+# Beside another worker's ranks on the 2 CPUs, CI once measured both at 21 ms a call, each call
+# waiting on ranks taken off the CPUs, and the trials kept the ring.
+@pytest.mark.serial
 def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
     calls = 32
     results = run_ranks(3, auto_calls, calls, str(tmp_path / "t.json"), env=SLOW_RING,
