@@ -521,7 +521,8 @@ class Communicator:
     def auto_trials(self) -> list[dict]:
         """What auto's trials found (RINGCOMM_RETUNE_CALLS), one dict per size class retuned so
         far: `bytes` (the class: bytes .. 2 x bytes - 1), `candidates`, `seconds` (each one's
-        median in the last agreed trials, empty before them), `winner`, `rounds`."""
+        median in the last agreed trials it ran in, empty before the first), `winner`, `rounds`,
+        `sitting_out` (candidates left out of this round's trials, having lost by far)."""
         return self._core.auto_trials()
 
     @property

@@ -1,5 +1,6 @@
 """auto retuned as it runs (csrc/algorithms/retune.h): all-reduces of 4 KiB and more time their
 candidates in blocks, every rank agrees on the fastest, and the calls after the trials run it."""
+import itertools
 import json
 
 import pytest
@@ -42,7 +43,7 @@ def auto_calls(comm, calls, path):
 # waiting on ranks taken off the CPUs, and the trials kept the ring.
 @pytest.mark.serial
 def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
-    calls = 32
+    calls = 24 * 5 + 48
     results = run_ranks(3, auto_calls, calls, str(tmp_path / "t.json"), env=SLOW_RING,
                         timeout=120)
     trials, now, ran, wrong = results[0]
@@ -53,10 +54,15 @@ def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
     ring, shared = found["seconds"]
     assert ring > shared, found  # what the trials measured decides: no bound on the ratio
     assert found["winner"] == now == "shared_buffer" and found["rounds"] == 2
+    runs = [(name, len(list(calls))) for name, calls in itertools.groupby(ran)]
+    assert found["sitting_out"] == ["ring"], (found, runs)
     # Rounds of 24 calls (RINGCOMM_RETUNE_CALLS). The first: 4 calls by the model's choice, a
-    # block of 1 + 3 calls by each candidate, the model's first, then the winner. The second: the
-    # blocks, then the winner; it kept the winner, so the third would be of 48.
-    assert ran == (["ring"] * 8 + ["shared_buffer"] * 16) + (["ring"] * 4 + ["shared_buffer"] * 4)
+    # block of 1 + 3 calls by each candidate, the model's first, then the winner. The ring lost by
+    # more than 1.5x, so it sits out the trials of the next four rounds (the shared buffer's
+    # alone, no agreement), and is tried again in the sixth, which keeps the winner and so runs
+    # 48 calls; the ring sits out the seventh.
+    assert ran == (["ring"] * 8 + ["shared_buffer"] * 16) + ["shared_buffer"] * 24 * 4 \
+        + (["ring"] * 4 + ["shared_buffer"] * 44), runs
 
 
 def test_a_pinned_model_keeps_its_choice(tmp_path):

@@ -1,6 +1,8 @@
 #include "algorithms/retune.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include "algorithms/algorithms.h"
 #include "common/error.h"
@@ -31,7 +33,9 @@ Retuner::SizeClass& Retuner::size_class(const Selector& select, size_t bytes) {
     // Priced at the class's first call: every rank makes it with the same bytes.
     c.candidates = select.all_reduce_candidates(bytes, kWorth, kMost);
     c.period = period_;
-    c.trials.assign(c.candidates.size() * kBlock, 0.0);
+    c.resting.assign(c.candidates.size(), 0);
+    start_round(c);
+    c.start = kBlock;  // the first round opens with the prelude
     if (debug_enabled()) {
       std::string names;
       for (Algorithm a : c.candidates)
@@ -44,6 +48,18 @@ Retuner::SizeClass& Retuner::size_class(const Selector& select, size_t bytes) {
   return c;
 }
 
+void Retuner::start_round(SizeClass& c) {
+  c.call = c.start = 0;
+  c.contenders.clear();
+  for (size_t a = 0; a < c.candidates.size(); ++a) {
+    if (c.resting[a] == 0)
+      c.contenders.push_back(a);
+    else
+      --c.resting[a];
+  }
+  c.trials.assign(c.contenders.size() * kBlock, 0.0);
+}
+
 long Retuner::trial_of(const SizeClass& c) {
   const long t = long(c.call) - long(c.start);
   return t >= 0 && t < long(c.trials.size()) ? t : -1;
@@ -53,7 +69,7 @@ Algorithm Retuner::next(const Selector& select, size_t bytes) {
   std::lock_guard<std::mutex> lk(mu_);
   SizeClass& c = size_class(select, bytes);
   const long t = trial_of(c);
-  return c.candidates[t >= 0 ? size_t(t) / kBlock : c.winner];
+  return c.candidates[t >= 0 ? c.contenders[size_t(t) / kBlock] : c.winner];
 }
 
 void Retuner::ran(Context& ctx, size_t bytes, double seconds) {
@@ -62,15 +78,15 @@ void Retuner::ran(Context& ctx, size_t bytes, double seconds) {
   SizeClass& c = classes_.at(size_log2);
   const long t = trial_of(c);
   if (t >= 0) c.trials[size_t(t)] = seconds;
-  // One candidate has nothing to try against: its trials are plain calls.
-  const bool agreed = c.candidates.size() > 1 && t + 1 == long(c.trials.size());
+  // One contender has nothing to try against: its trials are plain calls.
+  const bool agreed = c.contenders.size() > 1 && t + 1 == long(c.trials.size());
   if (agreed) {
     lk.unlock();  // the agreement waits for the other ranks; report() must not
     agree(ctx, size_log2, c);
     lk.lock();
   }
   // A challenger left by the agreement is checked at once: the round ends here.
-  if (++c.call >= c.period || (agreed && c.challenger != kNone)) c.call = c.start = 0;
+  if (++c.call >= c.period || (agreed && c.challenger != kNone)) start_round(c);
 }
 
 Retuner::Verdict Retuner::judge(const std::vector<double>& medians, size_t winner,
@@ -84,16 +100,31 @@ Retuner::Verdict Retuner::judge(const std::vector<double>& medians, size_t winne
   return {winner, best};
 }
 
+std::vector<uint64_t> Retuner::sit_out(const std::vector<double>& medians, size_t winner,
+                                       const std::vector<uint64_t>& resting) {
+  std::vector<uint64_t> out(medians.size());
+  for (size_t a = 0; a < medians.size(); ++a) {
+    if (std::isnan(medians[a]))  // sat this round out
+      out[a] = resting[a];
+    else
+      out[a] = medians[a] > medians[winner] * kSitOut ? kSitOutRounds : 0;
+  }
+  return out;
+}
+
 void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
   std::vector<double> trials = c.trials;
   recursive_doubling_all_reduce(ctx, trials.data(), trials.size(), DType::kFloat64,
                                 ReduceOp::kAvg);
-  const size_t k = c.candidates.size();
-  std::vector<double> medians(k);
-  for (size_t a = 0; a < k; ++a)
-    medians[a] = median({trials.begin() + long(a * kBlock + kWarm),
-                         trials.begin() + long((a + 1) * kBlock)});
-  const Verdict v = judge(medians, c.winner, c.challenger, c.rounds);
+  // Those that sat the round out count as unmeasured: NaN here, never faster in judge().
+  std::vector<double> medians(c.candidates.size(), std::nan(""));
+  for (size_t i = 0; i < c.contenders.size(); ++i)
+    medians[c.contenders[i]] = median({trials.begin() + long(i * kBlock + kWarm),
+                                       trials.begin() + long((i + 1) * kBlock)});
+  std::vector<double> judged = medians;
+  for (double& m : judged)
+    if (std::isnan(m)) m = std::numeric_limits<double>::infinity();
+  const Verdict v = judge(judged, c.winner, c.challenger, c.rounds);
   const bool recheck = v.challenger != kNone;
   const size_t beaten_by = recheck ? v.challenger : v.winner;
   if (beaten_by != c.winner && ctx.rank() == 0)
@@ -102,10 +133,21 @@ void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
            recheck ? " beat " : " from now on, not ", algorithm_name(c.candidates[c.winner]),
            " (trials: ", medians[beaten_by] * 1e6, " us against ", medians[c.winner] * 1e6,
            recheck ? "): trials again" : ")");
+  const std::vector<uint64_t> resting = sit_out(medians, v.winner, c.resting);
+  if (ctx.rank() == 0 && debug_enabled())
+    for (size_t a = 0; a < resting.size(); ++a)
+      if (resting[a] == kSitOutRounds)
+        RC_LOG("all_reduce of ", size_t(1) << size_log2, " bytes and more: ",
+               algorithm_name(c.candidates[a]), " sits out the next ", kSitOutRounds,
+               " rounds of trials (", medians[a] * 1e6, " us against ",
+               algorithm_name(c.candidates[v.winner]), "'s ", medians[v.winner] * 1e6, ")");
   std::lock_guard<std::mutex> lk(mu_);
   if (!recheck)
     c.period = v.winner == c.winner ? std::min(c.period * 2, period_ * kLongest) : period_;
-  c.medians = std::move(medians);
+  c.medians.resize(medians.size(), std::nan(""));
+  for (size_t a = 0; a < medians.size(); ++a)
+    if (!std::isnan(medians[a])) c.medians[a] = medians[a];
+  c.resting = resting;
   c.winner = v.winner;
   c.challenger = v.challenger;
   ++c.rounds;
@@ -114,8 +156,14 @@ void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
 std::vector<Retuner::Report> Retuner::report() const {
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<Report> out;
-  for (const auto& [log2, c] : classes_)
-    out.push_back({size_t(1) << log2, c.candidates, c.medians, c.candidates[c.winner], c.rounds});
+  for (const auto& [log2, c] : classes_) {
+    std::vector<Algorithm> sitting_out;
+    for (size_t a = 0; a < c.candidates.size(); ++a)
+      if (std::find(c.contenders.begin(), c.contenders.end(), a) == c.contenders.end())
+        sitting_out.push_back(c.candidates[a]);
+    out.push_back({size_t(1) << log2, c.candidates, c.medians, c.candidates[c.winner], c.rounds,
+                   std::move(sitting_out)});
+  }
   return out;
 }
 

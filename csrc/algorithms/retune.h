@@ -34,18 +34,30 @@
 //            44 us against halving-doubling's 71, which forced took 57 against the ring's 62.
 //            The slowest's (max) measured the lags: at 4 MiB halving-doubling 2055 us where
 //            forced it took 912. The winner is the candidate with the least median (judge());
-//            after the first round the winner stays unless another is faster by more than
-//            kMargin (in one run the first round kept the model's halving-doubling, 24.3 ms,
-//            over the shared buffer's 24.0, which then measured 21.3 ms against its 24.0 over
-//            7 samples) in two trials in a row: the one that beats it is checked by trials at
-//            once, the round cut short. A spell of a few tens of milliseconds hits one trial: in one bench run (4 ranks,
-//            16 MiB) the first two blocks of a second round timed the shared buffer at 7.40 ms
-//            and the ring at 7.45, and halving-doubling's 5.41 took the size for the rest of
-//            the run at 1.51x the shared buffer's 4.79 forced beside it;
+//            the first round's trials decide alone (in one run a first round that favoured the
+//            model's halving-doubling kept it, 24.3 ms, over the shared buffer's 24.0, which
+//            then measured 21.3 ms against its 24.0 over 7 samples). After it the winner stays
+//            unless another is faster by more than kMargin in two trials in a row: the one that
+//            beats it is checked by trials at once, the round cut short. A spell of a few tens
+//            of milliseconds hits one trial: in one bench run (4 ranks, 16 MiB) the first two
+//            blocks of a second round timed the shared buffer at 7.40 ms and the ring at 7.45,
+//            and halving-doubling's 5.41 took the size for the rest of the run at 1.51x the
+//            shared buffer's 4.79 forced beside it. The margin is 5%: 2 ranks at 4 MiB, the
+//            ring, halving-doubling and the shared buffer forced within 5% of each other (210,
+//            204, 213 us), a 2% margin let 3-call trials hand the size from one to another (9
+//            rounds agreed in one bench run), each change cutting the next round back to
+//            `period` calls of which a block per candidate are trials;
 //   then the winner, to the end of the round: `period` calls, doubled (up to kLongest x) each
 //            time a round keeps its winner, back to `period` when it changes.
 // Trials cost at most (k-1) * kBlock calls of slower algorithms a round: in the first round of
-// 64 calls, with candidates 1.25x the winner's time, 12 x 0.25 / 64 = 5 % of the round.
+// 64 calls, with candidates 1.25x the winner's time, 12 x 0.25 / 64 = 5 % of the round. The
+// model's estimates can be far off, and a far loser costs more: 2 ranks at 4 MiB, recursive
+// doubling (each rank reduces the whole message, the ring half) took 423 us forced against the
+// ring's 211, its estimate 1.11x the ring's; its block alone cost 4 x 1.0 / 64 = 6 % of a first
+// round, and each recheck and change of winner, which shortens the next round, runs it again. So
+// a candidate whose median is more than kSitOut x the winner's sits out the trials of the next
+// kSitOutRounds rounds. The guest's states moved the algorithms' times against each other by
+// 12-25%, not 50%: a far loser stays one, and is checked again after those rounds.
 #pragma once
 
 #include <cstddef>
@@ -77,7 +89,9 @@ class Retuner {
   static constexpr size_t kWarm = 1, kRepeats = 3, kBlock = kWarm + kRepeats;
   static constexpr size_t kMost = 4;           // candidates
   static constexpr double kWorth = 1.25;       // times the least estimate
-  static constexpr double kMargin = 0.02;
+  static constexpr double kMargin = 0.05;
+  static constexpr double kSitOut = 1.5;       // times the winner's median
+  static constexpr uint64_t kSitOutRounds = 4;
   static constexpr uint64_t kLongest = 16;     // rounds grow to 16x `period`
   static constexpr uint64_t kLeastPeriod = (kMost + 1) * kBlock + 1;
 
@@ -101,14 +115,19 @@ class Retuner {
   };
   static Verdict judge(const std::vector<double>& medians, size_t winner, size_t challenger,
                        uint64_t rounds);
+  // After a verdict: the rounds each candidate sits out from the next on. `medians` holds this
+  // round's (NaN for those that sat it out), `resting` the rounds each had left.
+  static std::vector<uint64_t> sit_out(const std::vector<double>& medians, size_t winner,
+                                       const std::vector<uint64_t>& resting);
 
   // What the trials found, for reports and tests: one entry per size class retuned so far.
   struct Report {
     size_t bytes;                      // the class: bytes .. 2 x bytes - 1
     std::vector<Algorithm> candidates;
-    std::vector<double> seconds;       // each candidate's median in the last agreed trials
+    std::vector<double> seconds;       // each candidate's median in the last trials it ran in
     Algorithm winner;                  // what the calls outside trials run
     uint64_t rounds;                   // rounds of trials agreed
+    std::vector<Algorithm> sitting_out;  // candidates left out of this round's trials
   };
   std::vector<Report> report() const;
   // The algorithm an auto all-reduce of `bytes` runs outside trials: the winner, or the model's
@@ -120,14 +139,17 @@ class Retuner {
     std::vector<Algorithm> candidates;
     size_t winner = 0;                 // index into candidates
     uint64_t call = 0;                 // in this round
-    uint64_t start = kBlock;           // the round's first trial: after a prelude in the first
+    uint64_t start = 0;                // the round's first trial: kBlock (a prelude) in the first
     uint64_t period = 0;               // this round's calls
+    std::vector<size_t> contenders;    // this round's trials, a block each: indices into candidates
     std::vector<double> trials;        // this round's seconds on this rank
-    std::vector<double> medians;       // per candidate, from the last agreement
+    std::vector<double> medians;       // per candidate, from the last trials it ran in
+    std::vector<uint64_t> resting;     // per candidate, rounds it still sits out
     uint64_t rounds = 0;
     size_t challenger = kNone;         // beat the winner in the last trials
   };
   SizeClass& size_class(const Selector& select, size_t bytes);
+  static void start_round(SizeClass& c);  // call 0 of a round: who runs its trials
   static long trial_of(const SizeClass& c);  // this call's index in c.trials, or -1
   void agree(Context& ctx, int size_log2, SizeClass& c);
 

@@ -1,9 +1,12 @@
 // Retuner::judge (csrc/algorithms/retune.h), the verdict every rank draws from a round's agreed
 // medians: the first round takes its fastest; later a candidate must beat the winner by more
-// than kMargin in two trials in a row, the second run at once (a challenger). Prints "ok", or the
-// first wrong verdict and exits 1.
+// than kMargin in two trials in a row, the second run at once (a challenger); one that lost by
+// far sits out the next rounds (Retuner::sit_out). Prints "ok", or the first wrong verdict and
+// exits 1.
 //
 // usage: retune_judge
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <vector>
 
@@ -20,6 +23,16 @@ bool expect(const char* what, const std::vector<double>& medians, size_t winner,
   if (got.winner == want.winner && got.challenger == want.challenger) return true;
   std::printf("%s: winner %zu, challenger %zu; want %zu, %zu\n", what, got.winner,
               got.challenger, want.winner, want.challenger);
+  return false;
+}
+
+bool expect_rest(const char* what, const std::vector<double>& medians, size_t winner,
+                 const std::vector<uint64_t>& resting, const std::vector<uint64_t>& want) {
+  const std::vector<uint64_t> got = Retuner::sit_out(medians, winner, resting);
+  if (got == want) return true;
+  std::printf("%s: rests", what);
+  for (uint64_t r : got) std::printf(" %llu", static_cast<unsigned long long>(r));
+  std::printf("\n");
   return false;
 }
 
@@ -42,6 +55,14 @@ int main() {
   ok &= expect("another challenger", {7.40, 5.00, 7.36}, 0, 2, 2, {0, 1});
   // The winner fastest: any challenger is dropped.
   ok &= expect("winner fastest", {4.79, 7.45, 7.36}, 0, 1, 5, {0, kNone});
+  // Sitting out (Retuner::sit_out): more than 1.5x the winner's median, for 4 rounds; one that
+  // sat this round out (NaN) keeps counting down.
+  const double nan = std::nan("");
+  const uint64_t k = Retuner::kSitOutRounds;
+  ok &= expect_rest("far loser", {210, 204, 213, 423}, 1, {0, 0, 0, 0}, {0, 0, 0, k});
+  ok &= expect_rest("at 1.5x, stays", {200, 300, 301}, 0, {0, 0, 0}, {0, 0, k});
+  ok &= expect_rest("resting", {200, nan, 250}, 0, {0, 2, 0}, {0, 2, 0});
+  ok &= expect_rest("under a new winner", {nan, 210, 200}, 2, {3, 0, 0}, {3, 0, 0});
   if (ok) std::printf("ok\n");
   return ok ? 0 : 1;
 }
