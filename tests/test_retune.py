@@ -43,7 +43,7 @@ def auto_calls(comm, calls, path):
 # waiting on ranks taken off the CPUs, and the trials kept the ring.
 @pytest.mark.serial
 def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
-    calls = 24 * 5 + 48
+    calls = 24 + 48 + 48
     results = run_ranks(3, auto_calls, calls, str(tmp_path / "t.json"), env=SLOW_RING,
                         timeout=120)
     trials, now, ran, wrong = results[0]
@@ -57,12 +57,12 @@ def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
     runs = [(name, len(list(calls))) for name, calls in itertools.groupby(ran)]
     assert found["sitting_out"] == ["ring"], (found, runs)
     # Rounds of 24 calls (RINGCOMM_RETUNE_CALLS). The first: 4 calls by the model's choice, a
-    # block of 1 + 3 calls by each candidate, the model's first, then the winner. The ring lost by
-    # more than 1.5x, so it sits out the trials of the next four rounds (the shared buffer's
-    # alone, no agreement), and is tried again in the sixth, which keeps the winner and so runs
-    # 48 calls; the ring sits out the seventh.
-    assert ran == (["ring"] * 8 + ["shared_buffer"] * 16) + ["shared_buffer"] * 24 * 4 \
-        + (["ring"] * 4 + ["shared_buffer"] * 44), runs
+    # block of 1 + 3 calls by each candidate, the model's first, then the winner. The second: the
+    # blocks, then the winner; it kept the winner, so it runs 48 calls. The ring lost by more than
+    # 1.5x in both, so it sits out the trials of the next four rounds: the third is the shared
+    # buffer's alone (no agreement), and the ring sits out the fourth too.
+    assert ran == (["ring"] * 8 + ["shared_buffer"] * 16) + (["ring"] * 4 + ["shared_buffer"] * 44) \
+        + ["shared_buffer"] * 48, runs
 
 
 def test_a_pinned_model_keeps_its_choice(tmp_path):

@@ -33,7 +33,7 @@ Retuner::SizeClass& Retuner::size_class(const Selector& select, size_t bytes) {
     // Priced at the class's first call: every rank makes it with the same bytes.
     c.candidates = select.all_reduce_candidates(bytes, kWorth, kMost);
     c.period = period_;
-    c.resting.assign(c.candidates.size(), 0);
+    c.rests.assign(c.candidates.size(), Rest{});
     start_round(c);
     c.start = kBlock;  // the first round opens with the prelude
     if (debug_enabled()) {
@@ -52,10 +52,10 @@ void Retuner::start_round(SizeClass& c) {
   c.call = c.start = 0;
   c.contenders.clear();
   for (size_t a = 0; a < c.candidates.size(); ++a) {
-    if (c.resting[a] == 0)
+    if (c.rests[a].rounds == 0)
       c.contenders.push_back(a);
     else
-      --c.resting[a];
+      --c.rests[a].rounds;
   }
   c.trials.assign(c.contenders.size() * kBlock, 0.0);
 }
@@ -100,16 +100,14 @@ Retuner::Verdict Retuner::judge(const std::vector<double>& medians, size_t winne
   return {winner, best};
 }
 
-std::vector<uint64_t> Retuner::sit_out(const std::vector<double>& medians, size_t winner,
-                                       const std::vector<uint64_t>& resting) {
-  std::vector<uint64_t> out(medians.size());
+std::vector<Retuner::Rest> Retuner::sit_out(const std::vector<double>& medians, size_t winner,
+                                            std::vector<Rest> rests) {
   for (size_t a = 0; a < medians.size(); ++a) {
-    if (std::isnan(medians[a]))  // sat this round out
-      out[a] = resting[a];
-    else
-      out[a] = medians[a] > medians[winner] * kSitOut ? kSitOutRounds : 0;
+    if (std::isnan(medians[a])) continue;  // sat this round out
+    const bool far = medians[a] > medians[winner] * kSitOut;
+    rests[a] = far && rests[a].lost_far ? Rest{false, kSitOutRounds} : Rest{far, 0};
   }
-  return out;
+  return rests;
 }
 
 void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
@@ -133,10 +131,10 @@ void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
            recheck ? " beat " : " from now on, not ", algorithm_name(c.candidates[c.winner]),
            " (trials: ", medians[beaten_by] * 1e6, " us against ", medians[c.winner] * 1e6,
            recheck ? "): trials again" : ")");
-  const std::vector<uint64_t> resting = sit_out(medians, v.winner, c.resting);
+  std::vector<Rest> rests = sit_out(medians, v.winner, c.rests);
   if (ctx.rank() == 0 && debug_enabled())
-    for (size_t a = 0; a < resting.size(); ++a)
-      if (resting[a] == kSitOutRounds)
+    for (size_t a = 0; a < rests.size(); ++a)
+      if (rests[a].rounds == kSitOutRounds)
         RC_LOG("all_reduce of ", size_t(1) << size_log2, " bytes and more: ",
                algorithm_name(c.candidates[a]), " sits out the next ", kSitOutRounds,
                " rounds of trials (", medians[a] * 1e6, " us against ",
@@ -147,7 +145,7 @@ void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
   c.medians.resize(medians.size(), std::nan(""));
   for (size_t a = 0; a < medians.size(); ++a)
     if (!std::isnan(medians[a])) c.medians[a] = medians[a];
-  c.resting = resting;
+  c.rests = std::move(rests);
   c.winner = v.winner;
   c.challenger = v.challenger;
   ++c.rounds;

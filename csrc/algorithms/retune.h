@@ -55,9 +55,12 @@
 // doubling (each rank reduces the whole message, the ring half) took 423 us forced against the
 // ring's 211, its estimate 1.11x the ring's; its block alone cost 4 x 1.0 / 64 = 6 % of a first
 // round, and each recheck and change of winner, which shortens the next round, runs it again. So
-// a candidate whose median is more than kSitOut x the winner's sits out the trials of the next
-// kSitOutRounds rounds. The guest's states moved the algorithms' times against each other by
-// 12-25%, not 50%: a far loser stays one, and is checked again after those rounds.
+// a candidate whose median is more than kSitOut x the winner's in two agreed rounds in a row sits
+// out the trials of the next kSitOutRounds rounds. The guest's states moved the algorithms' times
+// against each other by 12-25%, not 50%: a far loser stays one, and is checked again after those
+// rounds. Once is not enough: 4 ranks at 256 KiB, one round's trials timed halving-doubling at
+// 176 us against the ring's 71, where forced it took 73 against the ring's 78 (a rank taken off
+// one of the 2 CPUs for a few calls, as happens with 4 ranks on them).
 #pragma once
 
 #include <cstddef>
@@ -115,10 +118,15 @@ class Retuner {
   };
   static Verdict judge(const std::vector<double>& medians, size_t winner, size_t challenger,
                        uint64_t rounds);
-  // After a verdict: the rounds each candidate sits out from the next on. `medians` holds this
-  // round's (NaN for those that sat it out), `resting` the rounds each had left.
-  static std::vector<uint64_t> sit_out(const std::vector<double>& medians, size_t winner,
-                                       const std::vector<uint64_t>& resting);
+  // A candidate's standing in the trials.
+  struct Rest {
+    bool lost_far = false;  // its last trials took more than kSitOut x the winner's median
+    uint64_t rounds = 0;    // rounds of trials it still sits out
+  };
+  // After a verdict: each candidate's standing from the next round on. `medians` holds this
+  // round's (NaN for those that sat it out), `rests` the standings it began with.
+  static std::vector<Rest> sit_out(const std::vector<double>& medians, size_t winner,
+                                   std::vector<Rest> rests);
 
   // What the trials found, for reports and tests: one entry per size class retuned so far.
   struct Report {
@@ -144,7 +152,7 @@ class Retuner {
     std::vector<size_t> contenders;    // this round's trials, a block each: indices into candidates
     std::vector<double> trials;        // this round's seconds on this rank
     std::vector<double> medians;       // per candidate, from the last trials it ran in
-    std::vector<uint64_t> resting;     // per candidate, rounds it still sits out
+    std::vector<Rest> rests;           // per candidate
     uint64_t rounds = 0;
     size_t challenger = kNone;         // beat the winner in the last trials
   };

@@ -1,7 +1,7 @@
 // Retuner::judge (csrc/algorithms/retune.h), the verdict every rank draws from a round's agreed
 // medians: the first round takes its fastest; later a candidate must beat the winner by more
 // than kMargin in two trials in a row, the second run at once (a challenger); one that lost by
-// far sits out the next rounds (Retuner::sit_out). Prints "ok", or the first wrong verdict and
+// far twice in a row sits out the next rounds (Retuner::sit_out). Prints "ok", or the first wrong verdict and
 // exits 1.
 //
 // usage: retune_judge
@@ -27,11 +27,15 @@ bool expect(const char* what, const std::vector<double>& medians, size_t winner,
 }
 
 bool expect_rest(const char* what, const std::vector<double>& medians, size_t winner,
-                 const std::vector<uint64_t>& resting, const std::vector<uint64_t>& want) {
-  const std::vector<uint64_t> got = Retuner::sit_out(medians, winner, resting);
-  if (got == want) return true;
-  std::printf("%s: rests", what);
-  for (uint64_t r : got) std::printf(" %llu", static_cast<unsigned long long>(r));
+                 const std::vector<Retuner::Rest>& rests, const std::vector<Retuner::Rest>& want) {
+  const std::vector<Retuner::Rest> got = Retuner::sit_out(medians, winner, rests);
+  bool same = got.size() == want.size();
+  for (size_t a = 0; same && a < got.size(); ++a)
+    same = got[a].lost_far == want[a].lost_far && got[a].rounds == want[a].rounds;
+  if (same) return true;
+  std::printf("%s: standings", what);
+  for (const Retuner::Rest& r : got)
+    std::printf(" (%d, %llu)", int(r.lost_far), static_cast<unsigned long long>(r.rounds));
   std::printf("\n");
   return false;
 }
@@ -55,14 +59,19 @@ int main() {
   ok &= expect("another challenger", {7.40, 5.00, 7.36}, 0, 2, 2, {0, 1});
   // The winner fastest: any challenger is dropped.
   ok &= expect("winner fastest", {4.79, 7.45, 7.36}, 0, 1, 5, {0, kNone});
-  // Sitting out (Retuner::sit_out): more than 1.5x the winner's median, for 4 rounds; one that
-  // sat this round out (NaN) keeps counting down.
+  // Sitting out (Retuner::sit_out): more than 1.5x the winner's median in two trials in a row,
+  // then 4 rounds; one that sat this round out (NaN) keeps its standing.
+  using Rest = Retuner::Rest;
   const double nan = std::nan("");
-  const uint64_t k = Retuner::kSitOutRounds;
-  ok &= expect_rest("far loser", {210, 204, 213, 423}, 1, {0, 0, 0, 0}, {0, 0, 0, k});
-  ok &= expect_rest("at 1.5x, stays", {200, 300, 301}, 0, {0, 0, 0}, {0, 0, k});
-  ok &= expect_rest("resting", {200, nan, 250}, 0, {0, 2, 0}, {0, 2, 0});
-  ok &= expect_rest("under a new winner", {nan, 210, 200}, 2, {3, 0, 0}, {3, 0, 0});
+  const Rest fresh{false, 0}, once{true, 0}, out{false, Retuner::kSitOutRounds};
+  ok &= expect_rest("far loser, once", {210, 204, 213, 423}, 1, {fresh, fresh, fresh, fresh},
+                    {fresh, fresh, fresh, once});
+  ok &= expect_rest("far loser, twice", {210, 204, 213, 423}, 1, {fresh, fresh, fresh, once},
+                    {fresh, fresh, fresh, out});
+  ok &= expect_rest("near again", {200, 250, 301}, 0, {fresh, once, once}, {fresh, fresh, out});
+  ok &= expect_rest("at 1.5x, not far", {200, 300}, 0, {fresh, once}, {fresh, fresh});
+  ok &= expect_rest("resting", {200, nan, 250}, 0, {fresh, {false, 2}, once},
+                    {fresh, {false, 2}, fresh});
   if (ok) std::printf("ok\n");
   return ok ? 0 : 1;
 }
