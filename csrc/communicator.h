@@ -306,6 +306,8 @@ class Communicator {
   bool boards_ = false;  // every rank reaches every other through shared memory with a board
   // RINGCOMM_DEBUG: the power-of-two size classes whose all-reduce choice was logged
   mutable std::atomic<uint64_t> logged_choices_{0};
+  // The model's last all-reduce choice: (bytes + 1) << 8 | algorithm, 0 before the first.
+  mutable std::atomic<uint64_t> last_choice_{0};
   // all_reduce_coalesced's reduction orders, built once per algorithm and shared with the
   // operations planned from them; a call that needs one more algorithm swaps in a grown copy.
   // `algorithms`: a bit (1 << Algorithm) for each the call chose.

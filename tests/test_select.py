@@ -148,6 +148,10 @@ def test_auto_follows_the_model(tmp_path):
     slow = write_model(tmp_path / "slow", 1000, 1e9, 1e12)
     (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": slow, **no_boards})
     assert choices == ["recursive_doubling"] * 4 + ["halving_doubling"]
+    # The communicator keeps its last choice for the next call of the same size, and only that.
+    (_, choices), *_ = run_ranks(4, model_and_choices, (8, 8, 64 << 20, 64 << 20, 8),
+                                 env={"RINGCOMM_TUNING": slow, **no_boards})
+    assert choices == ["recursive_doubling"] * 2 + ["halving_doubling"] * 2 + ["recursive_doubling"]
     (_, choices), *_ = run_ranks(3, model_and_choices, env={"RINGCOMM_TUNING": slow, **no_boards})
     assert choices == ["recursive_doubling"] * 3 + ["ring"] * 2
     # With boards (every rank in shared memory): the shared buffer's two rounds of messages and
