@@ -61,8 +61,9 @@ def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
     # blocks, then the winner; it kept the winner, so it runs 48 calls. The ring lost by more than
     # 1.5x in both, so it sits out the trials of the next four rounds: the third is the shared
     # buffer's alone (no agreement), and the ring sits out the fourth too.
-    assert ran == (["ring"] * 8 + ["shared_buffer"] * 16) + (["ring"] * 4 + ["shared_buffer"] * 44) \
-        + ["shared_buffer"] * 48, runs
+    first, second, third = ["ring"] * 8 + ["shared_buffer"] * 16, \
+        ["ring"] * 4 + ["shared_buffer"] * 44, ["shared_buffer"] * 48
+    assert ran == first + second + third, runs
 
 
 def test_a_pinned_model_keeps_its_choice(tmp_path):

@@ -1,8 +1,8 @@
 // Retuner::judge (csrc/algorithms/retune.h), the verdict every rank draws from a round's agreed
 // medians: the first round takes its fastest; later a candidate must beat the winner by more
 // than kMargin in two trials in a row, the second run at once (a challenger); one that lost by
-// far twice in a row sits out the next rounds (Retuner::sit_out). Prints "ok", or the first wrong verdict and
-// exits 1.
+// far twice in a row sits out the next rounds (Retuner::sit_out). Prints "ok", or the first
+// wrong verdict and exits 1.
 //
 // usage: retune_judge
 #include <cmath>
