@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "algorithms/algorithms.h"
 #include "common/error.h"
@@ -103,7 +102,7 @@ Retuner::Verdict Retuner::judge(const std::vector<double>& medians, size_t winne
 std::vector<Retuner::Rest> Retuner::sit_out(const std::vector<double>& medians, size_t winner,
                                             std::vector<Rest> rests) {
   for (size_t a = 0; a < medians.size(); ++a) {
-    if (std::isnan(medians[a])) continue;  // sat this round out
+    if (medians[a] == kUnmeasured) continue;  // sat this round out
     const bool far = medians[a] > medians[winner] * kSitOut;
     rests[a] = far && rests[a].lost_far ? Rest{false, kSitOutRounds} : Rest{far, 0};
   }
@@ -114,15 +113,12 @@ void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
   std::vector<double> trials = c.trials;
   recursive_doubling_all_reduce(ctx, trials.data(), trials.size(), DType::kFloat64,
                                 ReduceOp::kAvg);
-  // Those that sat the round out count as unmeasured: NaN here, never faster in judge().
-  std::vector<double> medians(c.candidates.size(), std::nan(""));
+  // Those that sat the round out count as unmeasured: infinite here, never faster in judge().
+  std::vector<double> medians(c.candidates.size(), kUnmeasured);
   for (size_t i = 0; i < c.contenders.size(); ++i)
     medians[c.contenders[i]] = median({trials.begin() + long(i * kBlock + kWarm),
                                        trials.begin() + long((i + 1) * kBlock)});
-  std::vector<double> judged = medians;
-  for (double& m : judged)
-    if (std::isnan(m)) m = std::numeric_limits<double>::infinity();
-  const Verdict v = judge(judged, c.winner, c.challenger, c.rounds);
+  const Verdict v = judge(medians, c.winner, c.challenger, c.rounds);
   const bool recheck = v.challenger != kNone;
   const size_t beaten_by = recheck ? v.challenger : v.winner;
   if (beaten_by != c.winner && ctx.rank() == 0)
@@ -142,9 +138,9 @@ void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
   std::lock_guard<std::mutex> lk(mu_);
   if (!recheck)
     c.period = v.winner == c.winner ? std::min(c.period * 2, period_ * kLongest) : period_;
-  c.medians.resize(medians.size(), std::nan(""));
+  c.medians.resize(medians.size(), std::nan(""));  // reported: NaN before a first trial
   for (size_t a = 0; a < medians.size(); ++a)
-    if (!std::isnan(medians[a])) c.medians[a] = medians[a];
+    if (medians[a] != kUnmeasured) c.medians[a] = medians[a];
   c.rests = std::move(rests);
   c.winner = v.winner;
   c.challenger = v.challenger;

@@ -65,6 +65,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -123,8 +124,10 @@ class Retuner {
     bool lost_far = false;  // its last trials took more than kSitOut x the winner's median
     uint64_t rounds = 0;    // rounds of trials it still sits out
   };
+  // A median of a candidate that sat the round out.
+  static constexpr double kUnmeasured = std::numeric_limits<double>::infinity();
   // After a verdict: each candidate's standing from the next round on. `medians` holds this
-  // round's (NaN for those that sat it out), `rests` the standings it began with.
+  // round's (kUnmeasured for those that sat it out), `rests` the standings it began with.
   static std::vector<Rest> sit_out(const std::vector<double>& medians, size_t winner,
                                    std::vector<Rest> rests);
 

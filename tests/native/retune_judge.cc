@@ -5,7 +5,6 @@
 // wrong verdict and exits 1.
 //
 // usage: retune_judge
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -60,9 +59,9 @@ int main() {
   // The winner fastest: any challenger is dropped.
   ok &= expect("winner fastest", {4.79, 7.45, 7.36}, 0, 1, 5, {0, kNone});
   // Sitting out (Retuner::sit_out): more than 1.5x the winner's median in two trials in a row,
-  // then 4 rounds; one that sat this round out (NaN) keeps its standing.
+  // then 4 rounds; one that sat this round out (kUnmeasured) keeps its standing.
   using Rest = Retuner::Rest;
-  const double nan = std::nan("");
+  const double out_of_round = Retuner::kUnmeasured;
   const Rest fresh{false, 0}, once{true, 0}, out{false, Retuner::kSitOutRounds};
   ok &= expect_rest("far loser, once", {210, 204, 213, 423}, 1, {fresh, fresh, fresh, fresh},
                     {fresh, fresh, fresh, once});
@@ -70,7 +69,7 @@ int main() {
                     {fresh, fresh, fresh, out});
   ok &= expect_rest("near again", {200, 250, 301}, 0, {fresh, once, once}, {fresh, fresh, out});
   ok &= expect_rest("at 1.5x, not far", {200, 300}, 0, {fresh, once}, {fresh, fresh});
-  ok &= expect_rest("resting", {200, nan, 250}, 0, {fresh, {false, 2}, once},
+  ok &= expect_rest("resting", {200, out_of_round, 250}, 0, {fresh, {false, 2}, once},
                     {fresh, {false, 2}, fresh});
   if (ok) std::printf("ok\n");
   return ok ? 0 : 1;
