@@ -130,3 +130,14 @@ def test_bf16_over_all_bit_patterns(op, fn):
             if op in (3, 4):  # min(-0, +0): ringcomm keeps the left operand, torch picks a zero
                 same |= (out == 0) & (expect == 0)
             assert bool(same.all()), f"operand {operand}: {int((~same).sum())} mismatches"
+
+
+def test_pack_list_joins_buffers_that_lie_back_to_back(tmp_path):
+    """kernels::PackList in one process (tests/native/pack_list.cc): views of one buffer in order
+    are walked as one buffer, empty ones are dropped, others stay apart, and pack and unpack over
+    the joined list move the same elements."""
+    import subprocess
+    from ranks import build_native
+    binary = build_native("pack_list", str(tmp_path))
+    run = subprocess.run([binary], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr

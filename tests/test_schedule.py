@@ -64,30 +64,56 @@ def halving_doubling_order(n):
     return [value(k, 1) for k in range(p)]
 
 
+def runs(blocks, count):
+    """(elements, order) runs of a buffer of `count` elements cut evenly into len(blocks) blocks
+    with those orders: the blocks that follow one in the same order join it, as the orders
+    reduce them in one pass."""
+    out = []
+    for order in blocks:
+        if out and out[-1][1] == order:
+            out[-1] = (out[-1][0] + count // len(blocks), order)
+        else:
+            out.append((count // len(blocks), order))
+    return out
+
+
+def orders(algorithm, n, count, hosts=()):
+    return [tuple(r) for r in _C.reduction_orders(ALGORITHMS[algorithm], n, count, list(hosts))]
+
+
 @pytest.mark.parametrize("n", list(range(2, 18)) + [31, 64])
 def test_orders_derived_from_step_lists(n):
-    assert _C.reduction_orders(ALGORITHMS["ring"], n) == [ring_order(list(range(n)), k) for k in range(n)]
-    assert _C.reduction_orders(ALGORITHMS["tree"], n) == [tree_order(n, False), tree_order(n, True)]
-    assert _C.reduction_orders(ALGORITHMS["recursive_doubling"], n) == [recursive_doubling_order(n)]
-    assert _C.reduction_orders(ALGORITHMS["halving_doubling"], n) == halving_doubling_order(n)
+    count = 128 * n  # every algorithm's blocks of one size
+    ring = [ring_order(list(range(n)), k) for k in range(n)]
+    assert orders("ring", n, count) == runs(ring, count)
+    assert orders("tree", n, count) == runs([tree_order(n, False), tree_order(n, True)], count)
+    assert orders("recursive_doubling", n, count) == runs([recursive_doubling_order(n)], count)
+    assert orders("halving_doubling", n, count) == runs(halving_doubling_order(n), count)
     # the shared buffer: not a step list; every element in rank order, left to right
     left_to_right = "0"
     for r in range(1, n):
         left_to_right = f"({left_to_right} {r})"
-    assert _C.reduction_orders(ALGORITHMS["shared_buffer"], n) == [left_to_right]
+    assert orders("shared_buffer", n, count) == [(count, left_to_right)]
+
+
+def test_blocks_in_one_order_join():
+    # Two ranks: halving-doubling's two blocks are both (0 1), the ring's (0 1) and (1 0).
+    assert orders("halving_doubling", 2, 10) == [(10, "(0 1)")]
+    assert orders("ring", 2, 10) == [(5, "(0 1)"), (5, "(1 0)")]
 
 
 @pytest.mark.parametrize("hosts,per_host", [(2, 2), (3, 2), (2, 3), (4, 4)])
 def test_hierarchical_order(hosts, per_host):
     layout = [[h * per_host + j for j in range(per_host)] for h in range(hosts)]
-    got = _C.reduction_orders(ALGORITHMS["hierarchical"], hosts * per_host, layout)
+    count = 64 * hosts * per_host
+    got = orders("hierarchical", hosts * per_host, count, layout)
     # Host segment j summed in ring order over each host's ranks, then piece h of it in ring order
     # over the hosts' sums.
     want = []
     for j in range(per_host):
         sums = [ring_order(host, j) for host in layout]
         want += [ring_order(sums, h) for h in range(hosts)]
-    assert got == want
+    assert got == runs(want, count)
 
 
 def test_ring_step_list_reads_as_documented():

@@ -96,7 +96,7 @@ int ReductionOrders::program_id(Algorithm algo, int piece) const {
   auto it = std::find(keys_.begin(), keys_.end(), std::make_pair(algo, piece));
   RC_CHECK_ARG(it != keys_.end(), "no reduction order for piece ", piece, " of ",
                algorithm_name(algo));
-  return int(it - keys_.begin());
+  return key_programs_[size_t(it - keys_.begin())];
 }
 
 bool ReductionOrders::has(Algorithm algo) const {
@@ -177,7 +177,9 @@ void ReductionOrders::require(Algorithm algo) {
     emit(prog, expr, pieces[p]);
     prog.finish();
     keys_.emplace_back(algo, int(p));
-    programs_.push_back(std::move(prog));
+    auto same = std::find(programs_.begin(), programs_.end(), prog);
+    key_programs_.push_back(int(same - programs_.begin()));
+    if (same == programs_.end()) programs_.push_back(std::move(prog));
   }
 }
 

@@ -55,6 +55,12 @@ class ReductionProgram {
            char* scratch) const;
   // The program as an expression over rank numbers, "((0 1) 2)" for (x0 op x1) op x2.
   std::string describe() const;
+  // The same steps: the same bits from the same inputs.
+  bool operator==(const ReductionProgram& other) const {
+    return n_ == other.n_ && steps_.size() == other.steps_.size() &&
+           std::equal(steps_.begin(), steps_.end(), other.steps_.begin(),
+                      [](const Step& x, const Step& y) { return x.a == y.a && x.b == y.b; });
+  }
 
  private:
   int n_;
@@ -95,8 +101,12 @@ class ReductionOrders {
 
   int n_;
   HostLayout layout_;
+  // Each distinct program once: pieces of different algorithms that reduce in the same order
+  // (at two ranks, most of them) share one, so that the ranges of buffers of different sizes,
+  // hence algorithms, join (ranges()) and a coalesced call reduces them in one pass.
   std::vector<ReductionProgram> programs_;
-  std::vector<std::pair<Algorithm, int>> keys_;  // (algorithm, piece) of programs_[i]
+  std::vector<std::pair<Algorithm, int>> keys_;  // (algorithm, piece)
+  std::vector<int> key_programs_;                // keys_[i]'s index in programs_
 };
 
 }  // namespace ringcomm

@@ -17,12 +17,22 @@ using math::ScaleKind;
 using math::Scaling;
 
 // Buffer i holds elements [offsets[i], offsets[i+1]) of the fused sequence. The buffers are host
-// memory for the CPU kernels and device memory for the CUDA ones.
+// memory for the CPU kernels and device memory for the CUDA ones. A buffer added right where the
+// last one ends (views of one tensor, in order) extends it, and an empty one adds nothing: a
+// walk's cost goes with the number of buffers (each a call into the copy or reduction kernel),
+// and 1000 views of one buffer walked as 1000 ran 1.2-1.3x slower through the shared-memory
+// boards than walked as one (docs/performance.md, session 41).
 class PackList {
  public:
   explicit PackList(DType dtype) : dtype_(dtype), offsets_{0} {}
   void add(void* data, size_t count) {
-    data_.push_back(static_cast<char*>(data));
+    if (count == 0) return;
+    char* at = static_cast<char*>(data);
+    if (!data_.empty() && data_.back() + count_of_last() * dtype_size(dtype_) == at) {
+      offsets_.back() += count;
+      return;
+    }
+    data_.push_back(at);
     offsets_.push_back(offsets_.back() + count);
   }
   DType dtype() const { return dtype_; }
@@ -39,6 +49,8 @@ class PackList {
   }
 
  private:
+  size_t count_of_last() const { return offsets_.back() - offsets_[offsets_.size() - 2]; }
+
   DType dtype_;
   std::vector<char*> data_;
   std::vector<size_t> offsets_;

@@ -75,16 +75,20 @@ void bind_fusion(py::module_& m) {
     return out;
   }, py::arg("algorithm"), py::arg("n"), py::arg("rank"), py::arg("count"), py::arg("slice"),
      py::arg("all_gather") = false);
-  // Each block's order, "((0 1) 2)" for (x0 op x1) op x2; `hosts` for the hierarchical one.
-  m.def("reduction_orders", [](int algo, int n, const std::vector<std::vector<int>>& hosts) {
+  // The orders of a buffer of `count` elements, as runs of elements that share one: (elements,
+  // "((0 1) 2)" for (x0 op x1) op x2); `hosts` for the hierarchical algorithm.
+  m.def("reduction_orders", [](int algo, int n, size_t count,
+                               const std::vector<std::vector<int>>& hosts) {
     ReductionOrders orders(n, HostLayout{hosts});
     orders.require(Algorithm(algo));
     std::vector<OrderedRange> ranges;
-    orders.ranges(Algorithm(algo), size_t(64 * n), 0, ranges);
-    std::vector<std::string> out;
-    for (const OrderedRange& r : ranges) out.push_back(orders.program(r.program).describe());
+    orders.ranges(Algorithm(algo), count, 0, ranges);
+    std::vector<std::pair<size_t, std::string>> out;
+    for (const OrderedRange& r : ranges)
+      out.emplace_back(r.count, orders.program(r.program).describe());
     return out;
-  }, py::arg("algorithm"), py::arg("n"), py::arg("hosts") = std::vector<std::vector<int>>{});
+  }, py::arg("algorithm"), py::arg("n"), py::arg("count"),
+     py::arg("hosts") = std::vector<std::vector<int>>{});
   // The buffers are read with the GIL held, the collective runs without it.
   m.def("all_reduce_coalesced",
         [](Communicator& c, const py::buffer& ptrs, const py::buffer& counts,
