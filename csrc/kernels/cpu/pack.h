@@ -32,9 +32,12 @@ void copy_bytes(void* dst, const void* src, size_t n);
 // and at 4 ranks on 2 CPUs 1-6% faster in 4 runs of 6, the same in one, 7% slower in one
 // (interleaved in one process). Asking for every range's head at once when the ranges are listed
 // was slower than one ahead, and both together slower than either; 2 lines, or 2 pieces ahead,
-// gained nothing (docs/performance.md, session 39).
+// gained nothing (docs/performance.md, session 39). 16 lines (1 KiB) made the same all-reduce
+// 3-18% faster than 4 lines at 2 ranks in 11 launches of 12 (level in the other), and level or
+// 6% faster at 4 ranks (2 launches); 32 or 64 lines, or 16 of each of the next two pieces, were
+// slower than 16 (session 41).
 inline void fetch_head(const void* data, size_t bytes) {
-  constexpr size_t kLines = 4;
+  constexpr size_t kLines = 16;
   prefetch_lines(data, std::min(bytes, kLines * 64));
 }
 
