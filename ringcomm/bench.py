@@ -585,7 +585,12 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
             flat, op=DIST_OPS[args.op], group=group)
     variants["ringcomm all_reduce, one flat tensor"] = lambda: comm.all_reduce(flat, op=args.op)
     passes = layout_passes(tensors, views) if args.floor else {}
-    timed = {**variants, **passes}
+    flat_read = {}
+    if args.floor:
+        from .fusion import BufferList
+        flat_read[FLAT_THEN_LIST] = lambda: (comm.all_reduce(flat, op=args.op),
+                                             BufferList(tensors))
+    timed = {**variants, **flat_read, **passes}
     iters = args.iters or 20
     for run in timed.values():
         for _ in range(args.warmup_iters):
@@ -645,7 +650,9 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
             limit = row["layout limit"]
             for name, t in limit["passes_us"].items():
                 print(f"# {name:<45} {t:>10.1f} us (slowest rank)")
-            print(f"# layout limit = flat all_reduce + tensors' passes - views' passes: "
+            print(f"# {'the list: the tensors read after a flat all_reduce':<45} "
+                  f"{limit['list_read_us']:>10.1f} us ({FLAT_THEN_LIST}, less the flat)")
+            print(f"# layout limit = flat all_reduce + the list + tensors' passes - views' passes: "
                   f"{limit['time_us']:.1f} us = {limit['over_flat']:.2f}x the flat all_reduce; "
                   f"all_reduce_coalesced = {limit['coalesced_over_flat']:.2f}x the flat, "
                   f"{limit['coalesced_over_limit']:.2f}x the limit", flush=True)
@@ -654,6 +661,7 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
 
 PASSES_TENSORS = "pack + unpack of the tensors, no exchange"
 PASSES_VIEWS = "pack + unpack of the views, no exchange"
+FLAT_THEN_LIST = "flat all_reduce, then the tensors' addresses read"
 
 
 def layout_passes(tensors, views) -> dict:
@@ -671,15 +679,22 @@ def layout_passes(tensors, views) -> dict:
 
 
 def layout_limit(samples, row) -> dict:
-    """What the tensors' layout costs beyond the views' in the two passes, added to the flat
-    all_reduce (whose own passes run over one buffer): an estimate of the least time for these
-    tensors, as the floor is for all_reduce, not a bound."""
+    """What the tensors cost beyond one flat buffer, added to the flat all_reduce: an estimate of
+    the least time for these tensors, as the floor is for all_reduce, not a bound. Two parts:
+    - the layout: what the tensors' memory adds to the two passes over it (read every element,
+      write every result) beyond the views' (whose passes cost what one buffer's do);
+    - the list: reading a thousand tensors' addresses, sizes and dtypes out of torch's objects
+      (fusion.BufferList), right after an all-reduce has streamed its bytes through the caches,
+      as every call of all_reduce_coalesced does: the flat all_reduce followed by that read, less
+      the flat all_reduce alone (the medians of samples taken in turn with the others)."""
     passes = {name: statistics.median(samples[name]) * 1e6
               for name in (PASSES_TENSORS, PASSES_VIEWS)}
     flat = row["ringcomm all_reduce, one flat tensor"]["time_us"]
     coalesced = row["ringcomm all_reduce_coalesced"]["time_us"]
-    limit = flat + passes[PASSES_TENSORS] - passes[PASSES_VIEWS]
-    return {"time_us": limit, "passes_us": passes,
+    list_read = statistics.median(samples[FLAT_THEN_LIST]) * 1e6 - flat
+    limit = flat + list_read + passes[PASSES_TENSORS] - passes[PASSES_VIEWS]
+    return {"time_us": limit, "passes_us": passes, "list_read_us": list_read,
+            "flat_then_list_samples_us": [x * 1e6 for x in samples[FLAT_THEN_LIST]],
             "passes_samples_us": {name: [x * 1e6 for x in samples[name]] for name in passes},
             "over_flat": limit / flat, "coalesced_over_flat": coalesced / flat,
             "coalesced_over_limit": coalesced / limit}
