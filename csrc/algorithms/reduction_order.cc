@@ -93,14 +93,15 @@ void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
 }
 
 int ReductionOrders::program_id(Algorithm algo, int piece) const {
-  auto it = std::find(keys_.begin(), keys_.end(), std::make_pair(algo, piece));
+  auto it = std::find_if(keys_.begin(), keys_.end(),
+                         [&](const Key& k) { return k.algo == algo && k.piece == piece; });
   RC_CHECK_ARG(it != keys_.end(), "no reduction order for piece ", piece, " of ",
                algorithm_name(algo));
-  return key_programs_[size_t(it - keys_.begin())];
+  return it->program;
 }
 
 bool ReductionOrders::has(Algorithm algo) const {
-  return std::any_of(keys_.begin(), keys_.end(), [&](const auto& key) { return key.first == algo; });
+  return std::any_of(keys_.begin(), keys_.end(), [&](const Key& k) { return k.algo == algo; });
 }
 
 namespace {
@@ -176,9 +177,8 @@ void ReductionOrders::require(Algorithm algo) {
     ReductionProgram prog(n);
     emit(prog, expr, pieces[p]);
     prog.finish();
-    keys_.emplace_back(algo, int(p));
     auto same = std::find(programs_.begin(), programs_.end(), prog);
-    key_programs_.push_back(int(same - programs_.begin()));
+    keys_.push_back({algo, int(p), int(same - programs_.begin())});
     if (same == programs_.end()) programs_.push_back(std::move(prog));
   }
 }

@@ -105,8 +105,12 @@ class ReductionOrders {
   // (at two ranks, most of them) share one, so that the ranges of buffers of different sizes,
   // hence algorithms, join (ranges()) and a coalesced call reduces them in one pass.
   std::vector<ReductionProgram> programs_;
-  std::vector<std::pair<Algorithm, int>> keys_;  // (algorithm, piece)
-  std::vector<int> key_programs_;                // keys_[i]'s index in programs_
+  struct Key {  // a piece of an algorithm, and its program
+    Algorithm algo;
+    int piece;
+    int program;  // its index in programs_
+  };
+  std::vector<Key> keys_;
 };
 
 }  // namespace ringcomm
