@@ -6,15 +6,17 @@
 
 --backend picks the process group DDP runs on; --hook registers a ringcomm comm hook on it ("none":
 DDP's own all-reduce through that backend; "local": no communication, the floor of the step time;
-"reduce-floor": the ranks wait for each other, then each adds a local tensor into its bucket, the
-least any all-reduce costs; "topk-floor": top-k's own work with no network, the least a top-k
-step costs). --width 2048 gives two hidden layers of 2048, about 4.3M parameters,
+"sync-floor": the ranks only wait for each other, the least a synchronous step costs;
+"reduce-floor": they wait, then each adds a local tensor into its bucket; "topk-floor": top-k's
+own work with no network, the least a top-k step costs). --width 2048 gives two hidden layers of 2048, about 4.3M parameters,
 enough for communication to matter. --compare-gloo also trains gloo's default DDP from the same
 initial weights on the same batches, alternating steps with the run above so both see the same
-machine load, and prints both; --compare-floor does the same with "local" and "reduce-floor" (and
-"topk-floor" when the hook is topk), so the floor of the step time and the limit of an averaged
-step are measured in the same run. Rank 0 prints test accuracy, the mean step time (forward,
-backward with its communication, optimizer step; after --warmup steps), the CPU time of all ranks
+machine load, and prints both; --compare-floor does the same with "local", "sync-floor" and
+"reduce-floor" (and "topk-floor" when the hook is topk), so the floor of the step time and the
+limits of an averaged step are measured in the same run. Rank 0 prints test accuracy, the mean
+step time (forward, backward with its communication, optimizer step; after --warmup steps) of
+the slowest rank (the floor's ranks each go at their own pace, and a job at its slowest's), the
+CPU time of all ranks
 per step (every thread; with more ranks than cores it bounds the step from below: CPU time /
 cores) and the bytes this rank sent per step: over TCP (Linux's per-socket counters, all of the
 process's connections) plus what ringcomm wrote to shared memory for ranks on this host. Then the step split into forward,
@@ -46,19 +48,32 @@ def local_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Ten
     return fut
 
 
+def ranks_met() -> torch.futures.Future:
+    """Completes once every rank has called it: an 8-byte all-reduce."""
+    return hooks.communicator_for(None).all_reduce(torch.zeros(2), async_op=True).get_future()
+
+
+def sync_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Not training either: the ranks only wait for each other, each keeping its own gradient.
+    What a synchronous step pays before any byte of the average moves: every step goes at the
+    slower rank's pace, where the floor's ranks each go at their own."""
+    buffer = bucket.buffer()
+    return ranks_met().then(lambda _: buffer)
+
+
 _peer_stand_ins = {}
 
 
 def reduce_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Not training either: the least any all-reduce of the bucket costs. The ranks wait for each
-    other (an 8-byte all-reduce), then each adds a stand-in for its peer's gradient into the bucket:
-    the memory traffic of a reduction that could read the peer's data in place (read two, write
-    one), with no copy, no transport and no second phase."""
+    """Not training either: the ranks wait for each other, then each adds a stand-in for its
+    peer's gradient into the bucket: the memory traffic of a reduction of the whole bucket that
+    reads the peer's data in place (read two, write one), with no copy and no transport. Not a
+    bound on an all-reduce that splits the reduction among the ranks (the shared buffer: each
+    rank reduces its 1/n), which can beat it."""
     buffer = bucket.buffer()
     # by size: DDP rebuilds its buckets after the first step
     stand_in = _peer_stand_ins.setdefault(buffer.numel(), torch.zeros_like(buffer))
-    work = hooks.communicator_for(None).all_reduce(torch.zeros(2), async_op=True)
-    return work.get_future().then(lambda _: buffer.add_(stand_in))  # off the autograd thread
+    return ranks_met().then(lambda _: buffer.add_(stand_in))  # off the autograd thread
 
 
 def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -91,7 +106,8 @@ def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torc
 
 HOOKS = {"none": None, "allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
          "bf16": hooks.bf16_compress_hook, "topk": hooks.topk_hook, "local": local_hook,
-         "reduce-floor": reduce_floor_hook, "topk-floor": topk_floor_hook}
+         "sync-floor": sync_floor_hook, "reduce-floor": reduce_floor_hook,
+         "topk-floor": topk_floor_hook}
 TCP_INFO_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64, Linux >= 4.19) in struct tcp_info
 
 
@@ -113,9 +129,9 @@ def parse_args():
     p.add_argument("--compare-gloo", action="store_true",
                    help="also train gloo's default DDP, alternating steps, and print both")
     p.add_argument("--compare-floor", action="store_true",
-                   help="also train with no communication (the local hook) and with the limit of "
-                        "an averaged step (reduce-floor; with --hook topk also topk-floor), "
-                        "alternating steps")
+                   help="also train with no communication (the local hook) and with the limits "
+                        "of an averaged step (sync-floor, reduce-floor; with --hook topk also "
+                        "topk-floor), alternating steps")
     args = p.parse_args()
     if args.width < 1 or args.epochs < 1 or args.batch_size < 1 or args.warmup < 0:
         p.error("--width, --epochs and --batch-size must be positive, --warmup non-negative")
@@ -236,6 +252,7 @@ def main():
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {world} ranks")
 
     hook_name = {"none": "DDP's all-reduce", "local": "no communication (floor)",
+                 "sync-floor": "wait only (sync limit)",
                  "reduce-floor": "wait + local a+b (limit)",
                  "topk-floor": "top-k, no network (limit)"}.get(
         args.hook, f"ringcomm {args.hook} hook")
@@ -247,6 +264,7 @@ def main():
         runs.append(Run("gloo, DDP's all-reduce", args, process_group=groups[-1]))
     if args.compare_floor:
         runs.append(Run("no communication (floor)", args, hook=local_hook))
+        runs.append(Run("wait only (sync limit)", args, hook=sync_floor_hook))
         runs.append(Run("wait + local a+b (limit)", args, hook=reduce_floor_hook))
         if args.hook == "topk":
             runs.append(Run("top-k, no network (limit)", args, hook=topk_floor_hook))
@@ -273,6 +291,11 @@ def main():
     # and one still doing so when the interpreter shuts down aborts the process (torch 2.13:
     # "terminate called without an active exception", from the worker taking the GIL).
     hooks.default_communicator().all_reduce(cpu)
+    # Each run's mean step time on its slowest rank: a job's pace. The floor's ranks never wait
+    # for each other, and on this guest one's mean ran up to 4% above the other's.
+    step_s = torch.tensor([sum(run.step_times) / len(run.step_times) for run in runs],
+                          dtype=torch.float64)
+    hooks.default_communicator().all_reduce(step_s, op="max")
     if rank == 0:
         params = sum(p.numel() for p in runs[0].model.parameters())
         timed = step - args.warmup
@@ -280,14 +303,13 @@ def main():
               f"{args.width}-10, {params:,} parameters; {world} ranks, global batch {args.batch_size}, "
               f"{step} steps ({timed} timed)")
         print(f"{'run':<34} {'test acc':>9} {'step ms':>9} {'steps/s':>8} {'MB sent/step':>13} "
-              f"{'CPU ms/step, all ranks':>23}")
-        for run, cpu_seconds in zip(runs, cpu.tolist()):
-            mean = sum(run.step_times) / len(run.step_times)
+              f"{'CPU ms/step, all ranks':>23}   (step: the slowest rank's mean)")
+        for run, cpu_seconds, mean in zip(runs, cpu.tolist(), step_s.tolist()):
             print(f"{run.name:<34} {100 * run.accuracy(test_x, test_y):>8.2f}% {1e3 * mean:>9.2f} "
                   f"{1 / mean:>8.2f} {run.bytes_sent / timed / 1e6:>13.2f} "
                   f"{1e3 * cpu_seconds / timed:>23.1f}")
-        for other in runs[1:]:
-            ratio = sum(other.step_times) / sum(runs[0].step_times)
+        for other, mean in zip(runs[1:], step_s.tolist()[1:]):
+            ratio = mean / step_s[0].item()
             print(f"steps/s, {runs[0].name} over {other.name}: {ratio:.2f}x")
         print(f"step time on rank 0, ms per step (waiting: backward after its last gradient, "
               f"for the averages)")

@@ -369,6 +369,7 @@ def test_train_ddp_example_measures_the_limits_of_a_topk_step():
     own work with no network, which sends nothing."""
     out, rows, _ = train_ddp("--warmup", "1", "--hook", "topk", "--compare-floor")
     assert set(rows) == {"gloo, ringcomm topk hook", "no communication (floor)",
-                         "wait + local a+b (limit)", "top-k, no network (limit)"}, out.stdout
+                         "wait only (sync limit)", "wait + local a+b (limit)",
+                         "top-k, no network (limit)"}, out.stdout
     assert float(rows["top-k, no network (limit)"][3]) == 0.0, out.stdout  # MB sent per step
     assert "over top-k, no network (limit)" in out.stdout, out.stdout
