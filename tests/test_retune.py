@@ -112,3 +112,14 @@ def test_a_winner_gives_way_only_when_beaten_twice_in_a_row(tmp_path):
     binary = build_native("retune_judge", str(tmp_path))
     run = subprocess.run([binary], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+def test_the_probe_times_what_a_fixed_cost_made_look_slow(tmp_path):
+    """plan_probe, in one process: the algorithms the probe times at a size. A factor measured
+    where a call's fixed cost is most of its time does not keep an algorithm untimed at the next
+    size, and one that lost on its bytes stays out."""
+    import subprocess
+    from ranks import build_native
+    binary = build_native("probe_plan", str(tmp_path))
+    run = subprocess.run([binary], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr

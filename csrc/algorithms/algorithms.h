@@ -43,11 +43,23 @@ LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host)
 bool probe_single_copy(Context& local, size_t message,
                        const std::function<void(bool)>& use_single_copy);
 
+// The probe's plan at one size (probe_algorithms), for each of kMeasuredAlgorithms: its guess,
+// the estimate (by the figures without factors) scaled by the factor measured where it was last
+// timed or shifted by the seconds it missed that estimate by, whichever is less; and the columns
+// worth timing, those whose guess is within `worth` x the cheapest. Before an algorithm is first
+// timed, its factor is 1 and its miss 0.
+using ProbeRow = std::array<double, kMeasuredAlgorithms.size()>;
+struct ProbePlan {
+  ProbeRow guess;
+  std::vector<size_t> timed;
+};
+ProbePlan plan_probe(const ProbeRow& estimate, const ProbeRow& factor, const ProbeRow& missed,
+                     double worth);
+
 // What the all-reduce algorithms take among all of `ctx`'s ranks (one host's, 3 or more) over
 // their estimates by `links` (figures without factors), on the slowest rank: LinkModel::factors,
 // a row for each of kMeasuredBytes (probe.cc). Every rank must call it at once.
-std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
-    Context& ctx, const LinkModel& links);
+std::vector<ProbeRow> probe_algorithms(Context& ctx, const LinkModel& links);
 
 // Rank `rank`'s steps (schedule.h) among n ranks. Ring schedules run over Segments(count, n);
 // the double binary tree over tree_halves(count); recursive doubling over the whole buffer;

@@ -29,7 +29,8 @@
 //   4. gamma: the best of 3 local float32 sums of 256 KiB.
 //   5. where 3 or more ranks share one host (probe_algorithms): all-reduces of 4 KiB, 64 KiB,
 //      256 KiB, 1 MiB, 4 MiB and 16 MiB (kMeasuredBytes) by each algorithm whose estimate,
-//      scaled by its factor where it was last timed, is within 1.5x of the cheapest, in
+//      scaled by its factor where it was last timed or shifted by its miss there, whichever is
+//      less (plan_probe), is within 1.5x of the cheapest, in
 //      blocks of 1 untimed and 3-15 timed rounds (about 0.5 ms by that guess). What each took
 //      over its estimate becomes its factor at that size (LinkModel::factors). An algorithm not
 //      timed is taken to cost its guess, and at least 1.5x what the slowest timed one took, so
@@ -190,8 +191,24 @@ LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host)
   return m;
 }
 
-std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
-    Context& ctx, const LinkModel& links) {
+// Shifted, not only scaled: a factor from a size where a call's fixed cost is most of its time
+// puts that cost on every byte of the next. Scaled alone, 4 ranks on 2 vCPUs: recursive doubling
+// took 11.4 us at 4 KiB (estimate 7.8) and the shared buffer 12.4 (7.2), factors that left both
+// untimed at 64 KiB (guesses 65 and 59 us against 1.5x halving-doubling's 39), where recursive
+// doubling then ran fastest in the bench (26.9 us forced, halving-doubling 34.4, and the shared
+// buffer, which auto took, 30.1).
+ProbePlan plan_probe(const ProbeRow& estimate, const ProbeRow& factor, const ProbeRow& missed,
+                     double worth) {
+  ProbePlan plan;
+  for (size_t a = 0; a < estimate.size(); ++a)
+    plan.guess[a] = std::min(estimate[a] * factor[a], estimate[a] + missed[a]);
+  const double cheapest = *std::min_element(plan.guess.begin(), plan.guess.end());
+  for (size_t a = 0; a < estimate.size(); ++a)
+    if (plan.guess[a] <= worth * cheapest) plan.timed.push_back(a);
+  return plan;
+}
+
+std::vector<ProbeRow> probe_algorithms(Context& ctx, const LinkModel& links) {
   constexpr double kWorth = 1.5;  // times the cheapest guess: an algorithm worth timing
   constexpr double kBlock = 5e-4;
   // Seconds one size's all-reduces may take (a guess before they run). 8 ranks on 2 vCPUs
@@ -201,24 +218,21 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
   const Selector plain(ctx.size(), links, 0, 0, ctx.has_boards() ? ctx.board_bytes() : 0);
   float* data = reinterpret_cast<float*>(ctx.scratch(kMeasuredBytes.back()));
   std::memset(data, 0, kMeasuredBytes.back());
-  std::vector<std::array<double, kMeasuredAlgorithms.size()>> factors;
-  // Each algorithm's factor where it was last timed (1 before). Guesses scale by it, not by the
+  std::vector<ProbeRow> factors;
+  // Each algorithm's factor where it was last timed, and its miss there (plan_probe). Not the
   // factor an untimed algorithm is given (1.5x the slowest timed one, below), which would keep
   // it untimed at every larger size: in one probe the shared buffer lost at 1 MiB and was never
   // timed again, where at 4 and 16 MiB it took 0.39 and 0.66x the ring's time.
-  std::array<double, kMeasuredAlgorithms.size()> measured;
+  ProbeRow measured, missed{};
   measured.fill(1.0);
   for (size_t bytes : kMeasuredBytes) {
-    // Guesses: the estimates, scaled by the factors last measured.
-    std::array<double, kMeasuredAlgorithms.size()> estimate{}, guess{}, row{};
-    for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a) {
-      estimate[a] = plain.estimate(kMeasuredAlgorithms[a], double(bytes));
-      guess[a] = estimate[a] * measured[a];
-    }
-    const double cheapest = *std::min_element(guess.begin(), guess.end());
-    std::vector<size_t> timed;  // columns
+    ProbeRow estimate{}, row{};
     for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a)
-      if (guess[a] <= kWorth * cheapest) timed.push_back(a);
+      estimate[a] = plain.estimate(kMeasuredAlgorithms[a], double(bytes));
+    const ProbePlan plan = plan_probe(estimate, measured, missed, kWorth);
+    const ProbeRow& guess = plan.guess;
+    const std::vector<size_t>& timed = plan.timed;  // columns
+    const double cheapest = *std::min_element(guess.begin(), guess.end());
     // Timed rounds for about kBlock seconds a block, 3 to 15: the medians of 3 rounds at 64 KiB
     // (30-50 us each) once put recursive doubling at 53.8 us, where it took 34.1 in the bench.
     const int rounds = int(std::clamp(kBlock / cheapest, 3.0, 15.0));
@@ -228,7 +242,7 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
       if (ctx.rank() == 0)
         RC_LOG("algorithm probe, ", ctx.size(), " ranks: not timed from ", bytes,
                " bytes on (about ", expected * 1e3, " ms); the estimates alone from there");
-      std::array<double, kMeasuredAlgorithms.size()> ones;
+      ProbeRow ones;
       ones.fill(1.0);
       factors.resize(kMeasuredBytes.size(), ones);
       break;
@@ -241,6 +255,7 @@ std::vector<std::array<double, kMeasuredAlgorithms.size()>> probe_algorithms(
     std::string times;
     for (size_t k = 0; k < timed.size(); ++k) {
       row[timed[k]] = measured[timed[k]] = seconds[k] / estimate[timed[k]];
+      missed[timed[k]] = seconds[k] - estimate[timed[k]];
       slowest = std::max(slowest, seconds[k]);
       times += str_cat(" ", algorithm_name(kMeasuredAlgorithms[timed[k]]), " ", seconds[k] * 1e6,
                        " us (estimate ", estimate[timed[k]] * 1e6, ")");
