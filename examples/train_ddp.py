@@ -8,20 +8,20 @@
 DDP's own all-reduce through that backend; "local": no communication, the floor of the step time;
 "sync-floor": the ranks only wait for each other, the least a synchronous step costs;
 "reduce-floor": they wait, then each adds a local tensor into its bucket; "topk-floor": top-k's
-own work with no network, the least a top-k step costs). --width 2048 gives two hidden layers of 2048, about 4.3M parameters,
-enough for communication to matter. --compare-gloo also trains gloo's default DDP from the same
-initial weights on the same batches, alternating steps with the run above so both see the same
-machine load, and prints both; --compare-floor does the same with "local", "sync-floor" and
-"reduce-floor" (and "topk-floor" when the hook is topk), so the floor of the step time and the
-limits of an averaged step are measured in the same run. Rank 0 prints test accuracy, the mean
-step time (forward, backward with its communication, optimizer step; after --warmup steps) of
-the slowest rank (the floor's ranks each go at their own pace, and a job at its slowest's), the
-CPU time of all ranks
-per step (every thread; with more ranks than cores it bounds the step from below: CPU time /
-cores) and the bytes this rank sent per step: over TCP (Linux's per-socket counters, all of the
-process's connections) plus what ringcomm wrote to shared memory for ranks on this host. Then the step split into forward,
-backward until its last gradient, backward after it (waiting for the averages) and optimizer, and
-for ringcomm's hooks what each bucket sent and how long its average took. With
+own work with no network, the least a top-k step costs). --width 2048 gives two hidden layers of
+2048, about 4.3M parameters, enough for communication to matter. --compare-gloo also trains
+gloo's default DDP from the same initial weights on the same batches, alternating steps with the
+run above so both see the same machine load, and prints both; --compare-floor does the same with
+"local", "sync-floor" and "reduce-floor" (and "topk-floor" when the hook is topk), so the floor
+of the step time and the limits of an averaged step are measured in the same run. Rank 0 prints
+test accuracy, the mean step time (forward, backward with its communication, optimizer step;
+after --warmup steps) of the slowest rank (the floor's ranks each go at their own pace, a job at
+its slowest's), the CPU time of all ranks per step (every thread; with more ranks than cores it
+bounds the step from below: CPU time / cores) and the bytes this rank sent per step: over TCP
+(Linux's per-socket counters, all of the process's connections) plus what ringcomm wrote to
+shared memory for ranks on this host. Then the step split into forward, backward until its last
+gradient, backward after it (waiting for the averages) and optimizer, and for ringcomm's hooks
+what each bucket sent and how long its average took. With
 RINGCOMM_TIMELINE=path, the timeline shows the phases of each step beside ringcomm's work.
 """
 import argparse

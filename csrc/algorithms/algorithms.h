@@ -51,6 +51,7 @@ bool probe_single_copy(Context& local, size_t message,
 using ProbeRow = std::array<double, kMeasuredAlgorithms.size()>;
 struct ProbePlan {
   ProbeRow guess;
+  double cheapest;  // the least guess
   std::vector<size_t> timed;
 };
 ProbePlan plan_probe(const ProbeRow& estimate, const ProbeRow& factor, const ProbeRow& missed,

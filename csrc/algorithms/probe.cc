@@ -202,9 +202,9 @@ ProbePlan plan_probe(const ProbeRow& estimate, const ProbeRow& factor, const Pro
   ProbePlan plan;
   for (size_t a = 0; a < estimate.size(); ++a)
     plan.guess[a] = std::min(estimate[a] * factor[a], estimate[a] + missed[a]);
-  const double cheapest = *std::min_element(plan.guess.begin(), plan.guess.end());
+  plan.cheapest = *std::min_element(plan.guess.begin(), plan.guess.end());
   for (size_t a = 0; a < estimate.size(); ++a)
-    if (plan.guess[a] <= worth * cheapest) plan.timed.push_back(a);
+    if (plan.guess[a] <= worth * plan.cheapest) plan.timed.push_back(a);
   return plan;
 }
 
@@ -232,7 +232,7 @@ std::vector<ProbeRow> probe_algorithms(Context& ctx, const LinkModel& links) {
     const ProbePlan plan = plan_probe(estimate, measured, missed, kWorth);
     const ProbeRow& guess = plan.guess;
     const std::vector<size_t>& timed = plan.timed;  // columns
-    const double cheapest = *std::min_element(guess.begin(), guess.end());
+    const double cheapest = plan.cheapest;
     // Timed rounds for about kBlock seconds a block, 3 to 15: the medians of 3 rounds at 64 KiB
     // (30-50 us each) once put recursive doubling at 53.8 us, where it took 34.1 in the bench.
     const int rounds = int(std::clamp(kBlock / cheapest, 3.0, 15.0));
