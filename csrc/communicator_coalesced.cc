@@ -238,13 +238,12 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
 }
 
 // The boards, unless RINGCOMM_ALGO forces another algorithm, or two ranks send by single copy.
-// They beat the pipeline by 1.07-1.75x at 4 and 8 ranks, with single copy or without, on views
-// of one buffer and on spread tensors, on a 2-vCPU and a 16-core guest; at 2 ranks through the
-// slots they are level or ahead by a few percent (docs/performance.md, session 38). At 2 ranks
-// by single copy the pipeline reads views of one buffer straight out of the peer's memory (3.1
-// ms against the boards' 3.8 on the 16-core guest), spread tensors not (4.2 against 3.8): there
-// the call goes the way of a flat all-reduce of its largest bucket, which runs the boards or
-// reads by single copy.
+// They beat the pipeline at 4 and 8 ranks, with single copy or without, on views of one buffer
+// and on spread tensors; at 2 ranks through the slots they are level or ahead
+// (docs/algorithms.md). At 2 ranks by single copy the pipeline, reading views of one buffer
+// straight out of the peer's memory, beats the boards on such views but not on spread tensors:
+// there the call goes the way of a flat all-reduce of its largest bucket, which runs the boards
+// or reads by single copy.
 bool Communicator::coalesced_through_boards(const CoalescedAllReduce& plan) const {
   if (forced_all_reduce_ != Algorithm::kAuto)
     return forced_all_reduce_ == Algorithm::kSharedBuffer;

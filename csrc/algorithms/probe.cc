@@ -6,19 +6,16 @@
 //        difference of their rounds (2(n-1) against log2(p), + 2 for a fold). What a call costs
 //        whatever its rounds (the executor's set-up, the reduce, the last wait) cancels out, and
 //        each round waits for a message its partner sends only once it has the previous one.
-//        Shifts (below) did not wait so: ranks of one host share its CPUs, and a rank ran many
-//        shifts back to back, measuring a post rather than a round (4 ranks on 2 CPUs: 0.58-0.67
-//        us in some runs, 2.1-2.8 in others, where a round of the ring's 8-byte all-reduce took
-//        3 to 4; now 1.8-3.5 in 8 probes). Timing the recursive-doubling calls alone put the
-//        per-call cost on its one round at 2 ranks (0.885 us against 0.57-0.76; now 0.73-0.84).
+//        Shifts (below) do not wait so: ranks of one host share its CPUs, and a rank can run
+//        many shifts back to back, timing a post rather than a round. Timing the
+//        recursive-doubling calls alone would put a call's fixed cost on its one round at 2 ranks.
 //      - where the ranks span several hosts, 3 + 15 shifts of 8 bytes around the ring (each rank
 //        sends to rank+1 while receiving from rank-1, and waits for both): the median of the
 //        last 15; for the links inside each host too (step 3). Between hosts a round's latency
-//        overlaps its transfer: over 4 simulated hosts at 1 Gbit/s a 16 KiB halving-doubling
-//        ran as if alpha were a few us, while 8-byte hops took 45-60 us. The difference above
-//        measured those hops (49-61 us), and auto then took recursive doubling at 16 KiB, 1.16x
-//        halving-doubling's time. Inside the simulated hosts, whose ranks share 2 CPUs with
-//        the other hosts' ranks, it measured 15-18 us in 2 probes of 4 (0.8 in the others).
+//        overlaps its transfer, as back-to-back shifts do; the difference above charges every
+//        round a whole hop, and so steered auto to recursive doubling where halving-doubling was
+//        faster. Inside hosts whose ranks share CPUs with other hosts' ranks it swings with their
+//        load.
 //   2. shifts of 64 KiB, then of 512 KiB, then of 4 MiB, until the slowest rank's shift takes
 //      2 ms (every rank learns that time by a recursive-doubling max, so all go on alike): each
 //      size first untimed for 512 KiB in all (a link's token bucket or a TCP window has grown
@@ -30,38 +27,32 @@
 //   5. where 3 or more ranks share one host (probe_algorithms): all-reduces of 4 KiB, 64 KiB,
 //      256 KiB, 1 MiB, 4 MiB and 16 MiB (kMeasuredBytes) by each algorithm whose estimate,
 //      scaled by its factor where it was last timed or shifted by its miss there, whichever is
-//      less (plan_probe), is within 1.5x of the cheapest, in
-//      blocks of 1 untimed and 3-15 timed rounds (about 0.5 ms by that guess). What each took
-//      over its estimate becomes its factor at that size (LinkModel::factors). An algorithm not
-//      timed is taken to cost its guess, and at least 1.5x what the slowest timed one took, so
-//      it stays out of reach there. Given the largest factor measured instead, the ring, untimed
-//      at 64 KiB over loopback TCP with 3 ranks, came out at 57 us against recursive doubling's
-//      measured 60.7 (its estimate was the lowest), where it had taken 123 us when timed. At
-//      just the slowest one's time, the untimed tied with it, and the tie went to the ring.
-//      Measured because the alpha-beta figures alone misjudged the algorithms on one host:
+//      less (plan_probe), is within 1.5 times the cheapest, in blocks of 1 untimed and 3-15
+//      timed rounds (about 0.5 ms by that guess). What each took over its estimate becomes its
+//      factor at that size (LinkModel::factors). An algorithm not timed is taken to cost its
+//      guess, and at least 1.5 times what the slowest timed one took, so
+//      it stays out of reach there: given the largest factor found instead, an untimed algorithm
+//      with the lowest estimate could still come out cheapest, and at just the slowest one's
+//      time it could tie with it and take the tie.
+//      Timed because the alpha-beta figures alone misjudge the algorithms on one host:
 //      - they charge the ring and halving-doubling the same bytes, and halving-doubling fewer
-//        rounds, so it won at every size; on a 2-vCPU guest with 4 ranks the ring took 195-1002
-//        us where halving-doubling took 244-1341 (1 and 4 MiB, session 28);
-//      - at 64 KiB, alpha from 8 bytes and beta from 4 MiB put the ring ahead of recursive
-//        doubling once in three probes (estimates 30-39 us each), where the ring took 39.8 us
-//        and recursive doubling 26.2 (session 29).
-//      Between two sizes the factors are interpolated, and beyond 16 MiB each stays as measured
-//      there. Up to 16 MiB, not 4: over loopback TCP with 3 ranks the tree took 6.1 ms at 4 MiB
-//      like the ring's 6.0, and 4 MiB's factors handed it 64 MiB, where in that run it took
-//      1.22x the ring's time (another run: 0.85x). 256 KiB and 4 MiB too: with 4 ranks on 2
-//      vCPUs halving-doubling took 207 us at 1 MiB against the ring's 286, the ring 4446 at
-//      16 MiB against 5825, and at 4 MiB, which the factors between them gave the ring,
-//      halving-doubling took 878 against 1071.
+//        rounds, so it wins at every size, where with ranks sharing CPUs the ring is often faster;
+//      - at 64 KiB, alpha from 8 bytes and beta from 4 MiB can put the ring ahead of recursive
+//        doubling, the faster of the two there.
+//      Between two sizes the factors are interpolated, and beyond 16 MiB each stays at 16 MiB's.
+//      Up to 16 MiB, not 4: an algorithm level with the ring at 4 MiB can be well apart from it
+//      at 64 MiB, which 4 MiB's factors would hand it. 256 KiB and 4 MiB too: interpolated between
+//      1 and 16 MiB, the factors gave 4 MiB to the ring where halving-doubling was faster.
 //      A size whose all-reduces would take more than 200 ms in all, by the guesses, is not
 //      timed, nor any larger: their factors are 1, the estimates alone. Not the last timed
-//      size's factors: over loopback TCP with 3 ranks, kept from 1 MiB, where recursive doubling
-//      had been timed near the ring, they handed it 64 MiB, 2.25x the ring's bytes.
+//      size's factors: a small size's can favour an algorithm that moves more bytes (recursive
+//      doubling), which the bytes alone rule out at large sizes.
 // And, before them where local ranks may single-copy (probe_single_copy): inside each host, a ring
 // all-reduce of 16 MiB (at least 2 x n messages) in slices of the single-copy size, in blocks of
 // 2 untimed + 2 timed rounds with single copy off, on, on, off; single copy stays if its better
-// block is the faster one on the slowest rank. Measured, not assumed: on one host single copy made a
-// 2-rank 16 MiB all-reduce 1.5x faster, on another 1.9x slower (its kernel copied at 6-8 GB/s,
-// memcpy at 18-40), on a third 4x slower while its CPUs shared no cache, 1.1x while they did.
+// block is the faster one on the slowest rank. Timed, not assumed: whether the kernel's one copy
+// beats two memcpys depends on the host (how fast its kernel copies, whether the ranks' CPUs share
+// a cache), and on some hosts single copy is the slower way (docs/algorithms.md).
 // Bytes on the wire per rank: at most 11 x 64 KiB + 4 x 512 KiB + 4 x 4 MiB in steps 1-2, and in
 // step 5 two blocks of 4-16 all-reduces of each size by each algorithm timed there (at 16 MiB
 // usually 2 of the 4). Each rank times its own links; the caller agrees on the slowest rank's
@@ -192,11 +183,8 @@ LinkModel probe_links(Context& ctx, bool one_host, const std::vector<int>* host)
 }
 
 // Shifted, not only scaled: a factor from a size where a call's fixed cost is most of its time
-// puts that cost on every byte of the next. Scaled alone, 4 ranks on 2 vCPUs: recursive doubling
-// took 11.4 us at 4 KiB (estimate 7.8) and the shared buffer 12.4 (7.2), factors that left both
-// untimed at 64 KiB (guesses 65 and 59 us against 1.5x halving-doubling's 39), where recursive
-// doubling then ran fastest in the bench (26.9 us forced, halving-doubling 34.4, and the shared
-// buffer, which auto took, 30.1).
+// puts that cost on every byte of the next: scaled alone, a small size's factors can leave
+// untimed at the next size the algorithm that is fastest there.
 ProbePlan plan_probe(const ProbeRow& estimate, const ProbeRow& factor, const ProbeRow& missed,
                      double worth) {
   ProbePlan plan;
@@ -211,18 +199,16 @@ ProbePlan plan_probe(const ProbeRow& estimate, const ProbeRow& factor, const Pro
 std::vector<ProbeRow> probe_algorithms(Context& ctx, const LinkModel& links) {
   constexpr double kWorth = 1.5;  // times the cheapest guess: an algorithm worth timing
   constexpr double kBlock = 5e-4;
-  // Seconds one size's all-reduces may take (a guess before they run). 8 ranks on 2 vCPUs
-  // would have spent 407 ms at 16 MiB (the ring 13.2 ms, halving-doubling 15.3, the tree 22.6),
-  // half the probe's 821 (284 by the guesses).
+  // Seconds one size's all-reduces may take (a guess before they run): with many ranks on few
+  // CPUs the largest size would otherwise take most of the probe, which every connection pays.
   constexpr double kBudget = 0.2;
   const Selector plain(ctx.size(), links, 0, 0, ctx.has_boards() ? ctx.board_bytes() : 0);
   float* data = reinterpret_cast<float*>(ctx.scratch(kMeasuredBytes.back()));
   std::memset(data, 0, kMeasuredBytes.back());
   std::vector<ProbeRow> factors;
   // Each algorithm's factor where it was last timed, and its miss there (plan_probe). Not the
-  // factor an untimed algorithm is given (1.5x the slowest timed one, below), which would keep
-  // it untimed at every larger size: in one probe the shared buffer lost at 1 MiB and was never
-  // timed again, where at 4 and 16 MiB it took 0.39 and 0.66x the ring's time.
+  // factor an untimed algorithm is given (kWorth times the slowest timed one, below), which
+  // would keep it untimed at every larger size, where one that loses at a size can win the next.
   ProbeRow measured, missed{};
   measured.fill(1.0);
   for (size_t bytes : kMeasuredBytes) {
@@ -233,8 +219,8 @@ std::vector<ProbeRow> probe_algorithms(Context& ctx, const LinkModel& links) {
     const ProbeRow& guess = plan.guess;
     const std::vector<size_t>& timed = plan.timed;  // columns
     const double cheapest = plan.cheapest;
-    // Timed rounds for about kBlock seconds a block, 3 to 15: the medians of 3 rounds at 64 KiB
-    // (30-50 us each) once put recursive doubling at 53.8 us, where it took 34.1 in the bench.
+    // Timed rounds for about kBlock seconds a block, 3 to 15: at small sizes the median of 3
+    // rounds is too noisy to rank the algorithms.
     const int rounds = int(std::clamp(kBlock / cheapest, 3.0, 15.0));
     double expected = 0;  // by the guesses, the same on every rank
     for (size_t a : timed) expected += guess[a] * 2 * (1 + rounds);
@@ -276,8 +262,8 @@ bool probe_single_copy(Context& local, size_t message,
                        const std::function<void(bool)>& use_single_copy) {
   constexpr int kWarm = 2, kTimed = 2;
   const int n = local.size();
-  // 16 MiB at least: where single copy loses, it loses as the data leaves the caches (4 MiB was
-  // within noise on a host where 16 MiB took 2.5x as long), and where it wins it wins there too.
+  // 16 MiB at least: where single copy loses, it loses as the data leaves the caches, and where
+  // it wins it wins there too.
   constexpr size_t kLeast = 16 << 20;
   const size_t slice = message / sizeof(float);
   const size_t count = std::max(kLeast / sizeof(float), 2 * size_t(n) * slice);
@@ -286,16 +272,13 @@ bool probe_single_copy(Context& local, size_t message,
   const Schedule schedule = ring_all_reduce_schedule(n, local.rank());
   const Segments blocks(count, n);
   // In blocks, each opened by kWarm untimed rounds: the first rounds after a switch pay for the
-  // other way's traces. A 2-rank slots round took 3.7-4.0 ms right after single-copy rounds,
-  // then 1.4, then 1.1-1.3 (session 26, CPUs that shared no cache); timed in alternate rounds,
-  // the slots measured 3.7-4.6 ms and single copy (4.9 ms in steady state) won the probe.
-  // Blocks in the order slots, single copy, single copy, slots: drift weighs on both alike. A
-  // block's figure is the median of its timed rounds, each way's the better of its two blocks:
-  // the first rounds after connecting still warm up, for tens of rounds on this guest while its
-  // CPUs shared no cache (slots 7.97, 3.12, then timed 3.11 and 2.74 ms in the first block, 1.85
-  // and 1.96 in the last; single copy 2.38-2.78), and the median of all four slots rounds (2.74)
-  // lost to single copy's (2.63), which then made an 8.4 MB all-reduce 2.3x slower (1756 us
-  // against about 750 through the slots). Slowing down is all that drift and warming do.
+  // other way's traces, most where the CPUs share no cache; timed in alternate rounds, each way
+  // would pay for the other's, and the slots lost where they were the faster way. Blocks in the
+  // order slots, single copy, single copy, slots: drift weighs on both alike. A block's figure is
+  // the median of its timed rounds, each way's the better of its two blocks: the first rounds
+  // after connecting still warm up, for tens of rounds where the CPUs share no cache, and a median
+  // over all of a way's rounds let that warm-up hand the probe to the slower way. Slowing down is
+  // all that drift and warming do.
   const auto slowest = timed_ways(local, 2, kWarm, kTimed, [&](int on) {
     use_single_copy(on == 1);
     run_schedule(local, schedule, blocks, {data, data}, DType::kFloat32, ReduceOp::kSum, slice);

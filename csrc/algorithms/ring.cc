@@ -53,9 +53,8 @@ void append_all_gather(std::vector<Step>& steps, int n, int r, bool own_sent) {
 }  // namespace
 
 // Unset, 512 KiB, but 1 MiB for two ranks. A slice crosses n-1 links before the ring is full, so
-// more ranks want smaller slices (4 ranks, 64 MiB, three alternations: 1.40-1.44x the memory
-// floor with 512 KiB, 1.50-1.57x with 1 MiB; single runs of either swing by 0.15); two ranks have one link, and their slices are what shared memory's
-// single copy pulls (RINGCOMM_SHM_SINGLE_COPY_BYTES, from 1 MiB), one system call each.
+// more ranks want smaller slices; two ranks have one link, and their slices are what shared
+// memory's single copy pulls (RINGCOMM_SHM_SINGLE_COPY_BYTES, from 1 MiB), one system call each.
 size_t ring_slice(size_t elem, int n) {
   size_t bytes = AlgorithmTuning::get().ring_slice_bytes;
   if (!bytes) bytes = n == 2 ? (1 << 20) : (512 << 10);

@@ -97,8 +97,8 @@ void in_arrival_order(Context& ctx, const std::vector<Request>& by_rank, int me,
 // ring. Each rank sends every other its header (pair count, packed size, whether its packed pairs
 // follow) and, where its own estimate already picks gather, its packed pairs right behind it. So
 // the rank that comes last finds the others' headers and pairs waiting, and its own go out in one
-// hop; around a ring its sizes, then each block, passed through every rank in turn after it came
-// (top-k DDP on 4 hosts at 1 Gbit/s: the last rank began decoding 5-8 ms after it arrived).
+// hop; around a ring its sizes, then each block, passed through every rank in turn after it came,
+// and over slow links the last rank then waited several hops before it could decode.
 struct Step0 {
   std::vector<const char*> blocks;  // gather: rank q's packed pairs, once received
   std::vector<Request> receives;    // of those blocks, where posted

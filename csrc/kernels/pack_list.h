@@ -20,8 +20,8 @@ using math::Scaling;
 // memory for the CPU kernels and device memory for the CUDA ones. A buffer added right where the
 // last one ends (views of one tensor, in order) extends it, and an empty one adds nothing: a
 // walk's cost goes with the number of buffers (each a call into the copy or reduction kernel),
-// and 1000 views of one buffer walked as 1000 ran 1.2-1.3x slower through the shared-memory
-// boards than walked as one (docs/performance.md, session 41).
+// and views of one buffer walked one by one ran slower through the shared-memory boards than
+// walked as one.
 class PackList {
  public:
   explicit PackList(DType dtype) : dtype_(dtype), offsets_{0} {}

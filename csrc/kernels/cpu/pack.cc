@@ -20,8 +20,8 @@ namespace {
 // A piece of a tensor lands at any 4-byte offset of a fusion buffer, while the tensor itself
 // starts on a 64-byte boundary, so a pack or unpack copy rarely has its source and destination
 // aligned alike. glibc's memcpy moves 2 KiB and more with `rep movsb`, which on AMD Zen runs
-// about 1.25x slower for such pairs than for pairs aligned alike, and 5-8x slower where they are
-// 4 bytes apart (1000 pieces of 1-16 KiB packed and unpacked, docs/performance.md, session 19).
+// slower for such pairs than for pairs aligned alike, and several times slower where they are
+// 4 bytes apart (docs/algorithms.md).
 // Unaligned vector loads and stores do not care how the two are aligned.
 //
 // Inlined into each caller below, so the vectors are those of the caller's instruction set

@@ -24,18 +24,12 @@ void copy_bytes(void* dst, const void* src, size_t n);
 
 // Starts loading the first lines of [data, data + bytes), the next piece of a walk over pieces that
 // lie apart (the caller's tensors), while the walk works on the current one. Tensors allocated one
-// by one lie in whatever order the heap handed them out (in the bench, two in five lie below the
-// one before), and walking them in list order cost 1.06-1.22x walking the same memory in address
-// order (bench_kernels pack). With the next piece's first 4 lines asked for one piece ahead in
-// pack, unpack, the reduction over the caller's buffers and the copy of ranges onto a board,
-// all_reduce_coalesced of 1000 such tensors of 1-16 KiB was 1-17% faster at 2 ranks in 7 runs of 7,
-// and at 4 ranks on 2 CPUs 1-6% faster in 4 runs of 6, the same in one, 7% slower in one
-// (interleaved in one process). Asking for every range's head at once when the ranges are listed
-// was slower than one ahead, and both together slower than either; 2 lines, or 2 pieces ahead,
-// gained nothing (docs/performance.md, session 39). 16 lines (1 KiB) made the same all-reduce
-// 3-18% faster than 4 lines at 2 ranks in 11 launches of 12 (level in the other), and level or
-// 6% faster at 4 ranks (2 launches); 32 or 64 lines, or 16 of each of the next two pieces, were
-// slower than 16 (session 41).
+// by one lie in whatever order the heap handed them out, and walking them in list order, which
+// every rank's layout follows, is slower than walking the same memory in address order. So pack,
+// unpack, the reduction over the caller's buffers and the copy of ranges onto a board ask for the
+// next piece's first lines one piece ahead, which makes a coalesced all-reduce of many small
+// tensors faster. One piece ahead (every range's head at once as the ranges are listed, or 2
+// pieces ahead, did no better) and 16 lines (1 KiB; 4 gained less, 32 or 64 lost).
 inline void fetch_head(const void* data, size_t bytes) {
   constexpr size_t kLines = 16;
   prefetch_lines(data, std::min(bytes, kLines * 64));
