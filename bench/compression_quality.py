@@ -256,7 +256,7 @@ def svg_plot(results, args) -> str:
 def run_job(args, configs) -> dict:
     """Runs `configs` in one set of --ranks processes; a job that dies (torch's PowerSGD hook on
     gloo aborts the process) or outlives its deadline is reported as failed."""
-    from ringcomm.bench import free_port
+    from ringcomm.bench.common import free_port
     job = argparse.Namespace(**{**vars(args), "configs": configs})
     # Forks: this process has imported torch, the model and the data's library already (spawned
     # ranks import them again, 3.5 s of CPU each on two cores).

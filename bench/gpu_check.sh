@@ -26,7 +26,7 @@ raise SystemExit(0 if ok else 2)
 PY
 status=0
 "$PY" -m pytest tests/gpu -q -rs --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt" || status=1
-"$PY" -m ringcomm.bench_kernels gpu --repeats 20 --json "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.md" || status=1
+"$PY" -m ringcomm.bench.kernels gpu --repeats 20 --json "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.md" || status=1
 gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
   for algo in ring tree recursive_doubling auto; do

