@@ -1,4 +1,4 @@
-"""bench/soak.py in small: 4 ranks, 300 random collectives (the same seeded sequence on every rank),
+"""bench/reliability/soak.py in small: 4 ranks, 300 random collectives (the same seeded sequence on every rank),
 every result checked bitwise, fds watched. RSS only for a gross leak (64 MB from half-way): a few
 hundred steps are mostly the allocator's warm-up, and its noise is several MB (the leak check
 proper, under 10 MB, is the benchmark's default 10,000 steps)."""
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-SOAK = os.path.join(os.path.dirname(__file__), "..", "bench", "soak.py")
+SOAK = os.path.join(os.path.dirname(__file__), "..", "bench", "reliability", "soak.py")
 
 
 def test_soak_four_ranks(tmp_path):

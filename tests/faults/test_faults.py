@@ -1,7 +1,7 @@
 """Fault injection, the short fixed selection: every fault kind (kill -9, a socket shut down
 mid-message, all of a rank's sockets shut down, a SIGSTOP stall) on every transport (shm, tcp,
-mixed), 2-4 real ranks, through the one engine in bench/faults.py (run with --ci; the long
-randomized run is `bench/faults.py --trials 200`).
+mixed), 2-4 real ranks, through the one engine in bench/reliability/faults.py (run with --ci;
+the long randomized run is `bench/reliability/faults.py --trials 200`).
 
 The engine runs as its own process: its ranks fork from a fork server that imports the bench
 script as __main__, which is cleanest outside pytest's process. Bounds here are generous (3 s on
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench" / "faults.py"
+BENCH = ROOT / "bench" / "reliability" / "faults.py"
 CASES = [f"{kind}-{transport}" for kind in ("kill", "close_all", "close_one", "stall")
          for transport in ("shm", "tcp", "mixed")]
 BOUND_S = 3.0  # detection, or for a stall time past the communicator timeout
@@ -41,8 +41,8 @@ def ci_run(tmp_path_factory):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, _ = proc.communicate()
-        pytest.fail(f"bench/faults.py --ci ran over 300 s:\n{stdout[-4000:]}")
-    assert out.exists(), f"bench/faults.py --ci wrote no report:\n{stdout[-6000:]}"
+        pytest.fail(f"bench/reliability/faults.py --ci ran over 300 s:\n{stdout[-4000:]}")
+    assert out.exists(), f"bench/reliability/faults.py --ci wrote no report:\n{stdout[-6000:]}"
     return json.loads(out.read_text()), stdout
 
 
@@ -63,7 +63,7 @@ def test_every_survivor_raises_naming_the_victim_in_time_and_nothing_is_left(ci_
         for s in t["survivors"]:
             assert s["outcome"] in ("named", "wrong"), f"rank {s['rank']} did not raise: {where}"
             assert s["ringcomm_error"], where
-            # Named: the victim in the text, and the fault's class (bench/faults.py ERROR_CLASS:
+            # Named: the victim in the text, and the fault's class (faults.py's ERROR_CLASS:
             # PeerLostError, CollectiveTimeoutError for a stall), which survivors that did not
             # see the fault themselves hear in the abort of one that did. A stall is named
             # through the chain of waiting notices (docs/reliability.md).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fault injection: real ranks, real faults, from outside the library (issue #10, "Hardening").
+"""Fault injection: real ranks, real faults, from outside the library.
 
 Each trial starts N real rank processes (N in 2..5; transport shm, tcp or mixed: shared memory
 inside a fake host of two ranks, TCP between hosts), which rendezvous through a FileStore and run
@@ -23,8 +23,8 @@ process may still be alive `timeout + grace` seconds after the fault (a hang: it
 its last op reported); afterwards no process of the trial, no listening port of the ranks and no
 new /dev/shm entry may remain.
 
-    .venv/bin/python bench/faults.py --trials 200 --seed 1 --json faults.json
-    .venv/bin/python bench/faults.py --ci          # the short fixed plan tests/faults runs
+    .venv/bin/python bench/reliability/faults.py --trials 200 --seed 1 --json faults.json
+    .venv/bin/python bench/reliability/faults.py --ci    # the short fixed plan tests/faults runs
 
 Exit status: 1 on a hang, or when detection p99 of the kill/close kinds exceeds --max-p99
 (1.5 s); --strict also fails on wrong/unclear errors and leftovers.
@@ -47,13 +47,15 @@ import threading
 import time
 import traceback
 
+from harness import connect, rank_env
+
 CTX = mp.get_context("forkserver")
 # As tests/ranks.py: ranks fork from a server that imported these once (a rank starts in ms).
 CTX.set_forkserver_preload(["torch", "ringcomm", "numpy"])
 
 KINDS = ("kill", "close_all", "close_one", "stall")
 KIND_WEIGHTS = (0.35, 0.2, 0.2, 0.25)
-TRANSPORTS = ("shm", "tcp", "mixed")
+TRANSPORTS = ("shm", "tcp", "mixed")  # harness.rank_env's
 DETECT_KINDS = ("kill", "close_all", "close_one")  # the p99 bound applies to these
 # What a survivor must raise for each kind (ringcomm._C's classes, docs/reliability.md).
 ERROR_CLASS = {"kill": "PeerLostError", "close_all": "PeerLostError",
@@ -71,13 +73,6 @@ OPS = ("all_reduce", "all_reduce_async", "broadcast", "reduce", "all_gather", "a
 OP_WEIGHTS = (6, 2, 2, 1, 2, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1)
 ALGORITHMS = ("auto", "ring", "tree", "recursive_doubling", "shared_buffer")
 SPARSE_ALGORITHMS = ("auto", "ring", "sparse_gather", "sparse_ranges")
-
-
-def transport_env(transport: str, rank: int) -> dict:
-    """As tests/ranks.py's TRANSPORTS: mixed = two ranks per fake host."""
-    if transport == "mixed":
-        return {"RINGCOMM_TRANSPORT": "auto", "RINGCOMM_HOST_ID": f"host{rank // 2}"}
-    return {"RINGCOMM_TRANSPORT": transport}
 
 
 # ---- /proc helpers ---------------------------------------------------------------------------
@@ -313,7 +308,7 @@ def make_op(rng: random.Random, world: int):
     return desc, run
 
 
-def rank_main(spec: dict, rank: int, store_path: str, status_path: str, conn):
+def rank_main(spec: dict, rank: int, path: str, status_path: str, conn):
     """One rank: connect, say "ready", then run the trial's op stream until something raises;
     report the raise (time, type, text, op), close the communicator, report that, exit."""
     send_lock = threading.Lock()
@@ -331,20 +326,13 @@ def rank_main(spec: dict, rank: int, store_path: str, status_path: str, conn):
         os.pwrite(status, text.encode()[:STATUS_BYTES].ljust(STATUS_BYTES), 0)
 
     try:
-        set_status("starting")
+        set_status("connecting")
         os.environ.update(spec["env"][rank])
-        from datetime import timedelta
-
-        import torch
         import torch.distributed as dist
 
         import ringcomm
 
-        torch.set_num_threads(1)
-        store = dist.FileStore(store_path, spec["world"])
-        set_status("connecting")
-        comm = ringcomm.Communicator(store, rank, spec["world"],
-                                     timeout=timedelta(seconds=spec["timeout"]), name="faults")
+        store, comm = connect(path, rank, spec["world"], spec["timeout"], "faults")
         addr = dist.PrefixStore("ringcomm/faults", store).get(f"addr/{rank}").decode()
     except BaseException as e:  # noqa: BLE001
         report("setup_error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -423,10 +411,9 @@ def run_trial(spec: dict) -> dict:
     world, victim, kind = spec["world"], spec["victim"], spec["kind"]
     tmp = tempfile.mkdtemp(prefix="ringcomm-faults-")
     shm_before, listen_before = shm_entries(), listening_ports()
-    store_path = os.path.join(tmp, "store")
     status_paths = [os.path.join(tmp, f"status.{r}") for r in range(world)]
     pipes = [CTX.Pipe() for _ in range(world)]
-    procs = [CTX.Process(target=rank_main, args=(spec, r, store_path, status_paths[r], pipes[r][1]),
+    procs = [CTX.Process(target=rank_main, args=(spec, r, tmp, status_paths[r], pipes[r][1]),
                          daemon=True) for r in range(world)]
     rec = dict(spec, survivors=[], hangs=[], leftovers={}, victim_report=None, notes=[])
     started = time.monotonic()
@@ -613,11 +600,8 @@ def make_spec(index: int, rng: random.Random, kind: str, transport: str, world: 
     victim = rng.randrange(world)
     peer = rng.choice([r for r in range(world) if r != victim])
     sockets = rng.choice((1, 1, 2)) if transport != "shm" else 1
-    env = []
-    for r in range(world):
-        e = transport_env(transport, r)
-        e["RINGCOMM_SOCKETS_PER_PEER"] = str(sockets)
-        env.append(e)
+    env = [dict(rank_env(transport, r, world), RINGCOMM_SOCKETS_PER_PEER=str(sockets))
+           for r in range(world)]
     return {"index": index, "kind": kind, "transport": transport, "world": world,
             "victim": victim, "peer": peer if kind == "close_one" else None,
             "delay": round(rng.uniform(0.05, max_delay), 3),

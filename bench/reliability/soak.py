@@ -1,9 +1,9 @@
 """Soak test: local ranks run thousands of random collectives, each result checked bitwise, while
 every rank's memory (VmRSS) and open file descriptors are watched for leaks.
 
-    .venv/bin/python bench/soak.py                          # 4 ranks, 10,000 steps
-    .venv/bin/python bench/soak.py --steps 300 --transport tcp
-    .venv/bin/python bench/soak.py --ranks 6 --hosts 3 --json soak.json   # shm inside, tcp across
+    .venv/bin/python bench/reliability/soak.py                       # 4 ranks, 10,000 steps
+    .venv/bin/python bench/reliability/soak.py --steps 300 --transport tcp
+    .venv/bin/python bench/reliability/soak.py --ranks 6 --hosts 3    # shm inside, tcp across
 
 Every rank draws the same calls from one seeded RNG: the collective (all_reduce under each
 algorithm, reduce_scatter, all_gather(v), broadcast, reduce, gather, scatter, all_to_all, barrier,
@@ -39,9 +39,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
+
+from harness import TRANSPORTS, connect, rank_env
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
           torch.int8, torch.uint8, torch.bool]
@@ -103,7 +104,7 @@ def draw_bytes(rng, max_bytes) -> int:
 
 def rss_and_fds():
     """VmRSS (MB) and open fds, of what is live: garbage is collected and the C heap's free pages
-    returned first (see also rank_env)."""
+    returned first (see also soak_env)."""
     gc.collect()
     if LIBC_TRIM is not None:
         LIBC_TRIM(0)
@@ -261,16 +262,8 @@ class Soak:
 
 def rank_main(args) -> None:
     """One rank: runs the steps and writes its counts and samples to workdir/rank<r>.json."""
-    # Only the ranks load the extension, so that the launcher survives to report their crash (a
-    # rebuild that rewrites it in place under running processes kills them: SIGILL, SIGBUS or
-    # SIGSEGV).
-    import torch.distributed as dist
-
-    import ringcomm
-
     r, n = args.rank, args.ranks
-    store = dist.FileStore(os.path.join(args.workdir, "store"), n)
-    comm = ringcomm.Communicator(store, r, n, timeout=timedelta(seconds=args.timeout), name="soak")
+    _, comm = connect(args.workdir, r, n, args.timeout, "soak")
     soak = Soak(comm, args.seed, int(args.max_mib * (1 << 20)))
     kinds, weights = list(KINDS), list(KINDS.values())
     warmup = max(1, round(args.steps * args.warmup))
@@ -330,16 +323,14 @@ def rank_main(args) -> None:
                    "warmup_step": warmup, "transports": transports}, f)
 
 
-def rank_env(args, r) -> dict:
-    # One torch thread per rank: --ranks processes share the cores.
-    env = dict(os.environ, RINGCOMM_TRANSPORT=args.transport, OMP_NUM_THREADS="1")
+def soak_env(args, r) -> dict:
+    env = dict(os.environ, **rank_env(args.transport, r, args.ranks, args.hosts))
+    env["OMP_NUM_THREADS"] = "1"  # one torch thread per rank: --ranks processes share the cores
     # glibc's initial mmap threshold, pinned: buffers from 128 KiB are mapped and unmapped on their
     # own. By default freeing one raises the threshold, later buffers of a few MB come from the
     # heap, and its fragmentation swings RSS by +-5 MB between samples, malloc_trim or not (and by
     # +-40 MB without it).
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
-    if args.hosts:  # contiguous blocks of ranks per fake host
-        env["RINGCOMM_HOST_ID"] = f"soak-host{r * args.hosts // args.ranks}"
     return env
 
 
@@ -354,7 +345,7 @@ def launch(args, argv) -> int:
     workdir = tempfile.mkdtemp(prefix="ringcomm-soak-")
     start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--rank", str(r),
-                               "--workdir", workdir], env=rank_env(args, r))
+                               "--workdir", workdir], env=soak_env(args, r))
              for r in range(args.ranks)]
     try:
         while any(p.poll() is None for p in procs):
@@ -451,8 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-mib", type=float, default=4,
                    help="largest buffer of one call, MiB; sizes are log-uniform below it")
-    p.add_argument("--transport", choices=("auto", "shm", "tcp"), default="auto",
-                   help="sets RINGCOMM_TRANSPORT in every rank")
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="sets RINGCOMM_TRANSPORT in every rank (mixed: auto, two ranks per fake "
+                        "host)")
     p.add_argument("--hosts", type=int, default=0,
                    help="fake this many hosts (RINGCOMM_HOST_ID): shm inside one, tcp between")
     p.add_argument("--sample-every", type=int, default=500, help="steps between RSS/fd samples")
