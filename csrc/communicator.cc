@@ -254,8 +254,8 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
     return wanted;
   }
   // The same sizes come back call after call (a training step's buckets, a benchmark's loop),
-  // and pricing the six algorithms again took 70-100 ns a call on the 2-vCPU guest: 3-8% of an
-  // 8-byte all-reduce between 2 ranks (1.2-2.3 us).
+  // and pricing the six algorithms again is a noticeable part of a small all-reduce between
+  // ranks of one host.
   const uint64_t key = uint64_t(bytes) + 1;
   const uint64_t last = last_choice_.load(std::memory_order_relaxed);
   if (key < (uint64_t(1) << 56) && last >> 8 == key) return Algorithm(last & 0xff);

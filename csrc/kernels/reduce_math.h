@@ -171,7 +171,7 @@ RC_HOST_DEVICE T divide_one(T x, int divisor) {
 // divide_one over [begin, end). A floating divisor that is a power of two has an exact
 // reciprocal, and x * 2^-k rounds the same real number as x / 2^k, so the product gives the
 // quotient's bits (NaN, infinities, zeros and subnormals included) at a multiply's cost: AVG
-// over 2, 4, 8... ranks. 8.7 MB of float32 in cache: 0.30 ms against the division's 0.38.
+// over 2, 4, 8... ranks, a multiply being cheaper than a division.
 template <typename T>
 RC_HOST_DEVICE void divide_range(T* x, int divisor, size_t begin, size_t end) {
   using C = Compute<T>;

@@ -125,9 +125,9 @@ py::object tensor_lists(py::handle items, const std::string& device_name) {
     return PyBytes_AS_STRING(b.ptr()) + i * Py_ssize_t(sizeof(uint64_t));
   };
   // A thousand tensors' objects lie all over the heap, and after a collective has streamed
-  // megabytes through the caches each is a chain of misses (object, TensorImpl, storage). Read
-  // one after another, 1000 tensors took 200 us against 25 in cache. Each link is fetched some
-  // items ahead of its use, so that the misses of many items overlap: 105 us.
+  // megabytes through the caches each is a chain of misses (object, TensorImpl, storage), which
+  // read one after another cost many times the same reads in cache. Each link is fetched some
+  // items ahead of its use, so that the misses of many items overlap.
   constexpr Py_ssize_t kAhead = 8;
   for (Py_ssize_t i = -3 * kAhead; i < n; ++i) {
     for (int stage = 0; stage < 3; ++stage) {
@@ -148,9 +148,9 @@ py::object tensor_lists(py::handle items, const std::string& device_name) {
 }
 
 // ringcomm.Communicator.all_reduce of a plain CPU tensor (plain_dtype), synchronous, on the
-// communicator in `comm` (ringcomm._C.Communicator.capsule()): reading the tensor here takes
-// about 0.1 us where Python's accessors take 0.6, most of what an 8-byte all-reduce costs beyond
-// its messages. False, having done nothing, for any other tensor or an op its dtype does not
+// communicator in `comm` (ringcomm._C.Communicator.capsule()): reading the tensor here is a
+// fraction of what Python's accessors take, which would be most of what an 8-byte all-reduce
+// costs beyond its messages. False, having done nothing, for any other tensor or an op its dtype does not
 // have: the caller's own checks then name the problem.
 bool all_reduce_tensor(py::capsule comm, py::handle tensor, int op, int algorithm) {
   TORCH_CHECK_VALUE(std::string(comm.name() ? comm.name() : "") == rc::kCommunicatorCapsule,

@@ -522,9 +522,8 @@ size_t Mesh::wait_any(const Request* reqs, size_t count, Clock::time_point deadl
   const Clock::time_point start = Clock::now();
   const auto spin_end = start + std::chrono::microseconds(std::max(options_.spin_us, 0));
   unsigned idle_polls = 0;
-  // Not while a local peer waits on this CPU: spinning keeps from it the CPU it needs to answer.
-  // 2 ranks on 2 vCPUs, 8 B: spells of 10.8-11.1 us a call (each side spinning its 5 us, then
-  // yielding) among samples of 1.3-3.1, while an Open MPI job shared the machine.
+  // Not while a local peer waits on this CPU: spinning keeps from it the CPU it needs to answer,
+  // and each side then spins out its spin time before yielding, on every small call.
   // Asked without spinning too: the higher rank of two on one CPU moves off it there.
   const bool stacked = shm_ && shm_->peer_on_this_cpu();
   bool spinning = options_.spin_us > 0 && !stacked;
@@ -568,10 +567,9 @@ size_t Mesh::wait_any(const Request* reqs, size_t count, Clock::time_point deadl
     if (idle_since == Clock::time_point()) idle_since = now;
     // The rank we wait for may need this CPU (more local ranks than CPUs, or the scheduler put
     // both on one): yielding hands it over at once, while a futex sleep costs a wake-up of
-    // 10-40 us on each side, and one rank waking late makes the other sleep next time. Ranks on
-    // other hosts cannot use this CPU: waiting only on them, a yielding rank looks busy to the
-    // scheduler, which then keeps this CPU from the work of other processes (4 simulated hosts
-    // on 2 cores, top-k DDP: 10-15 ms of CPU a step over 4 ranks).
+    // tens of microseconds on each side, and one rank waking late makes the other sleep next
+    // time. Ranks on other hosts cannot use this CPU: waiting only on them, a yielding rank looks
+    // busy to the scheduler, which then keeps this CPU from the work of other processes.
     if (yield_until == Clock::time_point())
       yield_until = waits_only_on_other_hosts() ? now : now + yield_for;
     if (now < yield_until) {

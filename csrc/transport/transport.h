@@ -38,9 +38,8 @@ struct Ranges {
 
 // Below this many bytes per range on average, a message of several ranges moves faster through
 // a transport's own buffers than read in place: the kernel pins a single-copy sender's pages
-// range by range. The bench's 1000 tensors of 1-16 KiB, spread between other allocations, made
-// the coalesced all-reduce 1.36-1.43x the flat one by single copy, 1.00-1.02x through the
-// slots (2 ranks, Intel guest); one range (views of one buffer) was faster by single copy.
+// range by range: many small tensors spread over the heap go slower by single copy than through
+// the slots, where one range (views of one buffer) goes faster by single copy.
 constexpr size_t kSingleCopyRangeBytes = 64 << 10;
 // A range that starts less than this after the previous one ends lies together with it: single
 // copy reads the two as one (the bytes between lie on pages the two share, which are mapped),

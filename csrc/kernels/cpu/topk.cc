@@ -125,10 +125,10 @@ class Candidates {
 
 // What a selection needs besides its output, kept per thread from call to call. Allocated per
 // call, these hundreds of kilobytes moved glibc's heap around the gradient torch allocates and
-// frees every step (16.8 MB for the digits MLP's 2048x2048 weight), which then came back as
-// fresh pages every few steps: 4,000 page faults, about 40 ms of CPU on a 4-rank host. Candidate
-// storage above kKeptCandidates is freed after the call, though: a direct selection (k >= n/4)
-// over a large input would otherwise hold 8 bytes per element for the thread's life.
+// frees every step, which then came back as fresh pages every few steps, each page a fault on
+// the training step's time. Candidate storage above kKeptCandidates is freed after the call,
+// though: a direct selection (k >= n/4) over a large input would otherwise hold 8 bytes per
+// element for the thread's life.
 constexpr size_t kKeptCandidates = size_t(8) << 20;  // 64 MiB
 
 struct Scratch {
@@ -192,10 +192,9 @@ topk::RadixState radix_select(size_t n, size_t k, KeyAt key_at) {
 // Threshold key that about `want` of n elements of acc = data (+ add) reach, estimated from a
 // sample of keys: short contiguous runs at pseudo-random offsets, which costs a few cache misses
 // per run instead of one per sampled element. The runs' memory is fetched a few runs ahead, so
-// that their misses overlap (the estimate for 4.35M float32 with a residual, nth_element
-// included: 0.55-0.65 -> 0.3-0.45 ms). The sample's key of the wanted rank comes from
-// radix_select: std::nth_element's partitioning branched on every key, about half of them
-// mispredicted, which made it most of the estimate.
+// that their misses overlap rather than follow one another. The sample's key of the wanted rank
+// comes from radix_select: std::nth_element's partitioning branched on every key, about half of
+// them mispredicted, which made it most of the estimate.
 template <typename T>
 Key estimate_threshold(const T* data, const T* add, size_t n, size_t want) {
   constexpr size_t kRun = 64, kRuns = kSampleSize / kRun, kAhead = 8;
@@ -446,8 +445,7 @@ void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* i
     Key t = std::max<Key>(1, estimate_threshold(data, add, n, k));
     cands.reserve(k * 2);
     // Above about 1 in 128 elements, about one 8-lane step in ten holds a candidate, and the
-    // scan's branch on "any hit" costs more in mispredictions than it saves (4.35M float32,
-    // heavy-tailed: 1% 3.1 -> 2.8 ms, 6.25% 9.6 -> 4.6 ms; 0.3%: 2.1 against 2.6 ms).
+    // scan's branch on "any hit" costs more in mispredictions than it saves; below, it saves.
     const bool frequent_hits = k * 128 >= n;
     collect<T, W>(data, add, keep, n, t, frequent_hits, cands);
     if (keep) data = keep, add = nullptr;  // acc is in `keep` now (candidates aside)

@@ -18,9 +18,9 @@ namespace {
 
 constexpr unsigned kThreads = 256;
 constexpr unsigned kUnroll = 4;
-// A block per chunk, as torch's elementwise kernels launch: the grid-stride loop over sms x 8
-// blocks with one vector a step ran at 0.86x torch.add's rate on an H200 (docs/performance.md,
-// session 38). The cap only keeps the grid within what a launch takes.
+// A block per chunk, as torch's elementwise kernels launch: a grid-stride loop over sms x 8
+// blocks with one vector a step fell short of torch.add's rate. The cap only keeps the grid
+// within what a launch takes.
 constexpr size_t kMostBlocks = size_t(1) << 30;
 
 template <typename T>

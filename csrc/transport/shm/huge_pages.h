@@ -1,18 +1,17 @@
 // Huge pages for buffers that peers read by single copy.
 //
 // A single-copy receiver's process_vm_readv pins the sender's pages one by one. With 4 KiB pages
-// and several readers of one buffer (4 ranks on 2 cores, 16 MiB all-reduce) the page-table walks
-// and page reference counts took a fifth of the CPU (perf: follow_page_pte, __get_user_pages,
-// try_grab_folio, ...), where Open MPI's numpy buffers, which numpy backs with huge pages, spent
-// almost nothing there. Collapsed as below, the same all-reduce by single copy ran 1.5-1.9x
-// faster at 16 MiB and 1.35-1.45x at 64 MiB (docs/performance.md, session 24).
+// and several readers of one buffer the page-table walks and page reference counts
+// (follow_page_pte, __get_user_pages, try_grab_folio, ...) take much of the CPU, where buffers
+// backed by huge pages (numpy's, as Open MPI reads them) cost almost nothing there; collapsed as
+// below, large all-reduces by single copy run markedly faster (docs/algorithms.md).
 //
 // So a buffer offered a second time (a caller's gradient bucket or benchmark tensor, used again)
 // has the 2 MiB regions that lie wholly inside it collapsed into huge pages
 // (madvise(MADV_COLLAPSE), Linux 6.1): the same bytes, the same addresses, copied once into
 // huge pages by the kernel. Once per buffer: a buffer that comes back collapsed is left alone,
 // and one that failed is not tried again. A buffer seen once (a temporary) is never touched, so
-// its cost (0.3-2.5 ms per MiB, once, where measured) is paid only by buffers that are
+// its cost (the kernel's copy of every region, once) is paid only by buffers that are
 // used again. Memory outside what is offered (a buffer, or a run of buffers that lie together:
 // communicator_coalesced.cc) is never collapsed. RINGCOMM_SHM_HUGE_PAGES=0 turns it off.
 #pragma once

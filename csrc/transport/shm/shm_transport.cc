@@ -103,8 +103,7 @@ constexpr int64_t single_copy_default(size_t local_ranks) {
 }
 // The default slot size: inboxes of 8 slots of 256 KiB hold a ring's 1 MiB slice and the next
 // one, so a sender fills its receiver's inbox while the receiver empties it rather than waiting
-// on every slot it frees (AMD EPYC guest, 2 ranks, two runs: 4 MiB all-reduce 205-226 us against
-// 618-644 with 64 KiB slots, 16 MiB 1.6-2.1 ms against 3.0-3.3). With many local ranks, less, so
+// on every slot it frees, as it does with slots of 64 KiB. With many local ranks, less, so
 // that a rank's segment (local ranks x slots x slot bytes) stays within kSegmentBudget, down to
 // kMinAutoSlotBytes.
 constexpr size_t kMaxAutoSlotBytes = 256 << 10;
@@ -215,10 +214,9 @@ bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
     return false;
   }
   // MAP_POPULATE here and for the peers' segments: mapped now, not page by page on first use.
-  // The faults made the first slot writes time at 1.1-2.3 GB/s either way (streaming ones at
-  // 10-17 once mapped), and the slot writer (stream_copy.h) chose on those figures until newer
-  // ones outvoted them: the first rounds of the single-copy probe took 2.6-3.3 ms against 1.2-1.4
-  // later (2 ranks, 16 MiB), and single copy won it where it made 4 MiB all-reduces 1.7x slower.
+  // Faults on first use slow the first slot writes either way, and the slot writer
+  // (stream_copy.h) would choose on those timings until newer ones outvoted them; they slow the
+  // first rounds of the single-copy probe too, which could then hand it to the slower way.
   void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, 0);
   if (base == MAP_FAILED) {
     *why = str_cat("mmap of ", total, " bytes failed: ", strerror(errno));
@@ -749,11 +747,10 @@ bool ShmTransport::peer_on_this_cpu() {
 
 // With a CPU for every local rank, the scheduler still puts two ranks that wake each other on
 // one CPU for spells (a woken thread tends to go where its waker ran), and they then take turns
-// on it while the other CPU idles: 2 ranks on 2 vCPUs, 8 B, 5-7 us a call in 4-5 samples of 9
-// against 1.4 (an Open MPI job sharing the machine, its ranks asleep). The higher rank of the
-// two moves its waiting thread to a CPU of its set where no local rank last waited, then gives
-// the thread its whole set back: the scheduler leaves it there until it stacks them again. At
-// most once every kMoveEvery, and only while there are at least as many CPUs in the set as
+// on it while the other CPU idles, and small calls take several times as long. The higher rank
+// of the two moves its waiting thread to a CPU of its set where no local rank last waited, then
+// gives the thread its whole set back: the scheduler leaves it there until it stacks them again.
+// At most once every kMoveEvery, and only while there are at least as many CPUs in the set as
 // local ranks (with fewer, some share one anyway, and moving one only stacks it elsewhere).
 bool ShmTransport::move_off(int cpu) {
   constexpr std::chrono::milliseconds kMoveEvery{10};

@@ -24,8 +24,8 @@
 // adds up to the message, and reads the ranges. Each receiver probes at mapping time whether the
 // kernel lets it read its peer (containers and Yama's ptrace_scope may not) and says so in the
 // inbox; senders use single copy only towards receivers that can. Whether one read beats two
-// copies depends on the machine (the kernel's copy ran at 6-8 GB/s on one host where memcpy ran
-// at 18-40), so when the size is left to its default the communicator measures both ways once
+// copies depends on the machine (on some hosts the kernel copies between processes far slower
+// than memcpy), so when the size is left to its default the communicator times both ways once
 // and keeps the faster (Communicator::calibrate, use_single_copy).
 #pragma once
 

@@ -16,8 +16,6 @@ namespace shm {
 // gathered from a thousand tensors streams every line but its last (a slot's payload starts on
 // a line), where streaming each piece on its own stored the line at each edge between two
 // pieces plainly: a round trip to the peer's CPU per edge where the two do not share a cache.
-// There, 2 ranks, all_reduce_coalesced of 1000 tensors of 1-16 KiB: 1004-1082 us against
-// 1065-1301 piece by piece (four alternations; views of one buffer 914-995 against 968-1079).
 class SlotOut {
  public:
   SlotOut(char* dst, bool stream) : at_(dst), stream_(stream) {}
@@ -44,23 +42,18 @@ enum class StreamMode { kAuto, kNever, kAlways };
 // the peer's caches, and a plain store must take each line back before writing it: a round trip
 // between the two CPUs per line. Where they share a cache that is cheap, and plain stores leave
 // the bytes in that cache for the peer to read. Where they do not (two CCDs of an AMD EPYC, two
-// sockets, or a virtual machine whose vCPUs the host moved apart, as session 25's guest did for
-// minutes at a time), plain writes ran at 2.5 GB/s against 20-25, and streaming ones, which
-// take no line back, at 26-27 in both states (2 ranks, 16 MiB all-reduce through the slots:
-// 9.5-10.4 ms plain, 1.3-1.4 ms streaming). Streaming costs where plain is cheap (the peer then
-// reads from memory: 1.4-1.6 ms plain, 2.1-2.2 ms streaming), so kAuto times both and streams
-// while a plain write takes more than kStreamAboveNsPerByte longer per byte, timing the other way
-// again every kRecheck, as the host may move the CPUs back. With a shared cache, plain writes of
-// lines the peer holds ran at 7-10 GB/s against 26-35 streaming (up to 1 MiB written at a time):
-// 0.07-0.11 ns more per byte, and streaming there made a 64 KiB all-reduce 15-20% slower. Apart,
-// 2.3-2.6 against 26-35: 0.35-0.40 ns more. A difference, not a ratio: both timings include
-// reading the source, which a fragment gathered from a thousand small tensors does slowly, and
-// that moved the ratio (2.4 against 10-13 GB/s) across the fifth that session 25 chose, while
-// streaming made that coalesced all-reduce 1.4x faster. Each way's rate is the median of its
-// last kSamples timings: a sender preempted mid-copy (more ranks than cores) looks slower once,
-// and a plain write that finds the peer's copies of its lines already gone looks faster once
-// (4.8 GB/s among 2.4-2.8: as the best of 4, that kept a coalesced all-reduce writing plainly for
-// a third of its fragments).
+// sockets, or a virtual machine whose CPUs the host moves apart for minutes at a time), plain
+// writes run several times slower than streaming ones, which take no line back and run alike in
+// both states. Streaming costs where plain is cheap (the peer then reads from memory), so kAuto
+// times both and streams while a plain write takes more than kStreamAboveNsPerByte longer per
+// byte, timing the other way again every kRecheck, as the host may move the CPUs back. That
+// threshold lies between what plain writes cost more with a shared cache, where streaming slows
+// small all-reduces, and apart (docs/algorithms.md). A difference, not a ratio: both timings
+// include reading the source, which a fragment gathered from a thousand small tensors does
+// slowly, and that narrows the ratio while streaming still makes that all-reduce faster. Each
+// way's rate is the median of its last kSamples timings: a sender preempted mid-copy (more ranks
+// than cores) looks slower once, and a plain write that finds the peer's copies of its lines
+// already gone looks faster once, which the best of a few would follow.
 class SlotWriter {
  public:
   // Fragments smaller than this are copied plainly and not timed: a few lines each, where the
