@@ -1,9 +1,9 @@
 // Two processes exchange bytes through shared memory with plain memcpy, no ringcomm code: the
 // machine's own rate for moving data between CPUs, sampled every half second, beside a local
-// memcpy of 16 MiB (the bytes of a round) in the same process. On the 2-CPU microVM of docs/performance.md
-// (session 20) the exchange switched, for seconds at a time, between about 0.9 ms and 2-4 ms a
-// round while the local copy stayed at 1.6 ms: the states that made ringcomm's shared-memory
-// all-reduces flip between two speeds within one run.
+// memcpy of 16 MiB (the bytes of a round) in the same process. On a virtual machine whose host
+// moves its CPUs apart now and then, the exchange switches between two speeds for seconds at a
+// time while the local copy stays put: the states that make ringcomm's shared-memory all-reduces
+// flip between two speeds within one run (docs/performance.md).
 //
 //   g++ -O2 -o /tmp/cross_cpu_copy bench/cross_cpu_copy.cc && /tmp/cross_cpu_copy 40
 //
@@ -14,9 +14,8 @@
 // instruction (run it on an otherwise idle machine with at least 2 CPUs).
 //
 // Each report also times a cache line passed back and forth between the two processes (the
-// median round trip of 2000): what every flag a protocol waits on costs. On session 25's AMD
-// EPYC guest, over 80 s, it read 110-121 ns while a round took 0.80-0.94 ms, and 240-391 ns
-// while a round took up to 4.65 ms; the local memcpy stayed at 1.8-1.9 ms.
+// median round trip of 2000): what every flag a protocol waits on costs, which rises with the
+// round's time when the CPUs move apart.
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>

@@ -8,7 +8,7 @@
 #   python -m venv /tmp/gpu && /tmp/gpu/bin/pip install torch --index-url .../cu130
 #   /tmp/gpu/bin/pip install -e '.[test]'      # builds ringcomm._C_cuda with nvcc
 #   PYTHON=/tmp/gpu/bin/python bench/gpu_check.sh
-# or, where torch with CUDA is installed already and nothing can be downloaded (session 25's H100):
+# or, on a machine without network access where torch with CUDA is installed already:
 #   RINGCOMM_CUDA=1 RINGCOMM_CUDA_ARCHS=90-real python3 setup.py -q build_ext --inplace
 #   PYTHONPATH=$PWD PYTHON=python3 bench/gpu_check.sh
 set -euo pipefail

@@ -292,7 +292,7 @@ def main():
     # "terminate called without an active exception", from the worker taking the GIL).
     hooks.default_communicator().all_reduce(cpu)
     # Each run's mean step time on its slowest rank: a job's pace. The floor's ranks never wait
-    # for each other, and on this guest one's mean ran up to 4% above the other's.
+    # for each other, and one's mean can run a few percent above the other's.
     step_s = torch.tensor([sum(run.step_times) / len(run.step_times) for run in runs],
                           dtype=torch.float64)
     hooks.default_communicator().all_reduce(step_s, op="max")

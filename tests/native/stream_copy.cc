@@ -2,8 +2,8 @@
 // alignment of source and destination within a line, lengths around the head (up to a line
 // boundary) and the 64-byte body, as one piece and cut into pieces that end inside a line, on
 // its edge and across several, and the bytes around the destination left alone; then SlotWriter
-// in each mode writing fragments of several pieces; then kAuto's rule on rates measured in
-// sessions 25-26. Prints "ok", or the first difference and exits 1.
+// in each mode writing fragments of several pieces; then kAuto's rule on rates of CPUs that share
+// a cache and of CPUs that do not. Prints "ok", or the first difference and exits 1.
 //
 // usage: stream_copy
 #include <cstdio>
