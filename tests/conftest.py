@@ -19,12 +19,6 @@ os.environ["RINGCOMM_TUNING"] = "off"
 # before ranks.py starts its fork server, so every rank and every launched script inherits it.
 os.environ["OMP_NUM_THREADS"] = "1"
 
-# Modules whose tests run once per transport (ranks.TRANSPORTS), but those marked transport_fixed;
-# the others use the default (RINGCOMM_TRANSPORT=auto: shared memory between the local ranks).
-TRANSPORT_MODULES = {"test_all_reduce", "test_collectives", "test_errors", "test_sparse",
-                     "test_fusion"}
-
-
 # The modules that take longest, longest first (30-110 s each with two workers, session 36):
 # `make test`'s workers take modules in collection order, and one started last would run alone at
 # the end.
@@ -38,7 +32,10 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_generate_tests(metafunc):
-    if (metafunc.module.__name__ in TRANSPORT_MODULES
+    """Tests marked every_transport (a module's pytestmark) run once per transport
+    (ranks.TRANSPORTS), but those marked transport_fixed; the others use the default
+    (RINGCOMM_TRANSPORT=auto: shared memory between the local ranks)."""
+    if (metafunc.definition.get_closest_marker("every_transport") is not None
             and metafunc.definition.get_closest_marker("transport_fixed") is None):
         metafunc.parametrize("transport", sorted(ranks.TRANSPORTS), indirect=True)
 

@@ -50,8 +50,8 @@ def build_native(name: str, out_dir: str) -> str:
     return binary
 
 
-# Each rank's environment for a transport. conftest.py runs the transport-sensitive test modules
-# once per entry (and sets `transport`); a test's own `env` wins over these.
+# Each rank's environment for a transport. conftest.py runs the tests marked every_transport once
+# per entry (and sets `transport`); a test's own `env` wins over these.
 TRANSPORTS = {
     "shm": lambda rank: {"RINGCOMM_TRANSPORT": "shm"},
     "tcp": lambda rank: {"RINGCOMM_TRANSPORT": "tcp"},

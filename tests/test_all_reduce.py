@@ -8,6 +8,8 @@ import torch
 from ranks import run_ranks
 from ringcomm._buffers import TORCH_DTYPES
 
+pytestmark = pytest.mark.every_transport  # once per transport (conftest.py)
+
 COUNTS = [0, 1, 7, 4097, (1 << 17) + 3]
 # Small ring slices and tree chunks, so that the largest count runs the pipelines over many of
 # them in every dtype (the defaults need megabytes for that; test_transport_knobs and test_shm

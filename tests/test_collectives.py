@@ -6,6 +6,8 @@ import torch
 
 from ranks import run_ranks
 
+pytestmark = pytest.mark.every_transport  # once per transport (conftest.py)
+
 WORLDS = [1, 2, 3, 5]
 
 

@@ -2,13 +2,19 @@
 import os
 import threading
 import time
+from array import array
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 
 import ringcomm
+from ringcomm import _C
+from ringcomm._buffers import TORCH_DTYPES
 from ranks import expect_error, run_ranks, seconds_until_handler_runs
+
+pytestmark = pytest.mark.every_transport  # once per transport (conftest.py)
 
 
 # ---- mismatched collectives ---------------------------------------------------------------
@@ -309,6 +315,55 @@ def test_a_descriptor_limit_too_low_for_the_mesh_is_a_clear_error():
 
 # ---- bad arguments ------------------------------------------------------------------------
 
+def coalesced_bad_arguments(comm):
+    """(call, error, message) for the coalesced collectives, the core's list arguments too."""
+    t = torch.ones(8)
+    f32 = TORCH_DTYPES[torch.float32]
+
+    def core_call(ptrs, counts, dtypes):  # the core's list arguments: buffers of uint64
+        return lambda: _C.all_reduce_coalesced(comm._core, ptrs, counts, dtypes, 0, 1 << 20, f32,
+                                               1.0, False)
+
+    return [
+        (core_call([t.data_ptr()], [8], [f32]), TypeError, "incompatible function arguments"),
+        (core_call(array("Q", [t.data_ptr()]), array("i", [8]), array("Q", [f32])), ValueError,
+         r"counts must be a contiguous buffer of uint64 \(format Q\), got format 'i'"),
+        (core_call(array("Q", [t.data_ptr()] * 2), array("Q", [4, 4]), array("Q", [f32])),
+         ValueError, "differ in length"),
+        (core_call(array("Q", [t.data_ptr()]), array("Q", [8]), array("Q", [1 << 40])),
+         ValueError, "dtype"),
+        (lambda: comm.all_reduce_coalesced(t), TypeError, "list or tuple"),
+        (lambda: comm.all_reduce_coalesced([t, 3]), TypeError,
+         r"tensors\[1\] must be a torch.Tensor"),
+        # the C++ reader looks at items ahead of the one it checks: odd ones behind the bad one
+        (lambda: comm.all_reduce_coalesced(
+            [torch.ones(2) for _ in range(40)] + [3] +
+            [None, torch.ones(3).to_sparse(), np.ones(2), torch.nn.Parameter(torch.ones(1))] * 8),
+         TypeError, r"tensors\[40\] must be a torch.Tensor"),
+        (lambda: comm.all_reduce_coalesced([t, torch.ones(4, 4).t()]), ValueError,
+         r"tensors\[1\] must be contiguous"),
+        (lambda: comm.all_reduce_coalesced([t, t]), ValueError, "overlap"),
+        (lambda: comm.all_reduce_coalesced([t[:5], t[4:]]), ValueError, "overlap"),
+        (lambda: comm.all_reduce_coalesced([t, torch.ones(2, dtype=torch.int32)], op="avg"),
+         TypeError, r"op avg needs floating dtypes, but tensors\[1\]"),
+        (lambda: comm.all_reduce_coalesced([t], op="xor"), ValueError, "unsupported reduce op"),
+        (lambda: comm.all_reduce_coalesced([t], bucket_bytes=0), ValueError,
+         "bucket_bytes must be positive"),
+        (lambda: comm.all_reduce_coalesced([t], bucket_bytes=1.5), TypeError,
+         "bucket_bytes must be an int"),
+        (lambda: comm.broadcast_coalesced([t], src=7), ValueError, "src 7 out of range"),
+        (lambda: comm.broadcast_coalesced([t, t[2:3]], src=0), ValueError, "overlap"),
+        (lambda: comm.all_gather_coalesced([[t]], [torch.ones(8)]), ValueError,
+         "output_lists must be a list of world_size"),
+        (lambda: comm.all_gather_coalesced([[torch.ones(8)], [torch.ones(7)]], [torch.ones(8)]),
+         ValueError, r"output_lists\[1\]\[0\] has 7 elements"),
+        (lambda: comm.all_gather_coalesced([[torch.ones(8, dtype=torch.float64)], [torch.ones(8)]],
+                                           [torch.ones(8)]),
+         TypeError, r"output_lists\[0\]\[0\] has dtype torch.float64"),
+        (lambda: comm.all_gather_coalesced([[t], [t]], [torch.ones(8)]), ValueError, "overlap"),
+    ]
+
+
 def bad_arguments(comm):
     cases = [
         (lambda: comm.all_reduce(torch.ones(4, 4).t()), ValueError, "contiguous"),
@@ -325,15 +380,17 @@ def bad_arguments(comm):
         (lambda: comm.reduce_scatter(torch.ones(3), torch.ones(5)), ValueError, "elements"),
         (lambda: comm.all_gather(torch.ones(8), torch.ones(4, dtype=torch.float64)), TypeError, "dtype"),
         (lambda: comm.all_gatherv(torch.ones(8), torch.ones(4), [4]), ValueError, "counts"),
-    ]
+    ] + coalesced_bad_arguments(comm)
     for call, error, text in cases:
         with pytest.raises(error, match=text):
             call()
-    # nothing was sent: the communicator still works
+    # nothing was sent: the communicator still works, the ranks agreeing on what comes next
     t = torch.ones(3)
     comm.all_reduce(t)
+    x = [torch.ones(3), torch.ones(2, dtype=torch.float64)]
+    comm.all_reduce_coalesced(x)
     assert comm.broken is None
-    return bool((t == comm.world_size).all())
+    return all(bool((y == comm.world_size).all()) for y in (t, *x))
 
 
 def test_bad_arguments_raise_before_sending():

@@ -4,6 +4,8 @@ import torch
 
 from ranks import run_ranks
 
+pytestmark = pytest.mark.every_transport  # once per transport (conftest.py)
+
 ALGOS = ["sparse_gather", "sparse_ranges", "ring", "auto"]
 
 
