@@ -7,6 +7,7 @@ RINGCOMM_CUDA_ARCHS overrides the GPU architectures (CMake syntax; default
 "80-real;90-real;90-virtual": SASS for A100 and H100, PTX for what comes after).
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,9 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 CORE_LIBRARY = "libringcomm.so"  # CMakeLists.txt's ringcomm_core, which _C links against
+# ringcomm/__init__.py's __version__, read as text: importing the package needs it built
+VERSION = re.search(r'^__version__ = "([^"]+)"$', (ROOT / "ringcomm" / "__init__.py").read_text(),
+                    re.M).group(1)
 
 
 def find_nvcc():
@@ -97,7 +101,7 @@ def replace_file(source: Path, target: Path):
 
 setup(
     name="ringcomm",
-    version="0.1.0",
+    version=VERSION,
     description="Collective communication for PyTorch: ring/tree all-reduce over TCP",
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
