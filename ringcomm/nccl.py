@@ -87,8 +87,8 @@ class NcclCommunicator:
         if rank == 0:
             store.set(key, unique_id())
         store.wait([key], timeout)
-        self._transport = _extension().NcclTransport(library_path(), store.get(key), rank,
-                                                     world_size, self.device.index)
+        self._transport = _extension().nccl_communicator(library_path(), store.get(key), rank,
+                                                         world_size, self.device.index)
         self.rank, self.world_size = rank, world_size
 
     def all_reduce(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:

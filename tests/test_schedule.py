@@ -216,7 +216,7 @@ def test_stream_groups_complete(algorithm, n, count, slice):
 def test_halving_doubling_has_no_stream_groups():
     # Rank 0 of 4 sends b2 and b3 to rank 2 and then receives b0 and b1 from it, one step each:
     # its first group (b2, b3 out, b0 in) needs rank 2's second (b3 in), and rank 2's first needs
-    # rank 0's second. The NCCL transport refuses the algorithm (nccl_transport.cc).
+    # rank 0's second. The device executor refuses the algorithm over messages (device/executor.cc).
     code = ALGORITHMS["halving_doubling"]
     with pytest.raises(AssertionError, match="deadlock"):
         run_stream_groups([_C.stream_groups(code, 4, r, 4, 1) for r in range(4)])

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include "device/executor.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/pack.h"
 #include "kernels/cuda/reduce.h"
@@ -26,6 +27,35 @@ using python::scaling;
 using python::Words;
 
 cudaStream_t stream_of(uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
+
+// A device transport and the executor running collectives over it: what ringcomm/nccl.py holds.
+class DeviceCommunicator {
+ public:
+  explicit DeviceCommunicator(std::unique_ptr<device::DeviceTransport> transport)
+      : transport_(std::move(transport)), executor_(*transport_) {}
+
+  device::DeviceTransport& transport() { return *transport_; }
+
+  void all_reduce(uintptr_t data, size_t count, int dtype, int op, int algo, uintptr_t stream) {
+    const DType d = checked_dtype(dtype);
+    const ReduceOp o = checked_op(op, d);
+    if (Algorithm(algo) == Algorithm::kNccl) {
+      auto* nccl = dynamic_cast<nccl::NcclTransport*>(transport_.get());
+      RC_CHECK_ARG(nccl != nullptr, "algorithm nccl needs the NCCL transport, not ",
+                   transport_->name());
+      nccl->all_reduce_by_nccl(address(data), count, d, o, stream_of(stream));
+      return;
+    }
+    executor_.all_reduce(address(data), count, d, o, Algorithm(algo), stream_of(stream));
+  }
+  void all_gather(uintptr_t data, const std::vector<size_t>& counts, int dtype, uintptr_t stream) {
+    executor_.all_gather(address(data), counts, checked_dtype(dtype), stream_of(stream));
+  }
+
+ private:
+  std::unique_ptr<device::DeviceTransport> transport_;
+  device::Executor executor_;
+};
 
 // The devices this process sees, or why it sees none (no driver, no device): ringcomm/cuda.py
 // turns the reason into its skip and error messages.
@@ -132,36 +162,33 @@ PYBIND11_MODULE(_C_cuda, m) {
     }
     return py::bytes(id.internal, sizeof(id.internal));
   });
-  py::class_<nccl::NcclTransport>(m, "NcclTransport")
-      .def(py::init([](const std::string& library, const py::bytes& id, int rank, int size,
-                       int device) {
-             const std::string raw = id;
-             RC_CHECK_ARG(raw.size() == nccl::kUniqueIdBytes, "an NCCL unique id has ",
-                          nccl::kUniqueIdBytes, " bytes, got ", raw.size());
-             nccl::UniqueId uid;
-             std::copy(raw.begin(), raw.end(), uid.internal);
-             const nccl::Library& lib = nccl::Library::load(library);
-             py::gil_scoped_release release;  // joining blocks until every rank has joined
-             return std::make_unique<nccl::NcclTransport>(lib, uid, rank, size, device);
-           }),
-           py::arg("library"), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
-           py::arg("device"))
-      .def_property_readonly("rank", &nccl::NcclTransport::rank)
-      .def_property_readonly("size", &nccl::NcclTransport::size)
-      .def_property_readonly("device", &nccl::NcclTransport::device)
-      .def("all_reduce", [](nccl::NcclTransport& t, uintptr_t data, size_t count, int dtype, int op,
-                            int algo, uintptr_t stream) {
-             const DType d = checked_dtype(dtype);
-             t.all_reduce(address(data), count, d, checked_op(op, d), Algorithm(algo),
-                          stream_of(stream));
+  m.def("nccl_communicator", [](const std::string& library, const py::bytes& id, int rank,
+                                int size, int device) {
+    const std::string raw = id;
+    RC_CHECK_ARG(raw.size() == nccl::kUniqueIdBytes, "an NCCL unique id has ",
+                 nccl::kUniqueIdBytes, " bytes, got ", raw.size());
+    nccl::UniqueId uid;
+    std::copy(raw.begin(), raw.end(), uid.internal);
+    const nccl::Library& lib = nccl::Library::load(library);
+    py::gil_scoped_release release;  // joining blocks until every rank has joined
+    return std::make_unique<DeviceCommunicator>(
+        std::make_unique<nccl::NcclTransport>(lib, uid, rank, size, device));
+  }, py::arg("library"), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
+     py::arg("device"));
+
+  // Collectives over a device transport (device/executor.h), enqueued on a stream.
+  py::class_<DeviceCommunicator>(m, "DeviceCommunicator")
+      .def_property_readonly("transport",
+                             [](DeviceCommunicator& c) { return c.transport().name(); })
+      .def_property_readonly("rank", [](DeviceCommunicator& c) { return c.transport().rank(); })
+      .def_property_readonly("size", [](DeviceCommunicator& c) { return c.transport().size(); })
+      .def_property_readonly("device",
+                             [](DeviceCommunicator& c) { return c.transport().device(); })
+      .def("all_reduce", &DeviceCommunicator::all_reduce, G())
+      .def("all_gather", &DeviceCommunicator::all_gather, G())
+      .def("synchronize", [](DeviceCommunicator& c, uintptr_t stream, double timeout_s) {
+             c.transport().synchronize(stream_of(stream), timeout_s);
            }, G())
-      .def("all_gather", [](nccl::NcclTransport& t, uintptr_t data,
-                            const std::vector<size_t>& counts, int dtype, uintptr_t stream) {
-             t.all_gather(address(data), counts, checked_dtype(dtype), stream_of(stream));
-           }, G())
-      .def("synchronize", [](nccl::NcclTransport& t, uintptr_t stream, double timeout_s) {
-             t.synchronize(stream_of(stream), timeout_s);
-           }, G())
-      .def("close", &nccl::NcclTransport::close, G())
-      .def("abort", &nccl::NcclTransport::abort, G());
+      .def("close", [](DeviceCommunicator& c) { c.transport().close(); }, G())
+      .def("abort", [](DeviceCommunicator& c) { c.transport().abort(); }, G());
 }

@@ -20,6 +20,21 @@
 namespace ringcomm {
 namespace cuda {
 
+// Makes `device` current for the scope of a call and restores the caller's.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    RC_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) RC_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 // Blocks for a grid-stride loop over n items with `threads` per block: enough to fill every SM
 // of the current device a few times over, and no more than the items need.
 inline unsigned grid_for(size_t n, unsigned threads) {

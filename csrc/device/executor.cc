@@ -1,0 +1,119 @@
+#include "device/executor.h"
+
+#include <algorithm>
+
+#include "algorithms/algorithms.h"
+#include "algorithms/stream_plan.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/reduce.h"
+
+namespace ringcomm {
+namespace device {
+namespace {
+
+// The slice length on a stream: a step pipelined by step (the ring) is one group whichever way
+// it is cut, and the transport pipelines each message itself, so it goes whole, one message per
+// step; the trees keep their slices, which pipeline across levels.
+size_t stream_slice(const Schedule& schedule, const Segments& blocks, size_t slice) {
+  return schedule.pipeline == Pipeline::kByStep ? std::max<size_t>(1, blocks.max_count()) : slice;
+}
+
+}  // namespace
+
+Executor::Executor(DeviceTransport& transport) : transport_(transport) {
+  RC_CHECK_ARG(transport.messages() != nullptr, "the ", transport.name(),
+               " transport moves no messages");
+}
+
+Algorithm Executor::choose_all_reduce(size_t bytes) const {
+  return bytes <= kSmallBytes ? Algorithm::kRecursiveDoubling : Algorithm::kRing;
+}
+
+void Executor::all_reduce(void* data, size_t count, DType dtype, ReduceOp op, Algorithm algo,
+                          cudaStream_t stream) {
+  transport_.check_usable();
+  cuda::DeviceScope scope(transport_.device());
+  RC_CHECK_ARG(op != ReduceOp::kAvg || dtype != DType::kBool, "op avg is undefined on bool");
+  const int n = transport_.size();
+  if (algo == Algorithm::kAuto) algo = choose_all_reduce(count * dtype_size(dtype));
+  // Halving-doubling receives from one peer over several steps after sending to it over
+  // several: stream groups of one receiving step each would wait on each other.
+  RC_CHECK_ARG(algo == Algorithm::kRing || algo == Algorithm::kTree ||
+                   algo == Algorithm::kRecursiveDoubling,
+               "all_reduce by ", algorithm_name(algo), " does not run over ", transport_.name());
+  if (n == 1) return;  // every op of one contribution is that contribution
+  const AllReduceSchedule s = all_reduce_schedule(algo, n, transport_.rank(), count,
+                                                  dtype_size(dtype));
+  run_groups(s.schedule, s.blocks, stream_slice(s.schedule, s.blocks, s.slice),
+             static_cast<char*>(data), dtype, op, stream);
+}
+
+void Executor::all_gather(void* data, const std::vector<size_t>& counts, DType dtype,
+                          cudaStream_t stream) {
+  transport_.check_usable();
+  cuda::DeviceScope scope(transport_.device());
+  const int n = transport_.size();
+  RC_CHECK_ARG(int(counts.size()) == n, counts.size(), " block sizes for ", n, " ranks");
+  if (n == 1) return;
+  const Schedule schedule = ring_all_gather_schedule(n, transport_.rank());
+  const Segments blocks(counts);
+  run_groups(schedule, blocks, stream_slice(schedule, blocks, ring_slice(dtype_size(dtype), n)),
+             static_cast<char*>(data), dtype, ReduceOp::kSum, stream);
+}
+
+// The schedule's groups one after another on `stream`: the group's messages, then the
+// reduction of what it received into staging.
+void Executor::run_groups(const Schedule& schedule, const Segments& blocks, size_t slice,
+                          char* data, DType dtype, ReduceOp op, cudaStream_t stream) {
+  Messages& messages = *transport_.messages();
+  const size_t e = dtype_size(dtype);
+  const std::vector<StreamGroup> groups = stream_groups(schedule, blocks, slice);
+  // Room for the receives of one group: the stream runs a group's reductions before the next
+  // group receives.
+  size_t staging_elems = 1;
+  for (const StreamGroup& g : groups)
+    if (g.reduce) staging_elems = std::max(staging_elems, (g.last - g.first) * slice);
+  staging_elems = std::min(staging_elems, std::max<size_t>(1, blocks.max_count()));
+  char* staging = nullptr;
+  RC_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&staging), staging_elems * e, stream));
+  // Slice j of a step: where it lives in `data`, and its length.
+  auto slice_of = [&](int step, size_t j) {
+    const Step& st = schedule.steps[size_t(step)];
+    const size_t block = blocks.count(st.block), first = std::min(block, j * slice);
+    return std::make_pair(data + (blocks.offset(st.block) + first) * e,
+                          std::min(slice, block - first));
+  };
+  try {
+    for (const StreamGroup& g : groups) {
+      messages.group_start();
+      for (const StreamMessage& m : g.messages) {
+        auto [at, n] = slice_of(m.step, m.slice);
+        if (m.send)
+          messages.send(at, n * e, m.peer, stream);
+        else
+          messages.recv(m.to_staging ? staging + (m.slice - g.first) * slice * e : at, n * e,
+                        m.peer, stream);
+      }
+      messages.group_end();
+      if (!g.reduce) continue;
+      const Step& step = schedule.steps[size_t(g.step)];
+      for (size_t j = g.first; j < g.last; ++j) {
+        auto [mine, n] = slice_of(g.step, j);
+        const char* incoming = staging + (j - g.first) * slice * e;
+        cuda::reduce(dtype, op, mine, step.incoming_first ? incoming : mine,
+                     step.incoming_first ? mine : incoming, n, stream);
+        if (step.completes && op == ReduceOp::kAvg)
+          cuda::divide(dtype, mine, n, transport_.size(), stream);
+      }
+    }
+  } catch (...) {
+    // Messages already posted may never be matched: the transport is done.
+    cudaFreeAsync(staging, stream);
+    transport_.abort();
+    throw;
+  }
+  RC_CUDA_CHECK(cudaFreeAsync(staging, stream));
+}
+
+}  // namespace device
+}  // namespace ringcomm
