@@ -2,7 +2,8 @@
 
     python bench/compression_quality.py --ranks 4 --epochs 10
     python bench/compression_quality.py --ranks 8 --epochs 30 --configs dense,topk-1% \
-        --report-epochs 5,10,30 --json bench/results/quality_8.json --plot quality_8.svg
+        --report-epochs 5,10,30 --json bench/results/compression_quality_8ranks_epyc-2vcpu.json \
+        --plot quality_8ranks.svg
 
 Forks --ranks processes on this host, joined by a gloo process group. Each configuration trains
 the MLP of examples/train_ddp.py (64-W-W-10, W = --width) on scikit-learn's digits with DDP over

@@ -1,14 +1,17 @@
 """docs/performance.md's markdown tables from the JSON files `python -m ringcomm.bench --json` writes.
 
-    python bench/report.py bench/results/shm_2ranks.json bench/results/shm_4ranks.json
+    python bench/report.py bench/results/allreduce_shm_2ranks_epyc-2vcpu.json \
+        bench/results/allreduce_shm_4ranks_epyc-2vcpu.json
     python bench/report.py run.json --plot run.png    # also --plot's figure (ringcomm/bench/plot.py)
 
-One table per file, under a heading naming the collective, ranks and transport: per size,
-ringcomm's time, every anchor's and limit's (memory floor, wire) in the order run, the ratios
-ringcomm / each of them ("vs ..."; lower is better), and the result elements that differ from the
-reference (#wrong, per library when not 0); beside forced algorithms, the one auto ran and its
-forced time over the fastest forced one. An all_reduce_coalesced file gives its variants' table.
-Files written before the bench recorded the transport say "transport not recorded".
+One table per file, under a heading naming the collective, ranks and transport, and a line naming
+the file with the machine, commit and date it records: per size, ringcomm's time, every anchor's
+and limit's (memory floor, wire) in the order run, the ratios ringcomm / each of them ("vs ...";
+lower is better), and the result elements that differ from the reference (#wrong, per library
+when not 0); beside forced algorithms (a column each, named by the algorithm), the one auto ran
+and its forced time over the fastest forced one. An all_reduce_coalesced file gives its variants'
+table, and its layout limit where the run had --floor. Files written before the bench recorded
+the transport say "transport not recorded".
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import os
 import sys
 
 from ringcomm.bench.common import format_size
-from ringcomm.bench.plot import LIMITS, NAMES, bench_plot, check_matplotlib, run_title, series
+from ringcomm.bench.plot import (ALGORITHMS, LIMITS, NAMES, bench_plot, check_matplotlib,
+                                 run_title, series)
 
 
 def time_text(us: float) -> str:
@@ -38,7 +42,8 @@ def wrong_text(row: dict, libs: list[str]) -> str:
 def sweep_table(rows: list[dict]) -> list[str]:
     libs = series(rows[0])
     others = libs[1:]
-    names = [NAMES[lib] for lib in libs]
+    # a forced algorithm's column is named by its algorithm, not "ringcomm" as in plot legends
+    names = [(NAMES[lib][1], NAMES[lib][1]) if lib in ALGORITHMS else NAMES[lib] for lib in libs]
     chose = "auto_chose" in rows[0]  # forced algorithms beside auto (ringcomm.bench)
     head = (["size"] + [f"{name} (us)" for name, _ in names]
             + [f"vs {short}" for _, short in names[1:]] + ["#wrong"]
@@ -59,10 +64,21 @@ def sweep_table(rows: list[dict]) -> list[str]:
 def coalesced_table(rows: list[dict]) -> list[str]:
     lines = ["| variant | time (us) | algbw (GB/s) | ratio | #wrong |", "|---|---:|---:|---:|---:|"]
     for row in rows:
-        for variant in series(row):
+        for variant in (v for v in series(row) if v != "layout limit"):
             r = row[variant]
             lines.append(f"| {variant} | {time_text(r['time_us'])} | {r['algbw']:.2f} | "
                          f"{ratio_text(r['ratio'])} | {r['wrong']} |")
+        if "layout limit" in row:
+            limit = row["layout limit"]
+            passes = limit["passes_us"]  # the tensors' two passes over memory, and the views'
+            views = next(t for name, t in passes.items() if "views" in name)
+            tensors = next(t for name, t in passes.items() if "views" not in name)
+            lines += ["", f"Layout limit: {time_text(limit['time_us'])} us (list read "
+                      f"{time_text(limit['list_read_us'])} us; pack + unpack of the tensors "
+                      f"{time_text(tensors)} us, of the views {time_text(views)} us) = "
+                      f"{ratio_text(limit['over_flat'])}x the flat all_reduce; "
+                      f"all_reduce_coalesced = {ratio_text(limit['coalesced_over_flat'])}x the "
+                      f"flat, {ratio_text(limit['coalesced_over_limit'])}x the limit."]
     return lines
 
 
@@ -80,8 +96,11 @@ def report(path: str, data: dict) -> list[str]:
     """The heading, what the run compared against, and the table of one file."""
     rows, args = data["rows"], data["args"]
     first = rows[0]
+    where = ""
+    if "machine" in data:  # files the bench wrote before it recorded where and on what code: none
+        where = f" {data['machine']}; commit {data['commit'][:7]}, {data['date']}."
     lines = [f"### {run_title(first)}" + ("" if first["transport"] else ", transport not recorded"),
-             "", f"`{path}`: `--algo {args['algo']}`, medians of {args['repeats']} samples."]
+             "", f"`{path}`:{where} `--algo {args['algo']}`, medians of {args['repeats']} samples."]
     if "mpi" in data:
         lines[-1] += f" {data['mpi']['library']}."
     if "wire" in data:

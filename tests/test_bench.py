@@ -228,7 +228,8 @@ def test_bench_progress_shows_a_row_that_takes_long(monkeypatch, capsys):
 def test_report_prints_the_tables(limits_run):
     _, out = limits_run
     cmd = [sys.executable, os.path.join(ROOT, "bench", "report.py"), str(out / "rows.json"),
-           os.path.join(ROOT, "bench", "results", "shm_2ranks.json"), "--plot", str(out / "report.png")]
+           os.path.join(ROOT, "tests", "fixtures", "shm_2ranks.json"),
+           "--plot", str(out / "report.png")]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-3000:]
     tables = run.stdout.split("### ")[1:]
@@ -239,7 +240,7 @@ def test_report_prints_the_tables(limits_run):
                        "| #wrong |")
     assert [r.split(" | ")[0] for r in rows[1:]] == ["| 8 B", "| 64 KiB"]
     assert all(r.endswith(" | 0 |") for r in rows[1:])
-    # a file from before the bench recorded the transport: docs/performance.md's shm table
+    # a file from before the bench recorded the transport (tests/fixtures)
     assert "transport not recorded" in tables[1]
     assert "| 8 B | 2.3 | 288.8 | 1.5 | 1.3 | 0.008 | 1.54 | 1.84 | 0 |" in tables[1]
     assert len([line for line in tables[1].splitlines() if line.startswith("| ")]) == 1 + 6
