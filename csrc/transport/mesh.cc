@@ -16,6 +16,8 @@
 #include "common/error.h"
 #include "common/logging.h"
 #include "common/trace.h"
+#include "transport/shm/shm_transport.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace ringcomm {
 namespace {
@@ -124,10 +126,17 @@ Mesh::Mesh(int rank, int world_size, MeshOptions options)
       route_(world_size, nullptr) {
   RC_CHECK_ARG(host_.find(';') == std::string::npos && host_.find('=') == std::string::npos,
                "RINGCOMM_HOST_ID must not contain ';' or '='");
-  tcp_ = std::make_unique<tcp::TcpTransport>(rank, world_size,
-                                             tcp::TcpOptions::from_env(options_.master_addr), *this);
   if (options_.transport != "tcp" && world_size > 1)
-    shm_ = std::make_unique<shm::ShmTransport>(rank, world_size, shm::ShmOptions::from_env(), *this);
+    transports_.push_back(
+        std::make_unique<shm::ShmTransport>(rank, world_size, shm::ShmOptions::from_env(), *this));
+  auto control = std::make_unique<tcp::TcpTransport>(
+      rank, world_size, tcp::TcpOptions::from_env(options_.master_addr), *this);
+  control_ = control.get();
+  transports_.push_back(std::move(control));
+  for (auto& t : transports_) {
+    if (!single_copy_) single_copy_ = t->single_copy();
+    if (!boards_) boards_ = t->boards();
+  }
   interrupt_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (interrupt_fd_ < 0) RC_THROW("eventfd failed: ", strerror(errno));
 }
@@ -146,7 +155,7 @@ void Mesh::interrupt(const std::string& reason) {
   }
   uint64_t one = 1;
   if (write(interrupt_fd_, &one, sizeof one) < 0) { /* counter saturated: already readable */ }
-  if (shm_) shm_->ring_self();
+  for (auto& t : transports_) t->ring_self();
 }
 
 void Mesh::throw_if_interrupted() const {
@@ -156,36 +165,37 @@ void Mesh::throw_if_interrupted() const {
 }
 
 std::string Mesh::address() const {
-  std::string text = str_cat("host=", host_, ";cpus=", cpu_mask(), ";tcp=", tcp_->address());
-  if (shm_) text += ";shm=" + shm_->address();
+  std::string text = str_cat("host=", host_, ";cpus=", cpu_mask());
+  text += str_cat(";", control_->name(), "=", control_->address());
+  for (auto& t : transports_)
+    if (t.get() != control_) text += str_cat(";", t->name(), "=", t->address());
   return text;
 }
 
 void Mesh::connect(const std::vector<std::string>& addresses, const std::string& token,
                    Clock::time_point deadline) {
   RC_CHECK_ARG(int(addresses.size()) == world_size_, "expected ", world_size_, " addresses");
-  std::vector<std::string> hosts, endpoints, shm_addresses, masks;
+  std::vector<std::map<std::string, std::string>> fields;
+  std::vector<std::string> hosts, endpoints, masks;
   for (const std::string& a : addresses) {
-    auto fields = parse_address(a);
-    RC_CHECK_ARG(fields.count("host") && fields.count("tcp"), "bad rank address '", a, "'");
-    hosts.push_back(fields["host"]);
-    endpoints.push_back(fields["tcp"]);
-    shm_addresses.push_back(fields.count("shm") ? fields["shm"] : "");
-    masks.push_back(fields.count("cpus") ? fields["cpus"] : "");
+    fields.push_back(parse_address(a));
+    auto& f = fields.back();
+    RC_CHECK_ARG(f.count("host") && f.count(control_->name()), "bad rank address '", a, "'");
+    hosts.push_back(f["host"]);
+    endpoints.push_back(f[control_->name()]);
+    masks.push_back(f.count("cpus") ? f["cpus"] : "");
   }
   host_of_.clear();
   for (const std::string& h : hosts)
     host_of_.push_back(int(std::find(hosts.begin(), hosts.end(), h) - hosts.begin()));
-  tcp_->connect(endpoints, token, deadline);
-  for (int peer = 0; peer < world_size_; ++peer)
-    if (peer != rank_) route_[peer] = tcp_.get();
+  control_->connect(endpoints, token, deadline);
   // More ranks on this host than CPUs they may run on between them. Every local rank computes
   // the same answer from the same addresses.
   std::vector<std::string> local_masks;
   for (int r = 0; r < world_size_; ++r)
     if (hosts[r] == host_) local_masks.push_back(masks[r]);
   const bool oversubscribed = local_masks.size() > size_t(cpus_in(local_masks));
-  if (shm_) agree_on_shm(hosts, shm_addresses, deadline);
+  choose_routes(fields, deadline);
   if (options_.spin_us < 0) options_.spin_us = oversubscribed ? 0 : 5;
   if (options_.yield_us < 0) options_.yield_us = 1000;
   if (debug_enabled()) {
@@ -196,42 +206,75 @@ void Mesh::connect(const std::vector<std::string>& addresses, const std::string&
   }
 }
 
-// Shared memory needs both sides of a pair: each maps the other's segment. Agreement takes two
-// one-byte exchanges over TCP with every rank of this host: "my segment is ready", then "I mapped
-// yours". A pair that cannot map stays on TCP, unless RINGCOMM_TRANSPORT=shm demands it.
-void Mesh::agree_on_shm(const std::vector<std::string>& hosts,
-                        const std::vector<std::string>& shm_addresses,
-                        Clock::time_point deadline) {
-  std::vector<int> local, peers;
-  for (int r = 0; r < world_size_; ++r) {
-    if (hosts[r] != host_) continue;
-    local.push_back(r);
-    if (r != rank_) peers.push_back(r);
+// Each transport in turn, in order of preference, with the peers its can_connect admits: both
+// sides of a pair compute the same answer from the same two addresses, and learn the other's
+// outcome of each set-up step from the exchanges, so both give the pair the same transport. TCP,
+// last, admits every pair and was set up by connect(). A local peer left on TCP is an error
+// under RINGCOMM_TRANSPORT=shm.
+void Mesh::choose_routes(const std::vector<std::map<std::string, std::string>>& fields,
+                         Clock::time_point deadline) {
+  std::vector<std::string> why_not(static_cast<size_t>(world_size_));
+  for (auto& t : transports_) {
+    std::vector<Published> published(static_cast<size_t>(world_size_));
+    std::vector<std::string> addresses(static_cast<size_t>(world_size_));
+    for (int r = 0; r < world_size_; ++r) {
+      Published& p = published[size_t(r)];
+      p.host = fields[size_t(r)].at("host");
+      auto field = fields[size_t(r)].find(t->name());
+      p.offered = field != fields[size_t(r)].end();
+      if (p.offered) p.address = addresses[size_t(r)] = field->second;
+    }
+    std::vector<int> group, peers;
+    for (int r = 0; r < world_size_; ++r) {
+      if (r != rank_ && !t->can_connect(published[size_t(rank_)], published[size_t(r)])) continue;
+      group.push_back(r);
+      if (r != rank_) peers.push_back(r);
+    }
+    if (t.get() == control_) {
+      for (int peer : peers)
+        if (!route_[peer]) route_[peer] = control_;
+    } else if (!peers.empty()) {
+      set_up(*t, group, peers, addresses, why_not, deadline);
+    }
   }
-  if (peers.empty()) return;
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (route_[peer] != control_ || host_of_[size_t(peer)] != host_of_[size_t(rank_)]) continue;
+    const std::string why = why_not[size_t(peer)].empty()
+                                 ? str_cat("rank ", peer, " runs without shared memory")
+                                 : why_not[size_t(peer)];
+    if (options_.transport == "shm")
+      RC_THROW("RINGCOMM_TRANSPORT=shm but rank ", rank_, " and rank ", peer,
+               " (same host) cannot share memory: ", why);
+    RC_LOG("rank ", rank_, ": rank ", peer, " stays on TCP: ", why);
+  }
+}
+
+// Two one-byte exchanges over TCP with every peer admitted: "I am ready" (prepare()), then "I
+// linked you" (link()). A pair that both sides linked takes the transport.
+void Mesh::set_up(Transport& transport, const std::vector<int>& group,
+                  const std::vector<int>& peers, const std::vector<std::string>& addresses,
+                  std::vector<std::string>& why_not, Clock::time_point deadline) {
   std::string why;
-  char allocated = shm_->allocate(local, &why) ? 1 : 0;
+  const char ready = transport.prepare(group, &why) ? 1 : 0;
   std::vector<char> theirs;
-  tcp_->exchange(peers, std::vector<char>(peers.size(), allocated), theirs, deadline);
-  std::vector<char> mapped(peers.size(), 0);
+  control_->exchange(peers, std::vector<char>(peers.size(), ready), theirs, deadline);
+  std::vector<char> linked(peers.size(), 0);
   for (size_t i = 0; i < peers.size(); ++i) {
-    if (!allocated) break;
+    if (!ready) break;
     if (!theirs[i]) {
-      why = str_cat("rank ", peers[i], " could not set up shared memory");
+      why = str_cat("rank ", peers[i], " could not set up ", transport.name());
       continue;
     }
-    mapped[i] = shm_->map_peer(peers[i], shm_addresses[peers[i]], &why) ? 1 : 0;
+    linked[i] = transport.link(peers[i], addresses[size_t(peers[i])], &why) ? 1 : 0;
   }
-  tcp_->exchange(peers, mapped, theirs, deadline);
+  control_->exchange(peers, linked, theirs, deadline);
   for (size_t i = 0; i < peers.size(); ++i) {
-    if (mapped[i] && theirs[i]) {
-      shm_->enable(peers[i]);
-      route_[peers[i]] = shm_.get();
-    } else if (options_.transport == "shm") {
-      RC_THROW("RINGCOMM_TRANSPORT=shm but rank ", rank_, " and rank ", peers[i],
-               " (same host) cannot share memory: ", why.empty() ? "the peer failed" : why);
-    } else {
-      RC_LOG("rank ", rank_, ": rank ", peers[i], " stays on TCP: ", why);
+    const int peer = peers[i];
+    if (!linked[i] || !theirs[i]) {
+      why_not[size_t(peer)] = why.empty() ? "the peer failed" : why;
+    } else if (!route_[peer]) {
+      transport.enable(peer);
+      route_[peer] = &transport;
     }
   }
 }
@@ -239,7 +282,7 @@ void Mesh::agree_on_shm(const std::vector<std::string>& hosts,
 bool Mesh::boards_reach(const std::vector<int>& ranks) const {
   if (board_bytes() == 0) return false;
   for (int r : ranks)
-    if (r != rank_ && (route_.at(size_t(r)) != shm_.get() || !shm_->board(r))) return false;
+    if (r != rank_ && (route_.at(size_t(r))->boards() != boards_ || !boards_->board(r))) return false;
   return true;
 }
 
@@ -250,13 +293,13 @@ bool Mesh::boards_everywhere() const {
 }
 
 void Mesh::write_board(size_t offset, Ranges from, int readers) {
-  shm_->write_board(offset, from, readers);
+  boards_->write_board(offset, from, readers);
   add_payload(payload_sent_, from.bytes() * size_t(readers));
 }
 
 const char* Mesh::read_board(int rank, size_t offset, size_t bytes) {
   add_payload(payload_received_, bytes);
-  return shm_->board(rank) + offset;
+  return boards_->board(rank) + offset;
 }
 
 const char* Mesh::transport_of(int peer) const {
@@ -266,8 +309,7 @@ const char* Mesh::transport_of(int peer) const {
 void Mesh::set_current(const Signature& sig) {
   current_ = sig;
   has_current_ = true;
-  tcp_->set_current(sig);
-  if (shm_) shm_->set_current(sig);
+  for (auto& t : transports_) t->set_current(sig);
 }
 
 void Mesh::check_usable() const {
@@ -384,8 +426,8 @@ void Mesh::part_done(int64_t id) {
 }
 
 bool Mesh::progress() {
-  bool moved = tcp_->progress();
-  if (shm_) moved |= shm_->progress();
+  bool moved = false;
+  for (auto& t : transports_) moved |= t->progress();
   return moved;
 }
 
@@ -393,42 +435,49 @@ bool Mesh::block(int wake_fd, Clock::time_point deadline, bool sleep) {
   auto now = Clock::now();
   if (now >= deadline) return false;
   fds_.clear();
-  tcp_->add_poll_fds(fds_);
+  for (auto& t : transports_) t->add_poll_fds(fds_);
   if (wake_fd >= 0) fds_.push_back({wake_fd, POLLIN, 0});
   fds_.push_back({interrupt_fd_, POLLIN, 0});
   auto poll_for = std::min<Clock::duration>(deadline - now, std::chrono::seconds(1));
   if (!sleep) {
     poll_for = Clock::duration::zero();
-  } else if (shm_ && shm_->busy()) {
+  } else if (Transport* bell = doorbell_to_sleep_on()) {
     // Sleep on the doorbell; sockets (a lost peer, an abort notice, TCP peers' data) are looked
-    // at between naps: often while TCP work is pending too, every 50 ms otherwise.
-    auto nap = tcp_->busy() ? std::chrono::microseconds(500) : std::chrono::microseconds(50000);
-    shm_->sleep(std::min(deadline, now + nap));
+    // at between naps: often while work is pending on sockets too, every 50 ms otherwise.
+    const bool polled_busy = std::any_of(transports_.begin(), transports_.end(), [](auto& t) {
+      return !t->has_doorbell() && t->busy();
+    });
+    auto nap = polled_busy ? std::chrono::microseconds(500) : std::chrono::microseconds(50000);
+    bell->sleep(std::min(deadline, now + nap));
     poll_for = Clock::duration::zero();
   }
   auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(poll_for).count();
   timespec ts{time_t(ns / 1000000000), long(ns % 1000000000)};
   int n = ppoll(fds_.data(), fds_.size(), &ts, nullptr);
   if (n < 0 && errno != EINTR) RC_THROW("ppoll failed: ", strerror(errno));
-  tcp_->on_poll(fds_.data());
-  if (shm_) {
-    // A peer reached over shared memory that has exited is seen as its closed TCP connection;
-    // what it wrote before (the data we wait for, or an abort reason, in its shared memory or
-    // on the socket behind a message this rank has not taken yet) is taken first.
-    for (int peer = 0; peer < world_size_; ++peer) {
-      if (route_[peer] != shm_.get() || !shm_->waits_on(peer) || !tcp_->peer_closed(peer)) continue;
-      shm_->progress();
-      if (!shm_->waits_on(peer)) continue;
-      tcp_->throw_if_peer_aborted(peer);
-      RC_THROW_AS(kPeerLost, "connection to rank ", peer, " closed (peer exited or aborted)");
-    }
+  for (auto& t : transports_) t->on_poll(fds_.data());
+  // A peer reached through another transport that has exited is seen as its closed TCP
+  // connection; what it wrote before (the data we wait for, or an abort reason, in its
+  // transport or on the socket behind a message this rank has not taken yet) is taken first.
+  for (int peer = 0; peer < world_size_; ++peer) {
+    Transport* t = route_[peer];
+    if (!t || t == control_ || !t->waits_on(peer) || !control_->peer_closed(peer)) continue;
+    t->progress();
+    if (!t->waits_on(peer)) continue;
+    control_->throw_if_peer_aborted(peer);
+    RC_THROW_AS(kPeerLost, "Connection closed by peer (rank ", peer, " exited or aborted)");
   }
   return true;
 }
 
+Transport* Mesh::doorbell_to_sleep_on() const {
+  for (auto& t : transports_)
+    if (t->has_doorbell() && t->busy()) return t.get();
+  return nullptr;
+}
+
 void Mesh::append_waited(std::vector<int>& peers) const {
-  tcp_->waiting_on(peers);
-  if (shm_) shm_->waiting_on(peers);
+  for (auto& t : transports_) t->waiting_on(peers);
 }
 
 bool Mesh::waits_only_on_other_hosts() {
@@ -455,7 +504,7 @@ std::string Mesh::describe_waiting() const {
 
 void Mesh::announce_waiting() {
   std::vector<int> waited = waiting_on();
-  if (!waited.empty()) tcp_->announce_waiting(waited[0]);
+  if (!waited.empty()) control_->announce_waiting(waited[0]);
 }
 
 Clock::duration Mesh::notice_period(Clock::duration timeout) {
@@ -464,7 +513,7 @@ Clock::duration Mesh::notice_period(Clock::duration timeout) {
 }
 
 std::string Mesh::describe_timeout(Clock::duration notice_every) {
-  return str_cat("timed out during ", has_current_ ? current_.describe() : "an operation",
+  return str_cat("Timed out during ", has_current_ ? current_.describe() : "an operation",
                  " waiting on ", describe_waiting(), describe_chains(waiting_on(), notice_every));
 }
 
@@ -487,7 +536,7 @@ std::string Mesh::describe_chains(const std::vector<int>& waited, Clock::duratio
       if (seen[size_t(start)]) continue;
       seen[size_t(start)] = true;
       int at = start;
-      for (int next; (next = tcp_->reported_wait(at, fresh)) >= 0; at = next) {
+      for (int next; (next = control_->reported_wait(at, fresh)) >= 0; at = next) {
         chain += str_cat("; rank ", at, " waits on rank ", next);
         if (seen[size_t(next)]) {
           cycle |= next == rank_ || next == start;
@@ -495,7 +544,7 @@ std::string Mesh::describe_chains(const std::vector<int>& waited, Clock::duratio
         }
         seen[size_t(next)] = true;
       }
-      if (tcp_->reported_wait(at, fresh) < 0) silent[size_t(at)] = true;
+      if (control_->reported_wait(at, fresh) < 0) silent[size_t(at)] = true;
     }
     for (int r = 0; r < world_size_; ++r)
       if (silent[size_t(r)]) quiet += str_cat(quiet.empty() ? "" : ", ", r);
@@ -525,7 +574,8 @@ size_t Mesh::wait_any(const Request* reqs, size_t count, Clock::time_point deadl
   // Not while a local peer waits on this CPU: spinning keeps from it the CPU it needs to answer,
   // and each side then spins out its spin time before yielding, on every small call.
   // Asked without spinning too: the higher rank of two on one CPU moves off it there.
-  const bool stacked = shm_ && shm_->peer_on_this_cpu();
+  const bool stacked = std::any_of(transports_.begin(), transports_.end(),
+                                   [](auto& t) { return t->peer_on_this_cpu(); });
   bool spinning = options_.spin_us > 0 && !stacked;
   const auto yield_for = std::chrono::microseconds(std::max(options_.yield_us, 0));
   Clock::time_point yield_until;
@@ -604,15 +654,14 @@ void Mesh::progress_until_event(int wake_fd, Clock::time_point deadline) {
 }
 
 void Mesh::wake() {
-  if (shm_) shm_->ring_self();
+  for (auto& t : transports_) t->ring_self();
 }
 
 void Mesh::abort(const std::string& reason, const std::exception_ptr& error) {
   if (!abort_reason_.empty()) return;
   abort_reason_ = reason.empty() ? "aborted" : reason;
   abort_kind_ = error_kind_of(error);
-  if (shm_) shm_->abort(abort_reason_, abort_kind_);
-  tcp_->abort(abort_reason_, abort_kind_);
+  for (auto& t : transports_) t->abort(abort_reason_, abort_kind_);
   std::vector<Callback> callbacks;
   for (Op& op : ops_) {
     if (op.id < 0) continue;
@@ -623,18 +672,25 @@ void Mesh::abort(const std::string& reason, const std::exception_ptr& error) {
 }
 
 void Mesh::close() {
-  if (shm_) shm_->close();
-  tcp_->close();
+  for (auto& t : transports_) t->close();
 }
 
 uint64_t Mesh::bytes_sent() const {
-  return tcp_->bytes_sent() + (shm_ ? shm_->bytes_sent() : 0);
+  uint64_t bytes = 0;
+  for (auto& t : transports_) bytes += t->bytes_sent();
+  return bytes;
 }
 
 uint64_t Mesh::bytes_sent(const std::string& transport) const {
-  if (transport == tcp_->name()) return tcp_->bytes_sent();
-  if (shm_ && transport == shm_->name()) return shm_->bytes_sent();
+  for (auto& t : transports_)
+    if (transport == t->name()) return t->bytes_sent();
   return 0;
+}
+
+uint64_t Mesh::cpu_moves() const {
+  uint64_t moves = 0;
+  for (auto& t : transports_) moves += t->cpu_moves();
+  return moves;
 }
 
 }  // namespace ringcomm

@@ -1,25 +1,42 @@
-// The transports of one rank, and which one reaches each peer. TCP connects every pair (it also
-// carries the handshake, abort notices and liveness); shared memory carries the data between
-// ranks of one host when both sides can map each other's segment (RINGCOMM_TRANSPORT). Sends and
-// receives go to the peer's transport; waiting is transport-neutral: spin briefly, then block on
-// sockets and, while shared-memory operations are pending, sleep on this rank's doorbell.
+// The transports of one rank, and which one carries the data to each peer.
+//
+// The transports are held in order of preference: shared memory (shm/), then TCP (tcp/). Each
+// peer's is the first whose can_connect admits the pair, decided alike on both sides from what
+// both published, and whose set-up succeeded on both sides, which they learn from each other in
+// two one-byte exchanges. TCP admits every pair and needs no set-up, so it takes the rest.
+//
+// TCP is also the control plane, and the mesh holds it by its type as well: it must be up
+// before any other transport can be set up (it carries those exchanges), and it is the one
+// connection every pair has whichever transport carries its data, so it carries the handshake,
+// abort notices and waiting notices, and its closed connection is how a lost peer is seen.
+//
+// Sends and receives go to the peer's transport; waiting is transport-neutral: spin briefly, then
+// block on the transports' file descriptors and, while a transport with a doorbell has work
+// pending, sleep on that. What only some transports can do (single copy, boards) is offered
+// through calls that name the capability, not the transport, and reach the first transport that
+// has it (transport.h).
 #pragma once
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
-#include "transport/shm/shm_transport.h"
-#include "transport/tcp/tcp_transport.h"
+#include "transport/transport.h"
 
 namespace ringcomm {
+namespace tcp {
+class TcpTransport;
+}
 
 struct MeshOptions {
   std::string master_addr;     // picks the TCP bind address (tcp::choose_bind_host)
-  std::string transport;       // RINGCOMM_TRANSPORT: auto (default), shm or tcp
+  // RINGCOMM_TRANSPORT: auto (default), shm or tcp. shm: ranks of one host must reach each
+  // other through shared memory (an error where they cannot); tcp: TCP only.
+  std::string transport;
   // RINGCOMM_SPIN_US: busy-poll this long before blocking. -1 (default): 5 us when this host
   // has at least as many CPUs as local ranks, else 0 (spinning would steal the CPU the peer
   // needs to answer).
@@ -40,31 +57,30 @@ class Mesh final : public PartSink {
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
-  // What the other ranks need to reach this one ("host=...;tcp=...;shm=..."), to publish before
-  // connect().
+  // What the other ranks need to reach this one ("host=...;cpus=...;tcp=...;shm=...": the host
+  // identity, the CPUs this rank may run on and each transport's address under its name), to
+  // publish before connect().
   std::string address() const;
-  // Connects to every peer, then agrees with each local peer on shared memory.
+  // Connects to every peer through TCP, then chooses each peer's transport.
   void connect(const std::vector<std::string>& addresses, const std::string& token,
                Clock::time_point deadline);
-  // Shared memory's single copy while its default is on: its size, else 0; and turning it off
-  // or back on (shm::ShmTransport::use_single_copy).
-  size_t single_copy_to_probe() const { return shm_ ? shm_->single_copy_to_probe() : 0; }
-  // The size from which shared memory sends go by single copy; 0: never (or no shared memory).
-  size_t single_copy_bytes() const { return shm_ ? shm_->single_copy_bytes() : 0; }
+  // Single copy (SingleCopy, transport.h), where a transport has it: the size to probe, else 0;
+  // turning it off or back on; the size from which sends go by it, 0: never (or no transport
+  // has it); a buffer about to be sent to peers that may read it by single copy.
+  size_t single_copy_to_probe() const { return single_copy_ ? single_copy_->single_copy_to_probe() : 0; }
   void use_single_copy(bool on) {
-    if (shm_) shm_->use_single_copy(on);
+    if (single_copy_) single_copy_->use_single_copy(on);
   }
-  // `data` is about to be sent to local peers that may read it by single copy: see
-  // shm::ShmTransport::offer_huge_pages.
+  size_t single_copy_bytes() const { return single_copy_ ? single_copy_->single_copy_bytes() : 0; }
   void offer_huge_pages(const void* data, size_t bytes) {
-    if (shm_) shm_->offer_huge_pages(data, bytes);
+    if (single_copy_) single_copy_->offer_huge_pages(data, bytes);
   }
-  // Shared memory's boards (shm::ShmTransport::board): whether this rank and every rank of
-  // `ranks` but itself (every rank: boards_everywhere) reach each other through shared memory,
-  // each with a board.
+  // Boards (Boards, transport.h): whether this rank and every rank of `ranks` but itself (every
+  // rank: boards_everywhere) reach each other through the transport that has them, each with a
+  // board; their size (0: no transport has them).
   bool boards_reach(const std::vector<int>& ranks) const;
   bool boards_everywhere() const;
-  size_t board_bytes() const { return shm_ ? shm_->board_bytes() : 0; }
+  size_t board_bytes() const { return boards_ ? boards_->board_bytes() : 0; }
   // The payload through the boards, counted as messages' is: what `readers` peers read of this
   // rank's board as sent, what this rank reads of a peer's (`bytes` at `offset`) as received.
   void write_board(size_t offset, Ranges from, int readers);
@@ -140,7 +156,9 @@ class Mesh final : public PartSink {
   // Time wait() spent with nothing to move: spinning, yielding or asleep until a peer's bytes
   // came (the rest of a wait moves bytes and reduces them).
   int64_t idle_ns() const { return idle_ns_.load(std::memory_order_relaxed); }
-  uint64_t cpu_moves() const { return shm_ ? shm_->cpu_moves() : 0; }
+  // Times a transport moved this rank's waiting thread off a CPU a peer waited on
+  // (Transport::peer_on_this_cpu).
+  uint64_t cpu_moves() const;
   // Timeline spans (common/trace.h) of the sends and receives carry this communicator's number.
   void set_trace_id(uint64_t id) { trace_id_ = id; }
 
@@ -184,14 +202,26 @@ class Mesh final : public PartSink {
   std::string describe_waiting() const;
   // Why a wait timed out: what it waited for, on whom, and describe_chains of those.
   std::string describe_timeout(Clock::duration notice_every);
-  void agree_on_shm(const std::vector<std::string>& hosts,
-                    const std::vector<std::string>& shm_addresses, Clock::time_point deadline);
+  // Sets `route_` (connect()). `fields`: each rank's address, parsed.
+  void choose_routes(const std::vector<std::map<std::string, std::string>>& fields,
+                     Clock::time_point deadline);
+  // Sets up `transport` with the peers in `peers` (the rest of `group`, by prepare() and link())
+  // and gives it those that both sides linked and no transport before it took; records why the
+  // others did not link in `why_not`.
+  void set_up(Transport& transport, const std::vector<int>& group, const std::vector<int>& peers,
+              const std::vector<std::string>& addresses, std::vector<std::string>& why_not,
+              Clock::time_point deadline);
+  // The transport with a doorbell that has work pending, if any (block() sleeps on it).
+  Transport* doorbell_to_sleep_on() const;
 
   const int rank_, world_size_;
   MeshOptions options_;
   std::string host_;
-  std::unique_ptr<tcp::TcpTransport> tcp_;
-  std::unique_ptr<shm::ShmTransport> shm_;
+  // In order of preference; control_ last.
+  std::vector<std::unique_ptr<Transport>> transports_;
+  tcp::TcpTransport* control_ = nullptr;
+  SingleCopy* single_copy_ = nullptr;  // of the first transport that has it
+  Boards* boards_ = nullptr;           // the same
   std::vector<Transport*> route_;  // by peer; nullptr for this rank
   std::vector<int> host_of_;
   std::vector<int> waited_;  // waits_only_on_other_hosts()'s list

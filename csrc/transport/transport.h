@@ -1,5 +1,12 @@
-// The transport interface: how bytes move between ranks (algorithms see it through the mesh,
-// transport/mesh.h, which gives each peer the transport that reaches it).
+// The transport interface: how bytes move between ranks. A transport knows peers, byte ranges
+// and the tag each message carries, nothing of collectives.
+//
+// A rank holds its transports in order of preference (transport/mesh.h), each in its own folder
+// (shm/, tcp/). Each publishes an address in the rank's and decides, from what two ranks
+// published, whether it can connect them (can_connect); the mesh gives each peer the first
+// transport that both sides can connect and set up. TCP comes last and reaches every peer: it is
+// also the control plane, carrying the other transports' set-up, abort notices and waiting
+// notices, and its connections tell when a peer is gone, whichever transport carries the data.
 //
 // A transport gives each of its peers an ordered, reliable channel. Algorithms post non-blocking
 // sends and receives of byte ranges and wait for them; the mesh progresses every posted operation
@@ -8,6 +15,10 @@
 // with the bytes, compares it with what the receive expects and describes both when they differ,
 // so a receive whose incoming signature differs from the expected one fails on both sides, which
 // is how mismatched collectives are reported instead of hanging.
+//
+// What only some transports can do beyond messages is a capability (SingleCopy, Boards): an
+// interface the transport also implements and returns from its query, nullptr elsewhere. The mesh
+// offers each through its own transport-neutral calls.
 #pragma once
 
 #include <poll.h>
@@ -16,6 +27,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -88,13 +100,80 @@ class PartSink {
   ~PartSink() = default;
 };
 
+// What a rank published for one transport (Mesh::address): its host identity and the field the
+// transport's address() gave there; `offered` is false where the rank runs without the transport.
+struct Published {
+  std::string host;
+  bool offered = false;
+  std::string address;
+};
+
+// Single copy: a send's receiver reads the bytes out of the sender's memory, one copy instead of
+// one into the transport's buffers and one out (shm/shm_transport.h).
+class SingleCopy {
+ public:
+  // The size from which sends go by single copy when its default turned it on (a measurement may
+  // then turn it off), else 0.
+  virtual size_t single_copy_to_probe() const = 0;
+  // The size from which sends go by single copy; 0: never.
+  virtual size_t single_copy_bytes() const = 0;
+  // Single copy from single_copy_to_probe() on, or never; only while that is not 0. Between
+  // operations: a receiver takes either kind at any time.
+  virtual void use_single_copy(bool on) = 0;
+  // `data` is about to be sent to peers that may read it by single copy: a buffer sent again may
+  // be collapsed into huge pages (shm/huge_pages.h).
+  virtual void offer_huge_pages(const void* data, size_t bytes) = 0;
+
+ protected:
+  ~SingleCopy() = default;
+};
+
+// Boards: a region of each rank's memory that the transport's peers read in place where it lies,
+// for collectives whose ranks read each other's contributions there (algorithms/shared_buffer.cc).
+// Only data: its users agree by messages when it may be written and read.
+class Boards {
+ public:
+  // The size of every rank's board; 0: none.
+  virtual size_t board_bytes() const = 0;
+  // Rank `rank`'s board: this rank's or an enabled peer's; nullptr for none.
+  virtual const char* board(int rank) const = 0;
+  // Writes the bytes of `from`, back to back, at `offset` of this rank's board, for `readers`
+  // peers to read: counted as sent to each of them.
+  virtual void write_board(size_t offset, Ranges from, int readers) = 0;
+
+ protected:
+  ~Boards() = default;
+};
+
 // One way of moving bytes between this rank and some of its peers (tcp/, shm/). It knows peers,
 // byte ranges and the signature each message is tagged with; the mesh (transport/mesh.h) gives
 // each peer the transport that can reach it and waits on all of them.
 class Transport {
  public:
   virtual ~Transport() = default;
+  // Also the key of its field in the rank's address, and what Mesh::transport_of reports.
   virtual const char* name() const = 0;
+
+  // Joining (Mesh::connect). What peers need to reach this rank through this transport.
+  virtual std::string address() const = 0;
+  // Whether this transport can carry data between the ranks that published `self` (this rank)
+  // and `peer`. Decided from the two published addresses alone, so that both sides of a pair
+  // answer alike without asking each other.
+  virtual bool can_connect(const Published& self, const Published& peer) const = 0;
+  // Setting up, between exchanges with the peers over the control plane: prepare() for `group`
+  // (this rank and the peers can_connect admitted, in rank order, the same list on every rank
+  // of it), then link() each peer whose prepare() succeeded, by the address it published; a pair
+  // that both sides linked may then be enabled: data to `peer` goes through this transport from
+  // then on. False, with `why`, where it cannot. Nothing to set up by default.
+  virtual bool prepare(const std::vector<int>& group, std::string* why) {
+    (void)group, (void)why;
+    return true;
+  }
+  virtual bool link(int peer, const std::string& address, std::string* why) {
+    (void)peer, (void)address, (void)why;
+    return true;
+  }
+  virtual void enable(int peer) { (void)peer; }
 
   // The collective now running. Messages that arrive for it with another signature are reported
   // as a mismatch even while no receive is posted on their channel.
@@ -139,16 +218,32 @@ class Transport {
   // Moves whatever can move without blocking; true if anything did. Throws ringcomm::Error on a
   // mismatch, a lost peer or a remote abort.
   virtual bool progress() = 0;
-  // True while a posted send or receive is unfinished.
+  // True while a posted send or receive is unfinished; waits_on: one to or from `peer`.
   virtual bool busy() const = 0;
+  virtual bool waits_on(int peer) const {
+    std::vector<int> peers;
+    waiting_on(peers);
+    return std::find(peers.begin(), peers.end(), peer) != peers.end();
+  }
 
   // Waiting. A transport either has file descriptors to poll (fds/on_poll: TCP) or a doorbell it
-  // sleeps on (sleep/ring_self: shared memory); the mesh combines them.
+  // sleeps on (has_doorbell, sleep/ring_self: shared memory); the mesh combines them.
   virtual void add_poll_fds(std::vector<pollfd>& fds) { (void)fds; }
   virtual void on_poll(const pollfd* fds) { (void)fds; }
+  virtual bool has_doorbell() const { return false; }
   // Sleeps until a peer rings this rank's doorbell, ring_self() is called, or `until`.
   virtual void sleep(Clock::time_point until) { (void)until; }
   virtual void ring_self() {}
+  // Whether a peer waits on the CPU this rank is on, where the transport can tell (shared memory:
+  // each local rank publishes its CPU): the mesh then does not spin, which would keep the CPU from
+  // that peer. The transport may first move this rank's thread off the CPU (counted by
+  // cpu_moves()) and then say no.
+  virtual bool peer_on_this_cpu() { return false; }
+  virtual uint64_t cpu_moves() const { return 0; }
+
+  // Capabilities beyond messages; nullptr where the transport has none.
+  virtual SingleCopy* single_copy() { return nullptr; }
+  virtual Boards* boards() { return nullptr; }
 
   // After an error: tell the peers why and its kind (best effort; they raise the same kind),
   // stop sending, drop posted operations.

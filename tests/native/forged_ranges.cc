@@ -91,10 +91,10 @@ int run(int rank, const std::string& forge, int to_peer, int from_peer) {
   options.single_copy_bytes = 4096;
   ShmTransport t(rank, 2, options, done);
   std::string why;
-  if (!t.allocate({0, 1}, &why)) throw std::runtime_error(why);
+  if (!t.prepare({0, 1}, &why)) throw std::runtime_error(why);
   write_line(to_peer, t.address());
   const std::string peer_address = read_line(from_peer);
-  if (!t.map_peer(1 - rank, peer_address, &why)) throw std::runtime_error(why);
+  if (!t.link(1 - rank, peer_address, &why)) throw std::runtime_error(why);
   t.enable(1 - rank);
   write_line(to_peer, "mapped");
   read_line(from_peer);

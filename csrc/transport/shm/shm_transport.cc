@@ -193,7 +193,7 @@ std::string ShmTransport::address() const {
                                 reinterpret_cast<uintptr_t>(&probe_word_));
 }
 
-bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
+bool ShmTransport::prepare(const std::vector<int>& local, std::string* why) {
   local_ = local;
   if (options_.single_copy_bytes < 0) {
     options_.single_copy_bytes = single_copy_default(local.size());
@@ -236,7 +236,7 @@ bool ShmTransport::allocate(const std::vector<int>& local, std::string* why) {
   return true;
 }
 
-bool ShmTransport::map_peer(int peer, const std::string& address, std::string* why) {
+bool ShmTransport::link(int peer, const std::string& address, std::string* why) {
   long pid = 0, fd = 0;
   unsigned long long nonce = 0, probe_address = 0;
   if (sscanf(address.c_str(), "%ld:%ld:%llu:%llu", &pid, &fd, &nonce, &probe_address) != 4) {
@@ -295,8 +295,6 @@ void ShmTransport::enable(int peer) {
   peers_[peer].writer = SlotWriter(options_.stream);
   active_.push_back(peer);
 }
-
-bool ShmTransport::enabled(int peer) const { return peers_[peer].enabled; }
 
 const char* ShmTransport::board(int rank) const {
   if (board_bytes() == 0) return nullptr;

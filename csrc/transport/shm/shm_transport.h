@@ -45,7 +45,7 @@ namespace ringcomm {
 namespace shm {
 
 struct ShmOptions {
-  size_t slot_bytes = 0;  // RINGCOMM_SHM_SLOT_BYTES; 0: chosen by allocate() from the local ranks
+  size_t slot_bytes = 0;  // RINGCOMM_SHM_SLOT_BYTES; 0: chosen by prepare() from the local ranks
   int slots = 8;                 // RINGCOMM_SHM_SLOTS: per inbox
   // RINGCOMM_SHM_SINGLE_COPY_BYTES; 0: never; unset: 1 MiB while every local rank has a core
   // of its own, else never (with more ranks than cores, a sender waits for its receiver to be
@@ -62,54 +62,50 @@ struct Control;
 struct Inbox;
 struct Address;
 
-class ShmTransport final : public Transport {
+class ShmTransport final : public Transport, public SingleCopy, public Boards {
  public:
   ShmTransport(int rank, int world_size, ShmOptions options, PartSink& sink);
   ~ShmTransport() override;
 
+  const char* name() const override { return "shm"; }
   // What a local peer needs to map this rank's segment and probe single copy:
   // "pid:fd:nonce:address of a word holding the nonce".
-  std::string address() const;
-  // Sizes this rank's segment for `local` (the ranks of this host, this one included, in rank
-  // order; every local rank passes the same list). False, with `why`, if memory is short.
-  bool allocate(const std::vector<int>& local, std::string* why);
+  std::string address() const override;
+  // Ranks of one host that both run shared memory.
+  bool can_connect(const Published& self, const Published& peer) const override {
+    return self.offered && peer.offered && self.host == peer.host;
+  }
+  // Sizes this rank's segment for `group` (the ranks of this host that run shared memory). False,
+  // with `why`, if memory is short.
+  bool prepare(const std::vector<int>& group, std::string* why) override;
   // Maps `peer`'s segment from its address; false, with `why`, if this host does not allow it.
   // Then probes whether this rank can read the peer's memory (single copy from it).
-  bool map_peer(int peer, const std::string& address, std::string* why);
-  // The single-copy size when RINGCOMM_SHM_SINGLE_COPY_BYTES left it to its default and the
-  // default turned it on (so a measurement may turn it off), else 0.
-  size_t single_copy_to_probe() const { return single_copy_default_; }
-  // The size from which sends go by address; 0: never.
-  size_t single_copy_bytes() const { return size_t(std::max<int64_t>(0, options_.single_copy_bytes)); }
-  // Sends by address from now on (on) or only through the slots; only while single_copy_to_probe.
-  // Between operations: a receiver takes either kind at any time.
-  void use_single_copy(bool on) {
+  bool link(int peer, const std::string& address, std::string* why) override;
+  void enable(int peer) override;
+
+  // Single copy (transport.h). The size to probe: when RINGCOMM_SHM_SINGLE_COPY_BYTES left it to
+  // its default and the default turned it on.
+  SingleCopy* single_copy() override { return this; }
+  size_t single_copy_to_probe() const override { return single_copy_default_; }
+  size_t single_copy_bytes() const override {
+    return size_t(std::max<int64_t>(0, options_.single_copy_bytes));
+  }
+  void use_single_copy(bool on) override {
     if (single_copy_default_) options_.single_copy_bytes = on ? int64_t(single_copy_default_) : 0;
   }
-  // `data` is about to be sent: where local peers read it by single copy, a buffer sent again
-  // is collapsed into huge pages (huge_pages.h).
-  void offer_huge_pages(const void* data, size_t bytes);
-  // The board's size (every local rank's is the same), and rank `rank`'s board: this rank's or
-  // a mapped peer's; nullptr for none.
-  size_t board_bytes() const { return own_.base ? options_.board_bytes : 0; }
-  const char* board(int rank) const;
-  // Writes the bytes of `from`, back to back, at `offset` of this rank's board, with plain or
-  // streamed stores as the writer of its slots chooses (stream_copy.h), for `readers` peers on
-  // other CPUs to read: counted as sent to each of them.
-  void write_board(size_t offset, Ranges from, int readers);
+  void offer_huge_pages(const void* data, size_t bytes) override;
+  // Boards (transport.h): a region at the end of every segment. Writes use plain or streamed
+  // stores as the writer of the slots chooses (stream_copy.h), for readers on other CPUs.
+  Boards* boards() override { return this; }
+  size_t board_bytes() const override { return own_.base ? options_.board_bytes : 0; }
+  const char* board(int rank) const override;
+  void write_board(size_t offset, Ranges from, int readers) override;
   // Publishes the CPU this rank is on, for its peers, and says whether a local peer was on it
   // when it last began to wait: the scheduler has put both on one CPU. The higher rank of the
   // two may first move off it (move_off), and then says no.
-  bool peer_on_this_cpu();
-  // Times this rank's waiting thread moved off a CPU a local peer waited on.
-  uint64_t cpu_moves() const { return cpu_moves_.load(std::memory_order_relaxed); }
-  // Data to `peer` goes through shared memory from now on (both sides mapped).
-  void enable(int peer);
-  bool enabled(int peer) const;
-  // True while a send to or receive from `peer` is unfinished.
-  bool waits_on(int peer) const;
+  bool peer_on_this_cpu() override;
+  uint64_t cpu_moves() const override { return cpu_moves_.load(std::memory_order_relaxed); }
 
-  const char* name() const override { return "shm"; }
   void set_current(const Signature& sig) override;
   int post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
            int64_t op) override;
@@ -124,6 +120,8 @@ class ShmTransport final : public Transport {
   bool progress() override;
   bool peek(int peer, Signature* sig) const override;
   bool busy() const override;
+  bool waits_on(int peer) const override;
+  bool has_doorbell() const override { return true; }
   void sleep(Clock::time_point until) override;
   void ring_self() override;
   void abort(const std::string& reason, ErrorKind kind) override;

@@ -1,5 +1,8 @@
 // TCP transport: a full mesh of connections (RINGCOMM_SOCKETS_PER_PEER sockets per peer pair),
 // progressed by non-blocking sendmsg/recv on the caller's thread; the mesh polls its sockets.
+// It connects every pair of ranks, so the mesh also makes it the control plane (transport.h):
+// the one-byte exchanges that set up the other transports, abort and waiting notices, and a
+// closed connection as the sign of a lost peer.
 #pragma once
 
 #include <atomic>
@@ -30,7 +33,13 @@ class TcpTransport final : public Transport {
   TcpTransport(int rank, int world_size, TcpOptions options, PartSink& sink);
   ~TcpTransport() override;
 
-  std::string address() const { return bound_.str(); }
+  const char* name() const override { return "tcp"; }
+  std::string address() const override { return bound_.str(); }
+  // Every pair: connect() reaches each rank.
+  bool can_connect(const Published& self, const Published& peer) const override {
+    (void)self, (void)peer;
+    return true;
+  }
   // Builds the mesh: connects to lower ranks, accepts higher ranks. Connections that cannot
   // prove they know `token` (transport/tcp/handshake.h) or claim a wrong rank are refused and
   // closed.
@@ -51,7 +60,6 @@ class TcpTransport final : public Transport {
   // The rank `peer` last said it waits on, if it said so at or after `since`; else -1.
   int reported_wait(int peer, Clock::time_point since) const;
 
-  const char* name() const override { return "tcp"; }
   void set_current(const Signature& sig) override;
   int post(bool is_send, int peer, char* data, size_t bytes, const Signature& sig,
            int64_t op) override;
