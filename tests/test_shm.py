@@ -22,6 +22,9 @@ def transports(comm):
     # two fake hosts of two ranks: shared memory inside each, TCP between them
     (lambda r: {"RINGCOMM_HOST_ID": f"h{r // 2}"},
      lambda r, n: ["self" if q == r else "shm" if q // 2 == r // 2 else "tcp" for q in range(n)]),
+    # rank 1 runs without shared memory: TCP with it, shared memory among the others
+    (lambda r: {"RINGCOMM_TRANSPORT": "tcp"} if r == 1 else {},
+     lambda r, n: ["self" if q == r else "tcp" if 1 in (q, r) else "shm" for q in range(n)]),
 ])
 def test_transport_choice(env_of, expected):
     import ranks
