@@ -15,6 +15,7 @@ import torch
 
 from . import _C
 from ._buffers import TORCH_DTYPES, op_code
+from .compress import Bucket, Compressor
 from .fusion import DEFAULT_BUCKET_BYTES, FLOAT32, BufferList, check_bucket_bytes
 
 COMPRESSION = {None: FLOAT32, "fp16": TORCH_DTYPES[torch.float16],
@@ -37,28 +38,24 @@ class GradientAverager:
     averages are DDP's: bitwise with two ranks (one addition per element), and to rounding with
     more (the order of the additions differs). `compression` "fp16" or "bf16" sends float32
     gradients in that format (rounded once, after the scaling), and unpacks the sums back to
-    float32; other dtypes travel as they are. A `ringcomm.hooks.TopKState` as `compression` sends
-    each bucket's top-k with error feedback, like topk_hook does for DDP (the bucket's gradients
-    are flattened into one tensor for it, and the state's residuals are kept per bucket). A
-    `ringcomm.hooks.PowerSGDState` sends each bucket as powersgd_hook does: its matrices as
-    low-rank factors with error feedback (memory kept per bucket), its vectors and small matrices
-    whole; the state's step counts step() calls. Until step() returns, issue nothing else on
-    `comm` (PowerSGD issues part of its all-reduces from the progress thread).
+    float32; other dtypes travel as they are. A Compressor (ringcomm.compress) as `compression`
+    averages each bucket as its DDP hook does, its memory kept per bucket and its step counting
+    step() calls: a `ringcomm.hooks.TopKState` sends the bucket's top-k with error feedback, like
+    topk_hook (the bucket's gradients flattened into one tensor); a
+    `ringcomm.hooks.PowerSGDState` sends it as powersgd_hook does: its matrices as low-rank
+    factors with error feedback, its vectors and small matrices whole. Until step() returns,
+    issue nothing else on `comm` (PowerSGD issues part of its all-reduces from the progress
+    thread).
     """
 
     def __init__(self, params, comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression=None):
-        from .hooks.powersgd import PowerSGDState
-        from .hooks.topk import TopKState
-
-        self._topk = compression if isinstance(compression, TopKState) else None
-        self._powersgd = compression if isinstance(compression, PowerSGDState) else None
-        stateful = self._topk is not None or self._powersgd is not None
-        if not stateful and compression not in COMPRESSION:
+        self._compressor = compression if isinstance(compression, Compressor) else None
+        if self._compressor is None and compression not in COMPRESSION:
             raise ValueError(f"compression must be None, 'fp16', 'bf16', a "
                              f"ringcomm.hooks.TopKState or a ringcomm.hooks.PowerSGDState, got "
                              f"{compression!r}")
         self._comm = comm
-        self._wire = FLOAT32 if stateful else COMPRESSION[compression]
+        self._wire = FLOAT32 if self._compressor is not None else COMPRESSION[compression]
         self._bucket_bytes = check_bucket_bytes(bucket_bytes)
         unique, seen = [], set()
         for i, p in enumerate(params):
@@ -75,10 +72,8 @@ class GradientAverager:
             if id(p) not in seen:  # shared parameters are averaged once
                 seen.add(id(p))
                 unique.append(p)
-        if self._powersgd is not None and unique and unique[0].is_cuda:
-            from .hooks.powersgd import CUDA_REFUSED
-
-            raise ValueError(CUDA_REFUSED)
+        if self._compressor is not None and unique:
+            self._compressor.check_device(unique[0].device)
         self._buckets = self._make_buckets(unique[::-1])
         self._bucket_of = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket}
         self._missing = [len(bucket) for bucket in self._buckets]  # gradients not yet ready
@@ -146,19 +141,10 @@ class GradientAverager:
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
             grads.append(p.grad)
-        if self._powersgd is not None:
-            from .hooks.powersgd import start_powersgd
-
-            # a Future, completed on the progress thread once the grads hold the average
-            self._works.append((start_powersgd(self._powersgd, self._comm, grads, b), grads,
-                                None))
-            return
-        if self._topk is not None:
-            from .hooks.topk import average_compressed
-
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            work, finished = average_compressed(self._topk, self._comm, flat, b)
-            self._works.append((work, grads, finished))
+        if self._compressor is not None:
+            # a Future with the flat average, or None once the grads hold it
+            average = self._compressor.average(self._comm, Bucket(grads, b))
+            self._works.append((average, grads, torch.futures.Future.value))
             return
         if grads[0].is_cuda:
             self._works.append(self._launch_cuda(grads))
@@ -180,7 +166,7 @@ class GradientAverager:
         flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / self._comm.world_size)
         flat = flat.to(wire)
         work = self._comm.all_reduce(flat, op="sum", async_op=True)
-        return work, grads, lambda result: result.to(dtype)
+        return work, grads, lambda work: work.result().to(dtype)
 
     def step(self):
         """Starts the buckets backward has not, waits for all, and readies the next step. Every
@@ -188,16 +174,14 @@ class GradientAverager:
         try:
             for b in range(self.launched, len(self._buckets)):
                 self._launch(b)
-            for work, grads, finished in self._works:
-                work.wait()  # a Work, or PowerSGD's Future: both raise the operation's error
-                if finished is not None:  # top-k: the average comes back flat
-                    averaged = finished(work.result())
+            for work, grads, result in self._works:
+                work.wait()  # a Work, or a compressor's Future: both raise the operation's error
+                averaged = None if result is None else result(work)
+                if averaged is not None:  # the average comes back flat
                     for g, piece in zip(grads, torch.split(averaged, [g.numel() for g in grads])):
                         g.copy_(piece.view_as(g))
-            if self._works:
-                for state in (self._topk, self._powersgd):
-                    if state is not None:
-                        state.end_step(self._comm)
+            if self._works and self._compressor is not None:
+                self._compressor.end_step(self._comm)
         finally:
             self._works = []
             self._ready.clear()

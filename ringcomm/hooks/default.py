@@ -16,28 +16,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from .state import communicator_for
+from .state import communicator_for, completed, ringcomm_named
 
 
-def _ringcomm_named(hook):
-    """Prefixes a hook's name with "ringcomm_".
-
-    DDP logs the name, which then says whose hook it is; and DDP refuses a hook *named*
-    bf16_compress_hook or bf16_compress_wrapper_hook unless CUDA and NCCL >= 2.10 are present
-    (DistributedDataParallel._check_comm_hook), a check meant for torch's own bf16 hooks, which
-    all-reduce bf16 through NCCL. ringcomm reduces bf16 itself, on the CPU.
-    """
-    hook.__name__ = hook.__qualname__ = f"ringcomm_{hook.__name__}"
-    return hook
-
-
-def _completed(tensor: torch.Tensor) -> torch.futures.Future:
-    fut = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
-
-
-@_ringcomm_named
+@ringcomm_named
 def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages the bucket over ranks in place with one ringcomm all_reduce."""
     called = time.monotonic_ns()
@@ -51,7 +33,7 @@ def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch
         op = "avg"  # divided inside the core; the ring divides only each rank's reduced share
     if isinstance(bucket, tuple):
         comm.all_reduce(grad, op=op)
-        return _completed(grad)
+        return completed(grad)
     work = comm.all_reduce(grad, op=op, async_op=True)
     comm.bucket_stats.add_work(bucket.index(), work)
     return comm.bucket_stats.watch(bucket.index(), called, work.get_future())
@@ -63,19 +45,19 @@ def _compressed(dtype: torch.dtype, hook, state, bucket) -> torch.futures.Future
     if isinstance(bucket, tuple):
         grad, param = bucket
         result = hook(state, (grad.to(dtype), param)).wait()
-        return _completed(grad.copy_(result))
+        return completed(grad.copy_(result))
     buffer = bucket.buffer()
     bucket.set_buffer(buffer.to(dtype))
     return hook(state, bucket).then(lambda fut: buffer.copy_(fut.value()))
 
 
-@_ringcomm_named
+@ringcomm_named
 def fp16_compress_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages the bucket over ranks as float16: half the bytes of allreduce_hook."""
     return _compressed(torch.float16, allreduce_hook, state, bucket)
 
 
-@_ringcomm_named
+@ringcomm_named
 def bf16_compress_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages the bucket over ranks as bfloat16 (float32's range, fewer mantissa bits); works
     on CPU-only torch, unlike torch's hook of that name."""
@@ -87,7 +69,7 @@ def fp16_compress_wrapper(hook):
     def fp16_compress_wrapper_hook(state,
                                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return _compressed(torch.float16, hook, state, bucket)
-    return _ringcomm_named(fp16_compress_wrapper_hook)
+    return ringcomm_named(fp16_compress_wrapper_hook)
 
 
 def bf16_compress_wrapper(hook):
@@ -95,4 +77,4 @@ def bf16_compress_wrapper(hook):
     def bf16_compress_wrapper_hook(state,
                                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return _compressed(torch.bfloat16, hook, state, bucket)
-    return _ringcomm_named(bf16_compress_wrapper_hook)
+    return ringcomm_named(bf16_compress_wrapper_hook)

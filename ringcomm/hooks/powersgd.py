@@ -41,10 +41,13 @@ import torch
 
 import torch.distributed as dist
 
-from .default import _completed, _ringcomm_named
-from .state import ReportsBuckets, communicator_for
+from ..compress import Bucket, Compressor, as_exception
+from .state import ReportsBuckets, communicator_for, completed, ringcomm_named
 
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # float16 / bfloat16 gradients: math in float32
+# Its factors and error memory live in host memory, and its futures are not CUDA-aware.
+CUDA_REFUSED = ("ringcomm's PowerSGD runs on CPU gradients only; for CUDA gradients use "
+                "allreduce_hook, bf16_compress_hook or topk_hook")
 
 
 @dataclass
@@ -112,9 +115,9 @@ def _completed_lane() -> torch.futures.Future:
 
 
 @dataclass
-class PowerSGDState(ReportsBuckets):
-    """Configuration and per-bucket memory of powersgd_hook (and of a GradientAverager given it as
-    `compression`): one state per model.
+class PowerSGDState(ReportsBuckets, Compressor):
+    """Configuration, per-bucket memory and the Compressor of powersgd_hook (and of a
+    GradientAverager given it as `compression`): one state per model.
 
     matrix_approximation_rank: r, the columns of the P and Q factors (clipped to min(n, m)). 2 by
     default (torch's hook and the authors' example use 1): twice rank 1's bytes, still a small
@@ -221,6 +224,52 @@ class PowerSGDState(ReportsBuckets):
         self._lane = _completed_lane()
         self.__post_init__()
 
+    # -- the Compressor: see the module's docstring for the steps and their order ---------------
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            raise ValueError(CUDA_REFUSED)
+
+    def compress(self, comm, bucket: Bucket) -> "_Exchange":
+        """Error feedback, the starting Q and the P factors, packed after the tensors sent whole.
+        A failure aborts the communicator: the other ranks wait for this bucket's messages."""
+        previous, lane = self._lane, torch.futures.Future()
+        self._lane = lane
+        try:
+            if self._step_start_bytes is None:
+                self._step_start_bytes = comm.bytes_sent
+            return _Exchange(self, comm, bucket, previous, lane)
+        except BaseException as e:
+            lane.set_result(None)  # the buckets after this one fail on the aborted communicator
+            _abort(comm, e)
+            raise
+
+    def exchange(self, comm, bucket: Bucket, compressed: "_Exchange") -> torch.futures.Future:
+        """Once the bucket before it has issued its last message: [whole tensors | P] averaged,
+        then the Q factors, from the progress thread."""
+        compressed.previous.add_done_callback(compressed.begin)
+        return compressed.exchanged
+
+    def decompress(self, comm, bucket: Bucket, compressed: "_Exchange",
+                   exchanged) -> Optional[torch.Tensor]:
+        """The average is in the gradients: bucket.flat (None without one) holds it."""
+        try:
+            compressed.finish()
+        except BaseException as e:
+            _abort(comm, e)
+            raise
+        return bucket.flat
+
+    def average(self, comm, bucket: Bucket) -> torch.futures.Future:
+        """Compressor.average, failing the Future where compress() fails (a KeyboardInterrupt
+        is raised, as it would be without the hook), as where the exchange does."""
+        try:
+            return super().average(comm, bucket)
+        except Exception as e:
+            failed = torch.futures.Future()
+            failed.set_exception(e)
+            return failed
+
 
 def _as_tuple(value):
     """Signatures come back from some serializers with lists for tuples."""
@@ -245,14 +294,16 @@ def _orthonormalize(matrix: torch.Tensor):
 
 
 class _Exchange:
-    """One bucket's average. Prepared on the calling thread; then begin() (when the bucket before
-    it has issued its last message) all-reduces [whole tensors | P factors]; after_p() finishes P
-    and all-reduces the Q factors; after_q() writes M' into the gradients and completes `outer`."""
+    """One bucket's average, PowerSGDState's compressed bucket. Prepared on the calling thread;
+    then begin() (once `previous`, the bucket before it, has issued its last message) all-reduces
+    [whole tensors | P factors]; after_p() finishes P and all-reduces the Q factors; `exchanged`
+    completes once they are averaged, and finish() writes M' into the gradients."""
 
-    def __init__(self, state, comm, grads, slot, result, is_last, flat, outer, lane, bucket):
-        self.state, self.comm, self.grads, self.slot = state, comm, list(grads), slot
-        self.result, self.is_last, self.outer, self.lane = result, is_last, outer, lane
-        self.bucket = bucket
+    def __init__(self, state, comm, bucket: Bucket, previous, lane):
+        self.state, self.comm, self.grads, self.slot = state, comm, list(bucket.grads), bucket.slot
+        self.index, self.previous, self.lane = bucket.index, previous, lane
+        self.exchanged = torch.futures.Future()
+        flat = bucket.flat
         started = time.perf_counter()
         dtype = self.grads[0].dtype if self.grads else torch.float32
         if any(g.dtype != dtype for g in self.grads):
@@ -348,7 +399,7 @@ class _Exchange:
                     offset += g.numel()
             if not plan.matrices:
                 self.state._add_stats(compute_seconds=time.perf_counter() - started)
-                self._finish()
+                self.exchanged.set_result(None)
                 return
             self.w2 = torch.empty(plan.q_numel, dtype=self.wire)
             self.ps, p_offset, q_offset = [], plan.dense_numel, 0
@@ -376,46 +427,50 @@ class _Exchange:
     def after_q(self, fut):
         try:
             fut.value()
-            started = time.perf_counter()
-            plan, mem = self.plan, self.mem
-            q_flat = self.w2 if self.wire == self.compute else self.w2.to(self.compute)
-            q_offset, e_offset = 0, 0
-            for (i, n, m, r), matrix, p in zip(plan.matrices, self.ms, self.ps):
-                approx = torch.mm(p, q_flat[q_offset:q_offset + m * r].view(m, r).t())
-                if mem.error is not None:
-                    torch.sub(matrix, approx, out=mem.error[e_offset:e_offset + n * m].view(n, m))
-                g = self.grads[i]
-                g.copy_(approx.view(g.shape))
-                q_offset, e_offset = q_offset + m * r, e_offset + n * m
-            mem.q = q_flat if self.state.warm_start else None
-            self.state._add_stats(compute_seconds=time.perf_counter() - started)
-            self._finish()
         except BaseException as e:  # noqa: BLE001
             self.fail(e)
+            return
+        self.exchanged.set_result(None)
+
+    # -- decompress: on the progress thread, once `exchanged` has completed ---------------------
+
+    def finish(self):
+        """M' = P Q^T into the compressed gradients; the error memory and the warm start kept."""
+        plan = self.plan
+        if not plan.matrices:
+            return
+        started = time.perf_counter()
+        mem = self.mem
+        q_flat = self.w2 if self.wire == self.compute else self.w2.to(self.compute)
+        q_offset, e_offset = 0, 0
+        for (i, n, m, r), matrix, p in zip(plan.matrices, self.ms, self.ps):
+            approx = torch.mm(p, q_flat[q_offset:q_offset + m * r].view(m, r).t())
+            if mem.error is not None:
+                torch.sub(matrix, approx, out=mem.error[e_offset:e_offset + n * m].view(n, m))
+            g = self.grads[i]
+            g.copy_(approx.view(g.shape))
+            q_offset, e_offset = q_offset + m * r, e_offset + n * m
+        mem.q = q_flat if self.state.warm_start else None
+        self.state._add_stats(compute_seconds=time.perf_counter() - started)
 
     def _count(self, work):
-        if self.bucket is not None:
-            self.comm.bucket_stats.add_work(self.bucket, work)
-
-    def _finish(self):
-        if self.is_last:
-            self.state.end_step(self.comm)
-        self.outer.set_result(self.result)
+        if self.index is not None:
+            self.comm.bucket_stats.add_work(self.index, work)
 
     def _release_lane(self):
         if not self.lane.done():
             self.lane.set_result(None)
 
     def fail(self, error: BaseException):
-        """Fails this bucket's future. An error of this code (not of the communicator, which is
+        """Fails this bucket's exchange. An error of this code (not of the communicator, which is
         then broken already) aborts the communicator: the other ranks wait for messages this rank
         will not send, and learn why at once instead of at their timeout."""
         try:
             _abort(self.comm, error)
         finally:
             self._release_lane()  # the buckets after this one fail on the broken communicator
-            if not self.outer.done():
-                self.outer.set_exception(_as_exception(error))
+            if not self.exchanged.done():
+                self.exchanged.set_exception(as_exception(error))
 
 
 def _abort(comm, error: BaseException):
@@ -423,49 +478,7 @@ def _abort(comm, error: BaseException):
         comm.abort(f"PowerSGD failed on rank {comm.rank}: {type(error).__name__}: {error}")
 
 
-def _as_exception(error: BaseException) -> Exception:
-    """What a Future can hold (a KeyboardInterrupt, say, is no Exception)."""
-    if isinstance(error, Exception):
-        return error
-    return RuntimeError(f"{type(error).__name__}: {error}")
-
-
-def start_powersgd(state: PowerSGDState, comm, grads, slot: int, result=None,
-                   is_last: bool = False, flat: Optional[torch.Tensor] = None,
-                   bucket: Optional[int] = None) -> torch.futures.Future:
-    """Starts averaging `grads` (tensors shaped like their parameters, overwritten in place with
-    the average: exact for tensors sent whole, the rank-r approximation for compressed ones) over
-    the ranks of `comm`. `slot` names the memory kept for these tensors; `is_last` ends the step
-    when done; `flat`, if given, is one tensor the grads are views of (DDP's bucket), averaged in
-    place when nothing is compressed; `bucket`, DDP's bucket index, where its operations count in
-    Communicator.stats(). Returns a Future completed with `result` once every tensor
-    holds its average, or failed with the error. Shared by powersgd_hook and GradientAverager."""
-    outer = torch.futures.Future()
-    previous, lane = state._lane, torch.futures.Future()
-    state._lane = lane
-    try:
-        if state._step_start_bytes is None:
-            state._step_start_bytes = comm.bytes_sent
-        exchange = _Exchange(state, comm, grads, slot, result, is_last, flat, outer, lane, bucket)
-    except BaseException as e:  # after this rank's earlier buckets, the others wait: abort
-        lane.set_result(None)
-        try:
-            _abort(comm, e)
-        finally:
-            outer.set_exception(_as_exception(e))
-        if not isinstance(e, Exception):
-            raise  # a KeyboardInterrupt stops the program, as it would without the hook
-        return outer
-    previous.add_done_callback(exchange.begin)
-    return outer
-
-
-# Its factors and error memory live in host memory, and its futures are not CUDA-aware.
-CUDA_REFUSED = ("ringcomm's PowerSGD runs on CPU gradients only; for CUDA gradients use "
-                "allreduce_hook, bf16_compress_hook or topk_hook")
-
-
-@_ringcomm_named
+@ringcomm_named
 def powersgd_hook(state: PowerSGDState,
                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: PowerSGD low-rank compression with error feedback (dense during the first
@@ -475,14 +488,13 @@ def powersgd_hook(state: PowerSGDState,
         raise TypeError(f"powersgd_hook needs a ringcomm.hooks.PowerSGDState, got "
                         f"{type(state).__name__}")
     grad = bucket[0] if isinstance(bucket, tuple) else bucket.buffer()
-    if grad.is_cuda:
-        raise ValueError(CUDA_REFUSED)
+    state.check_device(grad.device)
     if isinstance(bucket, tuple):  # compiled DDP discards the future: finish in place now
         grad, param = bucket
         comm = communicator_for(state.comm)
         slot = state.slot_of_param(param, comm)
-        start_powersgd(state, comm, [grad], slot, result=grad).wait()
-        return _completed(grad)
+        state.average(comm, Bucket([grad], slot)).wait()
+        return completed(grad)
     if state.start_iter < 2 and (state.error_feedback or state.warm_start):
         raise ValueError(f"with DDP, PowerSGDState.start_iter must be >= 2 when error_feedback or "
                          f"warm_start is on (got {state.start_iter}): DDP rebuilds its buckets "
@@ -490,14 +502,6 @@ def powersgd_hook(state: PowerSGDState,
                          f"belong to other parameters")
     called = time.monotonic_ns()
     comm = communicator_for(state.comm)
-    buffer = bucket.buffer()
-    fut = start_powersgd(state, comm, bucket.gradients(), bucket.index(), result=buffer,
-                         is_last=bucket.is_last(), flat=buffer, bucket=bucket.index())
-    # A Python Future's set_exception stores the exception as its value, which DDP (C++) then
-    # fails to cast to a Tensor; raised from a then() callback it becomes the Future's error,
-    # and DDP raises it (message included) from backward.
-    return comm.bucket_stats.watch(bucket.index(), called, fut.then(_value))
-
-
-def _value(fut: torch.futures.Future):
-    return fut.value()
+    average = state.average(comm, Bucket(bucket.gradients(), bucket.index(), flat=bucket.buffer(),
+                                         index=bucket.index(), is_last=bucket.is_last()))
+    return comm.bucket_stats.watch(bucket.index(), called, average)

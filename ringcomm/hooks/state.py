@@ -1,6 +1,8 @@
-"""Which Communicator a hook's `state` stands for."""
+"""What the hooks share: which Communicator a hook's `state` stands for, the hooks' names, and
+the Future a hook returns when it has finished already."""
 import threading
 
+import torch
 import torch.distributed as dist
 
 from ..backend import communicator_of
@@ -52,3 +54,22 @@ class ReportsBuckets:
         running time the part spent idle waiting for peers: Communicator.stats()["buckets"] of the
         communicator the hook runs on."""
         return communicator_for(self.comm).bucket_stats.as_dict()
+
+
+def ringcomm_named(hook):
+    """Prefixes a hook's name with "ringcomm_".
+
+    DDP logs the name, which then says whose hook it is; and DDP refuses a hook *named*
+    bf16_compress_hook or bf16_compress_wrapper_hook unless CUDA and NCCL >= 2.10 are present
+    (DistributedDataParallel._check_comm_hook), a check meant for torch's own bf16 hooks, which
+    all-reduce bf16 through NCCL. ringcomm reduces bf16 itself, on the CPU.
+    """
+    hook.__name__ = hook.__qualname__ = f"ringcomm_{hook.__name__}"
+    return hook
+
+
+def completed(tensor: torch.Tensor) -> torch.futures.Future:
+    """A Future holding `tensor` already."""
+    fut = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut

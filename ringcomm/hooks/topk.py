@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from .. import compress, trace
-from .default import _completed, _ringcomm_named
-from .state import ReportsBuckets, communicator_for
+from ..compress import Bucket, Compressor
+from .state import ReportsBuckets, communicator_for, completed, ringcomm_named
 
 
 @dataclass
@@ -43,8 +43,22 @@ class TopKStats:
 
 
 @dataclass
-class TopKState(ReportsBuckets):
-    """Configuration and per-bucket memory of topk_hook.
+class _Compressed:
+    """What one bucket sends: its flat gradient, and either `dense` (the gradient plus what it is
+    owed, all-reduced whole) or its top-k `indices` and wire `values`; `started`, when the
+    exchange's time (TopKStats.exchange_seconds) began."""
+
+    flat: torch.Tensor
+    started: float
+    dense: Optional[torch.Tensor] = None
+    indices: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+
+
+@dataclass
+class TopKState(ReportsBuckets, Compressor):
+    """Configuration, per-bucket memory and the Compressor of topk_hook (and of a
+    GradientAverager given it as `compression`).
 
     The defaults are the measured good settings (docs/performance.md, Top-k compression,
     "Quality"):
@@ -243,75 +257,86 @@ class TopKState(ReportsBuckets):
         self._layouts, self._retired, self._prepared = {}, [], []  # ids do not outlive the process
         self.__post_init__()
 
+    # -- the Compressor: the bucket's top-k with error feedback, or the bucket whole -------------
 
-def average_compressed(state: TopKState, comm, flat: torch.Tensor, slot: int, layout=None):
-    """Starts averaging the flat gradient `flat` over the ranks of `comm`: dense on dense steps,
-    for other dtypes and where the cost model prefers it, else its top-k with error feedback
-    through the sparse all-reduce. Returns (Work whose result is the flat average, a function to
-    call with that result when it is ready, which does the bookkeeping and returns it). `slot`
-    names the residual/velocity memory, `layout` its parameters (TopKState.memory). Shared by
-    topk_hook and GradientAverager."""
-    stats = state.stats
-    if state._step_start_bytes is None:
-        state._step_start_bytes = comm.bytes_sent
-    numel = flat.numel()
-    stats.dense_bytes += 2 * (comm.world_size - 1) * numel * flat.element_size() // comm.world_size
-    source = flat if flat.is_contiguous() else flat.contiguous()
-    started = time.perf_counter()
-    k = max(1, int(numel * state.density()))
-    compressible = flat.dtype in compress.TOPK_DTYPES and state.step >= state.dense_steps
-    if compressible and state.adaptive:
-        sparse_cost, dense_cost = comm.compression_costs(numel, k, state.value_dtype, flat.dtype)
-        compressible = sparse_cost < dense_cost
-    if state.clip_norm is not None:
-        limit = state.clip_norm / comm.world_size ** 0.5
-        norm = float(torch.linalg.vector_norm(source))
-        if norm > limit:
-            source = source * (limit / norm)
-    if state.momentum_correction and flat.is_floating_point():
-        velocity = state.memory("velocities", slot, source, layout)
-        velocity.mul_(state.momentum).add_(source)
-        source = velocity
-    if not compressible:
-        if state.error_feedback and slot in state.residuals:
-            source = source + state.memory("residuals", slot, source, layout)  # owed: out now
-            del state.residuals[slot]
-        elif source is not flat:
-            source = source.clone()  # the velocity is kept; the all-reduce works in place
-        stats.dense_buckets += 1
-        work = comm.all_reduce(source, op="avg", async_op=True)
-        if state.error_feedback and state.step + 1 == state.dense_steps and \
-                flat.dtype in compress.TOPK_DTYPES:
-            state.prepare_memory(flat)
-    else:
+    def compress(self, comm, bucket: Bucket) -> _Compressed:
+        """Dense on dense steps, for other dtypes and where the cost model prefers it, else the
+        top-k of the bucket's flat gradient with error feedback. The residual and velocity
+        memory is the bucket's slot (memory())."""
+        stats, slot, layout = self.stats, bucket.slot, bucket.layout
+        flat = (bucket.flat.reshape(-1) if bucket.flat is not None
+                else torch.cat([g.reshape(-1) for g in bucket.grads]))
+        if self._step_start_bytes is None:
+            self._step_start_bytes = comm.bytes_sent
+        numel = flat.numel()
+        stats.dense_bytes += 2 * (comm.world_size - 1) * numel * flat.element_size() // comm.world_size
+        source = flat if flat.is_contiguous() else flat.contiguous()
+        started = time.perf_counter()
+        k = max(1, int(numel * self.density()))
+        compressible = flat.dtype in compress.TOPK_DTYPES and self.step >= self.dense_steps
+        if compressible and self.adaptive:
+            sparse_cost, dense_cost = comm.compression_costs(numel, k, self.value_dtype, flat.dtype)
+            compressible = sparse_cost < dense_cost
+        if self.clip_norm is not None:
+            limit = self.clip_norm / comm.world_size ** 0.5
+            norm = float(torch.linalg.vector_norm(source))
+            if norm > limit:
+                source = source * (limit / norm)
+        if self.momentum_correction and flat.is_floating_point():
+            velocity = self.memory("velocities", slot, source, layout)
+            velocity.mul_(self.momentum).add_(source)
+            source = velocity
+        if not compressible:
+            if self.error_feedback and slot in self.residuals:
+                source = source + self.memory("residuals", slot, source, layout)  # owed: out now
+                del self.residuals[slot]
+            elif source is not flat:
+                source = source.clone()  # the velocity is kept; the all-reduce works in place
+            stats.dense_buckets += 1
+            return _Compressed(flat, started, dense=source)
         with trace.span("compress", numel=numel, k=k):
-            if state.error_feedback:
+            if self.error_feedback:
                 # what rounding to the wire type loses is owed too: the kernel keeps it
-                residual = state.memory("residuals", slot, source, layout)
+                residual = self.memory("residuals", slot, source, layout)
                 wire_values, indices = compress.topk_with_residual(source, residual, k,
-                                                                   state.value_dtype)
+                                                                   self.value_dtype)
             else:
                 values, indices = compress.topk(source, k)
-                wire_values = values.to(state.value_dtype)
-        if state.momentum_correction:
+                wire_values = values.to(self.value_dtype)
+        if self.momentum_correction:
             source.index_fill_(0, indices.long(), 0)  # DGC's momentum factor masking
         stats.compressed_buckets += 1
         stats.compress_seconds += time.perf_counter() - started
-        started = time.perf_counter()
-        # The gradient is consumed: the average can take its place (no 4-bytes-per-element
-        # allocation, and its page faults, per step).
-        out = flat if flat.is_contiguous() else torch.empty(numel, dtype=flat.dtype,
-                                                            device=flat.device)
-        work = comm.sparse_all_reduce(indices, wire_values, numel, out=out, op="avg", async_op=True)
+        return _Compressed(flat, started, indices=indices, values=wire_values)
 
-    def finished(result: torch.Tensor) -> torch.Tensor:
-        stats.exchange_seconds += time.perf_counter() - started
-        return result
+    def exchange(self, comm, bucket: Bucket, compressed: _Compressed) -> torch.futures.Future:
+        """The dense all-reduce, or the sparse all-reduce of the top-k (averages, both)."""
+        flat = compressed.flat
+        if compressed.dense is not None:
+            work = comm.all_reduce(compressed.dense, op="avg", async_op=True)
+            if self.error_feedback and self.step + 1 == self.dense_steps and \
+                    flat.dtype in compress.TOPK_DTYPES:
+                self.prepare_memory(flat)
+        else:
+            compressed.started = time.perf_counter()
+            # The gradient is consumed: the average can take its place (no 4-bytes-per-element
+            # allocation, and its page faults, per step).
+            out = flat if flat.is_contiguous() else torch.empty(flat.numel(), dtype=flat.dtype,
+                                                                device=flat.device)
+            work = comm.sparse_all_reduce(compressed.indices, compressed.values, flat.numel(),
+                                          out=out, op="avg", async_op=True)
+        if bucket.index is not None:
+            comm.bucket_stats.add_work(bucket.index, work)
+        return work.get_future()
 
-    return work, finished
+    def decompress(self, comm, bucket: Bucket, compressed: _Compressed,
+                   exchanged: torch.Tensor) -> torch.Tensor:
+        """The average comes back whole and flat: shaped like bucket.flat, where given."""
+        self.stats.exchange_seconds += time.perf_counter() - compressed.started
+        return exchanged if bucket.flat is None else exchanged.view_as(bucket.flat)
 
 
-@_ringcomm_named
+@ringcomm_named
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: top-k sparse exchange with error feedback (see TopKState for when a bucket
     goes dense)."""
@@ -320,17 +345,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     called = time.monotonic_ns()
     comm = communicator_for(state.comm)
     grad, slot, is_last, layout = state.slot_of(bucket, comm)
-    work, finished = average_compressed(state, comm, grad.reshape(-1), slot, layout)
-
-    def finish(result: torch.Tensor) -> torch.Tensor:
-        finished(result)
-        if is_last:
-            state.end_step(comm)
-        return result.view_as(grad)
-
     if isinstance(bucket, tuple):  # compiled DDP discards the future: finish in place now
-        work.wait()
-        return _completed(grad.copy_(finish(work.result())))
-    comm.bucket_stats.add_work(bucket.index(), work)
-    return comm.bucket_stats.watch(bucket.index(), called,
-                                   work.get_future().then(lambda fut: finish(fut.value())))
+        average = state.average(comm, Bucket([grad], slot, flat=grad)).wait()
+        return completed(grad.copy_(average))
+    average = state.average(comm, Bucket([grad], slot, flat=grad, layout=layout,
+                                         index=bucket.index(), is_last=is_last))
+    return comm.bucket_stats.watch(bucket.index(), called, average)
