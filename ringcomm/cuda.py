@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import fusion
 from ._buffers import TORCH_DTYPES, op_code
 
 TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -208,9 +209,7 @@ def _list(tensors: Sequence[torch.Tensor], device: torch.device):
     which names the first bad one."""
     if not tensors:
         raise ValueError("no tensors given")
-    from .fusion import torch_module  # not at the top: fusion imports the communicator
-
-    module = torch_module()
+    module = fusion.torch_module()
     if module is not None:
         lists = module.tensor_lists(tensors, str(device))
         if lists is not None:

@@ -11,7 +11,7 @@ from array import array
 
 import torch
 
-from . import _C
+from . import _C, _extension
 from ._buffers import FLOATING, TORCH_DTYPES, Buffer, has_memory, op_code
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -65,11 +65,10 @@ class BufferList:
 
 
 def torch_module():
-    """ringcomm._C_torch where it is built already (backend.built()), whose tensor_lists reads a
-    list of tensors in C++, else None."""
-    from . import backend  # not at the top: backend imports communicator, which imports this
-
-    return backend.built()
+    """ringcomm._C_torch where it is built already (_extension.built()), whose tensor_lists reads
+    a list of tensors in C++, else None. The one place the readers of tensor lists (BufferList,
+    cuda.pack and unpack, Communicator's blocking all_reduce) ask, so a test can swap it."""
+    return _extension.built()
 
 
 _dtype = operator.attrgetter("dtype")

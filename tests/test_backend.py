@@ -694,7 +694,7 @@ def test_built_loads_only_a_finished_build_and_never_waits(tmp_path):
     import shutil
 
     ringcomm.backend.load()  # built, in this process's cache
-    real = ringcomm.backend._build_dir(ringcomm.backend._sources())
+    real = ringcomm._extension.build_dir(ringcomm._extension.sources())
 
     def built_in_a_fresh_process(cache):
         # a fork of the ranks' fork server, which has imported ringcomm and nothing more

@@ -1,12 +1,11 @@
 """The CUDA extension as built on a machine without a GPU (this one, CI): it exists wherever nvcc
-does, carries SASS for sm_80 and sm_90 and PTX, stays out of processes that do not ask for it, and
-says plainly why its kernels cannot run. Its arithmetic is the CPU kernels' (test_kernels.py,
+does, carries SASS for sm_80 and sm_90 and PTX, stays out of processes that do not ask for it
+(test_imports.py), and says plainly why its kernels cannot run. Its arithmetic is the CPU kernels' (test_kernels.py,
 test_topk.py, test_fusion.py cover it); tests/gpu/ runs the kernels where a GPU is."""
 import glob
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 from array import array
 from pathlib import Path
@@ -73,16 +72,6 @@ def test_extension_links_no_cuda_library_and_no_torch():
     assert "libringcomm.so" in libraries, libraries
     core = needed(extension_path().parent / "libringcomm.so")
     assert not [lib for lib in core if "cuda" in lib or "torch" in lib or "c10" in lib], core
-
-
-def test_import_ringcomm_loads_no_cuda_library():
-    code = ("import ringcomm, ringcomm.compress, ringcomm.hooks, torch\n"
-            "ringcomm.compress.topk(torch.randn(1000), 10)\n"
-            "maps = open('/proc/self/maps').read()\n"
-            "print([line.split()[-1] for line in maps.splitlines() if 'cuda' in line.lower()])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

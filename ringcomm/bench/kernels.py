@@ -202,16 +202,19 @@ def bench_gpu(args):
     flat = torch.empty(sum(sizes), dtype=torch.bfloat16, device="cuda")
     # The list is read in C++ by the torch module (built here if need be), as wherever it is
     # built; the second row reads it in Python, the path without the module.
-    module = backend.load()
     anchor = gpu_time_ms(lambda: (torch.cat(tensors) * 0.5).to(torch.bfloat16), repeats)
+
+    def pack_row(reader, name):
+        fusion.torch_module = lambda: reader
+        row(f"pack 1000 float32 tensors -> bf16, scaled{name}",
+            gpu_time_ms(lambda: rc_cuda.pack(tensors, dtype=torch.bfloat16, scale=0.5, out=flat),
+                        repeats),
+            "(torch.cat * 0.5).to(bf16)", anchor, floor_ms(6 * sum(sizes)))
+
     torch_module = fusion.torch_module
     try:
-        for reader, name in ((module, ""), (None, ", list read in Python")):
-            fusion.torch_module = lambda: reader
-            row(f"pack 1000 float32 tensors -> bf16, scaled{name}",
-                gpu_time_ms(lambda: rc_cuda.pack(tensors, dtype=torch.bfloat16, scale=0.5,
-                                                 out=flat), repeats),
-                "(torch.cat * 0.5).to(bf16)", anchor, floor_ms(6 * sum(sizes)))
+        pack_row(backend.load(), "")
+        pack_row(None, ", list read in Python")
     finally:
         fusion.torch_module = torch_module
     device = torch.cuda.get_device_name()
