@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include "common/crypto.h"
-#include "common/env.h"
+#include "common/knobs.h"
 #include "common/logging.h"
 #include "common/trace.h"
 
@@ -135,12 +135,11 @@ namespace {
 // inputs give the same bits run after run.
 uint64_t retune_period(int world_size) {
   constexpr uint64_t kPeriod = 64;
-  const std::string calls = env_string("RINGCOMM_RETUNE_CALLS", "auto");
   if (world_size < 2) return 0;
-  if (calls == "auto") return env_string("RINGCOMM_TUNING").empty() ? kPeriod : 0;
-  const int64_t period = env_int("RINGCOMM_RETUNE_CALLS", 0);
-  RC_CHECK_ARG(period >= 0, "RINGCOMM_RETUNE_CALLS=", calls, " is negative");
-  return uint64_t(period);
+  const std::optional<int64_t> calls = knob_int("RINGCOMM_RETUNE_CALLS");
+  if (!calls) return knob_string("RINGCOMM_TUNING").empty() ? kPeriod : 0;
+  RC_CHECK_ARG(*calls >= 0, "RINGCOMM_RETUNE_CALLS=", *calls, " is negative");
+  return uint64_t(*calls);
 }
 
 }  // namespace
@@ -158,14 +157,9 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
   mesh_ = std::make_unique<Mesh>(rank, world_size, MeshOptions::from_env(master_addr));
   mesh_->set_trace_id(trace_id_);
   // Read once: a coalesced call asks for every buffer's algorithm.
-  const std::string forced = env_string("RINGCOMM_ALGO");
-  std::string names;
-  for (Algorithm a : kAllReduceAlgorithms) {
+  const std::string forced = knob_string("RINGCOMM_ALGO");
+  for (Algorithm a : kAllReduceAlgorithms)
     if (forced == algorithm_name(a)) forced_all_reduce_ = a;
-    names += str_cat(algorithm_name(a), ", ");
-  }
-  RC_CHECK_ARG(forced.empty() || forced == "auto" || forced_all_reduce_ != Algorithm::kAuto,
-               "RINGCOMM_ALGO=", forced, ": expected one of ", names, "or auto");
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   watch_for_fork();
 }
@@ -212,9 +206,9 @@ std::string token_from_file(const std::string& path) {
 // Under torchrun, a group restarted after a failure meets in the same agent store, where the
 // previous attempt's keys remain: the attempt number keeps them apart.
 void Communicator::rendezvous(const KeyValueStore& store) {
-  const std::string restart = env_string("TORCHELASTIC_RESTART_COUNT");
+  const std::string restart = knob_string("TORCHELASTIC_RESTART_COUNT");
   const std::string prefix = restart.empty() ? "" : str_cat("attempt", restart, "/");
-  const std::string token_file = env_string("RINGCOMM_TOKEN_FILE");
+  const std::string token_file = knob_string("RINGCOMM_TOKEN_FILE");
   std::string token = token_file.empty() ? "" : token_from_file(token_file);
   store.set(str_cat(prefix, "addr/", rank_), address());
   if (token.empty()) {
@@ -303,7 +297,7 @@ Algorithm Communicator::choose_rooted(size_t bytes) const {
 // local ranks is probed first (the links' figures depend on it), and only if every rank with
 // local peers leaves it to its default.
 LinkModel Communicator::calibrate(Clock::time_point deadline) {
-  const std::string tuning = env_string("RINGCOMM_TUNING");
+  const std::string tuning = knob_string("RINGCOMM_TUNING");
   LinkModel model;
   if (tuning == "off") {
     RC_LOG("rank ", rank_, ": RINGCOMM_TUNING=off, links: ", model.describe());

@@ -8,15 +8,15 @@
 #include <utility>
 
 #include "algorithms/algorithms.h"
-#include "common/env.h"
+#include "common/knobs.h"
 
 namespace ringcomm {
 
 const AlgorithmTuning& AlgorithmTuning::get() {
   static const AlgorithmTuning tuning{
-      size_t(env_int("RINGCOMM_RING_SLICE_BYTES", 0)),  // 0: by ring size (ring.cc)
-      size_t(env_int("RINGCOMM_TREE_CHUNK_BYTES", 256 << 10)),
-      size_t(env_int("RINGCOMM_FUSION_SLICE_BYTES", 128 << 10)),
+      size_t(knob_int("RINGCOMM_RING_SLICE_BYTES").value_or(0)),  // 0: by ring size (ring.cc)
+      size_t(knob_int("RINGCOMM_TREE_CHUNK_BYTES").value()),
+      size_t(knob_int("RINGCOMM_FUSION_SLICE_BYTES").value()),
   };
   return tuning;
 }

@@ -5,15 +5,13 @@
 #include <functional>
 #include <string>
 
-#include "common/env.h"
+#include "common/error.h"
+#include "common/knobs.h"
 
 namespace ringcomm {
 
 inline bool debug_enabled() {
-  static const bool enabled = [] {
-    const std::string v = env_string("RINGCOMM_DEBUG");
-    return !v.empty() && v != "0";
-  }();
+  static const bool enabled = knob_on("RINGCOMM_DEBUG");
   return enabled;
 }
 

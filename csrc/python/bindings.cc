@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "common/crypto.h"
+#include "common/knobs.h"
 #include "common/logging.h"
 #include "common/trace.h"
 #include "algorithms/select.h"
@@ -344,6 +345,25 @@ PYBIND11_MODULE(_C, m) {
     auto callback = gil_safe_callback_of<const std::string&>(py::reinterpret_borrow<py::function>(fn));
     set_log_sink(callback);
   });
+  // The environment's table (common/knobs.h), and its readers: ringcomm/_env.py reads through
+  // them and ringcomm/_knobs.py writes docs/configuration.md's section from the rows.
+  m.def("knobs", [] {
+    py::list rows;
+    for (const Knob& k : knobs()) {
+      py::dict row;
+      row["name"] = k.name;
+      row["type"] = knob_type_name(k.type);
+      row["values"] = k.values;
+      row["default"] = k.default_text;
+      row["section"] = k.section;
+      row["doc"] = k.doc;
+      rows.append(row);
+    }
+    return rows;
+  });
+  m.def("knob_int", [](const std::string& name) { return knob_int(name.c_str()); });
+  m.def("knob_on", [](const std::string& name) { return knob_on(name.c_str()); });
+  m.def("knob_string", [](const std::string& name) { return knob_string(name.c_str()); });
   // The timeline's C++ half (ringcomm/trace.py writes it out).
   m.def("trace_enable", &trace::enable, py::arg("on"), py::arg("max_events"));
   m.def("trace_take", [] {

@@ -20,10 +20,10 @@
 #include <pybind11/chrono.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 
+#include "common/knobs.h"
 #include "common/prefetch.h"
 #include "communicator.h"
 
@@ -387,9 +387,8 @@ class RingcommBackend : public c10d::Backend {
   RingcommBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout)
       : c10d::Backend(rank, size), timeout_(timeout) {
-    const char* master = std::getenv("MASTER_ADDR");
     comm_ = std::make_shared<rc::Communicator>(rank, size, timeout.count() / 1000.0,
-                                               master ? master : "");
+                                               rc::knob_string("MASTER_ADDR"));
     // torch already made `store` private to this group and device; the prefix keeps ringcomm's
     // keys apart from anything else torch puts there.
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("ringcomm/backend", store);

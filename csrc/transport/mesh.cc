@@ -12,8 +12,8 @@
 #include <thread>
 #include <utility>
 
-#include "common/env.h"
 #include "common/error.h"
+#include "common/knobs.h"
 #include "common/logging.h"
 #include "common/trace.h"
 #include "transport/shm/shm_transport.h"
@@ -97,7 +97,7 @@ void add_payload(std::atomic<uint64_t>& counter, uint64_t bytes) {
 }  // namespace
 
 std::string host_identity() {
-  std::string forced = env_string("RINGCOMM_HOST_ID");
+  std::string forced = knob_string("RINGCOMM_HOST_ID");
   if (!forced.empty()) return forced;
   char name[256] = {0};
   gethostname(name, sizeof name - 1);
@@ -113,11 +113,9 @@ std::string host_identity() {
 MeshOptions MeshOptions::from_env(const std::string& master_addr) {
   MeshOptions o;
   o.master_addr = master_addr;
-  o.transport = env_string("RINGCOMM_TRANSPORT", "auto");
-  RC_CHECK_ARG(o.transport == "auto" || o.transport == "shm" || o.transport == "tcp",
-               "RINGCOMM_TRANSPORT=", o.transport, ": expected auto, shm or tcp");
-  o.spin_us = int(env_int("RINGCOMM_SPIN_US", o.spin_us));
-  o.yield_us = int(env_int("RINGCOMM_YIELD_US", o.yield_us));
+  o.transport = knob_string("RINGCOMM_TRANSPORT");
+  o.spin_us = int(knob_int("RINGCOMM_SPIN_US").value_or(o.spin_us));
+  o.yield_us = int(knob_int("RINGCOMM_YIELD_US").value());
   return o;
 }
 

@@ -16,8 +16,8 @@
 #include <new>
 #include <random>
 
-#include "common/env.h"
 #include "common/error.h"
+#include "common/knobs.h"
 #include "common/logging.h"
 #include "kernels/cpu/pack.h"
 
@@ -144,36 +144,27 @@ size_t auto_slot_bytes(size_t locals, int slots) {
 
 ShmOptions ShmOptions::from_env() {
   ShmOptions o;
-  o.slot_bytes = size_t(env_int("RINGCOMM_SHM_SLOT_BYTES", 0));
-  o.slots = int(env_int("RINGCOMM_SHM_SLOTS", o.slots));
-  o.single_copy_bytes = env_int("RINGCOMM_SHM_SINGLE_COPY_BYTES", o.single_copy_bytes);
-  RC_CHECK_ARG(o.single_copy_bytes >= 0 || env_string("RINGCOMM_SHM_SINGLE_COPY_BYTES").empty(),
-               "RINGCOMM_SHM_SINGLE_COPY_BYTES must be >= 0 (0: never), got ",
-               o.single_copy_bytes);
-  RC_CHECK_ARG((o.slot_bytes == 0 && env_string("RINGCOMM_SHM_SLOT_BYTES").empty()) ||
-                   (o.slot_bytes >= 4096 && o.slot_bytes <= (64u << 20) && o.slot_bytes % kLine == 0),
+  const std::optional<int64_t> slot_bytes = knob_int("RINGCOMM_SHM_SLOT_BYTES");
+  RC_CHECK_ARG(!slot_bytes || (*slot_bytes >= 4096 && *slot_bytes <= (64 << 20) &&
+                               *slot_bytes % kLine == 0),
                "RINGCOMM_SHM_SLOT_BYTES must be a multiple of 64 in [4096, 64 MiB], got ",
-               o.slot_bytes);
-  const int64_t huge_pages = env_int("RINGCOMM_SHM_HUGE_PAGES", 1);
-  RC_CHECK_ARG(huge_pages == 0 || huge_pages == 1, "RINGCOMM_SHM_HUGE_PAGES must be 0 or 1, got ",
-               huge_pages);
-  o.huge_pages = huge_pages == 1;
-  const std::string stream = env_string("RINGCOMM_SHM_STREAM", "auto");
-  RC_CHECK_ARG(stream == "auto" || stream == "0" || stream == "1",
-               "RINGCOMM_SHM_STREAM must be auto, 0 or 1, got ", stream);
+               *slot_bytes);
+  o.slot_bytes = size_t(slot_bytes.value_or(0));
+  o.slots = int(knob_int("RINGCOMM_SHM_SLOTS").value());
+  RC_CHECK_ARG(o.slots >= 2 && o.slots <= 1024, "RINGCOMM_SHM_SLOTS must be in [2, 1024], got ",
+               o.slots);
+  o.single_copy_bytes = knob_int("RINGCOMM_SHM_SINGLE_COPY_BYTES").value_or(-1);
+  o.huge_pages = knob_on("RINGCOMM_SHM_HUGE_PAGES");
+  const std::string stream = knob_string("RINGCOMM_SHM_STREAM");
   o.stream = stream == "auto" ? StreamMode::kAuto
              : stream == "1"  ? StreamMode::kAlways
                               : StreamMode::kNever;
-  RC_CHECK_ARG(o.slots >= 2 && o.slots <= 1024, "RINGCOMM_SHM_SLOTS must be in [2, 1024], got ",
-               o.slots);
-  const int64_t board = env_int("RINGCOMM_SHM_BOARD_BYTES", int64_t(o.board_bytes));
+  const int64_t board = knob_int("RINGCOMM_SHM_BOARD_BYTES").value();
   RC_CHECK_ARG(board == 0 || (board >= (64 << 10) && board <= (1 << 30) && board % 4096 == 0),
                "RINGCOMM_SHM_BOARD_BYTES must be 0 or a multiple of 4096 in [64 KiB, 1 GiB], got ",
                board);
   o.board_bytes = size_t(board);
-  const int64_t unstack = env_int("RINGCOMM_SHM_UNSTACK", 1);
-  RC_CHECK_ARG(unstack == 0 || unstack == 1, "RINGCOMM_SHM_UNSTACK must be 0 or 1, got ", unstack);
-  o.unstack = unstack == 1;
+  o.unstack = knob_on("RINGCOMM_SHM_UNSTACK");
   return o;
 }
 

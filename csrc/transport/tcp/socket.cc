@@ -15,8 +15,8 @@
 #include <algorithm>
 #include <thread>
 
-#include "common/env.h"
 #include "common/error.h"
+#include "common/knobs.h"
 #include "common/logging.h"
 
 namespace ringcomm {
@@ -99,9 +99,9 @@ std::string route_source_host(const std::string& host) {
 }  // namespace
 
 std::string choose_bind_host(const std::string& master_addr) {
-  std::string addr = env_string("RINGCOMM_SOCKET_ADDR");
+  std::string addr = knob_string("RINGCOMM_SOCKET_ADDR");
   if (!addr.empty()) return addr;
-  std::string ifname = env_string("RINGCOMM_SOCKET_IFNAME");
+  std::string ifname = knob_string("RINGCOMM_SOCKET_IFNAME");
   if (!ifname.empty()) return interface_host(ifname);
   if (!master_addr.empty()) return route_source_host(master_addr);
   return "127.0.0.1";

@@ -11,8 +11,8 @@
 #include <algorithm>
 #include <thread>
 
-#include "common/env.h"
 #include "common/error.h"
+#include "common/knobs.h"
 #include "common/logging.h"
 #include "transport/tcp/handshake.h"
 
@@ -25,9 +25,9 @@ namespace {
 TcpOptions TcpOptions::from_env(const std::string& master_addr) {
   TcpOptions o;
   o.master_addr = master_addr;
-  o.sockets_per_peer = int(env_int("RINGCOMM_SOCKETS_PER_PEER", o.sockets_per_peer));
-  o.socket_buffer_bytes = int(env_int("RINGCOMM_SOCKET_BUFFER", o.socket_buffer_bytes));
-  o.stripe_min_bytes = size_t(env_int("RINGCOMM_STRIPE_MIN_BYTES", int64_t(o.stripe_min_bytes)));
+  o.sockets_per_peer = int(knob_int("RINGCOMM_SOCKETS_PER_PEER").value());
+  o.socket_buffer_bytes = int(knob_int("RINGCOMM_SOCKET_BUFFER").value());
+  o.stripe_min_bytes = size_t(knob_int("RINGCOMM_STRIPE_MIN_BYTES").value());
   RC_CHECK_ARG(o.sockets_per_peer >= 1 && o.sockets_per_peer <= 64,
                "RINGCOMM_SOCKETS_PER_PEER must be in [1, 64], got ", o.sockets_per_peer);
   return o;
