@@ -1,24 +1,24 @@
-"""RINGCOMM_* knobs read by the Python layer, parsed as the core parses its own (common/env.h):
-unset or empty means the default, anything else must be what the knob takes. Every knob is
-listed in docs/configuration.md."""
+"""The environment the Python layer reads, through the core's table of knobs (common/knobs.h):
+the same names, types, defaults and parse rules as the core's readers. A name the table does not
+list raises RuntimeError; a value the knob does not take raises ValueError."""
 from __future__ import annotations
 
-import os
-import re
+from typing import Optional
 
-_DECIMAL = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+")
+from . import _C
 
 
-def env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    if not value:
-        return default
-    # strtoll's decimal form, as the core takes it: leading blanks, a sign, ASCII digits, no more
-    if not _DECIMAL.fullmatch(value):
-        raise ValueError(f"{name}={value} is not an integer")
-    return int(value)
+def env_int(name: str) -> Optional[int]:
+    """An int or size knob as set, else its default; None where the reader works it out."""
+    return _C.knob_int(name)
 
 
 def env_flag(name: str) -> bool:
-    """Set to anything but 0 (RINGCOMM_DEBUG)."""
-    return os.environ.get(name, "0") not in ("", "0")
+    """A flag (on when set to anything but 0, as RINGCOMM_DEBUG) or a switch (0 or 1)."""
+    return _C.knob_on(name)
+
+
+def env_string(name: str) -> str:
+    """A string or path knob as set, else its default value ("" where it has none); an enum's
+    value, checked against what it takes."""
+    return _C.knob_string(name)

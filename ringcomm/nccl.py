@@ -29,13 +29,14 @@ import torch
 
 from . import cuda
 from ._buffers import TORCH_DTYPES, op_code
+from ._env import env_string
 
 ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "recursive_doubling": 3, "nccl": 11}
 
 
 def library_path() -> str:
     """The NCCL library that ringcomm loads (see the module's docstring)."""
-    explicit = os.environ.get("RINGCOMM_NCCL_LIBRARY")
+    explicit = env_string("RINGCOMM_NCCL_LIBRARY")
     if explicit:
         return explicit
     try:

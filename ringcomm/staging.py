@@ -31,7 +31,7 @@ _pending_lock = threading.Lock()
 
 def slice_bytes() -> int:
     """RINGCOMM_STAGING_SLICE_BYTES (default 4 MiB): one staged operation's payload."""
-    value = env_int("RINGCOMM_STAGING_SLICE_BYTES", 4 << 20)
+    value = env_int("RINGCOMM_STAGING_SLICE_BYTES")
     if value < 1:
         raise ValueError(f"RINGCOMM_STAGING_SLICE_BYTES must be positive, got {value}")
     return value

@@ -38,9 +38,8 @@ import time
 from typing import Optional
 
 from . import _C
-from ._env import env_int
+from ._env import env_int, env_string
 
-DEFAULT_MAX_EVENTS = 1_000_000
 # C++ span names by category (docs: the list above).
 _CATEGORIES = {"send": "message", "recv": "message", "queued": "queue", "reduce": "compute",
                "pack": "compute", "unpack": "compute", "encode": "compute", "decode": "compute",
@@ -59,7 +58,7 @@ def start(path: str, max_events: Optional[int] = None) -> None:
     """Starts recording (dropping anything recorded before); stop() writes to `path`."""
     global _path, on
     if max_events is None:
-        max_events = env_int("RINGCOMM_TIMELINE_MAX_EVENTS", DEFAULT_MAX_EVENTS)
+        max_events = env_int("RINGCOMM_TIMELINE_MAX_EVENTS")
     if max_events < 1:
         raise ValueError(f"max_events must be positive, got {max_events}")
     with _lock:
@@ -292,6 +291,6 @@ def _merge_if_complete(path: str) -> Optional[str]:
     return path
 
 
-if os.environ.get("RINGCOMM_TIMELINE"):
-    start(os.environ["RINGCOMM_TIMELINE"])
+if env_string("RINGCOMM_TIMELINE"):
+    start(env_string("RINGCOMM_TIMELINE"))
     atexit.register(stop)
