@@ -7,7 +7,7 @@ SIZES     ?= 8,4K,64K,1M,16M,64M
 PY        := $(VENV)/bin/python
 SOURCES   := $(shell find csrc ringcomm -name '*.cc' -o -name '*.h' -o -name '*.py') setup.py pyproject.toml CMakeLists.txt
 
-.PHONY: install test bench fuzz sanitize clean
+.PHONY: install test bench docs fuzz sanitize clean
 
 # venv, the torch pin first (so nothing pulls a CUDA build), then the package (editable) with
 # its test extras and Open MPI (the anchor `--compare mpi` runs; tests/test_bench.py uses it),
@@ -35,6 +35,11 @@ test: install
 # The main job: ringcomm vs gloo and Open MPI, $(RANKS) local ranks, with the memory floor, one run.
 bench: install
 	$(PY) -m ringcomm.bench --ranks $(RANKS) --sizes $(SIZES) --compare gloo,mpi --floor
+
+# docs/configuration.md's environment section, from the core's table of knobs (csrc/common/knobs.cc);
+# tests/test_knobs.py fails while the page differs from it.
+docs: install
+	$(PY) -m ringcomm._knobs --write docs/configuration.md
 
 # Fuzzing (docs/reliability.md): every fuzz/<target>.cc, built by clang under ASan + UBSan in
 # $(FUZZ_BUILD) (not the package), runs $(FUZZ_RUNS) inputs from its seeds in fuzz/corpus/<target>/;
