@@ -1,6 +1,6 @@
 """ringcomm: collective communication for PyTorch over its own TCP and shared-memory transports.
 
-    comm = ringcomm.init()                      # under torchrun, or init(store, rank, world_size)
+    comm = ringcomm.init()                      # under torchrun, srun or mpirun; or init(store, rank, n)
     comm.all_reduce(tensor)                     # ring / tree / recursive doubling, picked by size
     work = comm.all_reduce(tensor, op="avg", async_op=True); work.wait()
     comm.all_reduce_coalesced(tensors)          # many tensors as a few fused, pipelined operations
@@ -16,7 +16,7 @@ from ._C import (AbortedError, CollectiveTimeoutError, MismatchError, PeerLostEr
 from .communicator import Communicator, Work, init, shm_bytes_read, shm_bytes_sent
 from .averager import GradientAverager
 from .backend import communicator_of, register_backend
-from . import hooks, trace
+from . import hooks, launch, trace
 
 register_backend()  # dist.init_process_group("ringcomm") works from here on
 
@@ -35,6 +35,6 @@ if env_flag("RINGCOMM_DEBUG"):
 
 __all__ = ["AbortedError", "CollectiveTimeoutError", "Communicator", "GradientAverager",
            "MismatchError", "PeerLostError", "ProtocolError", "RingcommError", "Work",
-           "communicator_of", "hooks", "init", "register_backend", "shm_bytes_read",
+           "communicator_of", "hooks", "init", "launch", "register_backend", "shm_bytes_read",
            "shm_bytes_sent", "trace"]
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C, fusion, staging, trace
+from . import _C, fusion, launch, staging, trace
 from .stats import BucketStats
 from .compress import TOPK_DTYPES
 from ._buffers import FLOATING, SPARSE_ALGORITHMS, TORCH_DTYPES, Buffer, algorithm_code, op_code
@@ -124,18 +124,6 @@ class Work:
             future.set_exception(err)
         else:
             future.set_result(self._result)
-
-
-def _store_from_env(rank: int, world_size: int, timeout: timedelta):
-    addr = os.environ.get("MASTER_ADDR")
-    port = os.environ.get("MASTER_PORT")
-    if not addr or not port:
-        raise ValueError("no store given and MASTER_ADDR/MASTER_PORT are not set "
-                         "(run under torchrun, or pass store=, rank=, world_size=)")
-    # Under torchrun the elastic agent hosts the store on MASTER_PORT; ranks are all clients.
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return dist.TCPStore(addr, int(port), world_size, is_master=(rank == 0 and not agent_hosts),
-                         timeout=timeout, wait_for_workers=False)
 
 
 def _tensor_path(core):
@@ -569,22 +557,21 @@ def init(store=None, rank: Optional[int] = None, world_size: Optional[int] = Non
     """Creates a Communicator.
 
     Without arguments: reuses torch.distributed's default store (under a prefix) when a process
-    group is initialised, else reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE as torchrun
-    sets them. `name` is passed on to Communicator.
+    group is initialised, else finds its rank, world size and the ranks' meeting point from the
+    launcher that started it (torchrun, srun, mpirun, mpiexec: ringcomm.launch.discover) and
+    exports them as the env:// variables. `name` is passed on to Communicator.
     """
     if store is None and dist.is_available() and dist.is_initialized():
         from torch.distributed.distributed_c10d import _get_default_store
         store = _get_default_store()
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size
-    if rank is None:
-        rank = int(os.environ.get("RANK", "-1"))
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "-1"))
-    if rank < 0 or world_size < 1:
-        raise ValueError("rank and world_size must be given or set in RANK and WORLD_SIZE")
-    if store is None:
-        store = _store_from_env(rank, world_size, timeout)
+    if store is None or rank is None or world_size is None:
+        found = launch.discover(rank, world_size)
+        found.export()
+        rank, world_size = found.rank, found.world_size
+        if store is None:
+            store = found.tcp_store(timeout)
     return Communicator(store, rank, world_size, timeout, name)
 
 
