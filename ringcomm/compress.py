@@ -109,7 +109,8 @@ class Compressor:
         raise NotImplementedError
 
     def decompress(self, comm, bucket: Bucket, compressed, exchanged) -> Optional[torch.Tensor]:
-        """The bucket's average as one flat tensor, or None once it is in bucket.grads."""
+        """The bucket's average: a tensor shaped like bucket.flat (one dimension where the
+        bucket has no flat), or None where it is written into bucket.grads."""
         raise NotImplementedError
 
     def end_step(self, comm) -> None:
