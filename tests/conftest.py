@@ -22,8 +22,9 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # The modules that take longest, longest first (30-110 s each with two workers, session 36):
 # `make test`'s workers take modules in collection order, and one started last would run alone at
 # the end.
-FIRST = ("test_hooks", "test_powersgd", "test_errors", "test_clients", "test_bench", "test_fusion",
-         "test_backend", "test_topk_hook", "test_trace", "test_torch_suite")
+FIRST = ("test_hooks", "test_powersgd", "test_errors", "test_clients", "test_launchers",
+         "test_bench", "test_fusion", "test_backend", "test_topk_hook", "test_trace",
+         "test_torch_suite")
 
 
 def pytest_collection_modifyitems(items):
