@@ -6,7 +6,6 @@ A 2 x 2 DeviceMesh: tensor parallelism (ColwiseParallel / RowwiseParallel) insid
 ranks, FSDP2 (fully_shard) across the pairs. --backend gloo to compare.
 """
 import argparse
-import os
 
 parser = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -14,9 +13,6 @@ parser.add_argument("--backend", default="ringcomm",
                     help="torch.distributed backend (default: %(default)s)")
 parser.add_argument("--steps", type=int, default=20, help="training steps (default: %(default)s)")
 args = parser.parse_args()
-if os.environ.get("WORLD_SIZE") != "4":
-    parser.error("run it under torchrun, on 4 ranks: "
-                 "torchrun --nproc-per-node 4 examples/fsdp_tp.py")
 
 import torch
 import torch.distributed as dist
@@ -25,9 +21,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-import ringcomm  # noqa: F401  registers the backend
+import ringcomm  # registers the backend
 
-dist.init_process_group(args.backend)
+if ringcomm.launch.discover().world_size != 4:
+    parser.error("run it on 4 ranks: torchrun --nproc-per-node 4 examples/fsdp_tp.py "
+                 "(or srun -n 4, mpirun -n 4)")
+ringcomm.launch.init_process_group(args.backend)
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))

@@ -245,7 +245,7 @@ class Run:
 
 def main():
     args = parse_args()
-    dist.init_process_group(args.backend)
+    ringcomm.launch.init_process_group(args.backend)  # under torchrun, srun, mpirun or mpiexec
     rank, world = dist.get_rank(), dist.get_world_size()
     train_x, train_y, test_x, test_y = digits(args.seed)
     if args.batch_size % world:
