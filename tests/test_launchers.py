@@ -337,6 +337,15 @@ def test_srun_gives_the_results_of_torchrun(slurm, script, under_torchrun):
     assert accuracy(out.stdout) == ddp_accuracy
 
 
+def test_the_bench_runs_under_srun(slurm):
+    out, _ = srun(slurm, sys.executable, "-m", "ringcomm.bench", "--sizes", "8,64K", "-n", "3",
+                  "--repeats", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"all_reduce, {RANKS} ranks," in out.stdout, out.stdout
+    rows = re.findall(r"^ +(\d+) .* (\d+)$", out.stdout, re.M)
+    assert [size for size, _ in rows] == ["8", "65536"] and {wrong for _, wrong in rows} == {"0"}
+
+
 TIMED_INIT = textwrap.dedent("""
     import time, ringcomm
     start = time.monotonic()

@@ -3,10 +3,11 @@
     python -m ringcomm.bench --ranks 2 -b 8 -e 64M -f 4 --compare gloo
     python -m ringcomm.bench --ranks 2 --sizes 8,64K,1M --compare gloo,mpi --floor
     torchrun --nproc-per-node 4 -m ringcomm.bench -b 8 -e 64M --coll all_reduce
+    srun -n 4 python -m ringcomm.bench -b 8 -e 64M      # or mpirun, mpiexec (docs/launching.md)
     python -m ringcomm.bench --coll all_reduce_coalesced --tensors 1000 --tensor-bytes 1K-16K --compare gloo
 
-Without RANK in the environment it launches `--ranks` local ranks itself (forks of the launcher,
-each under the env:// variables torchrun sets; fresh interpreters with --compare nccl). Times are
+Started by no launcher (ringcomm.launch), it launches `--ranks` local ranks itself (forks of this
+process, under the env:// variables torchrun sets; new interpreters with --compare nccl). Times are
 medians over --repeats samples of --iters back-to-back operations (rank 0's clock, after a
 barrier), each sample after --sample-warmup untimed ones: samples of several libraries interleave
 (each repeat starting one library further on, every other one backwards, so none always follows the
@@ -92,6 +93,7 @@ from .. import _C, backend
 from .._env import env_flag, env_string
 from ..communicator import Communicator
 from ..fusion import BufferList
+from ..launch import detect, discover
 from ..nccl import NcclCommunicator
 from .common import default_iters, format_size, launch, parse_size, run_metadata
 from .plot import ALGORITHMS, LIMITS, bench_plot, check_matplotlib, run_title
@@ -697,15 +699,15 @@ def compared(args) -> list[str]:
 
 
 def worker(args):
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    found = discover()
+    found.export()  # MASTER_ADDR: the route to it picks the wire's and the core's address
+    rank, world = found.rank, found.world_size
     torch.set_num_threads(1)
     anchors = compared(args)
-    if "mpi" in anchors and int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+    if "mpi" in anchors and (found.local_world_size or world) != world:
         raise SystemExit("--compare mpi starts Open MPI's ranks on rank 0's host: run every rank "
                          "on one host (LOCAL_WORLD_SIZE == WORLD_SIZE)")
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=(rank == 0 and not agent_store), timeout=TIMEOUT)
+    store = found.tcp_store(TIMEOUT)
     comm = Communicator(dist.PrefixStore("bench", store), rank, world,
                                  timeout=TIMEOUT, name="bench")
     wire = None
@@ -721,7 +723,7 @@ def worker(args):
                              else dist.group.WORLD)
     gpu = None
     if "nccl" in anchors:  # main() checked that every local rank has a GPU
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(rank if found.local_rank is None else found.local_rank)
         gpu = NcclCommunicator(dist.PrefixStore("nccl", store), rank, world)
     mpi = None
     try:
@@ -963,7 +965,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coll", choices=COLLECTIVES, default="all_reduce")
     p.add_argument("--algo", choices=("auto", *ALGORITHMS), default="auto")
     p.add_argument("--repeats", type=int, default=5, help="samples per size; the median is shown")
-    p.add_argument("--ranks", type=int, default=2, help="local ranks to launch (without torchrun)")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="local ranks to launch (started by no launcher)")
     p.add_argument("--compare", type=compare_list, default="none",
                    help="anchors to run in the same run, comma-separated: gloo, backend "
                         "(ringcomm through torch.distributed), mpi (Open MPI's MPI_Allreduce; "
@@ -995,6 +998,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     anchors = compared(args)
+    found = detect()  # the launcher that started this rank; None: launch --ranks ranks here
+    world = args.ranks if found is None else found.world_size
+    local = world if found is None or found.local_world_size is None else found.local_world_size
     if "gloo" in anchors and args.op == "avg":
         raise SystemExit("gloo has no avg; compare with --op sum")
     if "mpi" in anchors:
@@ -1011,7 +1017,6 @@ def main(argv=None) -> int:
     if "nccl" in anchors:
         if args.coll != "all_reduce":
             raise SystemExit("--compare nccl times ncclAllReduce: use it with --coll all_reduce")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.ranks)))
         if torch.cuda.device_count() < local:
             raise SystemExit(f"--compare nccl runs every rank on a GPU of its own: {local} local "
                              f"ranks, {torch.cuda.device_count()} GPUs here")
@@ -1022,13 +1027,13 @@ def main(argv=None) -> int:
         if args.coll != "all_reduce":
             raise SystemExit("--wire is the link limit of a ring all_reduce: use it with "
                              "--coll all_reduce")
-        if int(os.environ.get("WORLD_SIZE", args.ranks)) < 2:
+        if world < 2:
             raise SystemExit("--wire measures the links between ranks: run at least 2")
     if args.plot:
         if args.coll == "all_reduce_coalesced":
             raise SystemExit("--plot draws rows against size; all_reduce_coalesced has one row")
         check_matplotlib()
-    if "RANK" in os.environ:
+    if found is not None:
         worker(args)
         return 0
     # With --compare nccl the ranks are fresh interpreters: this process has asked CUDA for the
