@@ -204,23 +204,21 @@ def _detect(env: Mapping[str, str]):
     """(Launch, where it came from) or (None, why no launcher was found)."""
     if "RANK" in env or "WORLD_SIZE" in env:
         launch, origin = _env_launch(env)
-        inner = _inner_ranks(env) if launch.launcher == "env" else None
+        inner = _nested(env) if launch.launcher == "env" else None
         # A launcher that starts several ranks per task (torch.multiprocessing inside srun) sets a
         # larger WORLD_SIZE; the same size with another rank is RANK exported to every task alike.
-        if inner is not None and inner[2] == launch.world_size and inner[1] != launch.rank:
+        if inner is not None and inner[1][2] == launch.world_size and inner[1][1] != launch.rank:
+            kind, (entry, rank, size) = inner
+            rank_var, size_var = ("SLURM_PROCID", "SLURM_NTASKS") if kind == "slurm" else entry[2:4]
             raise LaunchError(
                 f"RANK={launch.rank} WORLD_SIZE={launch.world_size} contradict the launcher's "
-                f"{inner[0]}: unset RANK and WORLD_SIZE to take the launcher's, or set them "
-                f"per rank")
+                f"{rank_var}={rank} {size_var}={size}: unset RANK and WORLD_SIZE to take the "
+                f"launcher's, or set them per rank")
         return launch, origin
-    slurm, mpi = _slurm_ranks(env), _mpi_ranks(env)
-    # An MPI launcher inside a SLURM allocation leaves the allocation's variables to its ranks,
-    # describing the batch script or the daemons srun started for it; srun's own PMI (--mpi=pmi2)
-    # gives the same rank and size as SLURM.
-    if slurm is not None and (mpi is None or mpi[1:] == slurm[1:]):
-        return _slurm_launch(env, *slurm)
-    if mpi is not None:
-        return _mpi_launch(env, *mpi)
+    inner = _nested(env)
+    if inner is not None:
+        kind, ranks = inner
+        return (_slurm_launch if kind == "slurm" else _mpi_launch)(env, *ranks)
     job = env.get("SLURM_JOB_ID")
     if job:
         return None, (f"no launcher found: this is SLURM job {job} but not a task of an srun "
@@ -230,14 +228,16 @@ def _detect(env: Mapping[str, str]):
                   "WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or pass rank= and world_size=")
 
 
-def _inner_ranks(env: Mapping[str, str]):
-    """(what, rank, size) of the SLURM or MPI launcher _detect would take, or None."""
+def _nested(env: Mapping[str, str]):
+    """("slurm", (step, rank, size)) for a task of an srun step, ("mpi", (the _MPI entry, rank,
+    size)) for an MPI launcher's rank, or None."""
     slurm, mpi = _slurm_ranks(env), _mpi_ranks(env)
+    # An MPI launcher inside a SLURM allocation leaves the allocation's variables to its ranks,
+    # describing the batch script or the daemons srun started for it; srun's own PMI (--mpi=pmi2)
+    # gives the same rank and size as SLURM.
     if slurm is not None and (mpi is None or mpi[1:] == slurm[1:]):
-        return f"SLURM_PROCID={slurm[1]} SLURM_NTASKS={slurm[2]}", slurm[1], slurm[2]
-    if mpi is not None:
-        return f"{mpi[0][2]}={mpi[1]} {mpi[0][3]}={mpi[2]}", mpi[1], mpi[2]
-    return None
+        return "slurm", slurm
+    return None if mpi is None else ("mpi", mpi)
 
 
 def _env_launch(env: Mapping[str, str]):
