@@ -708,8 +708,8 @@ def worker(args):
         raise SystemExit("--compare mpi starts Open MPI's ranks on rank 0's host: run every rank "
                          "on one host (LOCAL_WORLD_SIZE == WORLD_SIZE)")
     store = found.tcp_store(TIMEOUT)
-    comm = Communicator(dist.PrefixStore("bench", store), rank, world,
-                                 timeout=TIMEOUT, name="bench")
+    comm = Communicator(dist.PrefixStore("bench", store), rank, world, timeout=TIMEOUT,
+                        name="bench")
     wire = None
     if args.wire:
         wire = Wire(store, comm, rank, world, max(WIRE_MIN_BYTES, *sizes_from(args)), args.repeats)
