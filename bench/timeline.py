@@ -3,7 +3,7 @@
     python bench/timeline.py merge run.json run.json.rank0.json run.json.rank1.json
     python bench/timeline.py plot run.json run.png [--from MS] [--to MS] [--ranks 0,1]
 
-plot draws every rank's threads and DDP bucket tracks as rows of a Gantt chart (ringcomm.plot,
+plot draws every rank's threads and DDP bucket tracks as rows of a Gantt chart (ringcomm.bench.plot,
 needs matplotlib), time in ms from the first event; --from/--to cut a window of that time axis,
 --ranks keeps some ranks.
 """
