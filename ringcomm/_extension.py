@@ -13,14 +13,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
-import os
 import threading
 from pathlib import Path
 
 import torch
 
 from . import _C  # noqa: F401 - loads libringcomm.so, which the module binds to (see load())
-from ._env import env_flag
+from ._env import env_flag, env_string
 
 _PACKAGE = Path(__file__).resolve().parent
 _MODULE_NAME = "ringcomm_C_torch"
@@ -46,8 +45,8 @@ def build_dir(csrc: Path) -> Path:
     digest = hashlib.sha256(torch.__version__.encode())
     for path in sorted(csrc.rglob("*.h")) + [csrc / "torch" / "backend.cc"]:
         digest.update(str(path.relative_to(csrc)).encode() + path.read_bytes())
-    base = os.environ.get("RINGCOMM_TORCH_BUILD_DIR") or Path.home() / ".cache" / "ringcomm"
-    return Path(base) / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+    base = Path(env_string("RINGCOMM_TORCH_BUILD_DIR")).expanduser()
+    return base / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
 
 
 def load():
@@ -89,8 +88,8 @@ def load():
 def built():
     """ringcomm._C_torch if this process has loaded it or a finished build of it is in the cache
     (loaded then, in about 0.1 s), else None. For callers that use it only to go faster
-    (fusion.BufferList, cuda.pack): this never starts the minute-long build and never waits for one; a
-    process that finds no finished build in the cache stops looking."""
+    (fusion.BufferList, cuda.pack): this never starts the minute-long build and never waits for
+    one; a process that finds no finished build in the cache stops looking."""
     global _module, _not_built, _cache_dir
     if _module is not None or _not_built:
         return _module

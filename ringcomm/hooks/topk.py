@@ -269,7 +269,8 @@ class TopKState(ReportsBuckets, Compressor):
         if self._step_start_bytes is None:
             self._step_start_bytes = comm.bytes_sent
         numel = flat.numel()
-        stats.dense_bytes += 2 * (comm.world_size - 1) * numel * flat.element_size() // comm.world_size
+        world = comm.world_size
+        stats.dense_bytes += 2 * (world - 1) * numel * flat.element_size() // world
         source = flat if flat.is_contiguous() else flat.contiguous()
         started = time.perf_counter()
         k = max(1, int(numel * self.density()))
