@@ -92,8 +92,8 @@ def discover(rank: Optional[int] = None, world_size: Optional[int] = None,
     MASTER_PORT (if set) are where the ranks meet. Logs what it found at INFO."""
     env = os.environ if environ is None else environ
     if rank is not None and world_size is not None:
-        launch = Launch("arguments", _checked_rank(int(rank), int(world_size), "rank", "world_size"),
-                        int(world_size), _optional_int(env, "LOCAL_RANK"),
+        rank = _checked_rank(int(rank), int(world_size), "rank", "world_size")
+        launch = Launch("arguments", rank, int(world_size), _optional_int(env, "LOCAL_RANK"),
                         _optional_int(env, "LOCAL_WORLD_SIZE"), env.get("MASTER_ADDR") or None,
                         _optional_int(env, "MASTER_PORT"), _agent_store(env))
         _log(launch, "rank= and world_size= given")
@@ -245,7 +245,8 @@ def _env_launch(env: Mapping[str, str]):
     _require(env, ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"), "the env:// variables")
     torchrun = bool(env.get("TORCHELASTIC_RUN_ID"))
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-    local_rank, local_world = _optional_int(env, "LOCAL_RANK"), _optional_int(env, "LOCAL_WORLD_SIZE")
+    local_rank = _optional_int(env, "LOCAL_RANK")
+    local_world = _optional_int(env, "LOCAL_WORLD_SIZE")
     _checked_rank(rank, world, "RANK", "WORLD_SIZE")
     if local_rank is not None and local_world is not None:
         _checked_rank(local_rank, local_world, "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -110,10 +110,10 @@ class SlurmCluster:
         self._spawn("slurmd", ["slurmd", "-D", "-f", conf, "-N", self.host])
         self._wait(self._idle, "the node to be idle in sinfo")
 
-    def run(self, args, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    def run(self, args, timeout: float) -> subprocess.CompletedProcess:
         """A SLURM client command (srun ...) against this cluster, its output captured."""
-        return subprocess.run([find(args[0]), *args[1:]], capture_output=True, text=True, timeout=timeout,
-                              env=dict(self.env(), **(env or {})))
+        return subprocess.run([find(args[0]), *args[1:]], capture_output=True, text=True,
+                              timeout=timeout, env=self.env())
 
     def logs(self) -> str:
         """The daemons' logs, for a failed test's message."""
