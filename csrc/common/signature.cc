@@ -42,6 +42,7 @@ const char* algorithm_name(Algorithm a) {
     case Algorithm::kNccl: return "nccl";
     case Algorithm::kHalvingDoubling: return "halving_doubling";
     case Algorithm::kSharedBuffer: return "shared_buffer";
+    case Algorithm::kOneShot: return "one_shot";
   }
   return "unknown-algorithm";
 }

@@ -48,6 +48,7 @@ enum class Algorithm : uint8_t {
   kNccl = 11,  // NCCL's own ncclAllReduce, beside ringcomm's schedules over NCCL
   kHalvingDoubling = 12,
   kSharedBuffer = 13,
+  kOneShot = 14,  // every rank folds every rank's whole buffer (device windows)
 };
 const char* algorithm_name(Algorithm a);
 // The algorithms all_reduce can be asked for by name (algorithm=, RINGCOMM_ALGO), auto aside.

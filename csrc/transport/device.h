@@ -51,7 +51,7 @@ struct WindowSync {
 
 class Windows {
  public:
-  static constexpr int kChannels = 2;
+  static constexpr int kChannels = 3;
   virtual size_t window_bytes() const = 0;
   // Rank r's window, as this rank's device addresses it.
   virtual char* window(int rank) const = 0;

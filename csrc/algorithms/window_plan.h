@@ -1,0 +1,107 @@
+// All-reduce over windows (transport/device.h): every rank's device buffer addressable by every
+// rank, and counted signals between ranks. A plan is one rank's actions for one all-reduce, in
+// stream order: signals and waits, copies, and reductions (a fold of several sources in a fixed
+// order into one or two destinations). The device executor (device/executor.h) enqueues them as
+// stream operations and kernels; tests/native/ipc_protocol.cc runs them in processes over shared
+// memory. A window holds (window_layout):
+//   boards:  two halves of `round_bytes`, where a rank copies its part of the buffer for a round;
+//   results: two halves of `result_bytes`, where a rank leaves its reduced block of a round;
+//   inboxes: for each sender, kInboxSlots messages of `slice_bytes` (the ring's).
+//
+// one_shot: in rounds of at most round_bytes (round k on half k % 2): copy the round's part of
+//   the buffer onto my board; signal every peer; wait for every peer; fold every rank's board,
+//   rank 0's first, into my buffer. Every rank folds in the same order: the same bits.
+// shared_buffer (two-shot; the host's shared_buffer.cc over windows): copy onto my board;
+//   signal, wait; fold block `rank` (aligned_blocks) of every board into my buffer and my result
+//   half; signal, wait; copy every peer's result block into my buffer. Each block is folded once,
+//   in rank order: the same bits on every rank, and the bits one_shot gives.
+// ring: the ring's step list (ring.cc) with each receive, reduce and send of a step in one fold:
+//   a message is written into the receiver's inbox (slot (m - 1) % kInboxSlots for the sender's
+//   m-th message) and signalled on kMessageChannel; the receiver folds it as the step says into
+//   its buffer and, when the step forwards, into the next rank's inbox, then returns the slot
+//   with a signal on kCreditChannel; a sender waits for the credit of message m - kInboxSlots
+//   before writing message m.
+//
+// Why the halves are enough: a rank writes half h of its board or results in round k + 2 only
+// after every peer's first signal of round k + 1, which each peer sends after its reads of
+// round k. The same holds across all-reduces, whatever the algorithm in between: each rank's
+// signals follow its earlier work on its stream.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "algorithms/context.h"
+#include "common/signature.h"
+#include "transport/device.h"
+
+namespace ringcomm {
+
+// Board rounds' signals; ring messages' (sender to receiver); their credits (back).
+enum WindowChannel : uint8_t { kRoundChannel = 0, kMessageChannel = 1, kCreditChannel = 2 };
+
+struct WindowLayout {
+  static constexpr int kInboxSlots = 2;  // a power of two: slots follow counts across their wrap
+  int world = 1;
+  size_t round_bytes = 0;
+  size_t result_bytes = 0;
+  size_t slice_bytes = 0;
+
+  size_t board(int half) const { return size_t(half) * round_bytes; }
+  size_t result(int half) const { return 2 * round_bytes + size_t(half) * result_bytes; }
+  size_t inbox(int from, int slot) const {
+    return 2 * (round_bytes + result_bytes) +
+           (size_t(from) * kInboxSlots + size_t(slot)) * slice_bytes;
+  }
+  size_t bytes() const { return inbox(world, 0); }
+};
+// The layout for `world` ranks and rounds of about `round_bytes` (at least 4 KiB).
+WindowLayout window_layout(int world, size_t round_bytes);
+
+// `count` elements cut into `n` blocks whose starts are multiples of `align` elements (the later
+// ones may be empty).
+Segments aligned_blocks(size_t count, int n, size_t align);
+
+// A place in a window (rank >= 0) or in the caller's buffer (kCaller), `offset` bytes in.
+struct WindowRef {
+  static constexpr int kCaller = -1;
+  int rank;
+  size_t offset;
+};
+
+struct WindowAction {
+  enum Kind : uint8_t { kSync, kCopy, kFold };
+  Kind kind;
+  device::WindowSync sync{};  // kSync
+  // kCopy: refs[first] to refs[first + 1]. kFold: `sources` refs from refs[first], folded in
+  // that order (op, as the caller's all-reduce), then `dests` refs to write the result to.
+  uint32_t first = 0;
+  uint16_t sources = 0, dests = 0;
+  size_t count = 0;     // elements
+  bool divide = false;  // kFold: then divided by the number of ranks (avg)
+};
+
+struct WindowPlan {
+  std::vector<WindowAction> actions;
+  std::vector<WindowRef> refs;
+};
+
+// What one rank carries from one all-reduce to the next: the same on every rank that ran the
+// same all-reduces.
+struct WindowState {
+  // Counts start at `base`, as every slot does (0 in a new segment).
+  explicit WindowState(int world, uint32_t base = 0);
+  uint64_t rounds = 0;  // board rounds so far: the next one uses half rounds % 2
+  // Signals sent to each peer, and signals waited for from each, per channel.
+  std::vector<uint32_t> sent[device::Windows::kChannels];
+  std::vector<uint32_t> seen[device::Windows::kChannels];
+};
+
+// Rank `rank`'s plan for the all-reduce of `count` elements of `elem` bytes by `algo` (kOneShot,
+// kSharedBuffer, kRing), over windows laid out as `layout`; `avg` divides the result by the
+// number of ranks. Advances `state`. Empty for one rank.
+WindowPlan window_all_reduce_plan(Algorithm algo, const WindowLayout& layout, WindowState& state,
+                                  int rank, size_t count, size_t elem, bool avg);
+
+}  // namespace ringcomm

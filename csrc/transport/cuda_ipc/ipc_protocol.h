@@ -1,0 +1,181 @@
+// The CUDA IPC transport's signals (ipc_transport.h), as plain functions over host memory that
+// the transport, its watchdog and tests/native/ipc_protocol.cc share; no CUDA call here.
+//
+// Where the signals live. One segment of host memory (a memfd) for all ranks, mapped by every
+// rank's process and registered with CUDA, so that it is written three ways: by a rank's stream
+// (cuStreamWriteValue32 to a peer's slot, after the work before it), waited on by a rank's stream
+// (cuStreamWaitValue32 on its own slot), and read and written by every rank's host threads with
+// plain loads and stores. A segment has a header (the abort word) and one RankFlags per rank:
+// slot signal[c][p] of rank q's flags holds the count of signals rank p has sent q on channel c.
+//
+// Sequence numbers. Every signal from p to q on a channel brings the count one up and writes the
+// new count, never adds to the old; a wait for the k-th signal holds until the slot reaches k,
+// compared cyclically (reached(): the comparison cuStreamWaitValue32 makes by default), so the
+// count a slot still holds from the last operation (k - 1) never satisfies the next, and counts
+// wrap at 2^32 without harm. Both sides derive k from the same plan
+// (algorithms/window_plan.h), so no count ever crosses the wire but in its slot.
+//
+// Abort. The header's abort word is 0 while every rank is well; the first rank that gives up
+// (its timeout, a dead peer, abort()) writes why into its flags' reason and sets the word to
+// 1 + its rank. Every rank's watchdog watches the word, and then releases its own stream's
+// waits by storing into its slots the counts they wait for (release()): a stream never waits
+// for a peer that will not come, and each rank raises naming the rank that gave up and why.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "transport/device.h"
+
+#if defined(__CUDACC__)
+#define RC_IPC_HD __host__ __device__ __forceinline__
+#else
+#define RC_IPC_HD inline
+#endif
+
+namespace ringcomm {
+namespace ipc {
+
+constexpr int kMaxRanks = 64;
+// Channels of signals: the window plans' (algorithms/window_plan.h), then the one the transport
+// proves its peers' writes with when it starts.
+constexpr int kProofChannel = device::Windows::kChannels;
+constexpr int kChannels = kProofChannel + 1;
+constexpr uint32_t kMagic = 0x72634950;  // "rcIP"
+constexpr size_t kReasonBytes = 256;
+
+struct alignas(64) SegmentHeader {
+  uint32_t magic;
+  uint32_t world;
+  uint64_t nonce;  // rank 0's, checked by every rank that maps the segment
+  uint32_t abort;  // 0, or 1 + the rank that gave up first
+};
+
+struct alignas(64) RankFlags {
+  uint32_t signal[kChannels][kMaxRanks];  // [channel][sender]: the sender's count
+  char reason[kReasonBytes];              // why this rank gave up, when it did
+};
+
+// The byte size of a segment for `world` ranks, and where a slot lies in it.
+constexpr size_t segment_bytes(int world) {
+  return sizeof(SegmentHeader) + size_t(world) * sizeof(RankFlags);
+}
+constexpr size_t slot_offset(int receiver, int channel, int sender) {
+  return sizeof(SegmentHeader) + size_t(receiver) * sizeof(RankFlags) +
+         offsetof(RankFlags, signal) +
+         (size_t(channel) * kMaxRanks + size_t(sender)) * sizeof(uint32_t);
+}
+
+// Whether a slot holding `value` has reached `target`: the cyclic comparison
+// (int32_t)(value - target) >= 0 of CU_STREAM_WAIT_VALUE_GEQ.
+RC_IPC_HD bool reached(uint32_t value, uint32_t target) {
+  return int32_t(value - target) >= 0;
+}
+
+// What a rank's start-up proof kernel writes into peer `to`'s window for `from`, and what `to`
+// expects there: nothing a window holds by chance.
+RC_IPC_HD uint64_t proof_token(uint64_t nonce, int from, int to) {
+  return (nonce ^ (uint64_t(uint32_t(from)) << 32 | uint32_t(to))) * 0x9e3779b97f4a7c15ull | 1;
+}
+
+inline uint32_t load(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void store(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+// A wait for the `count`-th signal from `peer` on `channel`.
+struct Await {
+  int channel;
+  int peer;
+  uint32_t count;
+};
+
+// A segment as one process maps it.
+class Segment {
+ public:
+  Segment() = default;
+  Segment(void* base, int world) : base_(static_cast<char*>(base)), world_(world) {}
+
+  // Writes a new segment's header (the memory is zeroed: every count 0, no abort).
+  void init(uint64_t nonce) {
+    SegmentHeader* h = header();
+    h->world = uint32_t(world_);
+    h->nonce = nonce;
+    store(&h->magic, kMagic);
+  }
+  // Whether the memory holds the segment `init(nonce)` made for this many ranks.
+  bool matches(uint64_t nonce) const {
+    const SegmentHeader* h = header();
+    return load(&h->magic) == kMagic && h->world == uint32_t(world_) && h->nonce == nonce;
+  }
+
+  int world() const { return world_; }
+  uint32_t* slot(int receiver, int channel, int sender) const {
+    return reinterpret_cast<uint32_t*>(base_ + slot_offset(receiver, channel, sender));
+  }
+  // Rank `from`'s count-th signal to `to`, from a host thread.
+  void signal(int from, int to, int channel, uint32_t count) const {
+    store(slot(to, channel, from), count);
+  }
+  // The first of `waits` (rank `rank`'s) whose signal has not come, or -1 when all have.
+  int first_missing(int rank, const Await* waits, size_t n) const {
+    for (size_t i = 0; i < n; ++i)
+      if (!reached(load(slot(rank, waits[i].channel, waits[i].peer)), waits[i].count))
+        return int(i);
+    return -1;
+  }
+  // Stores into `rank`'s slots the counts `waits` hold out for, wherever they have not come:
+  // the waits, a stream's included, pass.
+  void release(int rank, const Await* waits, size_t n) const {
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t* s = slot(rank, waits[i].channel, waits[i].peer);
+      if (!reached(load(s), waits[i].count)) store(s, waits[i].count);
+    }
+  }
+
+  // The rank that gave up first, or -1.
+  int aborted_by() const { return int(load(&header()->abort)) - 1; }
+  const char* reason(int rank) const { return flags(rank)->reason; }
+  // Rank `rank` gives up because of `why`; true if it is the first, whose reason every rank
+  // reports.
+  bool abort(int rank, const char* why) const {
+    // The reason is written before the word can name this rank, and only read once it does.
+    char* reason = flags(rank)->reason;
+    std::strncpy(reason, why, kReasonBytes - 1);
+    reason[kReasonBytes - 1] = '\0';
+    uint32_t none = 0;
+    return __atomic_compare_exchange_n(&header()->abort, &none, uint32_t(rank + 1), false,
+                                       __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  }
+
+ private:
+  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
+  RankFlags* flags(int rank) const {
+    return reinterpret_cast<RankFlags*>(base_ + sizeof(SegmentHeader)) + rank;
+  }
+
+  char* base_ = nullptr;
+  int world_ = 0;
+};
+
+enum class WaitResult { kReady, kTimeout, kAborted };
+
+// Polls until every one of `waits` (rank `rank`'s) has come, the abort word is set or
+// `expired()` says the time is up; `pause()` runs between polls. On kTimeout, *missing is the
+// index of a wait that had not come.
+template <typename Expired, typename Pause>
+WaitResult wait_for(const Segment& segment, int rank, const Await* waits, size_t n,
+                    Expired expired, Pause pause, int* missing) {
+  for (;;) {
+    if (segment.aborted_by() >= 0) return WaitResult::kAborted;
+    const int first = segment.first_missing(rank, waits, n);
+    if (first < 0) return WaitResult::kReady;
+    if (expired()) {
+      *missing = first;
+      return WaitResult::kTimeout;
+    }
+    pause();
+  }
+}
+
+}  // namespace ipc
+}  // namespace ringcomm

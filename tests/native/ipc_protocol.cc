@@ -1,0 +1,390 @@
+// The CUDA IPC transport's signals (transport/cuda_ipc/ipc_protocol.h) and the window plans
+// (algorithms/window_plan.h) run by real processes over shared memory, as the transport runs
+// them over a GPU's: a memfd segment of signal slots and one window per rank, every rank a
+// forked process that runs its plans action by action (copies with memcpy, folds with the fold
+// the CUDA kernel runs, kernels/fold_math.h), with random pauses between actions.
+//
+// usage: ipc_protocol MODE
+//   plans    worlds 1-8: one-shot, shared-buffer and ring all-reduces back to back (three dtypes,
+//            four ops, sizes 0 to several rounds), counts from 0 and from just below 2^32; each
+//            rank checks its result bit for bit against the fold it expects
+//   timeout  a peer that never arrives: the bounded wait returns, naming it
+//   abort    a peer sets the abort word: every waiting rank returns, naming it and its reason
+//   stale    counts left from the last operation never satisfy the next; cyclic counts; a
+//            waiting process released by another's stores (the watchdog's release)
+// Prints "ok", or what failed and exits 1.
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "algorithms/window_plan.h"
+#include "kernels/dispatch.h"
+#include "kernels/fold_math.h"
+#include "transport/cuda_ipc/ipc_protocol.h"
+
+namespace {
+
+using namespace ringcomm;
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kRoundBytes = 4096;  // small rounds and slices: several per all-reduce
+constexpr size_t kReportBytes = 512;
+
+void* shared_memory(size_t bytes) {
+  const int fd = int(syscall(SYS_memfd_create, "ringcomm-ipc-test", 0u));
+  if (fd < 0 || ftruncate(fd, off_t(bytes)) != 0) {
+    std::perror("memfd");
+    std::exit(1);
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    std::perror("mmap");
+    std::exit(1);
+  }
+  return p;
+}
+
+// What every rank shares: the signal segment, the windows, and a line of report per rank.
+struct World {
+  World(int n, uint32_t base) : n(n), layout(window_layout(n, kRoundBytes)) {
+    segment = ipc::Segment(shared_memory(ipc::segment_bytes(n)), n);
+    segment.init(42);
+    for (int q = 0; q < n; ++q)
+      for (int c = 0; c < ipc::kChannels; ++c)
+        for (int p = 0; p < n; ++p) *segment.slot(q, c, p) = base;
+    windows = static_cast<char*>(shared_memory(size_t(n) * layout.bytes()));
+    reports = static_cast<char*>(shared_memory(size_t(n) * kReportBytes));
+  }
+  char* window(int r) const { return windows + size_t(r) * layout.bytes(); }
+  void report(int r, const std::string& line) const {
+    std::snprintf(reports + size_t(r) * kReportBytes, kReportBytes, "%s", line.c_str());
+  }
+  std::string report(int r) const { return reports + size_t(r) * kReportBytes; }
+
+  int n;
+  WindowLayout layout;
+  ipc::Segment segment;
+  char* windows;
+  char* reports;
+};
+
+// Runs `body(rank)` in `n` forked processes and waits for them.
+template <typename Body>
+void fork_ranks(int n, Body body) {
+  std::vector<pid_t> children;
+  for (int r = 0; r < n; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      body(r);
+      std::fflush(stdout);
+      _exit(0);
+    }
+    children.push_back(pid);
+  }
+  for (pid_t pid : children) waitpid(pid, nullptr, 0);
+}
+
+// The outcome of a bounded wait, as a rank reports it ("" when every signal came).
+std::string wait_signals(const World& w, int rank, const ipc::Await* waits, size_t n,
+                         double timeout_s) {
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_s));
+  int missing = -1;
+  switch (ipc::wait_for(
+      w.segment, rank, waits, n, [&] { return Clock::now() > deadline; },
+      [] { sched_yield(); }, &missing)) {
+    case ipc::WaitResult::kReady: return "";
+    case ipc::WaitResult::kTimeout:
+      return "timeout: rank " + std::to_string(waits[missing].peer) + " did not signal " +
+             std::to_string(waits[missing].count) + " on channel " +
+             std::to_string(waits[missing].channel);
+    case ipc::WaitResult::kAborted: {
+      const int by = w.segment.aborted_by();
+      return "aborted by rank " + std::to_string(by) + ": " + w.segment.reason(by);
+    }
+  }
+  return "?";
+}
+
+// Rank `rank` runs `plan` over its buffer `data`; "" when it ran through, else why it stopped.
+std::string run_plan(const World& w, int rank, const WindowPlan& plan, char* data, DType dtype,
+                     ReduceOp op, double timeout_s, std::mt19937& random) {
+  const size_t e = dtype_size(dtype);
+  auto address = [&](const WindowRef& r) {
+    return r.rank == WindowRef::kCaller ? data + r.offset : w.window(r.rank) + r.offset;
+  };
+  for (const WindowAction& a : plan.actions) {
+    // Pauses where another process may run: the orders the signals allow, not one schedule.
+    const unsigned dice = random() % 16;
+    if (dice == 0) sched_yield();
+    if (dice == 1) std::this_thread::sleep_for(std::chrono::microseconds(random() % 300));
+    const WindowRef* refs = plan.refs.data() + a.first;
+    switch (a.kind) {
+      case WindowAction::kSync:
+        if (!a.sync.wait) {
+          w.segment.signal(rank, a.sync.peer, a.sync.channel, a.sync.count);
+        } else {
+          const ipc::Await wait{a.sync.channel, a.sync.peer, a.sync.count};
+          const std::string why = wait_signals(w, rank, &wait, 1, timeout_s);
+          if (!why.empty()) return why;
+        }
+        break;
+      case WindowAction::kCopy:
+        std::memcpy(address(refs[1]), address(refs[0]), a.count * e);
+        break;
+      case WindowAction::kFold:
+        kernels::visit_reduce(dtype, op, [&](auto type, auto reduce_op) {
+          using T = typename decltype(type)::type;
+          std::vector<const T*> sources;
+          for (int s = 0; s < a.sources; ++s)
+            sources.push_back(reinterpret_cast<const T*>(address(refs[s])));
+          const int divisor = a.divide ? w.n : 0;
+          for (size_t i = 0; i < a.count; ++i) {
+            const T v = math::fold_one(sources.data(), a.sources, i, reduce_op, divisor);
+            for (int d = 0; d < a.dests; ++d)
+              reinterpret_cast<T*>(address(refs[a.sources + d]))[i] = v;
+          }
+        });
+        break;
+    }
+  }
+  return "";
+}
+
+template <typename T>
+T make(float x) {
+  if constexpr (std::is_same_v<T, math::Half>) return T{math::float_to_fp16(x)};
+  else if constexpr (std::is_same_v<T, math::BFloat16>) return T{math::float_to_bf16(x)};
+  else return T(x);
+}
+
+struct Case {
+  Algorithm algo;
+  DType dtype;
+  ReduceOp op;
+  size_t count;
+};
+
+// Rank r's input to case `index`: whole numbers for the ring, whose order of folding differs
+// from block to block (any order gives their exact sum); any float for the others.
+std::vector<char> input(const Case& c, int index, int r) {
+  std::vector<char> bytes(c.count * dtype_size(c.dtype) + 1);
+  std::mt19937 random(unsigned(1000 * index + r));
+  kernels::visit_dtype(c.dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    if constexpr (!std::is_same_v<T, math::Bool>) {
+      T* data = reinterpret_cast<T*>(bytes.data());
+      for (size_t i = 0; i < c.count; ++i) {
+        const float x = c.algo == Algorithm::kRing ? float(int(random() % 17) - 8)
+                                                   : float(random() % 100000) / 12345.0f - 4.0f;
+        data[i] = make<T>(x);
+      }
+    }
+  });
+  return bytes;
+}
+
+// What every rank must hold after case `index`: every rank's input folded in rank order.
+std::vector<char> expected(const Case& c, int index, int n) {
+  std::vector<std::vector<char>> inputs;
+  for (int r = 0; r < n; ++r) inputs.push_back(input(c, index, r));
+  std::vector<char> out(c.count * dtype_size(c.dtype) + 1);
+  kernels::visit_reduce(c.dtype, c.op, [&](auto type, auto reduce_op) {
+    using T = typename decltype(type)::type;
+    std::vector<const T*> sources;
+    for (const auto& in : inputs) sources.push_back(reinterpret_cast<const T*>(in.data()));
+    T* o = reinterpret_cast<T*>(out.data());
+    for (size_t i = 0; i < c.count; ++i)
+      o[i] = math::fold_one(sources.data(), n, i, reduce_op, c.op == ReduceOp::kAvg ? n : 0);
+  });
+  return out;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  const size_t counts[] = {0, 1, 7, 1001, 3 * 1024 + 5};
+  for (Algorithm algo : {Algorithm::kOneShot, Algorithm::kSharedBuffer, Algorithm::kRing})
+    for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax})
+        for (size_t count : counts) out.push_back({algo, dtype, op, count});
+  // The algorithms interleaved: the halves and counts carry over from one to the next.
+  for (int i = 0; i < 24; ++i) {
+    const Algorithm algo = i % 3 == 0 ? Algorithm::kRing
+                           : i % 3 == 1 ? Algorithm::kOneShot : Algorithm::kSharedBuffer;
+    out.push_back({algo, DType::kFloat32, ReduceOp::kSum, size_t(1 + 977 * i)});
+  }
+  return out;
+}
+
+bool plans(int n, uint32_t base) {
+  World w(n, base);
+  const std::vector<Case> all = cases();
+  fork_ranks(n, [&](int rank) {
+    WindowState state(n, base);
+    std::mt19937 random(unsigned(rank + 7));
+    for (size_t k = 0; k < all.size(); ++k) {
+      const Case& c = all[k];
+      std::vector<char> data = input(c, int(k), rank);
+      const WindowPlan plan = window_all_reduce_plan(c.algo, w.layout, state, rank, c.count,
+                                                     dtype_size(c.dtype), c.op == ReduceOp::kAvg);
+      const std::string why = run_plan(w, rank, plan, data.data(), c.dtype, c.op, 20.0, random);
+      const std::string what = std::string(algorithm_name(c.algo)) + " " + dtype_name(c.dtype) +
+                               " " + op_name(c.op) + " of " + std::to_string(c.count) + ": ";
+      if (!why.empty()) return w.report(rank, what + why);
+      const std::vector<char> want = expected(c, int(k), n);
+      if (std::memcmp(data.data(), want.data(), c.count * dtype_size(c.dtype)) != 0)
+        return w.report(rank, what + "wrong result");
+    }
+    w.report(rank, "ok");
+  });
+  for (int r = 0; r < n; ++r)
+    if (w.report(r) != "ok") {
+      std::printf("world %d, counts from %u, rank %d: %s\n", n, base, r, w.report(r).c_str());
+      return false;
+    }
+  return true;
+}
+
+// Rank 2 of 3 never arrives: ranks 0 and 1 give up after their timeout, naming it.
+bool timeout() {
+  World w(3, 0);
+  fork_ranks(3, [&](int rank) {
+    if (rank == 2) return;
+    WindowState state(3);
+    std::mt19937 random(1);
+    std::vector<char> data(64);
+    const auto start = Clock::now();
+    const std::string why = run_plan(
+        w, rank, window_all_reduce_plan(Algorithm::kOneShot, w.layout, state, rank, 16, 4, false),
+        data.data(), DType::kFloat32, ReduceOp::kSum, 0.3, random);
+    const double took = std::chrono::duration<double>(Clock::now() - start).count();
+    w.report(rank, took < 5 ? why : "took " + std::to_string(took) + " s: " + why);
+  });
+  for (int r = 0; r < 2; ++r)
+    if (w.report(r) != "timeout: rank 2 did not signal 1 on channel 0") {
+      std::printf("rank %d: %s\n", r, w.report(r).c_str());
+      return false;
+    }
+  return true;
+}
+
+// Rank 3 of 4 gives up while the others wait for it: they return at once, naming it.
+bool abort_word() {
+  World w(4, 0);
+  fork_ranks(4, [&](int rank) {
+    if (rank == 3) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      w.report(rank, w.segment.abort(rank, "stopped by the test") ? "first" : "not first");
+      return;
+    }
+    WindowState state(4);
+    std::mt19937 random(2);
+    std::vector<char> data(4096);
+    w.report(rank, run_plan(w, rank,
+                            window_all_reduce_plan(Algorithm::kSharedBuffer, w.layout, state,
+                                                   rank, 1000, 4, false),
+                            data.data(), DType::kFloat32, ReduceOp::kSum, 30.0, random));
+  });
+  if (w.report(3) != "first") {
+    std::printf("rank 3: %s\n", w.report(3).c_str());
+    return false;
+  }
+  for (int r = 0; r < 3; ++r)
+    if (w.report(r) != "aborted by rank 3: stopped by the test") {
+      std::printf("rank %d: %s\n", r, w.report(r).c_str());
+      return false;
+    }
+  // A second rank giving up does not replace the first's reason.
+  if (w.segment.abort(1, "later") || w.segment.aborted_by() != 3) {
+    std::printf("a second abort replaced the first\n");
+    return false;
+  }
+  return true;
+}
+
+bool stale() {
+  // Rank 0 runs two one-shot all-reduces, rank 1 only one: what rank 1's signals of the first
+  // left in rank 0's slots must not let rank 0's second through.
+  {
+    World w(2, 0);
+    fork_ranks(2, [&](int rank) {
+      WindowState state(2);
+      std::mt19937 random(3);
+      std::vector<char> data(64);
+      std::string why;
+      for (int k = 0; k < (rank == 0 ? 2 : 1) && why.empty(); ++k)
+        why = run_plan(w, rank,
+                       window_all_reduce_plan(Algorithm::kOneShot, w.layout, state, rank, 16, 4,
+                                              false),
+                       data.data(), DType::kFloat32, ReduceOp::kSum, 0.3, random);
+      w.report(rank, why);
+    });
+    if (w.report(0) != "timeout: rank 1 did not signal 2 on channel 0" || w.report(1) != "") {
+      std::printf("stale counts: rank 0: %s; rank 1: %s\n", w.report(0).c_str(),
+                  w.report(1).c_str());
+      return false;
+    }
+  }
+  // Cyclic counts, in one process.
+  World w(2, 0);
+  const ipc::Await wait{1, 1, 0xfffffffeu};
+  auto ready = [&] { return wait_signals(w, 0, &wait, 1, 0.01).empty(); };
+  w.segment.signal(1, 0, 1, 0xfffffffdu);
+  if (ready()) return std::printf("0xfffffffd reached 0xfffffffe\n"), false;
+  w.segment.signal(1, 0, 1, 2);  // wrapped past it
+  if (!ready()) return std::printf("2 did not reach 0xfffffffe\n"), false;
+  const ipc::Await later{1, 1, 3};
+  w.segment.signal(1, 0, 1, 0xfffffffeu);
+  if (wait_signals(w, 0, &later, 1, 0.01).empty())
+    return std::printf("0xfffffffe reached 3\n"), false;
+  // A process waiting for a signal that will not come, released by another's stores.
+  const ipc::Await never{0, 1, 7};
+  fork_ranks(2, [&](int rank) {
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      w.segment.release(0, &never, 1);
+      return;
+    }
+    const auto start = Clock::now();
+    const std::string why = wait_signals(w, 0, &never, 1, 30.0);
+    const double took = std::chrono::duration<double>(Clock::now() - start).count();
+    w.report(0, why.empty() && took < 10 ? "released" : why);
+  });
+  if (w.report(0) != "released") return std::printf("release: %s\n", w.report(0).c_str()), false;
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  bool ok = false;
+  if (mode == "plans") {
+    ok = true;
+    for (int n = 1; n <= 8 && ok; ++n) ok = plans(n, 0);
+    for (int n : {3, 8})
+      if (ok) ok = plans(n, 0xfffffff0u);
+  } else if (mode == "timeout") {
+    ok = timeout();
+  } else if (mode == "abort") {
+    ok = abort_word();
+  } else if (mode == "stale") {
+    ok = stale();
+  } else {
+    std::printf("usage: ipc_protocol plans|timeout|abort|stale\n");
+    return 2;
+  }
+  if (ok) std::printf("ok\n");
+  return ok ? 0 : 1;
+}
