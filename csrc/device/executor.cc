@@ -6,6 +6,8 @@
 #include "algorithms/stream_plan.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/reduce.h"
+#include "kernels/cuda/window.h"
+#include "kernels/dispatch.h"
 
 namespace ringcomm {
 namespace device {
@@ -20,12 +22,24 @@ size_t stream_slice(const Schedule& schedule, const Segments& blocks, size_t sli
 
 }  // namespace
 
-Executor::Executor(DeviceTransport& transport) : transport_(transport) {
-  RC_CHECK_ARG(transport.messages() != nullptr, "the ", transport.name(),
-               " transport moves no messages");
+Executor::Executor(DeviceTransport& transport, size_t round_bytes)
+    : transport_(transport), layout_(window_layout(transport.size(), round_bytes)),
+      state_(transport.size()) {
+  RC_CHECK_ARG(transport.messages() != nullptr || transport.windows() != nullptr, "the ",
+               transport.name(), " transport moves no bytes");
+  if (Windows* windows = transport.windows())
+    RC_CHECK_ARG(windows->window_bytes() >= layout_.bytes(), "windows of ",
+                 windows->window_bytes(), " bytes cannot hold rounds of ", round_bytes,
+                 " bytes among ", transport.size(), " ranks (", layout_.bytes(), " bytes)");
+}
+
+size_t Executor::window_bytes(int world, size_t round_bytes) {
+  return window_layout(world, round_bytes).bytes();
 }
 
 Algorithm Executor::choose_all_reduce(size_t bytes) const {
+  if (transport_.windows() != nullptr)
+    return bytes <= kSmallBytes ? Algorithm::kOneShot : Algorithm::kSharedBuffer;
   return bytes <= kSmallBytes ? Algorithm::kRecursiveDoubling : Algorithm::kRing;
 }
 
@@ -33,9 +47,16 @@ void Executor::all_reduce(void* data, size_t count, DType dtype, ReduceOp op, Al
                           cudaStream_t stream) {
   transport_.check_usable();
   cuda::DeviceScope scope(transport_.device());
-  RC_CHECK_ARG(op != ReduceOp::kAvg || dtype != DType::kBool, "op avg is undefined on bool");
+  kernels::visit_reduce(dtype, op, [](auto, auto) {});  // raises on pairs no kernel reduces
   const int n = transport_.size();
   if (algo == Algorithm::kAuto) algo = choose_all_reduce(count * dtype_size(dtype));
+  if (transport_.windows() != nullptr) {
+    const WindowPlan plan = window_all_reduce_plan(algo, layout_, state_, transport_.rank(),
+                                                   count, dtype_size(dtype),
+                                                   op == ReduceOp::kAvg);
+    run_plan(plan, static_cast<char*>(data), dtype, op, stream);
+    return;
+  }
   // Halving-doubling receives from one peer over several steps after sending to it over
   // several: stream groups of one receiving step each would wait on each other.
   RC_CHECK_ARG(algo == Algorithm::kRing || algo == Algorithm::kTree ||
@@ -52,6 +73,8 @@ void Executor::all_gather(void* data, const std::vector<size_t>& counts, DType d
                           cudaStream_t stream) {
   transport_.check_usable();
   cuda::DeviceScope scope(transport_.device());
+  RC_CHECK_ARG(transport_.messages() != nullptr, "all_gather does not run over ",
+               transport_.name());
   const int n = transport_.size();
   RC_CHECK_ARG(int(counts.size()) == n, counts.size(), " block sizes for ", n, " ranks");
   if (n == 1) return;
@@ -113,6 +136,65 @@ void Executor::run_groups(const Schedule& schedule, const Segments& blocks, size
     throw;
   }
   RC_CUDA_CHECK(cudaFreeAsync(staging, stream));
+}
+
+// Consecutive signals and waits go to the transport as one batch, consecutive copies to one
+// kernel; the plan's order is kept.
+void Executor::run_plan(const WindowPlan& plan, char* data, DType dtype, ReduceOp op,
+                        cudaStream_t stream) {
+  Windows& windows = *transport_.windows();
+  const size_t e = dtype_size(dtype);
+  auto address = [&](const WindowRef& r) {
+    return r.rank == WindowRef::kCaller ? data + r.offset : windows.window(r.rank) + r.offset;
+  };
+  std::vector<WindowSync> syncs;
+  std::vector<cuda::CopyPiece> pieces;
+  auto flush_syncs = [&] {
+    if (!syncs.empty()) windows.sync(syncs.data(), syncs.size(), stream);
+    syncs.clear();
+  };
+  auto flush_pieces = [&] {
+    if (!pieces.empty()) cuda::copy_pieces(pieces.data(), int(pieces.size()), stream);
+    pieces.clear();
+  };
+  try {
+    for (const WindowAction& a : plan.actions) {
+      const WindowRef* refs = plan.refs.data() + a.first;
+      switch (a.kind) {
+        case WindowAction::kSync:
+          flush_pieces();
+          syncs.push_back(a.sync);
+          break;
+        case WindowAction::kCopy:
+          flush_syncs();
+          if (pieces.size() == size_t(cuda::kMostPieces)) flush_pieces();
+          pieces.push_back({address(refs[0]), address(refs[1]), a.count * e});
+          break;
+        case WindowAction::kFold: {
+          flush_syncs();
+          flush_pieces();
+          cuda::FoldArgs args;
+          RC_CHECK_ARG(a.sources <= cuda::kMostSources && a.dests <= cuda::kMostDests,
+                       "a fold of ", a.sources, " sources into ", a.dests);
+          for (int s = 0; s < a.sources; ++s) args.sources[s] = address(refs[s]);
+          for (int d = 0; d < a.dests; ++d) args.dests[d] = address(refs[a.sources + d]);
+          args.source_count = a.sources;
+          args.dest_count = a.dests;
+          args.n = a.count;
+          args.divisor = a.divide ? transport_.size() : 0;
+          cuda::fold(dtype, op, args, stream);
+          break;
+        }
+      }
+    }
+    flush_syncs();
+    flush_pieces();
+  } catch (...) {
+    // The counts of state_ ran ahead of what the stream holds: the peers would wait for
+    // signals that never come.
+    transport_.abort();
+    throw;
+  }
 }
 
 }  // namespace device

@@ -1,9 +1,10 @@
 // The device executor: collectives on a CUDA stream over a device transport
-// (transport/device.h), with ringcomm's kernels (kernels/cuda/) combining what arrives. The
-// algorithms are the core's, run as they run on the host: the step lists of
-// algorithms/schedule.h, posted as the message groups of algorithms/stream_plan.h over a
-// transport's messages. Every call only enqueues work on the caller's stream; nothing here
-// synchronises the host.
+// (transport/device.h), with ringcomm's kernels (kernels/cuda/). The algorithms are the core's,
+// run as they run on the host: over a transport's messages, the step lists of
+// algorithms/schedule.h posted as the groups of algorithms/stream_plan.h, ringcomm's reduction
+// kernel combining what arrives; over its windows, the plans of algorithms/window_plan.h, each
+// copy and fold a kernel and each signal and wait a stream operation. Every call only enqueues
+// work on the caller's stream; nothing here synchronises the host.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "algorithms/schedule.h"
+#include "algorithms/window_plan.h"
 #include "common/dtype.h"
 #include "common/signature.h"
 #include "transport/device.h"
@@ -20,29 +22,42 @@ namespace device {
 
 class Executor {
  public:
-  // Over `transport`, which outlives the executor.
-  explicit Executor(DeviceTransport& transport);
+  // Over `transport`, which outlives the executor. Windows are laid out for board rounds of
+  // `round_bytes` (window_layout); the transport's windows must hold that layout.
+  Executor(DeviceTransport& transport, size_t round_bytes);
 
   // The all-reduce of `count` elements at `data` (on the transport's device), in place.
-  // `algo`: kRing, kTree, kRecursiveDoubling, or kAuto (choose_all_reduce).
+  // `algo`: over messages kRing, kTree, kRecursiveDoubling; over windows kOneShot,
+  // kSharedBuffer, kRing; kAuto: choose_all_reduce.
   void all_reduce(void* data, size_t count, DType dtype, ReduceOp op, Algorithm algo,
                   cudaStream_t stream);
   // The all-gather into `data`, which holds every rank's block back to back (block q: counts[q]
-  // elements, this rank's already in place), by the ring's step list.
+  // elements, this rank's already in place), by the ring's step list over messages.
   void all_gather(void* data, const std::vector<size_t>& counts, DType dtype,
                   cudaStream_t stream);
 
-  // What kAuto runs for `bytes`: recursive doubling up to kSmallBytes, the ring above.
+  // What kAuto runs for `bytes`: up to kSmallBytes recursive doubling over messages and
+  // one_shot over windows; above, the ring over messages and shared_buffer over windows (one
+  // fold per element, two rounds of signals per board, where the ring takes 2(n - 1) steps).
+  // Neither threshold has been measured on a GPU.
   Algorithm choose_all_reduce(size_t bytes) const;
   static constexpr size_t kSmallBytes = 256 << 10;
+
+  // The window bytes a transport needs for `world` ranks and rounds of `round_bytes`.
+  static size_t window_bytes(int world, size_t round_bytes);
 
  private:
   // `schedule` (this rank's) over `blocks` of `data`, in place, in slices of `slice` elements,
   // as stream groups over the transport's messages.
   void run_groups(const Schedule& schedule, const Segments& blocks, size_t slice, char* data,
                   DType dtype, ReduceOp op, cudaStream_t stream);
+  // `plan`'s actions in order over the transport's windows; the caller's buffer is `data`.
+  void run_plan(const WindowPlan& plan, char* data, DType dtype, ReduceOp op,
+                cudaStream_t stream);
 
   DeviceTransport& transport_;
+  WindowLayout layout_;
+  WindowState state_;
 };
 
 }  // namespace device

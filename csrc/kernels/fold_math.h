@@ -11,11 +11,12 @@
 namespace ringcomm {
 namespace math {
 
-// ((s0[i] op s1[i]) op s2[i]) ... over `n` sources, each step rounded to T, then divided by
-// `divisor` when it is above 1 (avg).
-template <typename T, typename Op>
-RC_HOST_DEVICE T fold_one(const T* const* sources, int n, size_t i, Op op, int divisor) {
-  T acc = sources[0][i];
+// ((s0[i] op s1[i]) op s2[i]) ... over `n` sources (pointers to elements, or anything whose [i]
+// reads one), each step rounded to the element type, then divided by `divisor` when it is
+// above 1 (avg).
+template <typename Source, typename Op>
+RC_HOST_DEVICE auto fold_one(const Source* sources, int n, size_t i, Op op, int divisor) {
+  auto acc = sources[0][i];
   for (int s = 1; s < n; ++s) acc = reduce_one(acc, sources[s][i], op);
   return divisor > 1 ? divide_one(acc, divisor) : acc;
 }

@@ -14,6 +14,7 @@
 #include "kernels/cuda/reduce.h"
 #include "kernels/cuda/topk.h"
 #include "python/kernel_args.h"
+#include "transport/cuda_ipc/ipc_transport.h"
 #include "transport/nccl/nccl_transport.h"
 
 namespace py = pybind11;
@@ -28,11 +29,12 @@ using python::Words;
 
 cudaStream_t stream_of(uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
-// A device transport and the executor running collectives over it: what ringcomm/nccl.py holds.
+// A device transport and the executor running collectives over it: what ringcomm/nccl.py and
+// ringcomm/device.py hold.
 class DeviceCommunicator {
  public:
-  explicit DeviceCommunicator(std::unique_ptr<device::DeviceTransport> transport)
-      : transport_(std::move(transport)), executor_(*transport_) {}
+  DeviceCommunicator(std::unique_ptr<device::DeviceTransport> transport, size_t round_bytes)
+      : transport_(std::move(transport)), executor_(*transport_, round_bytes) {}
 
   device::DeviceTransport& transport() { return *transport_; }
 
@@ -171,10 +173,44 @@ PYBIND11_MODULE(_C_cuda, m) {
     std::copy(raw.begin(), raw.end(), uid.internal);
     const nccl::Library& lib = nccl::Library::load(library);
     py::gil_scoped_release release;  // joining blocks until every rank has joined
+    // Over messages, windows (and their rounds) play no part.
     return std::make_unique<DeviceCommunicator>(
-        std::make_unique<nccl::NcclTransport>(lib, uid, rank, size, device));
+        std::make_unique<nccl::NcclTransport>(lib, uid, rank, size, device), 0);
   }, py::arg("library"), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
      py::arg("device"));
+
+  // CUDA IPC (transport/cuda_ipc/): (communicator, "") or (None, why every rank refused it).
+  // `exchange(bytes) -> list of every rank's bytes` is called with the GIL held.
+  m.def("ipc_communicator", [](int rank, int size, int device, size_t round_bytes,
+                               double timeout_s, const py::function& exchange) -> py::tuple {
+    ipc::Exchange all = [&exchange](const std::string& mine) {
+      py::gil_scoped_acquire acquire;
+      std::vector<std::string> out;
+      for (const py::handle& item : exchange(py::bytes(mine)))
+        out.push_back(std::string(py::reinterpret_borrow<py::bytes>(item)));
+      return out;
+    };
+    std::string refused;
+    std::unique_ptr<ipc::IpcTransport> transport;
+    {
+      py::gil_scoped_release release;
+      transport = ipc::IpcTransport::connect(rank, size, device,
+                                             device::Executor::window_bytes(size, round_bytes),
+                                             timeout_s, all, &refused);
+    }
+    if (!transport) return py::make_tuple(py::none(), refused);
+    return py::make_tuple(std::make_unique<DeviceCommunicator>(std::move(transport), round_bytes),
+                          std::string());
+  }, py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("round_bytes"),
+     py::arg("timeout_s"), py::arg("exchange"));
+  m.attr("DEVICE_ALGORITHM_CODES") = [] {
+    py::dict codes;
+    for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree,
+                        Algorithm::kRecursiveDoubling, Algorithm::kNccl, Algorithm::kOneShot,
+                        Algorithm::kSharedBuffer})
+      codes[algorithm_name(a)] = int(a);
+    return codes;
+  }();
 
   // Collectives over a device transport (device/executor.h), enqueued on a stream.
   py::class_<DeviceCommunicator>(m, "DeviceCommunicator")

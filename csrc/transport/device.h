@@ -78,7 +78,7 @@ class DeviceTransport {
   virtual Windows* windows() { return nullptr; }
   // Raises if the transport can no longer be used (closed, aborted, failed): called before work
   // is enqueued.
-  virtual void check_usable() const = 0;
+  virtual void check_usable() = 0;
   // Waits for the work enqueued on `stream`. Raises if the transport failed meanwhile or
   // `timeout_s` passes, aborting it first.
   virtual void synchronize(Stream stream, double timeout_s) = 0;

@@ -285,7 +285,7 @@ bool abort_word() {
   fork_ranks(4, [&](int rank) {
     if (rank == 3) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      w.report(rank, w.segment.abort(rank, "stopped by the test") ? "first" : "not first");
+      w.report(rank, w.segment.abort(rank, 5, "stopped by the test") ? "first" : "not first");
       return;
     }
     WindowState state(4);
@@ -306,7 +306,7 @@ bool abort_word() {
       return false;
     }
   // A second rank giving up does not replace the first's reason.
-  if (w.segment.abort(1, "later") || w.segment.aborted_by() != 3) {
+  if (w.segment.abort(1, 1, "later") || w.segment.aborted_by() != 3 || w.segment.kind(3) != 5) {
     std::printf("a second abort replaced the first\n");
     return false;
   }

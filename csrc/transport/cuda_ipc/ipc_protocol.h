@@ -54,7 +54,8 @@ struct alignas(64) SegmentHeader {
 
 struct alignas(64) RankFlags {
   uint32_t signal[kChannels][kMaxRanks];  // [channel][sender]: the sender's count
-  char reason[kReasonBytes];              // why this rank gave up, when it did
+  uint32_t kind;                          // when this rank gave up: the ErrorKind, and why
+  char reason[kReasonBytes];
 };
 
 // The byte size of a segment for `world` ranks, and where a slot lies in it.
@@ -135,10 +136,12 @@ class Segment {
   // The rank that gave up first, or -1.
   int aborted_by() const { return int(load(&header()->abort)) - 1; }
   const char* reason(int rank) const { return flags(rank)->reason; }
-  // Rank `rank` gives up because of `why`; true if it is the first, whose reason every rank
-  // reports.
-  bool abort(int rank, const char* why) const {
+  uint32_t kind(int rank) const { return flags(rank)->kind; }
+  // Rank `rank` gives up because of `why` (an error of `kind`); true if it is the first, whose
+  // kind and reason every rank reports.
+  bool abort(int rank, uint32_t kind, const char* why) const {
     // The reason is written before the word can name this rank, and only read once it does.
+    flags(rank)->kind = kind;
     char* reason = flags(rank)->reason;
     std::strncpy(reason, why, kReasonBytes - 1);
     reason[kReasonBytes - 1] = '\0';

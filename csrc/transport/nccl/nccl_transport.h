@@ -33,7 +33,7 @@ class NcclTransport final : public device::DeviceTransport, public device::Messa
   // NCCL reaches every rank of its communicator.
   bool can_connect(int peer) const override { return peer >= 0 && peer < size_; }
   device::Messages* messages() override { return this; }
-  void check_usable() const override { live(); }
+  void check_usable() override { live(); }
   void synchronize(cudaStream_t stream, double timeout_s) override;
   void close() override;
   void abort() noexcept override;
