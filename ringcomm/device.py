@@ -1,0 +1,181 @@
+"""CUDA tensors on ringcomm's device path: collectives enqueued on the current CUDA stream over
+the first device transport that serves every rank.
+
+    comm = ringcomm.device.DeviceCommunicator(store, rank, world_size)  # current CUDA device
+    comm.transport          # "cuda_ipc", "nccl" or "host"; comm.refused: why not the others
+    comm.all_reduce(t)      # in place, on t's current stream; op="sum" | "avg" | "min" ...
+                            # algorithm="auto" | "one_shot" | "shared_buffer" | "ring" (cuda_ipc)
+                            # | "ring" | "tree" | "recursive_doubling" | "nccl" (nccl)
+    comm.synchronize()      # waits; raises if a peer failed or the timeout passed
+    comm.close()            # every rank, after synchronize()
+
+The transports, tried in this order (`transports=` narrows it):
+  cuda_ipc  ranks of one host, any number of them on one GPU (csrc/transport/cuda_ipc/): each
+            rank's window mapped by the others, the window plans' kernels reading it in place;
+  nccl      one GPU per rank (csrc/transport/nccl/): ringcomm's step lists over ncclSend/ncclRecv;
+  host      ringcomm.Communicator, CUDA tensors staged through pinned host memory.
+Each one a rank cannot use is refused on every rank, with the reason logged at INFO on the
+"ringcomm" logger, before the next is tried.
+
+Every wait on a peer is bounded by `timeout` (cuda_ipc: a watchdog thread releases the stream
+and the next call raises, naming the rank that gave up and why); abort() gives up at once.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+
+from . import cuda
+from ._buffers import TORCH_DTYPES, op_code
+
+logger = logging.getLogger("ringcomm")
+
+TRANSPORTS = ("cuda_ipc", "nccl", "host")
+# A board round of the window plans (csrc/algorithms/window_plan.h): each rank's window holds
+# about 4x this plus two ring slices per rank.
+ROUND_BYTES = 8 << 20
+
+
+class DeviceCommunicator:
+    """`world_size` ranks joined through `store` (a torch.distributed Store) on CUDA `device`
+    (default: the current one). Blocks until every rank has joined; every rank must make it with
+    the same `name`, `transports` and `round_bytes`."""
+
+    def __init__(self, store, rank: int, world_size: int, device: Optional[torch.device] = None,
+                 timeout: timedelta = timedelta(minutes=10),
+                 transports: Sequence[str] = TRANSPORTS, name: str = "ringcomm-device",
+                 round_bytes: int = ROUND_BYTES):
+        unknown = [t for t in transports if t not in TRANSPORTS]
+        if unknown or not transports:
+            raise ValueError(f"transports must be some of {TRANSPORTS}, got {tuple(transports)}")
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        self.rank, self.world_size, self.timeout = int(rank), int(world_size), timeout
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+            else torch.device(device)
+        if self.device.type != "cuda" or self.device.index is None:
+            raise ValueError(f"device must be a CUDA device with an index, got {self.device}")
+        self._store = store
+        # A communicator made again under the same name must not read the keys of the one
+        # before: each world_size joins make one generation.
+        generation = (store.add(f"{name}/joins", 1) - 1) // self.world_size
+        self._prefix = f"{name}/{generation}"
+        self._rounds = 0
+        self._comm = None
+        self.transport = None
+        self.refused = {}
+        for transport in transports:
+            why = getattr(self, f"_connect_{transport}")(round_bytes)
+            if not why:
+                self.transport = transport
+                break
+            self.refused[transport] = why
+            logger.info("ringcomm: rank %d of %d does not use %s: %s", self.rank, self.world_size,
+                        transport, why)
+        if self.transport is None:
+            raise RuntimeError("no transport serves these ranks: " + "; ".join(
+                f"{t}: {why}" for t, why in self.refused.items()))
+        self._codes = cuda._load()[0].DEVICE_ALGORITHM_CODES if self.transport != "host" else {}
+
+    # Set-up: every rank takes each decision from what every rank said.
+
+    def _exchange(self, payload: bytes) -> list:
+        """Every rank's payload, in rank order."""
+        key = f"{self._prefix}/{self._rounds}"
+        self._rounds += 1
+        self._store.set(f"{key}/{self.rank}", payload)
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        self._store.wait(keys, self.timeout)
+        return [self._store.get(k) for k in keys]
+
+    def _agree(self, why: str) -> str:
+        """"" if no rank has a reason to refuse, else the first rank's."""
+        for r, theirs in enumerate(self._exchange(why.encode())):
+            if theirs:
+                return f"rank {r}: {theirs.decode()}"
+        return ""
+
+    def _connect_cuda_ipc(self, round_bytes: int) -> str:
+        module, why = cuda._load()
+        why = self._agree(why or "")
+        if why:
+            return why
+        self._comm, why = module.ipc_communicator(self.rank, self.world_size, self.device.index,
+                                                  int(round_bytes), self.timeout.total_seconds(),
+                                                  self._exchange)
+        return why
+
+    def _connect_nccl(self, round_bytes: int) -> str:
+        from . import nccl
+
+        module, why = cuda._load()
+        gpu = ""
+        if not why:
+            try:
+                nccl.unique_id()  # loads the library here, where the others try theirs
+                gpu = str(torch.cuda.get_device_properties(self.device).uuid)
+            except Exception as e:  # noqa: BLE001 - any failure is this rank's reason to refuse
+                why = str(e)
+        why = self._agree(why or "")
+        if why:
+            return why
+        gpus = [g.decode() for g in self._exchange(gpu.encode())]
+        for r, g in enumerate(gpus):
+            if gpus.index(g) != r:
+                return (f"ranks {gpus.index(g)} and {r} share GPU {g}; NCCL takes one GPU per "
+                        "rank")
+        ids = self._exchange(nccl.unique_id() if self.rank == 0 else b"")
+        self._comm = module.nccl_communicator(nccl.library_path(), ids[0], self.rank,
+                                              self.world_size, self.device.index)
+        return ""
+
+    def _connect_host(self, round_bytes: int) -> str:
+        from .communicator import Communicator
+
+        self._comm = Communicator(self._store, self.rank, self.world_size, timeout=self.timeout,
+                                  name=f"{self._prefix}/host")
+        return ""
+
+    # Collectives.
+
+    def all_reduce(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:
+        """In place, enqueued on the current stream of the tensor's device (host: staged in the
+        stream's order). `algorithm` names one of the transport's (the module's docstring);
+        host staging takes "auto" only."""
+        cuda._check(tensor, "tensor", device=self.device)
+        if self.transport == "host":
+            if algorithm != "auto":
+                raise ValueError(f"host staging picks its own algorithm, got {algorithm!r}")
+            self._comm.all_reduce(tensor, op=op)
+            return tensor
+        code = self._codes.get(algorithm)
+        if code is None:
+            raise ValueError(f"unknown algorithm {algorithm!r}; expected one of "
+                             + ", ".join(self._codes))
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._comm.all_reduce(tensor.data_ptr(), tensor.numel(), TORCH_DTYPES[tensor.dtype],
+                              op_code(op), code, stream)
+        return tensor
+
+    def synchronize(self, timeout: Optional[timedelta] = None) -> None:
+        """Waits for the work on the current stream. A failed peer, an abort or the deadline
+        (default: the communicator's timeout) raises RingcommError (its subclass for the kind)."""
+        if self.transport == "host":
+            torch.cuda.current_stream(self.device).synchronize()
+            return
+        timeout = self.timeout if timeout is None else timeout
+        self._comm.synchronize(torch.cuda.current_stream(self.device).cuda_stream,
+                               timeout.total_seconds())
+
+    def close(self) -> None:
+        """Releases the transport; every rank calls it once its work is done (cuda_ipc waits
+        until every rank has, within the timeout)."""
+        self._comm.close()
+
+    def abort(self) -> None:
+        """Gives up at once: waits on peers are released, every later call raises, and the
+        peers raise too (cuda_ipc, nccl)."""
+        self._comm.abort()

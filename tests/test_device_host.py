@@ -1,0 +1,85 @@
+"""ringcomm.device on a machine without a GPU: every rank refuses CUDA IPC and NCCL for the same
+reason, says so at INFO, and falls back to host staging together; the extension's raw CUDA IPC
+entry point refuses the same way through its exchange. The transports' GPU runs are
+tests/gpu/test_cuda_ipc.py."""
+import logging
+
+import pytest
+import torch
+
+import ringcomm.cuda
+from ranks import run_ranks
+
+pytestmark = [
+    pytest.mark.skipif(not ringcomm.cuda.built(),
+                       reason="ringcomm was built without its CUDA extension"),
+    pytest.mark.skipif(ringcomm.cuda.status()[0],
+                       reason="this machine has a GPU: tests/gpu/test_cuda_ipc.py runs instead"),
+]
+
+
+def connect(store, rank, world):
+    from ringcomm.device import DeviceCommunicator
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("ringcomm")
+    log.setLevel(logging.INFO)
+    log.addHandler(Keep())
+    comm = DeviceCommunicator(store, rank, world, device=torch.device("cuda", 0), timeout=30)
+    chosen, refused = comm.transport, dict(comm.refused)
+    comm.close()
+    return chosen, refused, records
+
+
+def test_every_rank_falls_back_to_host_staging_together():
+    results = run_ranks(3, connect, make_comm=False, timeout=120)
+    for chosen, refused, records in results:
+        assert chosen == "host"
+        assert list(refused) == ["cuda_ipc", "nccl"]
+        assert refused == results[0][1]  # the same reasons on every rank
+        assert refused["cuda_ipc"].startswith("rank 0: no CUDA device visible"), refused
+        assert any("does not use cuda_ipc: rank 0: no CUDA device" in r for r in records), records
+        assert any("does not use nccl" in r for r in records), records
+
+
+def raw_refusal(store, rank, world):
+    from ringcomm import _C_cuda
+
+    rounds = []
+
+    def exchange(mine):
+        key = f"x/{len(rounds)}"
+        rounds.append(mine)
+        store.set(f"{key}/{rank}", mine)
+        keys = [f"{key}/{r}" for r in range(world)]
+        store.wait(keys)
+        return [store.get(k) for k in keys]
+
+    comm, why = _C_cuda.ipc_communicator(rank, world, 0, 1 << 20, 10.0, exchange)
+    return comm is None, why, len(rounds)
+
+
+def test_ipc_refusal_is_agreed_through_the_exchange():
+    for refused, why, rounds in run_ranks(2, raw_refusal, make_comm=False, timeout=120):
+        assert refused and why.startswith("rank 0: no CUDA device 0"), why
+        assert rounds == 2  # what each rank has, then whether each could map the others
+
+
+def test_unknown_transport_is_refused():
+    from ringcomm.device import DeviceCommunicator
+
+    with pytest.raises(ValueError, match="transports must be some of"):
+        DeviceCommunicator(torch.distributed.HashStore(), 0, 1, device="cuda:0",
+                           transports=("carrier_pigeon",))
+
+
+def test_device_algorithms_are_named_by_the_core():
+    from ringcomm import _C_cuda
+
+    assert {"auto", "one_shot", "shared_buffer", "ring", "tree", "recursive_doubling",
+            "nccl"} == set(_C_cuda.DEVICE_ALGORITHM_CODES)
