@@ -1,0 +1,232 @@
+"""ringcomm's CUDA IPC transport (csrc/transport/cuda_ipc/, ringcomm/device.py) with every rank a
+process on ONE GPU: all_reduce of every op, dtype and size of the grid below, bit for bit against
+every rank's input folded in rank order on the GPU (the order one_shot and shared_buffer fold
+in), and each window algorithm by name on whole numbers (exact in any order: the ring folds each
+block in its own); then a rank killed while the others run collectives, who must raise within
+the timeout, never hang. Each runs without MPS and, where nvidia-cuda-mps-control exists, under
+an MPS daemon of its own (pipe and log directories in a temporary directory, stopped after; the
+GPU's compute mode is left alone)."""
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+OPS = ["sum", "avg", "min", "max"]
+# Elements: none, one, odd, a view one element off a 16-byte boundary, 2^20 + 3 (past the
+# one-shot sizes), and 64 MiB (several board rounds).
+SIZES = [0, 1, 999, ("unaligned", 4097), (1 << 20) + 3, ("bytes", 64 << 20)]
+ALGORITHMS = ["one_shot", "shared_buffer", "ring"]
+MPS_CONTROL = shutil.which("nvidia-cuda-mps-control")
+
+
+def elements(size, dtype):
+    if isinstance(size, tuple):
+        kind, n = size
+        return n // torch.tensor([], dtype=dtype).element_size() if kind == "bytes" else n
+    return size
+
+
+def contribution(case, rank, n, dtype, whole):
+    gen = torch.Generator(device="cuda").manual_seed(7919 * case + rank)
+    if whole:
+        x = torch.randint(-8, 9, (n,), generator=gen, device="cuda", dtype=torch.int32)
+    else:
+        x = torch.randn(n, generator=gen, device="cuda")
+    return x.to(dtype)
+
+
+def reference(case, world, n, dtype, op, whole):
+    """Every rank's contribution folded in rank order in `dtype`, each step rounded (torch's CUDA
+    arithmetic on half types computes in float and rounds, as ringcomm's kernels do); avg divides
+    by a tensor, not a scalar, so that torch divides rather than multiplying by a reciprocal."""
+    acc = contribution(case, 0, n, dtype, whole)
+    for r in range(1, world):
+        x = contribution(case, r, n, dtype, whole)
+        acc = torch.minimum(acc, x) if op == "min" else torch.maximum(acc, x) if op == "max" \
+            else acc + x
+    return acc / torch.full_like(acc, world) if op == "avg" else acc
+
+
+def placed(t, size):
+    """t itself, or a copy of it one element into a bigger buffer (a data pointer off 16 bytes)."""
+    if isinstance(size, tuple) and size[0] == "unaligned":
+        room = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = room[1:]
+        view.copy_(t)
+        return view
+    return t
+
+
+def communicator(store_path, rank, world, timeout_s):
+    from ringcomm.device import DeviceCommunicator
+
+    torch.cuda.set_device(0)
+    store = torch.distributed.FileStore(store_path, world)
+    comm = DeviceCommunicator(store, rank, world, timeout=timedelta(seconds=timeout_s),
+                              transports=("cuda_ipc",))
+    assert comm.transport == "cuda_ipc", comm.refused
+    return comm
+
+
+def grid_rank(rank, world, store_path, results):
+    try:
+        comm = communicator(store_path, rank, world, 60)
+        case = 0
+        for dtype in DTYPES:
+            for op in OPS:
+                for size in SIZES:
+                    case += 1
+                    n = elements(size, dtype)
+                    t = placed(contribution(case, rank, n, dtype, False), size)
+                    comm.all_reduce(t, op)
+                    comm.synchronize()
+                    if not torch.equal(t, reference(case, world, n, dtype, op, False)):
+                        raise AssertionError(f"auto {dtype} {op} {size}: not the rank-order fold")
+        for algorithm in ALGORITHMS:
+            for dtype, op in ((torch.float32, "sum"), (torch.bfloat16, "avg"),
+                              (torch.float16, "max")):
+                for size in (1, 999, ("unaligned", 4097), (1 << 20) + 3):
+                    case += 1
+                    n = elements(size, dtype)
+                    t = placed(contribution(case, rank, n, dtype, True), size)
+                    comm.all_reduce(t, op, algorithm)
+                    comm.synchronize()
+                    if not torch.equal(t, reference(case, world, n, dtype, op, True)):
+                        raise AssertionError(f"{algorithm} {dtype} {op} {size}: wrong result")
+        comm.close()
+        results.put((rank, "ok"))
+    except BaseException as e:  # reported to the parent, which fails the test with it
+        results.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
+
+
+def kill_rank(rank, world, store_path, results, victim):
+    import ringcomm
+
+    comm = communicator(store_path, rank, world, 20)
+    t = torch.ones(1 << 22, device="cuda")
+    results.put((rank, "ready"))
+    start = time.monotonic()
+    outcome = "no error within 60 s"
+    while time.monotonic() - start < 60:
+        try:
+            for _ in range(4):
+                comm.all_reduce(t)
+            comm.synchronize()
+        except ringcomm.RingcommError as e:
+            outcome = f"{type(e).__name__}: {e}"
+            break
+    raised_at = time.time()
+    try:  # the stream the failure released: it must drain, whatever it computed
+        torch.cuda.synchronize()
+        drained = "drained"
+    except Exception as e:  # noqa: BLE001 - reported, not hidden
+        drained = f"torch.cuda.synchronize raised {e!r}"
+    results.put((rank, (outcome, raised_at, drained)))
+    os._exit(0)  # the transport failed: nothing to release
+
+
+def spawn(target, world, args, env):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    saved = dict(os.environ)
+    os.environ.update(env)  # spawned children take the environment at start
+    try:
+        procs = [ctx.Process(target=target, args=(r, world) + args(results)) for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return procs, results
+
+
+def collect(procs, results, count, timeout):
+    got, deadline = {}, time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        try:
+            rank, value = results.get(timeout=0.5)
+            got.setdefault(rank, []).append(value)
+        except Exception:  # noqa: BLE001 - queue.Empty: look again
+            if all(p.exitcode is not None for p in procs) and results.empty():
+                break
+    return got
+
+
+def finish(procs, timeout):
+    for p in procs:
+        p.join(timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    return alive
+
+
+@contextmanager
+def gpu_sharing(mps):
+    """The environment ranks run in: none without MPS; with it, a daemon's pipe directory."""
+    if not mps:
+        yield {}
+        return
+    if MPS_CONTROL is None:
+        pytest.skip("no nvidia-cuda-mps-control on this machine")
+    with tempfile.TemporaryDirectory(prefix="ringcomm-mps-") as tmp:
+        env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(tmp, "pipe"),
+               "CUDA_MPS_LOG_DIRECTORY": os.path.join(tmp, "log")}
+        for d in env.values():
+            os.makedirs(d)
+        started = subprocess.run([MPS_CONTROL, "-d"], env=dict(os.environ, **env),
+                                 capture_output=True, text=True, timeout=30)
+        if started.returncode != 0:
+            pytest.skip(f"the MPS daemon did not start: {started.stderr or started.stdout}")
+        try:
+            yield env
+        finally:
+            subprocess.run([MPS_CONTROL], input="quit\n", env=dict(os.environ, **env),
+                           capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("mps", [False, True], ids=["time-sliced", "mps"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_all_reduce_grid_on_one_gpu(world, mps, tmp_path):
+    with gpu_sharing(mps) as env:
+        procs, results = spawn(grid_rank, world, lambda q: (str(tmp_path / "store"), q), env)
+        got = collect(procs, results, world, timeout=420)
+        alive = finish(procs, 10)
+    assert not alive, f"ranks still running: {got}"
+    assert all(got.get(r) == ["ok"] for r in range(world)), got
+
+
+@pytest.mark.parametrize("mps", [False, True], ids=["time-sliced", "mps"])
+def test_a_killed_rank_makes_the_others_raise_within_the_timeout(mps, tmp_path):
+    world, victim = 4, 2
+    with gpu_sharing(mps) as env:
+        procs, results = spawn(kill_rank, world,
+                               lambda q: (str(tmp_path / "store"), q, victim), env)
+        ready = collect(procs, results, world, timeout=120)
+        assert len(ready) == world, ready
+        time.sleep(1.0)  # every rank is in its loop of collectives
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        killed_at = time.time()
+        got = collect(procs, results, world - 1, timeout=90)
+        alive = finish(procs, 10)
+    assert not alive, f"ranks still running: {got}"
+    for r in range(world):
+        if r == victim:
+            continue
+        outcome, raised_at, drained = got[r][-1]
+        # The communicator's timeout is 20 s; the watchdog sees the process gone much sooner.
+        assert raised_at - killed_at < 25, (r, outcome, raised_at - killed_at)
+        assert f"rank {victim}" in outcome and ("exited" in outcome or "gave up" in outcome), \
+            (r, outcome)
+        assert drained == "drained", (r, drained)
