@@ -57,6 +57,22 @@ def test_extension_carries_sm80_sm90_and_ptx():
 
 
 @needs_build
+def test_device_path_kernels_have_sm80_and_sm90_code():
+    # The window plans' kernels (kernels/cuda/window.cu): entry points in the cubin of each
+    # architecture, not only in the PTX a driver would compile at load.
+    out = subprocess.run([cuobjdump(), "-symbols", str(extension_path())], capture_output=True,
+                         text=True, check=True).stdout
+    entries, arch = {}, None
+    for line in out.splitlines():
+        if line.startswith("arch = "):
+            arch = line.split()[-1]
+        elif " ENTRY " in line and arch:
+            entries.setdefault(arch, set()).add(line.split()[-1])
+    for arch in ("sm_80", "sm_90"):
+        for kernel in ("fold_vectors_kernel", "fold_kernel", "copy_kernel", "write_words_kernel"):
+            assert any(kernel in e for e in entries.get(arch, ())), (arch, kernel)
+
+
 def needed(path):
     out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True,
                          check=True).stdout
