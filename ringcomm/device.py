@@ -112,22 +112,25 @@ class DeviceCommunicator:
         from . import nccl
 
         module, why = cuda._load()
-        gpu = ""
-        if not why:
-            try:
-                nccl.unique_id()  # loads the library here, where the others try theirs
-                gpu = str(torch.cuda.get_device_properties(self.device).uuid)
-            except Exception as e:  # noqa: BLE001 - any failure is this rank's reason to refuse
-                why = str(e)
         why = self._agree(why or "")
         if why:
             return why
-        gpus = [g.decode() for g in self._exchange(gpu.encode())]
+        gpus = [g.decode() for g in self._exchange(
+            str(torch.cuda.get_device_properties(self.device).uuid).encode())]
         for r, g in enumerate(gpus):
             if gpus.index(g) != r:
                 return (f"ranks {gpus.index(g)} and {r} share GPU {g}; NCCL takes one GPU per "
                         "rank")
-        ids = self._exchange(nccl.unique_id() if self.rank == 0 else b"")
+        unique_id, why = b"", ""
+        if self.rank == 0:
+            try:
+                unique_id = nccl.unique_id()
+            except Exception as e:  # noqa: BLE001 - no NCCL library: every rank refuses it
+                why = str(e)
+        why = self._agree(why)
+        if why:
+            return why
+        ids = self._exchange(unique_id)
         self._comm = module.nccl_communicator(nccl.library_path(), ids[0], self.rank,
                                               self.world_size, self.device.index)
         return ""
