@@ -189,6 +189,11 @@ SparseCosts sparse_costs(const Selector& select, const SparseSizes& s) {
   return c;
 }
 
+Algorithm cheapest_way(const SparseCosts& c) {
+  if (c.dense <= c.gather && c.dense <= c.ranges) return Algorithm::kRing;
+  return c.gather <= c.ranges ? Algorithm::kSparseGather : Algorithm::kSparseRanges;
+}
+
 double varint_delta_bytes(double density) {
   // A zigzag delta d takes 1 + floor(log2(2d) / 7) bytes; deltas between evenly spread ascending
   // indices are about geometric with mean 1/density, so P(d >= x) ~ exp(-density x).
@@ -220,6 +225,7 @@ CompressionCosts compression_costs(const Selector& select, size_t numel, size_t 
   SparseCosts ways = sparse_costs(select, s);
   const double counts = (n - 1) * select.model().alpha_s;  // step 0: the all-gather of counts
   c.sparse = counts + std::min({ways.gather, ways.ranges, ways.dense});
+  c.way = cheapest_way(ways);
   return c;
 }
 

@@ -59,6 +59,12 @@ class Selector {
       : n_(n), model_(model), hosts_(hosts), per_host_(per_host), board_bytes_(board_bytes) {}
   int ranks() const { return n_; }
   const LinkModel& model() const { return model_; }
+  // The same ranks and layout priced by another model.
+  Selector with_model(const LinkModel& model) const {
+    Selector s = *this;
+    s.model_ = model;
+    return s;
+  }
 
   // A dense all-reduce of `bytes` by ring, tree, recursive doubling, halving-doubling or (when
   // the ranks allow) shared buffer or hierarchical: the estimate below, scaled by the measured
@@ -90,16 +96,19 @@ struct SparseCosts {
   double dense;   // scatter the pairs, ring all-reduce
 };
 SparseCosts sparse_costs(const Selector& select, const SparseSizes& s);
+// The cheapest of them: kRing (dense), kSparseGather or kSparseRanges; ties to dense, then gather.
+Algorithm cheapest_way(const SparseCosts& c);
 
 // Bytes per index of zigzag-varint deltas for ascending indices spread evenly at this density.
 double varint_delta_bytes(double density);
 
 // Before anything is exchanged, for a caller choosing whether to send a vector of `numel`
 // elements densely or as its top k: the sparse all-reduce with k pairs on every rank (step 0's
-// count exchange included, the cheapest way after it), and the dense all-reduce of the vector by
-// `dense_algo`.
+// count exchange included, the cheapest way after it, `way`), and the dense all-reduce of the
+// vector by `dense_algo`.
 struct CompressionCosts {
   double sparse, dense;
+  Algorithm way = Algorithm::kSparseGather;
 };
 CompressionCosts compression_costs(const Selector& select, size_t numel, size_t k,
                                    size_t value_size, size_t out_size, Algorithm dense_algo);

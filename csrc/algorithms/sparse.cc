@@ -57,9 +57,7 @@ char* gather_blocks(Context& ctx, const void* mine, const std::vector<size_t>& b
 }
 
 Algorithm choose(const Selector& select, const SparseSizes& s) {
-  SparseCosts c = sparse_costs(select, s);
-  if (c.dense <= c.gather && c.dense <= c.ranges) return Algorithm::kRing;
-  return c.gather <= c.ranges ? Algorithm::kSparseGather : Algorithm::kSparseRanges;
+  return cheapest_way(sparse_costs(select, s));
 }
 
 // Packs my pairs for gather: encoded indices, then values. Returns the packed size.

@@ -20,6 +20,9 @@
 namespace py = pybind11;
 
 namespace ringcomm {
+
+void bind_quantize_cuda(py::module_& m);  // quantize_cuda_bindings.cc
+
 namespace {
 
 using python::address;
@@ -147,6 +150,7 @@ PYBIND11_MODULE(_C_cuda, m) {
                              static_cast<int32_t*>(address(indices)), address(values),
                              address(workspace), workspace_bytes, stream_of(stream));
   }, G());
+  bind_quantize_cuda(m);
   m.def("scatter_add", [](int dtype, uintptr_t out, size_t n, uintptr_t indices, uintptr_t values,
                           size_t k, uintptr_t bad_index, uintptr_t stream) {
     cuda::scatter_add(checked_dtype(dtype), address(out), n,
