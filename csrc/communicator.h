@@ -224,6 +224,13 @@ class Communicator {
   uint64_t cpu_moves() const { return mesh_->cpu_moves(); }
   // Empty unless an error has broken this communicator.
   std::string broken_reason();
+  // The sequence number the next collective takes. Collectives are numbered in issue order from
+  // 0 (a coalesced one takes one per bucket), the same on every rank that issued the same ones;
+  // sends and receives are numbered per peer instead.
+  uint64_t sequence_number() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return next_seq_;
+  }
   // Fails the operation in progress and every queued one at once with "aborted: <reason>",
   // tells the peers (their operations with this rank fail with the reason too) and leaves this
   // communicator broken. From any thread; returns once that is done (a second of grace for the

@@ -49,6 +49,8 @@ def backend_of(group=None):
         backend = group._get_backend(torch.device("cpu"))
     except RuntimeError:
         return None
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a _ProcessGroupWrapper.
+    backend = getattr(backend, "wrapped_pg", backend)
     return backend if isinstance(backend, load().RingcommBackend) else None
 
 

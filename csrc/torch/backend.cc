@@ -417,6 +417,12 @@ class RingcommBackend : public c10d::Backend {
   std::shared_ptr<rc::Communicator> communicator() const { return comm_; }
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
 
+  // The core's own numbers, which its signatures carry: every rank starts at 0 and has taken the
+  // same ones by the end of the rendezvous, so there is nothing to agree on here. torch's
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper puts the number in each collective's fingerprint.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return comm_->sequence_number(); }
+
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
     Staged t(one(tensors, "broadcast"));
