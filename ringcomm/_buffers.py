@@ -36,8 +36,8 @@ class Buffer:
             # (is_cpu, not device.type: building the device object costs 300 ns.)
             if not obj.is_cpu:
                 raise ValueError(f"{name} must be a CPU tensor, got device {obj.device} "
-                                 "(ringcomm stages CUDA tensors for all_reduce and "
-                                 "sparse_all_reduce; ringcomm.nccl runs all_reduce over NCCL)")
+                                 "(Communicator.all_reduce and sparse_all_reduce take CUDA "
+                                 "tensors)")
             if obj.layout is not torch.strided:
                 raise ValueError(f"{name} must be a dense (strided) tensor, got {obj.layout}")
             code = TORCH_DTYPES.get(obj.dtype)

@@ -1,7 +1,9 @@
 """The Communicator: rendezvous through a torch.distributed Store, collectives on tensors."""
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 import threading
 from datetime import timedelta
@@ -10,10 +12,11 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C, fusion, launch, staging, trace
+from . import _C, device, fusion, launch, staging, trace
 from .stats import BucketStats
 from .compress import TOPK_DTYPES
-from ._buffers import FLOATING, SPARSE_ALGORITHMS, TORCH_DTYPES, Buffer, algorithm_code, op_code
+from ._buffers import (ALGORITHMS, FLOATING, SPARSE_ALGORITHMS, TORCH_DTYPES, Buffer,
+                       algorithm_code, op_code)
 
 RingcommError = _C.RingcommError
 CollectiveTimeoutError = _C.CollectiveTimeoutError
@@ -23,6 +26,11 @@ def _error_of(core_work) -> Optional[RingcommError]:
     """The failed operation's error, as the class of its kind; None if it succeeded."""
     message = core_work.error()
     return _C.error_types[core_work.error_kind()](message) if message else None
+
+logger = logging.getLogger("ringcomm")
+# The device transports a Communicator tries for its CUDA tensors (ringcomm.device), in order;
+# where none serves every rank it stages them through host memory itself.
+DEVICE_TRANSPORTS = ("cuda_ipc", "nccl")
 
 _instance_counter = itertools.count()
 _live = set()  # communicators to close at exit, so progress threads never outlive Python
@@ -141,15 +149,26 @@ class Communicator:
     ``async_op=True`` they return a Work; otherwise they return None when done. Operations run in
     issue order on a progress thread (blocking calls run on the caller's thread when nothing is
     queued). Errors raise RingcommError, after which the communicator is broken.
+
+    all_reduce takes CUDA tensors too, on the device path: at the first one on a device, every
+    rank joins a ringcomm.device.DeviceCommunicator there over the first of `device_transports`
+    that serves every rank; where none does (or `device_transports` is empty), CUDA tensors are
+    staged through pinned host memory (ringcomm/staging.py), which is logged at INFO once.
     """
 
     def __init__(self, store, rank: int, world_size: int,
-                 timeout: timedelta = timedelta(minutes=10), name: Optional[str] = None):
+                 timeout: timedelta = timedelta(minutes=10), name: Optional[str] = None,
+                 device_transports: Sequence[str] = DEVICE_TRANSPORTS):
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
         self.rank, self.world_size, self.timeout = int(rank), int(world_size), timeout
+        unknown = [t for t in device_transports if t not in DEVICE_TRANSPORTS]
+        if unknown:
+            raise ValueError(f"device_transports must be some of {DEVICE_TRANSPORTS}, got "
+                             f"{tuple(device_transports)}")
         name = name if name is not None else f"comm{next(_instance_counter)}"
         store = dist.PrefixStore(f"ringcomm/{name}", store)
+        self._device_init(store, tuple(device_transports))
         self._core = _C.Communicator(self.rank, self.world_size, timeout.total_seconds(),
                                      os.environ.get("MASTER_ADDR", ""))
 
@@ -173,9 +192,40 @@ class Communicator:
         self._core = core
         self._tensor_path = _tensor_path(core)
         self.rank, self.world_size, self.timeout = core.rank, core.world_size, timeout
+        self._device_init(None, ())  # no store to join a device path through: staged
         self.bucket_stats = BucketStats()
         self._closed = True
         return self
+
+    def _device_init(self, store, transports: tuple):
+        self._store, self._device_transports = store, transports
+        self._device_paths = {}  # CUDA device index -> DeviceCommunicator, None where staged
+        self._device_lock = threading.Lock()
+
+    def _device_path(self, where: torch.device) -> Optional[device.DeviceCommunicator]:
+        """The DeviceCommunicator carrying this communicator's CUDA tensors on `where`, or None
+        where they are staged. Made at the first CUDA all_reduce there, which every rank issues
+        at the same point of the collectives' common order: making it is a collective."""
+        with self._device_lock:
+            if where.index in self._device_paths:
+                return self._device_paths[where.index]
+            path, why = None, ""
+            if self._store is None:
+                why = "a process group's communicator, whose backend stages CUDA tensors itself"
+            elif not self._device_transports:
+                why = "device_transports=() turns the device path off"
+            else:
+                try:
+                    path = device.DeviceCommunicator(
+                        self._store, self.rank, self.world_size, where, self.timeout,
+                        self._device_transports, name=f"device{len(self._device_paths)}")
+                except device.NoDeviceTransport as e:
+                    why = str(e)
+            if path is None:
+                logger.info("ringcomm: rank %d of %d stages CUDA tensors on %s through host "
+                            "memory: %s", self.rank, self.world_size, where, why)
+            self._device_paths[where.index] = path
+            return path
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -210,17 +260,25 @@ class Communicator:
     # -- collectives ----------------------------------------------------------------------
 
     def all_reduce(self, tensor, op="sum", algorithm: str = "auto", async_op: bool = False):
-        """In place. A CUDA tensor is staged through pinned host memory in slices, in the order
-        of its current stream (ringcomm/staging.py)."""
+        """In place. A CUDA tensor runs on the device path with ProcessGroupNCCL's semantics
+        (ringcomm.device.DeviceCommunicator.all_reduce_work: after the work on its current
+        stream, on a stream of the path's own; the Work's wait() and CUDA-aware future order the
+        current stream after it), or where no device transport serves every rank is staged
+        through pinned host memory in slices (ringcomm/staging.py); `algorithm` then names one
+        of the device path's (ringcomm.device) or the host's."""
         if self._tensor_path is not None and not async_op:
             all_reduce_tensor, core = self._tensor_path
-            if all_reduce_tensor(core, tensor, op_code(op), algorithm_code(algorithm)):
+            code = ALGORITHMS.get(algorithm)  # a device path's own names go on to the path
+            if code is not None and all_reduce_tensor(core, tensor, op_code(op), code):
                 return None
         try:
             buf = Buffer(tensor)
         except ValueError:  # not a CPU buffer: checked here, off the CPU path's ~2 us
             if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-                return staging.all_reduce(self, tensor, op, algorithm, async_op)
+                path = self._device_path(tensor.device)
+                if path is None:
+                    return staging.all_reduce(self, tensor, op, algorithm, async_op)
+                return path.all_reduce_work(tensor, op, algorithm, async_op)
             raise
         code = self._check_op(op, buf)
         w = self._core.all_reduce(buf.ptr, buf.numel, buf.dtype, code,
@@ -383,11 +441,18 @@ class Communicator:
         "bytes_sent": bytes written per transport, message headers included;
         "idle_s": the time all waits spent idle, sends and receives included;
         "cpu_moves": times this rank moved off a CPU the scheduler had put a local peer on too
-        (RINGCOMM_SHM_UNSTACK).
+        (RINGCOMM_SHM_UNSTACK);
+        "device": the transport carrying CUDA tensors by device ("cuda:0": "cuda_ipc", "nccl",
+        or "host" where they are staged; ringcomm.staging.bytes_to_host() counts what staging
+        copied to the host), for each device an all_reduce has met so far.
         """
+        with self._device_lock:
+            paths = dict(self._device_paths)
         return {"collectives": self._core.stats(), "buckets": self.bucket_stats.as_dict(),
                 "bytes_sent": self.bytes_sent_by_transport(), "idle_s": self._core.idle_s,
-                "cpu_moves": self._core.cpu_moves}
+                "cpu_moves": self._core.cpu_moves,
+                "device": {f"cuda:{i}": "host" if p is None else p.transport
+                           for i, p in sorted(paths.items())}}
 
     def broadcast(self, tensor, src: int, async_op: bool = False):
         buf = Buffer(tensor)
@@ -524,7 +589,10 @@ class Communicator:
         communicator is broken after (close() then waits for nothing). From any thread, a
         signal handler or a completion callback; it returns once the peers are told, except from
         the callback of a send or receive, which runs inside the transport: the progress thread
-        tells them as soon as that callback returns."""
+        tells them as soon as that callback returns. The device paths are aborted too."""
+        for path in list(self._device_paths.values()):
+            if path is not None:
+                path.abort()
         self._core.abort(str(reason))
 
     def close(self):
@@ -538,9 +606,14 @@ class Communicator:
             self._core.close()
             return
         self._closed = True
-        self._core.close()
         with _live_lock:
             _live.discard(self)
+        with self._device_lock:
+            paths = [p for p in self._device_paths.values() if p is not None]
+        with contextlib.ExitStack() as closing:  # each runs, the last first, whatever raises
+            closing.callback(self._core.close)
+            for path in paths:  # each waits for its stream's work; a later call raises
+                closing.callback(path.close)
 
     def __enter__(self):
         return self

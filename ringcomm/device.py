@@ -7,7 +7,12 @@ the first device transport that serves every rank.
                             # algorithm="auto" | "one_shot" | "shared_buffer" | "ring" (cuda_ipc)
                             # | "ring" | "tree" | "recursive_doubling" | "nccl" (nccl)
     comm.synchronize()      # waits; raises if a peer failed or the timeout passed
+    work = comm.all_reduce_work(t, async_op=True)   # on the communicator's own stream, after
+                            # the current one's work (ProcessGroupNCCL's semantics: DeviceWork)
     comm.close()            # every rank, after synchronize()
+
+ringcomm.Communicator makes one of these per CUDA device at its first all_reduce of a tensor on
+that device, and runs its CUDA all_reduces through all_reduce_work.
 
 The transports, tried in this order (`transports=` narrows it):
   cuda_ipc  ranks of one host, any number of them on one GPU (csrc/transport/cuda_ipc/): each
@@ -23,6 +28,7 @@ and the next call raises, naming the rank that gave up and why); abort() gives u
 from __future__ import annotations
 
 import logging
+import threading
 from datetime import timedelta
 from typing import Optional, Sequence
 
@@ -37,6 +43,16 @@ TRANSPORTS = ("cuda_ipc", "nccl", "host")
 # A board round of the window plans (csrc/algorithms/window_plan.h): each rank's window holds
 # about 4x this plus two ring slices per rank.
 ROUND_BYTES = 8 << 20
+
+
+class NoDeviceTransport(RuntimeError):
+    """None of the transports offered serves every rank; `refused` says why, by transport. Every
+    rank raises it at the same call, with the same reasons."""
+
+    def __init__(self, refused: dict):
+        self.refused = dict(refused)
+        super().__init__("no transport serves these ranks: " + "; ".join(
+            f"{t}: {why}" for t, why in self.refused.items()))
 
 
 class DeviceCommunicator:
@@ -65,6 +81,9 @@ class DeviceCommunicator:
         self._prefix = f"{name}/{generation}"
         self._rounds = 0
         self._comm = None
+        self._stream = None  # all_reduce_work's, with its two reusable events; made on first use
+        self._ready = self._done = None
+        self._lock = threading.Lock()
         self.transport = None
         self.refused = {}
         for transport in transports:
@@ -76,8 +95,7 @@ class DeviceCommunicator:
             logger.info("ringcomm: rank %d of %d does not use %s: %s", self.rank, self.world_size,
                         transport, why)
         if self.transport is None:
-            raise RuntimeError("no transport serves these ranks: " + "; ".join(
-                f"{t}: {why}" for t, why in self.refused.items()))
+            raise NoDeviceTransport(self.refused)
         self._codes = cuda._load()[0].DEVICE_ALGORITHM_CODES if self.transport != "host" else {}
 
     # Set-up: every rank takes each decision from what every rank said.
@@ -138,8 +156,9 @@ class DeviceCommunicator:
     def _connect_host(self, round_bytes: int) -> str:
         from .communicator import Communicator
 
+        # Its CUDA tensors are staged: it is this communicator's host transport.
         self._comm = Communicator(self._store, self.rank, self.world_size, timeout=self.timeout,
-                                  name=f"{self._prefix}/host")
+                                  name=f"{self._prefix}/host", device_transports=())
         return ""
 
     # Collectives.
@@ -154,14 +173,48 @@ class DeviceCommunicator:
                 raise ValueError(f"host staging picks its own algorithm, got {algorithm!r}")
             self._comm.all_reduce(tensor, op=op)
             return tensor
+        self._enqueue(tensor, op, algorithm, torch.cuda.current_stream(self.device))
+        return tensor
+
+    def _enqueue(self, tensor: torch.Tensor, op, algorithm: str, stream: torch.cuda.Stream):
         code = self._codes.get(algorithm)
         if code is None:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected one of "
                              + ", ".join(self._codes))
-        stream = torch.cuda.current_stream(self.device).cuda_stream
         self._comm.all_reduce(tensor.data_ptr(), tensor.numel(), TORCH_DTYPES[tensor.dtype],
-                              op_code(op), code, stream)
-        return tensor
+                              op_code(op), code, stream.cuda_stream)
+
+    def all_reduce_work(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto",
+                        async_op: bool = True) -> Optional["DeviceWork"]:
+        """all_reduce with ProcessGroupNCCL's stream semantics: enqueued on this communicator's
+        own stream after the work already on the tensor's current stream, the tensor held
+        (record_stream) until that stream is past it. async_op: a DeviceWork; else None, the
+        current stream made to wait for it (the host is not blocked)."""
+        cuda._check(tensor, "tensor", device=self.device)
+        caller = torch.cuda.current_stream(self.device)
+        with self._lock:  # the events are shared, and the stream's order is the ranks' order
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+                self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
+            own = self._stream
+            # One event each way, reused: a stream's wait takes the event as recorded then.
+            self._ready.record(caller)
+            own.wait_event(self._ready)
+            if self.transport == "host":
+                with torch.cuda.stream(own):
+                    self.all_reduce(tensor, op, algorithm)
+            else:
+                self._enqueue(tensor, op, algorithm, own)
+            done = torch.cuda.Event() if async_op else self._done
+            done.record(own)
+            tensor.record_stream(own)
+            if not async_op:
+                caller.wait_event(done)
+                return None
+            future = torch.futures.Future(devices=[self.device])
+            with torch.cuda.stream(own):
+                future.set_result(tensor)  # its event: recorded on `own`, right after `done`
+        return DeviceWork(self, tensor, done, future)
 
     def synchronize(self, timeout: Optional[timedelta] = None) -> None:
         """Waits for the work on the current stream. A failed peer, an abort or the deadline
@@ -175,10 +228,70 @@ class DeviceCommunicator:
 
     def close(self) -> None:
         """Releases the transport; every rank calls it once its work is done (cuda_ipc waits
-        until every rank has, within the timeout)."""
-        self._comm.close()
+        until every rank has, within the timeout). The work on all_reduce_work's stream is
+        waited for first."""
+        try:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    self.synchronize()  # a failure raises after the release: close() then frees
+        finally:
+            self._comm.close()
 
     def abort(self) -> None:
         """Gives up at once: waits on peers are released, every later call raises, and the
         peers raise too (cuda_ipc, nccl)."""
         self._comm.abort()
+
+
+class DeviceWork:
+    """The Work of DeviceCommunicator.all_reduce_work, as ProcessGroupNCCL's: for the host the
+    operation is done once enqueued; the device is done when its stream is past it.
+
+    wait() makes the current stream wait for it, without blocking the host; wait(timeout)
+    also blocks the host until the communicator's stream is done, raising RingcommError if a
+    peer failed or the timeout passed. get_future() is a CUDA-aware torch Future holding the
+    tensor: waiting on it, or on what it chains, makes the current stream wait. A peer's failure
+    raises at the communicator's next call, as its module says."""
+
+    def __init__(self, comm: DeviceCommunicator, tensor: torch.Tensor, done: torch.cuda.Event,
+                 future: torch.futures.Future):
+        self._comm, self._tensor, self._done, self._future = comm, tensor, done, future
+
+    def wait(self, timeout=None) -> bool:
+        if timeout is not None:
+            if not isinstance(timeout, timedelta):
+                timeout = timedelta(seconds=timeout)
+            with torch.cuda.stream(self._comm._stream):
+                self._comm.synchronize(timeout)
+        torch.cuda.current_stream(self._comm.device).wait_event(self._done)
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the device is past the operation."""
+        return self._done.query()
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self):
+        """None: a failure is raised by the communicator's next call, or by wait(timeout)."""
+        return None
+
+    def result(self) -> torch.Tensor:
+        self.wait()
+        return self._tensor
+
+    def source(self) -> int:
+        return -1
+
+    def stats(self) -> dict:
+        """Work.stats()'s keys, each 0: the device transports move the bytes without the host,
+        which neither counts nor times them."""
+        return dict.fromkeys(("bytes_sent", "bytes_received", "queued_s", "run_s", "idle_s"), 0)
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def _on_finish(self, fn) -> None:
+        """As Work._on_finish: fn() runs at once, the host's part being done."""
+        fn()

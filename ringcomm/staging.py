@@ -1,9 +1,10 @@
-"""CUDA tensors through ringcomm's host transports (TCP, shared memory), for clusters without
-NCCL: staged through pinned host memory in slices, so that the device-to-host copy of one slice
-overlaps the wire time of the ones before it, and the copy back of each slice starts as soon as
-its all-reduce is done.
+"""CUDA tensors through ringcomm's host transports (TCP, shared memory), where no device
+transport serves every rank (ringcomm.device), and the pairs of sparse_all_reduce: staged through
+pinned host memory in slices, so that the device-to-host copy of one slice overlaps the wire time
+of the ones before it, and the copy back of each slice starts as soon as its all-reduce is done.
 
     all_reduce(comm, cuda_tensor, op, algorithm, async_op)   # what Communicator.all_reduce calls
+    bytes_to_host()         # what staging has copied to the host so far, in this process
 
 Stream semantics are torch's: the copies out wait for the work already enqueued on the tensor's
 current stream; the result is there for work enqueued on the current stream after the call
@@ -27,6 +28,15 @@ _streams = {}  # device index -> (device-to-host stream, host-to-device stream)
 _streams_lock = threading.Lock()
 _pending = {}  # (device index, data_ptr) -> the StagedWork still copying back into it
 _pending_lock = threading.Lock()
+_to_host = 0  # bytes_to_host()
+_to_host_lock = threading.Lock()
+
+
+def bytes_to_host() -> int:
+    """Bytes of CUDA tensors this module has copied to host memory so far, for every
+    Communicator of this process (the torch backend stages in C++, uncounted): none while their
+    CUDA all_reduces run on the device path (Communicator.stats()["device"] says where)."""
+    return _to_host
 
 
 def slice_bytes() -> int:
@@ -129,6 +139,9 @@ class _Staging:
 
     def out(self, src: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event:
         """Enqueues host <- src; returns the event that says it is there."""
+        global _to_host
+        with _to_host_lock:
+            _to_host += host.nbytes
         with torch.cuda.stream(self.to_host):
             host.copy_(src, non_blocking=True)
             ready = torch.cuda.Event()

@@ -83,3 +83,50 @@ def test_device_algorithms_are_named_by_the_core():
 
     assert {"auto", "one_shot", "shared_buffer", "ring", "tree", "recursive_doubling",
             "nccl"} == set(_C_cuda.DEVICE_ALGORITHM_CODES)
+
+
+
+def route(store, rank, world, device_transports):
+    import ringcomm
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("ringcomm")
+    log.setLevel(logging.INFO)
+    log.addHandler(Keep())
+    comm = ringcomm.Communicator(store, rank, world, timeout=30,
+                                 device_transports=device_transports)
+    cuda0 = torch.device("cuda", 0)
+    # Where a rank's first CUDA all_reduce goes (the collective that makes the device path),
+    # then its next ones.
+    paths = [comm._device_path(cuda0), comm._device_path(cuda0)]
+    device = comm.stats()["device"]
+    comm.close()
+    return paths, device, [r for r in records if "stages CUDA tensors" in r]
+
+
+def test_a_communicator_stages_cuda_tensors_where_no_device_transport_serves_every_rank():
+    results = run_ranks(3, route, ("cuda_ipc", "nccl"), make_comm=False, timeout=120)
+    for paths, device, lines in results:
+        assert paths == [None, None]
+        assert device == {"cuda:0": "host"}
+        assert len(lines) == 1, lines  # once, at the first
+        assert "stages CUDA tensors on cuda:0 through host memory: no transport serves these " \
+               "ranks: cuda_ipc: rank 0: no CUDA device" in lines[0], lines
+
+
+def test_a_communicator_without_device_transports_stages_at_once():
+    for paths, device, lines in run_ranks(2, route, (), make_comm=False, timeout=120):
+        assert paths == [None, None] and device == {"cuda:0": "host"}
+        assert len(lines) == 1 and "device_transports=() turns the device path off" in lines[0]
+
+
+def test_device_transports_are_checked():
+    import ringcomm
+
+    with pytest.raises(ValueError, match="device_transports must be some of"):
+        ringcomm.Communicator(torch.distributed.HashStore(), 0, 1, device_transports=("host",))
