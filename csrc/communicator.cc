@@ -952,7 +952,7 @@ void Communicator::progress_loop() {
         // A peer that does not answer may itself wait on another (blocked in a collective): its
         // waiting notices lead to the rank that holds everything up, as a collective's timeout
         // says (Mesh::describe_chains). Reading them, a peer's abort may arrive: it says more.
-        reason = timed_out ? str_cat("timed out waiting for ", what,
+        reason = timed_out ? str_cat("Timed out waiting for ", what,
                                      mesh_->describe_chains(mesh_->waiting_on(),
                                                             Mesh::notice_period(timeout_)))
                            : str_cat("communicator closed with ", what, " unfinished");

@@ -87,7 +87,7 @@ class Work:
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
         if not self._core.wait(-1.0 if timeout is None else float(timeout)):
-            raise CollectiveTimeoutError(f"timed out after {timeout}s waiting for the operation")
+            raise CollectiveTimeoutError(f"Timed out after {timeout}s waiting for the operation")
         self._finished.wait()  # on_success may still be running on the progress thread
         return True
 

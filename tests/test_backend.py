@@ -343,7 +343,7 @@ def async_future(store, rank, world):
     fut = work.get_future()
     pending = not fut.done() and not work.is_completed()
     if rank == 0:
-        with pytest.raises(RuntimeError, match="timed out after 100 ms"):
+        with pytest.raises(RuntimeError, match="Timed out waiting 100ms for ALLREDUCE"):
             work.wait(timedelta(seconds=0.1))
     chained = fut.then(lambda f: f.value()[0] * 2)
     value = fut.wait()

@@ -293,8 +293,8 @@ class RingcommWork : public c10d::Work {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             deadline - std::chrono::steady_clock::now());
         if (left.count() <= 0)
-          fail(c10::str("ringcomm: timed out after ", timeout.count(), " ms waiting for ",
-                        c10d::opTypeToString(retrieveOpType())));
+          fail(c10::str("ringcomm: Timed out waiting ", timeout.count(), "ms for ",
+                        c10d::opTypeToString(retrieveOpType()), " to complete"));
         slice = std::min(slice, left);
       }
       if (cv_.wait_for(lk, slice, [&] { return completed_; })) break;

@@ -69,7 +69,7 @@ def test_every_survivor_raises_naming_the_victim_in_time_and_nothing_is_left(ci_
             # through the chain of waiting notices (docs/reliability.md).
             assert s["named"], f"rank {s['rank']}'s error does not name the victim: {where}"
             if kind == "stall":
-                assert "timed out" in s["text"], where
+                assert "Timed out" in s["text"], where
                 # not before the deadline (a false alarm), not long after it
                 assert t["timeout"] / 2 < s["detect_s"] < t["timeout"] + BOUND_S, where
             else:

@@ -169,7 +169,7 @@ void TcpTransport::accept_higher_ranks(const std::string& token, Clock::time_poi
     auto now = Clock::now();
     if (now >= deadline) {
       for (auto& p : pending) ::close(p.fd);
-      RC_THROW_AS(kTimeout, "rank ", rank_, ": timed out waiting for ", missing,
+      RC_THROW_AS(kTimeout, "rank ", rank_, ": Timed out waiting for ", missing,
                   " connection(s) from higher ranks",
                   last_refusal.empty() ? "" : "; the last one refused: ", last_refusal);
     }
@@ -451,7 +451,7 @@ bool TcpTransport::pump_recv(Channel& ch, bool eager) {
         return moved;
       }
       if (n == 0)
-        RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " closed (peer exited or aborted)");
+        RC_THROW_AS(kPeerLost, "Connection closed by peer (rank ", ch.peer, " exited or aborted)");
       if (n < 0) {
         if (errno == EAGAIN || errno == EINTR) return moved;
         RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " lost: ", errno_string(errno));
@@ -478,7 +478,7 @@ bool TcpTransport::pump_recv(Channel& ch, bool eager) {
     while (p.done < p.bytes) {
       ssize_t n = recv(ch.fd, p.data + p.done, p.bytes - p.done, MSG_DONTWAIT);
       if (n == 0)
-        RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " closed (peer exited or aborted)");
+        RC_THROW_AS(kPeerLost, "Connection closed by peer (rank ", ch.peer, " exited or aborted)");
       if (n < 0) {
         if (errno == EAGAIN || errno == EINTR) return moved;
         RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " lost: ", errno_string(errno));
