@@ -1,6 +1,7 @@
 """PyTorch Lightning on the ringcomm backend: examples/lightning_digits.py (DDPStrategy with
 process_group_backend="ringcomm", sync_dist metrics, scikit-learn's digits) under torchrun on 2
-ranks, against the same run on gloo."""
+ranks, as is and under TORCH_DISTRIBUTED_DEBUG=DETAIL, against the same run on gloo."""
+
 import re
 from pathlib import Path
 
@@ -20,9 +21,15 @@ def accuracies(tmp_path, backend):
     return [float(acc) for _, _, acc in found]
 
 
-def test_lightning_ddp_trains_like_gloo(tmp_path):
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory):
+    return accuracies(tmp_path_factory.mktemp("gloo"), "gloo")
+
+
+@pytest.mark.parametrize("debug", ["OFF", "DETAIL"])
+def test_lightning_ddp_trains_like_gloo(tmp_path, monkeypatch, gloo, debug):
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", debug)
     ringcomm = accuracies(tmp_path, "ringcomm")
-    gloo = accuracies(tmp_path, "gloo")
     assert ringcomm[0] == ringcomm[1]  # the metric is synchronised
     assert ringcomm[0] > 0.9, ringcomm
     assert abs(ringcomm[0] - gloo[0]) <= 0.01, (ringcomm, gloo)
