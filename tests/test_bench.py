@@ -191,6 +191,24 @@ def test_bench_wire_and_plot_refuse_what_they_cannot_do():
             bench.main(["--compare", "nccl", "--ranks", "2"])
 
 
+def test_bench_device_cuda_refuses_what_it_cannot_do():
+    from ringcomm.bench import collectives as bench
+
+    with pytest.raises(SystemExit, match="--device cuda times all_reduce"):
+        bench.main(["--device", "cuda", "--coll", "reduce_scatter"])
+    with pytest.raises(SystemExit, match="compares with nccl and forced algorithms, not gloo"):
+        bench.main(["--device", "cuda", "--compare", "gloo"])
+    with pytest.raises(SystemExit, match="compares with nccl and forced algorithms, not wire"):
+        bench.main(["--device", "cuda", "--wire"])
+    with pytest.raises(SystemExit, match="halving_doubling: not an algorithm of the device path"):
+        bench.main(["--device", "cuda", "--compare", "one_shot,halving_doubling"])
+    with pytest.raises(SystemExit, match="one_shot is an algorithm of the device path"):
+        bench.main(["--algo", "one_shot"])
+    if torch.cuda.device_count() == 0:  # this machine: no GPU (tests/gpu/test_bench_cuda.py)
+        with pytest.raises(SystemExit, match="--device cuda needs a GPU"):
+            bench.main(["--device", "cuda", "--compare", "one_shot,shared_buffer", "--floor"])
+
+
 def test_bench_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     from ringcomm.bench import collectives as bench
 

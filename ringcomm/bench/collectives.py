@@ -5,9 +5,10 @@
     torchrun --nproc-per-node 4 -m ringcomm.bench -b 8 -e 64M --coll all_reduce
     srun -n 4 python -m ringcomm.bench -b 8 -e 64M      # or mpirun, mpiexec (docs/launching.md)
     python -m ringcomm.bench --coll all_reduce_coalesced --tensors 1000 --tensor-bytes 1K-16K --compare gloo
+    python -m ringcomm.bench --device cuda --ranks 4 -b 8 -e 64M --floor   # 4 ranks on one GPU
 
 Started by no launcher (ringcomm.launch), it launches `--ranks` local ranks itself (forks of this
-process, under the env:// variables torchrun sets; new interpreters with --compare nccl). Times are
+process, under the env:// variables torchrun sets; new interpreters with --device cuda). Times are
 medians over --repeats samples of --iters back-to-back operations (rank 0's clock, after a
 barrier), each sample after --sample-warmup untimed ones: samples of several libraries interleave
 (each repeat starting one library further on, every other one backwards, so none always follows the
@@ -27,11 +28,8 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
                    dispatch, Work and future over calling the core directly. With
                    --coll all_reduce_coalesced: dist.all_reduce_coalesced and one flat
                    dist.all_reduce on that group.
-  --compare nccl   GPUs: the ringcomm column becomes ringcomm's all_reduce of CUDA tensors over NCCL
-                   (its schedules with ncclSend/ncclRecv as the wire and its kernels reducing,
-                   ringcomm/nccl.py), beside NCCL's own ncclAllReduce through the same
-                   communicator; one GPU per rank (LOCAL_RANK's), a sample ends with
-                   torch.cuda.synchronize(). all_reduce only.
+  --compare nccl   NCCL's own ncclAllReduce (through ringcomm.nccl's communicator), with --device
+                   cuda, which it implies; one GPU per rank (LOCAL_RANK's). all_reduce only.
   --compare mpi    Open MPI's MPI_Allreduce (in place), in as many processes of its own on rank 0's
                    host, started by rank 0 under mpiexec (ringcomm/bench/mpi.py) and driven one
                    sample at a time; all_reduce only; pip install 'ringcomm[mpi]'.
@@ -53,6 +51,17 @@ interleaved with ringcomm's so that machine noise hits all alike; ratios are rin
                    and Gbit/s). Each size's wire row is the time of the bytes on the wire,
                    2(n-1)/n x size / rate, so its busbw is the rate. all_reduce only.
 The floor's and the wire's ratio columns ("vs floor", "vs wire") are ringcomm's time over theirs.
+
+--device cuda: all_reduce of CUDA tensors through ringcomm.Communicator, which runs them on its
+device path (ringcomm.device: CUDA IPC between the ranks of a host, any number of them on one
+GPU, else NCCL, else staged through host memory; the header and the JSON name the one taken).
+Rank r runs on GPU LOCAL_RANK % (GPUs visible): every rank on one GPU where there is one. Each
+operation is followed by a synchronisation of the current stream, so a time is a latency (no CUDA
+graphs). The floor is then the device memory floor: every rank's torch.add(a, b, out=c) over the
+size on its GPU at once, iters back to back between two CUDA events, a sample lasting from the
+first rank's start to the last rank's end on the GPU (each rank's events placed on the host's
+clock from the moment it saw the second one done). Forced algorithms are the device path's:
+one_shot, shared_buffer, ring (CUDA IPC), ring, tree, recursive_doubling (NCCL).
 With --algo auto and forced algorithms (--compare ring,tree,recursive_doubling), each row also
 says which algorithm auto ran ("auto chose", the communicator's choice for that size) and that
 algorithm's forced time over the fastest forced time ("chosen / best"). The auto column and the
@@ -113,6 +122,8 @@ DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist
 # --compare: a comma-separated list of these, or "none". The algorithms are ringcomm's own
 # all_reduce forced to one algorithm: beside the default "auto" column, whether auto picks the best.
 COMPARE = ("gloo", "backend", "mpi", "nccl", *ALGORITHMS)
+# The device path's algorithms (ringcomm.device: CUDA IPC's first three, NCCL's last three).
+DEVICE_ALGORITHMS = ("one_shot", "shared_buffer", "ring", "tree", "recursive_doubling")
 MPI_DTYPES = ("float", "float32", "double", "float64", "int", "int32", "int64", "int8", "uint8")
 MPI_INSTALL = "pip install 'ringcomm[mpi]'"
 TIMEOUT = timedelta(minutes=5)  # of the Store, the communicators and the wire's sockets
@@ -246,7 +257,14 @@ class Case:
 
 
 def time_case(case: Case, iters: int, barrier, warmup: int) -> float:
-    return time_calls(case.run, iters, barrier, warmup, gpu=case.device != "cpu")
+    if case.device == "cpu":
+        return time_calls(case.run, iters, barrier, warmup)
+
+    def synchronised():  # a latency: the operation and the wait for it, one at a time
+        case.run()
+        torch.cuda.current_stream().synchronize()
+
+    return time_calls(synchronised, iters, barrier, warmup, gpu=True)
 
 
 def interleaved(names: list[str], repeats: int):
@@ -283,6 +301,26 @@ def call_span(run, iters: int, barrier, warmup: int, gpu: bool = False) -> tuple
     if gpu:  # the work was only enqueued
         torch.cuda.synchronize()
     return start, time.perf_counter()
+
+
+def event_span(run, iters: int, barrier, warmup: int) -> tuple[float, float]:
+    """When `iters` calls of run() began and ended on the GPU, by two CUDA events around them,
+    on time.perf_counter's clock (one for every process of a host, where events of two
+    processes cannot be compared): the end is when the host saw the second event done, the
+    start that less the events' elapsed time. After `warmup` untimed calls."""
+    barrier()
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    end.synchronize()
+    done = time.perf_counter()
+    return done - start.elapsed_time(end) * 1e-3, done
 
 
 def all_at_once(comm, spans: list[tuple[float, float]], iters: int) -> list[float]:
@@ -722,8 +760,13 @@ def worker(args):
         groups["backend"] = (dist.new_group(backend="ringcomm") if "gloo" in anchors
                              else dist.group.WORLD)
     gpu = None
-    if "nccl" in anchors:  # main() checked that every local rank has a GPU
-        torch.cuda.set_device(rank if found.local_rank is None else found.local_rank)
+    if args.device == "cuda":  # main() checked that there is a GPU, one per rank for NCCL
+        local = rank if found.local_rank is None else found.local_rank
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        # The first CUDA all_reduce makes the communicator's device path: here, out of the rows.
+        comm.all_reduce(torch.zeros(1, device="cuda"))
+        torch.cuda.synchronize()
+    if "nccl" in anchors:
         gpu = NcclCommunicator(dist.PrefixStore("nccl", store), rank, world)
     mpi = None
     try:
@@ -749,13 +792,15 @@ def transport_label(comm) -> str:
 def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor | None,
              groups: dict, wire: Wire | None, gpu=None):
     """One row per size: every library's samples interleaved, then medians, #wrong and ratios
-    (ringcomm / each of the other columns). With `gpu` (an NcclCommunicator), ringcomm's and
-    nccl's columns run on CUDA tensors through it."""
+    (ringcomm / each of the other columns). With --device cuda every column runs on CUDA
+    tensors, the nccl column through `gpu` (an NcclCommunicator)."""
     rows = []
     coalesced = args.coll == "all_reduce_coalesced"
     anchors = libs[1:]
+    on_gpu = args.device == "cuda"
     # rank 0's: the row it prints and saves says what it used
-    transport = "nccl" if gpu is not None else transport_label(comm)
+    transport = (comm.stats()["device"][f"cuda:{torch.cuda.current_device()}"] if on_gpu
+                 else transport_label(comm))
     if coalesced:
         rows.append(coalesced_row(args, comm, rank, world, libs, groups))
     elif rank == 0:
@@ -763,7 +808,11 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
               f"algorithm {args.algo}, transport {transport}, {args.repeats} repeats (median), "
               f"each after {args.sample_warmup if args.sample_warmup >= 0 else 'iters / 2'} "
               "untimed operations", flush=True)
-        if args.coll == "all_reduce" and gpu is None and backend.built() is None:
+        if on_gpu:
+            print(f"# {torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible), "
+                  f"rank r on GPU LOCAL_RANK % {torch.cuda.device_count()}; each operation "
+                  "stream-synchronised: times are latencies (no CUDA graphs)", flush=True)
+        elif args.coll == "all_reduce" and backend.built() is None:
             # Communicator.all_reduce then reads the tensor in Python: 8 B took 2.7 us, not 1.3
             print("# tensors read in Python: the torch backend's module is not built for these "
                   "sources (make install, or ringcomm.backend.load(), builds it)", flush=True)
@@ -774,7 +823,11 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
         if mpi is not None:
             print(f"# mpi: MPI_Allreduce in place, {world} processes of its own under mpiexec "
                   f"(shared memory), {mpi.library}", flush=True)
-        if "floor" in libs:
+        if "floor" in libs and on_gpu:
+            print("# floor: torch.add(a, b, out=c) over the size on every rank's GPU at once "
+                  "(reads 2x size, writes 1x), CUDA events; time = first start to last end",
+                  flush=True)
+        elif "floor" in libs:
             print("# floor: torch.add(a, b, out=out) over the size on every rank at once, one "
                   "thread each (reads 2x size, writes 1x); time = slowest rank", flush=True)
         if wire is not None:
@@ -817,7 +870,7 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
                 line += f" | {row['auto_chose']:>18} {'-' if chosen is None else f'{chosen:.3f}':>13}"
             print(line, flush=True)
     if rank == 0 and args.json:
-        gpu_name = torch.cuda.get_device_name(gpu.device) if gpu is not None else None
+        gpu_name = torch.cuda.get_device_name() if on_gpu else None
         out = {**run_metadata(gpu_name), "args": vars(args), "transport": transport, "rows": rows}
         if mpi is not None:
             out["mpi"] = {"library": mpi.library, "command": mpi.command}
@@ -855,18 +908,19 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
     wire) per sample, medians, #wrong summed over the ranks, ratios."""
     dtype = DTYPES[args.datatype]
     timed = [lib for lib in libs if lib != "wire"]  # the wire's samples were taken before the rows
-    on_gpu = ("ringcomm", "nccl") if gpu is not None else ()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else "cpu"
 
     def case(lib):
         if lib == "mpi":
             return MpiCase(mpi, nbytes, dtype, args.warmup_iters)
-        if lib in on_gpu:
+        if lib == "nccl":
             return Case(lib, gpu, args.coll, nbytes, dtype, args.op, args.algo, rank, world,
-                        device=gpu.device)
+                        device=device)
         if lib in ALGORITHMS:
-            return Case("ringcomm", comm, args.coll, nbytes, dtype, args.op, lib, rank, world)
+            return Case("ringcomm", comm, args.coll, nbytes, dtype, args.op, lib, rank, world,
+                        device=device)
         return Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype, args.op,
-                    args.algo, rank, world, groups.get(lib))
+                    args.algo, rank, world, groups.get(lib), device=device)
 
     cases = {lib: case(lib) for lib in timed}
     ringcomm_case = cases["ringcomm"]
@@ -882,7 +936,8 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
         if lib == "mpi":
             samples[lib].append(case.sample(iters, sample_warmup))
         elif lib == "floor":
-            samples[lib].append(call_span(case.run, iters, comm.barrier, sample_warmup))
+            span = event_span if device != "cpu" else call_span
+            samples[lib].append(span(case.run, iters, comm.barrier, sample_warmup))
         else:
             samples[lib].append(time_case(case, iters, comm.barrier, sample_warmup))
     if "floor" in samples:
@@ -920,8 +975,8 @@ def auto_choice(args, comm, row: dict, libs: list[str]) -> dict:
     apart from the sample-to-sample spread that separates the auto column from the forced column
     of the same algorithm in one run)."""
     forced = [lib for lib in libs if lib in ALGORITHMS]
-    if args.algo != "auto" or not forced:
-        return {}
+    if args.algo != "auto" or not forced or args.device == "cuda":  # the host's choice, not the
+        return {}  # device path's
     chose = comm.algorithm_for(row["size"])
     # what auto's trials found in this size's class, where it retunes (RINGCOMM_RETUNE_CALLS)
     trials = [t for t in comm.auto_trials() if t["bytes"] <= row["size"] < 2 * t["bytes"]]
@@ -964,6 +1019,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float")
     p.add_argument("--coll", choices=COLLECTIVES, default="all_reduce")
     p.add_argument("--algo", choices=("auto", *ALGORITHMS), default="auto")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: all_reduce of CUDA tensors on ringcomm's device path, every rank "
+                        "on GPU LOCAL_RANK %% GPUs (one GPU: all of them), each operation "
+                        "stream-synchronised; the floor is the device memory floor")
     p.add_argument("--repeats", type=int, default=5, help="samples per size; the median is shown")
     p.add_argument("--ranks", type=int, default=2,
                    help="local ranks to launch (started by no launcher)")
@@ -994,6 +1053,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_device(args, anchors: list[str], algorithms: list[str]) -> None:
+    """What --device cuda runs, or a SystemExit saying why not."""
+    if args.coll != "all_reduce":
+        raise SystemExit("--device cuda times all_reduce: use it with --coll all_reduce")
+    hosts = [a for a in anchors if a in ("gloo", "backend", "mpi")]
+    if hosts or args.wire:
+        raise SystemExit(f"--device cuda compares with nccl and forced algorithms, not "
+                         f"{', '.join(hosts + ['wire'] * args.wire)}")
+    wrong = [a for a in algorithms if a not in DEVICE_ALGORITHMS]
+    if wrong:
+        raise SystemExit(f"{', '.join(wrong)}: not an algorithm of the device path; it has "
+                         f"{', '.join(DEVICE_ALGORITHMS)}")
+    if torch.cuda.device_count() == 0:
+        raise SystemExit(f"--device cuda needs a GPU: torch {torch.__version__} sees none")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -1011,15 +1086,21 @@ def main(argv=None) -> int:
                              f"use -d one of {', '.join(MPI_DTYPES)} and -o sum, prod, min or max")
         check_mpi()
     forced = [a for a in anchors if a in ALGORITHMS]
-    if forced and (args.coll != "all_reduce" or "nccl" in anchors):
-        raise SystemExit(f"--compare {','.join(forced)} forces ringcomm's all_reduce algorithm on "
-                         "the host transports: use it with --coll all_reduce, without nccl")
+    if forced and args.coll != "all_reduce":
+        raise SystemExit(f"--compare {','.join(forced)} forces ringcomm's all_reduce algorithm: "
+                         "use it with --coll all_reduce")
     if "nccl" in anchors:
         if args.coll != "all_reduce":
             raise SystemExit("--compare nccl times ncclAllReduce: use it with --coll all_reduce")
         if torch.cuda.device_count() < local:
             raise SystemExit(f"--compare nccl runs every rank on a GPU of its own: {local} local "
                              f"ranks, {torch.cuda.device_count()} GPUs here")
+        args.device = "cuda"
+    algorithms = forced + ([args.algo] if args.algo != "auto" else [])
+    if args.device == "cuda":
+        check_device(args, anchors, algorithms)
+    elif "one_shot" in algorithms:
+        raise SystemExit("one_shot is an algorithm of the device path: add --device cuda")
     if args.floor and args.coll not in ("all_reduce", "all_reduce_coalesced"):
         raise SystemExit("--floor is the memory floor of all_reduce: use it with --coll all_reduce "
                          "or all_reduce_coalesced")
@@ -1036,9 +1117,9 @@ def main(argv=None) -> int:
     if found is not None:
         worker(args)
         return 0
-    # With --compare nccl the ranks are fresh interpreters: this process has asked CUDA for the
-    # GPUs above.
-    fresh = ["-m", "ringcomm.bench", *argv] if "nccl" in anchors else None
+    # On GPUs the ranks are fresh interpreters: CUDA does not work in a fork of this process,
+    # which has asked it for the GPUs above.
+    fresh = ["-m", "ringcomm.bench", *argv] if args.device == "cuda" else None
     return launch(args.ranks, functools.partial(worker, args), fresh)
 
 

@@ -18,11 +18,12 @@ PLOT_INSTALL = "pip install 'ringcomm[plot]'"
 # The series of a bench row that are physical limits, not libraries: drawn dashed, never checked.
 LIMITS = ("floor", "wire")
 # The series of ringcomm's all_reduce forced to one algorithm (bench --compare ring,...), beside
-# its --algo (default auto) column.
-ALGORITHMS = ("ring", "tree", "recursive_doubling", "halving_doubling", "shared_buffer")
+# its --algo (default auto) column; one_shot is the device path's alone (bench --device cuda).
+ALGORITHMS = ("ring", "tree", "recursive_doubling", "halving_doubling", "shared_buffer",
+              "one_shot")
 # Bench series: (name in table heads and legends, short name in "vs ..." ratio heads)
 NAMES = {"ringcomm": ("ringcomm", "ringcomm"), "backend": ("ringcomm backend", "backend"),
-         "gloo": ("gloo", "gloo"), "mpi": ("Open MPI", "Open MPI"),
+         "gloo": ("gloo", "gloo"), "mpi": ("Open MPI", "Open MPI"), "nccl": ("NCCL", "NCCL"),
          "floor": ("memory floor", "floor"), "wire": ("wire", "wire"),
          **{algo: ("ringcomm", algo.replace("_", " ")) for algo in ALGORITHMS}}
 
@@ -55,7 +56,8 @@ def series_label(lib: str, row: dict) -> str:
     elif lib == "wire":
         details = ["plain TCP", f"{row['wire']['busbw']:.3g} GB/s per link"]
     else:  # the bench runs gloo over TCP, Open MPI over its shared-memory BTL only
-        details = {"gloo": ["tcp"], "mpi": ["MPI_Allreduce", "shm"], "floor": ["torch.add"]}[lib]
+        details = {"gloo": ["tcp"], "mpi": ["MPI_Allreduce", "shm"], "nccl": ["ncclAllReduce"],
+                   "floor": ["torch.add"]}[lib]
     named = ", ".join(d for d in details if d)  # files from before the bench recorded transports
     return f"{NAMES[lib][0]} ({named})" if named else NAMES[lib][0]
 
