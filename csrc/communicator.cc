@@ -160,6 +160,10 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
   const std::string forced = knob_string("RINGCOMM_ALGO");
   for (Algorithm a : kAllReduceAlgorithms)
     if (forced == algorithm_name(a)) forced_all_reduce_ = a;
+  if (forced_all_reduce_ == Algorithm::kAuto && forced != algorithm_name(Algorithm::kAuto)) {
+    forced_registered_ = forced;  // a registered algorithm: its lists checked now, on every rank
+    registered_for(forced, Collective::kAllReduce);
+  }
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   watch_for_fork();
 }
@@ -421,6 +425,8 @@ Signature Communicator::collective(Collective coll, DType dtype, ReduceOp op, Al
 
 WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp op,
                                  Algorithm algo, bool async) {
+  if (algo == Algorithm::kAuto && !forced_registered_.empty())
+    return all_reduce_registered(buf, count, dtype, op, forced_registered_, async);
   const size_t bytes = count * dtype_size(dtype);
   const bool retune = retuned(bytes, algo);
   algo = retune ? Algorithm::kAuto : choose_all_reduce(bytes, algo);  // kAuto: settled in run()
@@ -537,6 +543,83 @@ WorkPtr Communicator::barrier(bool async) {
   auto sig = collective(Collective::kBarrier, DType::kUInt8, ReduceOp::kSum,
                         Algorithm::kDissemination, 0);
   return submit(sig, [](Context& ctx) { dissemination_barrier(ctx); }, async);
+}
+
+std::shared_ptr<const AlgorithmLists> Communicator::registered_for(const std::string& name,
+                                                                  Collective coll) {
+  std::shared_ptr<const AlgorithmLists> lists = registered_lists(name, coll, world_size_);
+  RC_CHECK_ARG(lists, collective_name(coll), " has no algorithm '", name,
+               "': none built in, and none registered under that name (ringcomm.algorithms)");
+  if (debug_enabled()) {
+    std::lock_guard<std::mutex> lk(logged_lists_mu_);
+    if (logged_lists_.insert(lists->id).second)
+      RC_LOG("rank ", rank_, ": ", collective_name(coll), " by registered algorithm '", name,
+             "' (lists ", std::hex, lists->id, std::dec, ", checked for ", world_size_,
+             " ranks); this rank's steps: ", lists->schedules[size_t(rank_)].describe());
+  }
+  return lists;
+}
+
+WorkPtr Communicator::all_reduce_registered(void* buf, size_t count, DType dtype, ReduceOp op,
+                                            const std::string& algorithm, bool async) {
+  std::shared_ptr<const AlgorithmLists> lists = registered_for(algorithm, Collective::kAllReduce);
+  auto sig = collective(Collective::kAllReduce, dtype, op, Algorithm::kRegistered, count, -1,
+                        lists->id);
+  return submit(sig, [=](Context& ctx) {
+    mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
+    registered_all_reduce(ctx, *lists, buf, count, dtype, op);
+  }, async);
+}
+
+WorkPtr Communicator::reduce_scatter_registered(void* out, const void* in, size_t count,
+                                                DType dtype, ReduceOp op,
+                                                const std::string& algorithm, bool async) {
+  std::shared_ptr<const AlgorithmLists> lists =
+      registered_for(algorithm, Collective::kReduceScatter);
+  auto sig = collective(Collective::kReduceScatter, dtype, op, Algorithm::kRegistered, count, -1,
+                        lists->id);
+  return submit(sig, [=](Context& ctx) {
+    mesh_->offer_huge_pages(in, count * size_t(world_size_) * dtype_size(dtype));
+    registered_reduce_scatter(ctx, *lists, in, out, count, dtype, op);
+  }, async);
+}
+
+WorkPtr Communicator::all_gather_registered(void* out, const void* in, size_t count, DType dtype,
+                                            const std::string& algorithm, bool async) {
+  std::shared_ptr<const AlgorithmLists> lists = registered_for(algorithm, Collective::kAllGather);
+  auto sig = collective(Collective::kAllGather, dtype, ReduceOp::kSum, Algorithm::kRegistered,
+                        count * size_t(world_size_), -1, lists->id);
+  const size_t e = dtype_size(dtype);
+  return submit(sig, [=](Context& ctx) {
+    char* dst = static_cast<char*>(out) + count * size_t(rank_) * e;
+    if (dst != in && count > 0) std::memmove(dst, in, count * e);
+    mesh_->offer_huge_pages(out, count * size_t(world_size_) * e);
+    registered_all_gather(ctx, *lists, out, count, dtype);
+  }, async);
+}
+
+WorkPtr Communicator::broadcast_registered(void* buf, size_t count, DType dtype, int root,
+                                           const std::string& algorithm, bool async) {
+  check_rank(root, "broadcast src");
+  std::shared_ptr<const AlgorithmLists> lists = registered_for(algorithm, Collective::kBroadcast);
+  auto sig = collective(Collective::kBroadcast, dtype, ReduceOp::kSum, Algorithm::kRegistered,
+                        count, root, lists->id);
+  return submit(sig, [=](Context& ctx) {
+    mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
+    registered_broadcast(ctx, *lists, buf, count * dtype_size(dtype), root);
+  }, async);
+}
+
+WorkPtr Communicator::reduce_registered(void* buf, size_t count, DType dtype, ReduceOp op,
+                                        int root, const std::string& algorithm, bool async) {
+  check_rank(root, "reduce dst");
+  std::shared_ptr<const AlgorithmLists> lists = registered_for(algorithm, Collective::kReduce);
+  auto sig = collective(Collective::kReduce, dtype, op, Algorithm::kRegistered, count, root,
+                        lists->id);
+  return submit(sig, [=](Context& ctx) {
+    mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
+    registered_reduce(ctx, *lists, buf, count, dtype, op, root);
+  }, async);
 }
 
 WorkPtr Communicator::sparse_all_reduce(const int32_t* indices, const void* values, size_t k,
@@ -811,6 +894,7 @@ void Communicator::account(const Task& task, int64_t begin_ns, uint64_t sent0,
   op.queued_ns = task.queued_ns ? begin_ns - task.queued_ns : 0;
   op.run_ns = end_ns - begin_ns;
   op.idle_ns = mesh_->idle_ns() - idle0;
+  op.algorithm = algorithm_name(task.sig);
   task.work->set_stats(op);
   totals_[size_t(task.sig.coll)].add(op);
   if (!trace::enabled()) return;
@@ -821,8 +905,7 @@ void Communicator::account(const Task& task, int64_t begin_ns, uint64_t sent0,
     queued.comm = trace_id_;
     trace::record(queued);
   }
-  trace::Event e{collective_name(task.sig.coll), algorithm_name(task.sig.algo), begin_ns, end_ns,
-                 thread};
+  trace::Event e{collective_name(task.sig.coll), op.algorithm, begin_ns, end_ns, thread};
   e.seq = int64_t(task.sig.seq);
   e.bytes = task.sig.count * dtype_size(task.sig.dtype);
   e.comm = trace_id_;

@@ -12,11 +12,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/reduction_order.h"
+#include "algorithms/registered.h"
 #include "algorithms/retune.h"
 #include "transport/mesh.h"
 
@@ -32,6 +34,7 @@ struct OpStats {
   int64_t queued_ns = 0;  // from the call until a thread began running it
   int64_t run_ns = 0;     // running it
   int64_t idle_ns = 0;    // of run_ns: waiting with nothing to move (for peers, mostly)
+  const char* algorithm = nullptr;  // what one operation ran (none in a kind's totals)
   void add(const OpStats& o) {
     calls += o.calls;
     bytes_sent += o.bytes_sent;
@@ -146,6 +149,18 @@ class Communicator {
   WorkPtr broadcast(void* buf, size_t count, DType dtype, int root, bool async);
   WorkPtr reduce(void* buf, size_t count, DType dtype, ReduceOp op, int root, bool async);
   WorkPtr barrier(bool async);
+  // The same collectives by an algorithm registered by name (algorithms/registered.h): its lists
+  // for this world size, checked on the caller's thread before anything is sent.
+  WorkPtr all_reduce_registered(void* buf, size_t count, DType dtype, ReduceOp op,
+                                const std::string& algorithm, bool async);
+  WorkPtr reduce_scatter_registered(void* out, const void* in, size_t count, DType dtype,
+                                    ReduceOp op, const std::string& algorithm, bool async);
+  WorkPtr all_gather_registered(void* out, const void* in, size_t count, DType dtype,
+                                const std::string& algorithm, bool async);
+  WorkPtr broadcast_registered(void* buf, size_t count, DType dtype, int root,
+                               const std::string& algorithm, bool async);
+  WorkPtr reduce_registered(void* buf, size_t count, DType dtype, ReduceOp op, int root,
+                            const std::string& algorithm, bool async);
   // Rooted exchanges of `count` elements per rank; `outputs` (gather) and `inputs` (scatter) hold
   // one buffer per rank and are used only on the root.
   WorkPtr gather(const void* in, const std::vector<void*>& outputs, size_t count, DType dtype,
@@ -305,6 +320,12 @@ class Communicator {
   const uint64_t trace_id_;  // this communicator's number in this process, for the timeline
   const Clock::duration timeout_;
   Algorithm forced_all_reduce_ = Algorithm::kAuto;  // RINGCOMM_ALGO
+  std::string forced_registered_;  // RINGCOMM_ALGO naming a registered algorithm
+  // The lists of registered algorithm `name` for this world size, written for `coll`; the first
+  // use of each logged (RINGCOMM_DEBUG).
+  std::shared_ptr<const AlgorithmLists> registered_for(const std::string& name, Collective coll);
+  std::mutex logged_lists_mu_;
+  std::set<uint64_t> logged_lists_;
   std::unique_ptr<Mesh> mesh_;
   Scratch scratch_;
   Selector selector_;

@@ -209,6 +209,9 @@ bool Communicator::CoalescedCall::same(const std::vector<BufferRef>& b, ReduceOp
 WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers, ReduceOp op,
                                            size_t bucket_bytes, const FusedReduceOptions& options,
                                            bool async) {
+  // Its reduction orders are the built-ins'; a registered algorithm runs through all_reduce.
+  RC_CHECK_ARG(forced_registered_.empty(), "all_reduce_coalesced runs the built-in algorithms: "
+               "RINGCOMM_ALGO=", forced_registered_, " names a registered one");
   std::shared_ptr<const CoalescedAllReduce> plan;
   {
     std::lock_guard<std::mutex> lk(coalesced_mu_);

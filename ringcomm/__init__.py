@@ -16,7 +16,7 @@ from ._C import (AbortedError, CollectiveTimeoutError, MismatchError, PeerLostEr
 from .communicator import Communicator, Work, init, shm_bytes_read, shm_bytes_sent
 from .averager import GradientAverager
 from .backend import communicator_of, register_backend
-from . import hooks, launch, trace
+from . import algorithms, hooks, launch, trace
 
 register_backend()  # dist.init_process_group("ringcomm") works from here on
 
@@ -35,6 +35,6 @@ if env_flag("RINGCOMM_DEBUG"):
 
 __all__ = ["AbortedError", "CollectiveTimeoutError", "Communicator", "GradientAverager",
            "MismatchError", "PeerLostError", "ProtocolError", "RingcommError", "Work",
-           "communicator_of", "hooks", "init", "launch", "register_backend", "shm_bytes_read",
-           "shm_bytes_sent", "trace"]
+           "algorithms", "communicator_of", "hooks", "init", "launch", "register_backend",
+           "shm_bytes_read", "shm_bytes_sent", "trace"]
 __version__ = "0.1.0"

@@ -280,18 +280,23 @@ class Communicator:
                     return staging.all_reduce(self, tensor, op, algorithm, async_op)
                 return path.all_reduce_work(tensor, op, algorithm, async_op)
             raise
-        code = self._check_op(op, buf)
-        w = self._core.all_reduce(buf.ptr, buf.numel, buf.dtype, code,
-                                  algorithm_code(algorithm), async_op)
+        w = self._core_all_reduce(buf, self._check_op(op, buf), algorithm, async_op)
         return Work(w, tensor) if async_op else None
+
+    def _core_all_reduce(self, buf: Buffer, op: int, algorithm: str, async_op: bool):
+        """The core's all_reduce of `buf` by a built-in algorithm, or one registered by name
+        (ringcomm.algorithms)."""
+        code = ALGORITHMS.get(algorithm)
+        if code is None:
+            return _C.all_reduce_registered(self._core, buf.ptr, buf.numel, buf.dtype, op,
+                                            algorithm, async_op)
+        return self._core.all_reduce(buf.ptr, buf.numel, buf.dtype, op, code, async_op)
 
     def _host_all_reduce(self, tensor: torch.Tensor, op, algorithm: str, on_success) -> Work:
         """all_reduce of a CPU tensor with async_op=True, running on_success() (on the progress
         thread) once it succeeds, before its waiters learn it is done."""
         buf = Buffer(tensor)
-        code = self._check_op(op, buf)
-        w = self._core.all_reduce(buf.ptr, buf.numel, buf.dtype, code, algorithm_code(algorithm),
-                                  True)
+        w = self._core_all_reduce(buf, self._check_op(op, buf), algorithm, True)
         return Work(w, tensor, on_success=on_success)
 
     def reduce_scatter(self, output, input, op="sum", async_op: bool = False):

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -39,6 +40,8 @@ struct Step {
   // written to the result buffer.
   bool completes = false;
   int lag = 0;  // kBySlice: this step works on slice (round - lag) in round `round`
+  // "recv-reduce-send b2 <3 >1 (complete)"
+  std::string describe() const;
 };
 
 enum class Pipeline : uint8_t {
@@ -122,6 +125,40 @@ struct Expressions {
  private:
   std::map<std::pair<int, int>, int> made_;  // (a, b) or (-1, operand) -> node
 };
+
+// A step that cannot run as the lists say: rank `rank`'s step `step` (steps.size(): the end of
+// its list), and what is wrong.
+struct ScheduleFault {
+  int rank = -1;
+  size_t step = 0;
+  std::string what;
+  // "rank 2 step 3 (recv-reduce b1 <0): <what>"
+  std::string describe(const std::vector<Schedule>& schedules) const;
+};
+
+// What running every rank's list symbolically found: the node each block of each rank holds
+// after each step, and where the lists do not fit, the first fault. Sends are taken to complete
+// once their receiver has received them, as they do when a transport's buffers are full.
+struct SymbolicRun {
+  std::vector<std::vector<int>> value;   // by rank, by block: the node it ends with
+  std::vector<std::vector<int>> after;   // by rank, by step: the node of its block after it
+  std::vector<std::vector<int>> set_by;  // by rank, by block: the step that last wrote it, or -1
+  std::vector<ScheduleFault> faults;     // empty where the lists fit; else one
+};
+
+// Runs every rank's list (schedules[r] for rank r, all over `blocks` blocks), rank r's block b
+// starting as node initial[r][b]. The lists fit where every step names a block and a peer other
+// than its own rank; each receive takes the block its peer sends next; no step waits forever (for
+// a message, or in exchange-reduce for its earlier sends to be received); every message is
+// received; and no step writes a block while a send of it may still be read: the receiver's
+// receipt must reach the writer (through the messages it receives) first.
+// That last rule is checked with `check_writes` alone: it keeps a clock of n counters per rank
+// and per message, n^3 work for a ring, which the built-in lists, checked by their tests, skip.
+// Faults name the steps they involve by `name(rank, step)`, or as "step 3 (send b1 >2)".
+using StepName = std::function<std::string(int rank, size_t step)>;
+SymbolicRun run_symbolically(const std::vector<Schedule>& schedules, int blocks,
+                             const std::vector<std::vector<int>>& initial, Expressions& expr,
+                             bool check_writes, const StepName& name);
 
 // Runs every rank's schedule (schedules[r] for rank r, all over `blocks` blocks) with rank r's
 // value of every block starting as node initial[r], and returns each block's final node: for

@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 
 #include "common/error.h"
@@ -91,7 +93,10 @@ std::vector<Knob> make_table() {
        "SO_SNDBUF and SO_RCVBUF; 0 keeps the kernel's autotuning"},
 
       {"RINGCOMM_ALGO", T::kEnum, all_reduce_algorithm_names(), "auto", kAlgorithms,
-       "the algorithm auto all_reduce calls run"},
+       "what auto all_reduce runs (or registered)"},
+      {"RINGCOMM_ALGORITHM_FILE", T::kPath, {}, "", kAlgorithms,
+       "a Python file registering algorithms, run when a name not registered is first asked "
+       "for"},
       {"RINGCOMM_TUNING", T::kString, {}, "(probe)", kAlgorithms,
        "auto's link model: unset, probed; a path: loaded from that file, else probed and saved "
        "there; off: fixed"},
@@ -153,16 +158,37 @@ std::optional<int64_t> parse_integer(const std::string& text) {
   return int64_t(parsed);
 }
 
+// extend_enum's, by knob name.
+struct Extension {
+  std::function<bool(const std::string&)> takes;
+  std::string what;
+};
+std::mutex extensions_mu;
+std::map<std::string, Extension>& extensions() {
+  static std::map<std::string, Extension> by_name;
+  return by_name;
+}
+std::optional<Extension> extension_of(const Knob& k) {
+  std::lock_guard<std::mutex> lk(extensions_mu);
+  auto it = extensions().find(k.name);
+  if (it == extensions().end()) return std::nullopt;
+  return it->second;
+}
+
+// Its extension's answer comes without the lock held: it may read knobs itself.
 bool takes(const Knob& k, const std::string& value) {
   for (const std::string& v : k.values)
     if (v == value) return true;
-  return false;
+  const std::optional<Extension> more = extension_of(k);
+  return more && more->takes(value);
 }
 
 std::string expected_values(const Knob& k) {
+  std::vector<std::string> items = k.values;
+  if (const std::optional<Extension> more = extension_of(k)) items.push_back(more->what);
   std::string text;
-  for (size_t i = 0; i < k.values.size(); ++i)
-    text += str_cat(i == 0 ? "" : i + 1 < k.values.size() ? ", " : ", or ", k.values[i]);
+  for (size_t i = 0; i < items.size(); ++i)
+    text += str_cat(i == 0 ? "" : i + 1 < items.size() ? ", " : ", or ", items[i]);
   return text;
 }
 
@@ -252,6 +278,12 @@ bool knob_on(const char* name) {
   RC_CHECK_ARG(value, name, "=", text, " is not an integer");
   RC_CHECK_ARG(*value == 0 || *value == 1, name, " must be 0 or 1, got ", *value);
   return *value == 1;
+}
+
+void extend_enum(const char* name, std::function<bool(const std::string&)> takes,
+                 const std::string& what) {
+  std::lock_guard<std::mutex> lk(extensions_mu);
+  extensions()[name] = {std::move(takes), what};
 }
 
 std::string knob_string(const char* name) {

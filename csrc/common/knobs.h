@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -48,5 +49,11 @@ bool knob_on(const char* name);
 // A string or path as set, else its default value ("" where there is none); an enum's value,
 // checked against its values (std::invalid_argument), else its default.
 std::string knob_string(const char* name);
+
+// An enum knob that also takes values known only as the program runs (RINGCOMM_ALGO: the names
+// of registered algorithms, algorithms/registered.h): `takes` says whether it takes one, `what`
+// names them where a value is refused. The table's values stay as listed.
+void extend_enum(const char* name, std::function<bool(const std::string&)> takes,
+                 const std::string& what);
 
 }  // namespace ringcomm

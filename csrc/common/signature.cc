@@ -1,8 +1,35 @@
 #include "common/signature.h"
 
+#include <map>
+#include <memory>
+#include <mutex>
+
 #include "common/error.h"
 
 namespace ringcomm {
+namespace {
+
+std::mutex names_mu;
+std::map<uint64_t, std::unique_ptr<const std::string>>& registered_names() {
+  static std::map<uint64_t, std::unique_ptr<const std::string>> names;
+  return names;
+}
+
+}  // namespace
+
+void name_registered_lists(uint64_t id, const std::string& name) {
+  std::lock_guard<std::mutex> lk(names_mu);
+  auto& names = registered_names();
+  if (!names.count(id)) names[id] = std::make_unique<const std::string>(name);
+}
+
+const char* algorithm_name(const Signature& sig) {
+  if (sig.algo != Algorithm::kRegistered) return algorithm_name(sig.algo);
+  std::lock_guard<std::mutex> lk(names_mu);
+  auto& names = registered_names();
+  auto it = names.find(sig.aux);
+  return it == names.end() ? "registered" : it->second->c_str();
+}
 
 const char* collective_name(Collective c) {
   switch (c) {
@@ -43,6 +70,7 @@ const char* algorithm_name(Algorithm a) {
     case Algorithm::kHalvingDoubling: return "halving_doubling";
     case Algorithm::kSharedBuffer: return "shared_buffer";
     case Algorithm::kOneShot: return "one_shot";
+    case Algorithm::kRegistered: return "registered";
   }
   return "unknown-algorithm";
 }
@@ -65,6 +93,8 @@ std::string Signature::describe() const {
   if (coll == Collective::kAllReduceCoalesced || coll == Collective::kBroadcastCoalesced ||
       coll == Collective::kAllGatherCoalesced)
     s += str_cat(", layout hash=", aux);
+  if (algo == Algorithm::kRegistered)
+    return s + str_cat(", algorithm=", algorithm_name(*this), " (lists ", std::hex, aux, "))");
   return s + str_cat(", algorithm=", algorithm_name(algo), ")");
 }
 

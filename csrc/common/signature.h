@@ -49,6 +49,8 @@ enum class Algorithm : uint8_t {
   kHalvingDoubling = 12,
   kSharedBuffer = 13,
   kOneShot = 14,  // every rank folds every rank's whole buffer (device windows)
+  // Step lists registered by name (algorithms/registered.h); the signature's aux holds their id.
+  kRegistered = 15,
 };
 const char* algorithm_name(Algorithm a);
 // The algorithms all_reduce can be asked for by name (algorithm=, RINGCOMM_ALGO), auto aside.
@@ -82,5 +84,12 @@ struct Signature {
   bool operator!=(const Signature& o) const { return !(*this == o); }
   std::string describe() const;
 };
+
+// The names of registered step lists by their id, for describe() and the reports of what ran
+// (the timeline, Work stats): kept for the life of the process.
+void name_registered_lists(uint64_t id, const std::string& name);
+// algorithm_name(sig.algo), or for kRegistered the name its lists were registered under here
+// ("registered" where they were not).
+const char* algorithm_name(const Signature& sig);
 
 }  // namespace ringcomm

@@ -21,6 +21,7 @@ using namespace ringcomm;
 namespace ringcomm {
 void bind_compress(py::module_& m);  // compress_bindings.cc
 void bind_fusion(py::module_& m);    // fusion_bindings.cc
+void bind_algorithms(py::module_& m);  // algorithm_bindings.cc
 }
 
 namespace {
@@ -35,6 +36,7 @@ py::dict stats_dict(const OpStats& s) {
   d["queued_s"] = double(s.queued_ns) * 1e-9;
   d["run_s"] = double(s.run_ns) * 1e-9;
   d["idle_s"] = double(s.idle_ns) * 1e-9;
+  if (s.algorithm) d["algorithm"] = s.algorithm;
   return d;
 }
 
@@ -393,6 +395,7 @@ PYBIND11_MODULE(_C, m) {
         }, G());
   bind_compress(m);
   bind_fusion(m);
+  bind_algorithms(m);
   m.def("divide_kernel",
         [](int dt, uintptr_t x, size_t n, int divisor) {
           cpu::divide(checked_dtype(dt), ptr(x), n, divisor);
