@@ -4,6 +4,7 @@ side. Rerun it with
 
     python tests/torch_suite.py                      # both backends, the whole selection
     python tests/torch_suite.py --backend ringcomm -k all_gather
+    python tests/torch_suite.py --debug DETAIL       # under TORCH_DISTRIBUTED_DEBUG=DETAIL
 
 tests/test_torch_suite.py runs it in CI. Each test forks its ranks from the pytest process, which
 has imported torch and the suite once: spawned ranks (torch's default) import both again, 3 s a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -193,10 +195,17 @@ def run(
             elif failures:
                 outcomes[name] = "failed"
                 if messages is not None:
-                    messages[name] = failures[0].get("message", "")
+                    messages[name] = reason(failures[0])
             else:
                 outcomes[name] = "passed"
         return outcomes
+
+
+def reason(failure) -> str:
+    """The last exception a failed test's report names (a rank's own, after the harness's "Process
+    0 exited with error code 10")."""
+    raised = re.findall(r"^E\s+(\w+(?:Error|Exception)\b.*)$", failure.text or "", re.M)
+    return raised[-1] if raised else failure.get("message", "")
 
 
 def counts(outcomes: dict) -> str:
