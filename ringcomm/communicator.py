@@ -299,9 +299,11 @@ class Communicator:
         w = self._core_all_reduce(buf, self._check_op(op, buf), algorithm, True)
         return Work(w, tensor, on_success=on_success)
 
-    def reduce_scatter(self, output, input, op="sum", async_op: bool = False):
+    def reduce_scatter(self, output, input, op="sum", async_op: bool = False,
+                       algorithm: str = "ring"):
         """Reduces `input` (world_size blocks of output.numel() elements, as one tensor or a list
-        of world_size tensors) over all ranks; block `rank` of the result lands in `output`."""
+        of world_size tensors) over all ranks; block `rank` of the result lands in `output`.
+        `algorithm`: "ring", or one registered by ringcomm.algorithms."""
         out = Buffer(output, "output")
         flat = torch.cat([t.reshape(-1) for t in input]) if isinstance(input, (list, tuple)) else input
         inp = Buffer(flat, "input")
@@ -310,17 +312,25 @@ class Communicator:
             raise ValueError(f"reduce_scatter input has {inp.numel} elements, expected "
                              f"world_size * output.numel() = {out.numel * self.world_size}")
         code = self._check_op(op, out)
-        w = self._core.reduce_scatter(out.ptr, inp.ptr, out.numel, out.dtype, code, async_op)
+        if algorithm == "ring":
+            w = self._core.reduce_scatter(out.ptr, inp.ptr, out.numel, out.dtype, code, async_op)
+        else:
+            w = _C.reduce_scatter_registered(self._core, out.ptr, inp.ptr, out.numel, out.dtype,
+                                             code, algorithm, async_op)
         return self._finish(w, output, async_op, keep=(flat,))
 
-    def all_gather(self, output, input, async_op: bool = False):
+    def all_gather(self, output, input, async_op: bool = False, algorithm: str = "ring"):
         """Gathers every rank's `input` into `output`: one tensor of world_size * input.numel()
-        elements, or a list of world_size tensors shaped like input."""
+        elements, or a list of world_size tensors shaped like input. `algorithm`: "ring", or one
+        registered by ringcomm.algorithms."""
         n = Buffer(input, "input").numel
-        return self.all_gatherv(output, input, [n] * self.world_size, async_op)
+        return self._all_gather(output, input, [n] * self.world_size, async_op, algorithm)
 
     def all_gatherv(self, output, input, counts: Sequence[int], async_op: bool = False):
         """Like all_gather with per-rank sizes: rank r contributes counts[r] elements."""
+        return self._all_gather(output, input, counts, async_op, "ring")
+
+    def _all_gather(self, output, input, counts: Sequence[int], async_op: bool, algorithm: str):
         inp = Buffer(input, "input")
         counts = [int(c) for c in counts]
         if len(counts) != self.world_size or min(counts) < 0:
@@ -346,7 +356,11 @@ class Communicator:
             for t, piece in zip(output, torch.split(flat, counts)):
                 t.copy_(piece.view_as(t))
 
-        w = self._core.all_gatherv(out.ptr, inp.ptr, counts, out.dtype, async_op)
+        if algorithm == "ring":
+            w = self._core.all_gatherv(out.ptr, inp.ptr, counts, out.dtype, async_op)
+        else:  # all_gather: every count the same
+            w = _C.all_gather_registered(self._core, out.ptr, inp.ptr, inp.numel, out.dtype,
+                                         algorithm, async_op)
         return self._finish(w, output, async_op, keep=(flat, input),
                             on_success=scatter_to_list if as_list else None)
 
@@ -459,16 +473,30 @@ class Communicator:
                 "device": {f"cuda:{i}": "host" if p is None else p.transport
                            for i, p in sorted(paths.items())}}
 
-    def broadcast(self, tensor, src: int, async_op: bool = False):
+    def broadcast(self, tensor, src: int, async_op: bool = False, algorithm: str = "auto"):
+        """`algorithm`: "auto" (a binomial tree or a chain, by size), or one registered by
+        ringcomm.algorithms."""
         buf = Buffer(tensor)
-        w = self._core.broadcast(buf.ptr, buf.numel, buf.dtype, self._check_rank(src, "src"), async_op)
+        src = self._check_rank(src, "src")
+        if algorithm == "auto":
+            w = self._core.broadcast(buf.ptr, buf.numel, buf.dtype, src, async_op)
+        else:
+            w = _C.broadcast_registered(self._core, buf.ptr, buf.numel, buf.dtype, src, algorithm,
+                                        async_op)
         return self._finish(w, tensor, async_op)
 
-    def reduce(self, tensor, dst: int, op="sum", async_op: bool = False):
-        """Reduces into `tensor` on rank `dst`; other ranks' tensors are left unchanged."""
+    def reduce(self, tensor, dst: int, op="sum", async_op: bool = False, algorithm: str = "auto"):
+        """Reduces into `tensor` on rank `dst`; other ranks' tensors are left unchanged.
+        `algorithm`: "auto" (a binomial tree or a chain, by size), or one registered by
+        ringcomm.algorithms."""
         buf = Buffer(tensor)
         code = self._check_op(op, buf)
-        w = self._core.reduce(buf.ptr, buf.numel, buf.dtype, code, self._check_rank(dst, "dst"), async_op)
+        dst = self._check_rank(dst, "dst")
+        if algorithm == "auto":
+            w = self._core.reduce(buf.ptr, buf.numel, buf.dtype, code, dst, async_op)
+        else:
+            w = _C.reduce_registered(self._core, buf.ptr, buf.numel, buf.dtype, code, dst,
+                                     algorithm, async_op)
         return self._finish(w, tensor, async_op)
 
     def barrier(self, async_op: bool = False):

@@ -449,3 +449,145 @@ def test_a_broken_algorithm_file_says_so(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=f"RINGCOMM_ALGORITHM_FILE={path}: RuntimeError: no such "
                                          "luck"):
         algorithms.registered()
+
+
+# -- the other collectives -----------------------------------------------------------------------
+
+def ring_reduce_scatter(rank, n):
+    """ring.cc's reduce-scatter: segment k ends complete at rank k."""
+    p = Program(blocks=n, collective="reduce_scatter")
+    prev, nxt = (rank - 1) % n, (rank + 1) % n
+    p.send((rank - 1) % n, dst=nxt)
+    for s in range(n - 2):
+        p.recv_reduce_send((rank - s - 2) % n, src=prev, dst=nxt)
+    p.recv_reduce(rank, src=prev)
+    return p
+
+
+def ring_all_gather(rank, n):
+    """ring.cc's all-gather, each share in two blocks."""
+    p = Program(blocks=2 * n, collective="all_gather")
+    prev, nxt = (rank - 1) % n, (rank + 1) % n
+
+    def blocks(share):
+        return (2 * (share % n), 2 * (share % n) + 1)
+    for b in blocks(rank):
+        p.send(b, dst=nxt)
+    for s in range(n - 2):
+        for b in blocks(rank - s - 1):
+            p.recv_send(b, src=prev, dst=nxt)
+    for b in blocks(rank + 1):
+        p.recv(b, src=prev)
+    return p
+
+
+def chain_broadcast(rank, n):
+    """From root 0 down the chain 0 -> 1 -> ... -> n-1, by slice."""
+    p = Program(blocks=1, collective="broadcast", pipeline="slice")
+    if rank > 0:
+        p.recv(0, src=rank - 1)
+    if rank < n - 1:
+        p.send(0, dst=rank + 1)
+    return p
+
+
+def chain_reduce(rank, n):
+    """Up the chain n-1 -> ... -> 0, each rank combining mine (op) its child's, by slice."""
+    p = Program(blocks=1, collective="reduce", pipeline="slice")
+    if rank == n - 1:
+        p.send(0, dst=rank - 1)
+    elif rank == 0:
+        p.recv_reduce(0, src=1)
+    else:
+        p.recv_reduce_send(0, src=rank + 1, dst=rank - 1)
+    return p
+
+
+def inputs(rank, count):
+    return torch.randn(count, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def other_collectives(comm, count):
+    n, rank = comm.world_size, comm.rank
+    algorithms.register("rs", ring_reduce_scatter)
+    algorithms.register("ag", ring_all_gather)
+    algorithms.register("bc", chain_broadcast)
+    algorithms.register("rd", chain_reduce)
+    out = {}
+    x = torch.cat([inputs(rank, count) for _ in range(n)]) * (rank + 1)
+    for op in ("sum", "avg"):
+        built_in, python = torch.empty(count), torch.empty(count)
+        comm.reduce_scatter(built_in, x, op=op)
+        comm.reduce_scatter(python, x, op=op, algorithm="rs")
+        out[f"reduce_scatter {op}"] = torch.equal(built_in, python)
+    mine = inputs(rank, count)
+    gathered = [torch.empty(count) for _ in range(n)]
+    work = comm.all_gather(gathered, mine, async_op=True, algorithm="ag")
+    work.wait()
+    out["all_gather"] = all(torch.equal(gathered[r], inputs(r, count)) for r in range(n))
+    out["all_gather algorithm"] = work.stats()["algorithm"]
+    root = n - 1
+    t = inputs(rank, count) if rank == root else torch.zeros(count)
+    comm.broadcast(t, root, algorithm="bc")
+    out["broadcast"] = torch.equal(t, inputs(root, count))
+    root = 1
+    t = inputs(rank, count)
+    comm.reduce(t, root, algorithm="rd")
+    # The chain from the root: root (op) (root+1 (op) (... )), ranks numbered from the root.
+    order = [(root + v) % n for v in range(n)]
+    want = inputs(order[-1], count)
+    for r in reversed(order[:-1]):
+        want = inputs(r, count) + want
+    out["reduce"] = torch.equal(t, want) if rank == root else torch.equal(t, inputs(rank, count))
+    with pytest.raises(ValueError, match="algorithm 'rs' is reduce_scatter's, not all_reduce's"):
+        comm.all_reduce(torch.ones(4), algorithm="rs")
+    return out
+
+
+@pytest.mark.every_transport
+@pytest.mark.parametrize("world", [3, 4])
+def test_other_collectives_by_registered_lists(world):
+    # Tree slices of 4 KiB: the chains run pipelined.
+    for out in run_ranks(world, other_collectives, 10001, env={"RINGCOMM_TREE_CHUNK_BYTES": "4096"},
+                         timeout=120):
+        assert out == {"reduce_scatter sum": True, "reduce_scatter avg": True, "all_gather": True,
+                       "all_gather algorithm": "ag", "broadcast": True, "reduce": True}
+
+
+def test_the_other_collectives_check():
+    reports = algorithms.check(ring_reduce_scatter, [2, 3, 5])
+    assert reports[3]["steps"][0] == "send b2 >1; recv-reduce-send b1 <2 >1; recv-reduce b0 <2 " \
+                                     "(complete)"
+    assert reports[3]["orders"] == ["(0 (2 1))", "(1 (0 2))", "(2 (1 0))"]
+    algorithms.check(ring_all_gather, [2, 3, 5])
+    algorithms.check(chain_broadcast, [2, 3, 5])
+    assert algorithms.check(chain_reduce, [4])[4]["orders"] == ["(0 (1 (2 3)))"]
+    # A broadcast that leaves rank 2 without the root's block.
+    with pytest.raises(ValueError, match=r"rank 2 ends with block 0 holding nothing where rank "
+                                         r"0's belongs \(nothing received into it\)"):
+        algorithms.check(mutant(chain_broadcast, (1, 2), lambda steps: steps.pop()), [3])
+
+
+def backend_forced(store, rank, world, file):
+    import torch.distributed as dist
+    import ringcomm
+    from ringcomm import trace
+    os.environ["RINGCOMM_ALGORITHM_FILE"] = file
+    os.environ["RINGCOMM_ALGO"] = "py_ring"
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
+    trace.start(os.path.join(os.environ["TMPDIR"], f"backend{rank}.json"))
+    t = torch.randn(10001, generator=torch.Generator().manual_seed(rank))
+    reference = t.clone()
+    dist.all_reduce(t)  # the c10d backend's auto all_reduce: RINGCOMM_ALGO
+    ringcomm.communicator_of().all_reduce(reference, algorithm="ring")
+    with open(trace.stop()) as f:
+        ran = [e["args"].get("algorithm") for e in json.load(f)["traceEvents"]
+               if e.get("name") == "all_reduce"]
+    dist.destroy_process_group()
+    return ran, torch.equal(t, reference)
+
+
+def test_the_torch_backend_runs_ringcomm_algo():
+    for ran, equal in run_ranks(2, backend_forced, os.path.join(EXAMPLES, "ring.py"),
+                                make_comm=False, timeout=600):
+        assert ran == ["py_ring", "ring"] and equal
