@@ -370,3 +370,22 @@ def test_kernel_bench_pack_compares_memory_layouts(tmp_path, capsys):
     assert_run_metadata(report)
     assert report["tensors"] == 200 and len(report["samples_us"]["spread"]) == 3
     assert all(t > 0 for t in report["time_us"].values())
+
+
+def test_gpu_check_dry_run_names_every_step_and_writes_one_report(tmp_path):
+    script = os.path.join(ROOT, "bench", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    run = subprocess.run([script, "--dry-run"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.log"]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["date"] and report["commit"]
+    steps = [s["step"] for s in report["steps"]]
+    assert steps == ["build", "kernels can run", "tests/gpu time-sliced", "tests/gpu mps",
+                     "bench 2 ranks time-sliced", "bench 4 ranks time-sliced",
+                     "bench 2 ranks mps", "bench 4 ranks mps"], steps
+    assert all(s["status"] == "not run (dry run)" for s in report["steps"])
+    assert "RINGCOMM_CUDA_ARCHS=90-real" in report["steps"][0]["command"]
+    assert "--device cuda -b 8 -e 64M" in report["steps"][4]["command"]
+    assert "# GPU check:" in run.stdout and "report:" in run.stdout
