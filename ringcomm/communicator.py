@@ -265,11 +265,13 @@ class Communicator:
         stream, on a stream of the path's own; the Work's wait() and CUDA-aware future order the
         current stream after it), or where no device transport serves every rank is staged
         through pinned host memory in slices (ringcomm/staging.py); `algorithm` then names one
-        of the device path's (ringcomm.device) or the host's."""
+        of the device path's (ringcomm.device) or the host's. The host's: "auto", a built-in's
+        name, or one registered by ringcomm.algorithms."""
         if self._tensor_path is not None and not async_op:
             all_reduce_tensor, core = self._tensor_path
-            code = ALGORITHMS.get(algorithm)  # a device path's own names go on to the path
-            if code is not None and all_reduce_tensor(core, tensor, op_code(op), code):
+            # A built-in's code, else the name: a registered algorithm's (CPU tensors), or one of
+            # the device path's (CUDA tensors, which this path leaves alone)
+            if all_reduce_tensor(core, tensor, op_code(op), ALGORITHMS.get(algorithm, algorithm)):
                 return None
         try:
             buf = Buffer(tensor)

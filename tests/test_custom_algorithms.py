@@ -8,6 +8,8 @@ import json
 import os
 import re
 import runpy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -591,3 +593,22 @@ def test_the_torch_backend_runs_ringcomm_algo():
     for ran, equal in run_ranks(2, backend_forced, os.path.join(EXAMPLES, "ring.py"),
                                 make_comm=False, timeout=600):
         assert ran == ["py_ring", "ring"] and equal
+
+
+def test_the_bench_runs_a_registered_algorithm_beside_the_built_ins(tmp_path):
+    out_file = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "4", "--sizes", "8,64K",
+           "-n", "2", "-w", "1", "--repeats", "1", "--algorithm", "torus", "--algorithm-file",
+           os.path.join(EXAMPLES, "torus.py"), "--compare", "ring", "--floor",
+           "--json", str(out_file)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "algorithm torus" in run.stdout and "ring time ratio" in run.stdout
+    for row in json.loads(out_file.read_text())["rows"]:
+        assert row["algo"] == "torus"
+        assert row["ringcomm"]["wrong"] == 0 and row["ring"]["wrong"] == 0
+        assert set(row["ratios"]) == {"ring", "floor"}
+    cmd[cmd.index("torus")] = "nowhere"
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert "--algorithm nowhere: no algorithm is registered under that name" in run.stderr

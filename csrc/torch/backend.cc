@@ -151,8 +151,9 @@ py::object tensor_lists(py::handle items, const std::string& device_name) {
 // communicator in `comm` (ringcomm._C.Communicator.capsule()): reading the tensor here is a
 // fraction of what Python's accessors take, which would be most of what an 8-byte all-reduce
 // costs beyond its messages. False, having done nothing, for any other tensor or an op its dtype does not
-// have: the caller's own checks then name the problem.
-bool all_reduce_tensor(py::capsule comm, py::handle tensor, int op, int algorithm) {
+// have: the caller's own checks then name the problem. `algorithm`: a built-in's code, or the name
+// of a registered one (ringcomm.algorithms).
+bool all_reduce_tensor(py::capsule comm, py::handle tensor, int op, py::handle algorithm) {
   TORCH_CHECK_VALUE(std::string(comm.name() ? comm.name() : "") == rc::kCommunicatorCapsule,
                     "not a ringcomm communicator capsule");
   std::optional<rc::DType> dtype = plain_dtype(tensor.ptr(), c10::Device(c10::kCPU));
@@ -165,10 +166,16 @@ bool all_reduce_tensor(py::capsule comm, py::handle tensor, int op, int algorith
   }
   const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
   rc::Communicator& c = **static_cast<std::shared_ptr<rc::Communicator>*>(comm.get_pointer());
+  const bool registered = py::isinstance<py::str>(algorithm);
+  const std::string name = registered ? algorithm.cast<std::string>() : std::string();
+  const int code = registered ? 0 : algorithm.cast<int>();
   try {
     py::gil_scoped_release nogil;
-    c.all_reduce(t.data_ptr(), size_t(t.numel()), *dtype, reduce_op, rc::Algorithm(algorithm),
-                 false);
+    if (registered)
+      c.all_reduce_registered(t.data_ptr(), size_t(t.numel()), *dtype, reduce_op, name, false);
+    else
+      c.all_reduce(t.data_ptr(), size_t(t.numel()), *dtype, reduce_op, rc::Algorithm(code),
+                   false);
   } catch (const rc::Error& e) {  // as ringcomm._C raises it: this module's pybind11 is torch's
     py::object types = py::module_::import("ringcomm._C").attr("error_types");
     PyErr_SetString(py::tuple(types)[size_t(e.kind())].ptr(), e.what());

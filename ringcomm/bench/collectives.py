@@ -62,6 +62,13 @@ size on its GPU at once, iters back to back between two CUDA events, a sample la
 first rank's start to the last rank's end on the GPU (each rank's events placed on the host's
 clock from the moment it saw the second one done). Forced algorithms are the device path's:
 one_shot, shared_buffer, ring (CUDA IPC), ring, tree, recursive_doubling (NCCL).
+--algorithm NAME: ringcomm's column runs the all_reduce registered as NAME (ringcomm.algorithms),
+from the file --algorithm-file names (RINGCOMM_ALGORITHM_FILE, run in every rank) or any the
+program registers; with --compare ring (or other built-ins) beside it and --floor or --wire, the
+ratio columns are the registered algorithm's time over theirs, all in one run:
+    python -m ringcomm.bench --ranks 4 --algorithm torus --algorithm-file \
+        examples/algorithms/torus.py --compare ring,hierarchical --floor
+It is checked among the run's ranks before any rank starts.
 With --algo auto and forced algorithms (--compare ring,tree,recursive_doubling), each row also
 says which algorithm auto ran ("auto chose", the communicator's choice for that size) and that
 algorithm's forced time over the fastest forced time ("chosen / best"). The auto column and the
@@ -98,7 +105,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .. import _C, backend
+from .. import _C, algorithms, backend
 from .._env import env_flag, env_string
 from ..communicator import Communicator
 from ..fusion import BufferList
@@ -1019,6 +1026,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float")
     p.add_argument("--coll", choices=COLLECTIVES, default="all_reduce")
     p.add_argument("--algo", choices=("auto", *ALGORITHMS), default="auto")
+    p.add_argument("--algorithm", metavar="NAME",
+                   help="instead of --algo: the all_reduce registered as NAME "
+                        "(ringcomm.algorithms), e.g. from --algorithm-file")
+    p.add_argument("--algorithm-file", metavar="FILE.py",
+                   help="a Python file that registers algorithms, run in every rank "
+                        "(RINGCOMM_ALGORITHM_FILE)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: all_reduce of CUDA tensors on ringcomm's device path, every rank "
                         "on GPU LOCAL_RANK %% GPUs (one GPU: all of them), each operation "
@@ -1030,7 +1043,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="anchors to run in the same run, comma-separated: gloo, backend "
                         "(ringcomm through torch.distributed), mpi (Open MPI's MPI_Allreduce; "
                         "pip install 'ringcomm[mpi]'), nccl, or ring, tree, recursive_doubling, "
-                        "halving_doubling, shared_buffer "
+                        "halving_doubling, shared_buffer, hierarchical "
                         "(ringcomm's all_reduce forced to that algorithm, against --algo), "
                         "e.g. gloo,mpi or ring,tree,recursive_doubling")
     p.add_argument("--floor", action="store_true",
@@ -1069,12 +1082,33 @@ def check_device(args, anchors: list[str], algorithms: list[str]) -> None:
         raise SystemExit(f"--device cuda needs a GPU: torch {torch.__version__} sees none")
 
 
+def use_registered(args, world: int) -> None:
+    """--algorithm: ringcomm's column runs that registered all_reduce, checked among `world`
+    ranks; or a SystemExit saying why not."""
+    if args.algorithm_file:
+        os.environ["RINGCOMM_ALGORITHM_FILE"] = os.path.abspath(args.algorithm_file)
+    if not args.algorithm:
+        return
+    if args.coll != "all_reduce" or args.algo != "auto":
+        raise SystemExit("--algorithm names the all_reduce ringcomm's column runs: use it with "
+                         "--coll all_reduce and without --algo")
+    try:
+        lists = algorithms.lists(args.algorithm, "all_reduce", world)
+    except ValueError as e:
+        raise SystemExit(f"--algorithm {args.algorithm}: {e}") from None
+    if lists is None:
+        raise SystemExit(f"--algorithm {args.algorithm}: no algorithm is registered under that "
+                         "name (--algorithm-file FILE.py registers those in FILE.py)")
+    args.algo = args.algorithm
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     anchors = compared(args)
     found = detect()  # the launcher that started this rank; None: launch --ranks ranks here
     world = args.ranks if found is None else found.world_size
+    use_registered(args, world)
     local = world if found is None or found.local_world_size is None else found.local_world_size
     if "gloo" in anchors and args.op == "avg":
         raise SystemExit("gloo has no avg; compare with --op sum")

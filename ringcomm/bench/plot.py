@@ -20,7 +20,7 @@ LIMITS = ("floor", "wire")
 # The series of ringcomm's all_reduce forced to one algorithm (bench --compare ring,...), beside
 # its --algo (default auto) column; one_shot is the device path's alone (bench --device cuda).
 ALGORITHMS = ("ring", "tree", "recursive_doubling", "halving_doubling", "shared_buffer",
-              "one_shot")
+              "hierarchical", "one_shot")
 # Bench series: (name in table heads and legends, short name in "vs ..." ratio heads)
 NAMES = {"ringcomm": ("ringcomm", "ringcomm"), "backend": ("ringcomm backend", "backend"),
          "gloo": ("gloo", "gloo"), "mpi": ("Open MPI", "Open MPI"), "nccl": ("NCCL", "NCCL"),
