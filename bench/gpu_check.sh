@@ -36,7 +36,6 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/ringcomm-gpu-check.XXXXXX")
 TOTAL=${GPU_CHECK_SECONDS:-480}
 START=$(date +%s)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 
 MPS_CONTROL=$(command -v nvidia-cuda-mps-control || true)
 MPS_ENV=(CUDA_MPS_PIPE_DIRECTORY="$WORK/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$WORK/mps/log")
@@ -48,12 +47,13 @@ stop_mps() {
     MPS_UP=0
   fi
 }
-trap 'stop_mps; rm -rf "$WORK"' EXIT
+trap 'rm -rf "$WORK"' EXIT
 
 left() { echo $((TOTAL - ($(date +%s) - START))); }
 
-record() {  # step, status, seconds, exit code, command
-  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" >>"$WORK/steps.tsv"
+record() {  # step, status, seconds, exit code, command (on one line)
+  local command=${5//$'\n'/ }
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "${command//$'\t'/ }" >>"$WORK/steps.tsv"
 }
 
 # step NAME CAP RESERVE CMD...: runs CMD for at most CAP seconds, and at most the time left
@@ -103,68 +103,75 @@ start_mps() {  # 0 once a daemon of this script's own is up
   mps_control -d && MPS_UP=1
 }
 
-# The bench sweep's arguments: 8 B to 64 MiB, 20 operations per sample (a latency: each one
-# stream-synchronised), the median of 5.
-SWEEP=(--device cuda -b 8 -e 64M -f 2 -n 20 -w 2 --sample-warmup 5 --repeats 5 --floor)
-BENCH_S=45  # the most one bench run may take
+main() {
+  trap stop_mps EXIT  # main runs in a subshell of its own (| tee): its daemon is stopped there
+  # The bench sweep's arguments: 8 B to 64 MiB, 20 operations per sample (a latency: each one
+  # stream-synchronised), the median of 5.
+  SWEEP=(--device cuda -b 8 -e 64M -f 2 -n 20 -w 2 --sample-warmup 5 --repeats 5 --floor)
+  BENCH_S=45  # the most one bench run may take
 
-if [ "$DRY" = 1 ]; then
-  GPUS=1
-  ARCHS=${RINGCOMM_CUDA_ARCHS:-90-real}
-else
-  "$PY" bench/gpu_check_report.py info "$WORK/info.json"
-  cat "$WORK/info.json"
-  GPUS=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['gpus'])" "$WORK/info.json")
-  CAP=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1])).get('compute_capability', '9.0'))" "$WORK/info.json")
-  ARCHS=${RINGCOMM_CUDA_ARCHS:-${CAP/./}-real}
-fi
-RUNS=4
-[ "$GPUS" -ge 2 ] && RUNS=5
+  if [ "$DRY" = 1 ]; then
+    GPUS=1
+    ARCHS=${RINGCOMM_CUDA_ARCHS:-90-real}
+  else
+    "$PY" bench/gpu_check_report.py info "$WORK/info.json"
+    cat "$WORK/info.json"; echo
+    read -r GPUS CAP < <("$PY" -c "import json, sys; i = json.load(open(sys.argv[1]));
+print(i['gpus'], i.get('compute_capability', '9.0'))" "$WORK/info.json")
+    ARCHS=${RINGCOMM_CUDA_ARCHS:-${CAP/./}-real}  # 9.0: 90-real
+  fi
+  RUNS=4
+  [ "$GPUS" -ge 2 ] && RUNS=5
 
-built=0
-if step build 240 $((200 + RUNS * 20)) env RINGCOMM_CUDA=1 RINGCOMM_CUDA_ARCHS="$ARCHS" \
-    "$PY" setup.py -q build_ext --inplace &&
-  step "kernels can run" 60 $((180 + RUNS * 20)) "$PY" -c \
-    "import ringcomm.cuda as c; ok, why = c.status(); print('ringcomm CUDA kernels:', 'ready' if ok else why); raise SystemExit(0 if ok else 2)"; then
-  built=1
-fi
+  built=0
+  if step build 240 $((200 + RUNS * 20)) env RINGCOMM_CUDA=1 RINGCOMM_CUDA_ARCHS="$ARCHS" \
+      "$PY" setup.py -q build_ext --inplace &&
+    step "kernels can run" 60 $((180 + RUNS * 20)) "$PY" -c "import ringcomm.cuda as c
+ok, why = c.status(); print('ringcomm CUDA kernels:', why or 'ready'); raise SystemExit(not ok)"; then
+    built=1
+  fi
 
-if [ "$built" = 1 ] || [ "$DRY" = 1 ]; then
-  workers=()
-  if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 4); fi
-  step "tests/gpu time-sliced" 170 $((90 + RUNS * 30)) "$PY" -m pytest tests/gpu -k "not mps" \
-    "${workers[@]}" -q -rfEs -p no:cacheprovider --junitxml="$WORK/tests_time-sliced.xml"
-  step "tests/gpu mps" 150 $((RUNS * 30)) "$PY" -m pytest tests/gpu -k mps -q -rfEs \
-    -p no:cacheprovider --junitxml="$WORK/tests_mps.xml"
-  for ranks in 2 4; do
-    step "bench ${ranks} ranks time-sliced" "$BENCH_S" $(((RUNS - 1) * 25)) \
-      "$PY" -m ringcomm.bench --ranks "$ranks" "${SWEEP[@]}" \
-      --json "$WORK/bench_${ranks}ranks_time-sliced.json"
-    RUNS=$((RUNS - 1))
-  done
-  if [ "$DRY" = 1 ] || start_mps; then
+  if [ "$built" = 1 ] || [ "$DRY" = 1 ]; then
+    workers=()
+    if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 4); fi
+    step "tests/gpu time-sliced" 170 $((90 + RUNS * 30)) "$PY" -m pytest tests/gpu -k "not mps" \
+      "${workers[@]}" -q -rfEs -p no:cacheprovider --junitxml="$WORK/tests_time-sliced.xml"
+    step "tests/gpu mps" 150 $((RUNS * 30)) "$PY" -m pytest tests/gpu -k mps -q -rfEs \
+      -p no:cacheprovider --junitxml="$WORK/tests_mps.xml"
     for ranks in 2 4; do
-      step "bench ${ranks} ranks mps" "$BENCH_S" $(((RUNS - 1) * 25)) \
-        env "${MPS_ENV[@]}" "$PY" -m ringcomm.bench --ranks "$ranks" "${SWEEP[@]}" --compare one_shot,shared_buffer \
-        --json "$WORK/bench_${ranks}ranks_mps.json"
+      step "bench ${ranks} ranks time-sliced" "$BENCH_S" $(((RUNS - 1) * 25)) \
+        "$PY" -m ringcomm.bench --ranks "$ranks" "${SWEEP[@]}" \
+        --json "$WORK/bench_${ranks}ranks_time-sliced.json"
       RUNS=$((RUNS - 1))
     done
-    if [ "$MPS_UP" = 1 ]; then  # the servers the runs had: MPS was in use
-      echo get_server_list | mps_control >"$WORK/mps_servers.txt" 2>&1 || true
+    if [ "$DRY" = 1 ] || start_mps; then
+      for ranks in 2 4; do
+        step "bench ${ranks} ranks mps" "$BENCH_S" $(((RUNS - 1) * 25)) \
+          env "${MPS_ENV[@]}" "$PY" -m ringcomm.bench --ranks "$ranks" "${SWEEP[@]}" \
+          --compare one_shot,shared_buffer --json "$WORK/bench_${ranks}ranks_mps.json"
+        RUNS=$((RUNS - 1))
+      done
+      if [ "$MPS_UP" = 1 ]; then  # the servers the runs had: MPS was in use
+        echo get_server_list | mps_control >"$WORK/mps_servers.txt" 2>&1 || true
+      fi
+      stop_mps
+    else
+      skip "bench mps" "no MPS daemon (nvidia-cuda-mps-control ${MPS_CONTROL:-not found})"
     fi
-    stop_mps
+    if [ "$GPUS" -ge 2 ]; then
+      step "bench ${GPUS} ranks vs nccl" "$BENCH_S" 0 "$PY" -m ringcomm.bench --ranks "$GPUS" \
+        "${SWEEP[@]}" --compare nccl --json "$WORK/bench_${GPUS}ranks_one-gpu-each.json"
+    fi
   else
-    skip "bench mps" "no MPS daemon (nvidia-cuda-mps-control ${MPS_CONTROL:-not found})"
+    skip tests "the build failed"
   fi
-  if [ "$GPUS" -ge 2 ]; then
-    step "bench ${GPUS} ranks vs nccl" "$BENCH_S" 0 "$PY" -m ringcomm.bench --ranks "$GPUS" \
-      "${SWEEP[@]}" --compare nccl --json "$WORK/bench_${GPUS}ranks_one-gpu-each.json"
-  fi
-else
-  skip tests "the build failed"
-fi
 
-"$PY" bench/gpu_check_report.py assemble "$WORK" "$OUT/gpu_check.json"
-rc=$?
-echo "report: $OUT/gpu_check.json, log: $OUT/gpu_check.log ($(($(date +%s) - START)) s)"
-exit $rc
+  "$PY" bench/gpu_check_report.py assemble "$WORK" "$OUT/gpu_check.json"
+  rc=$?
+  echo "report: $OUT/gpu_check.json, log: $OUT/gpu_check.log ($(($(date +%s) - START)) s)"
+  return $rc
+}
+
+# Through tee, which the script waits for: the summary is the output's end.
+main 2>&1 | tee -a "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"
