@@ -161,8 +161,10 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
   for (Algorithm a : kAllReduceAlgorithms)
     if (forced == algorithm_name(a)) forced_all_reduce_ = a;
   if (forced_all_reduce_ == Algorithm::kAuto && forced != algorithm_name(Algorithm::kAuto)) {
-    forced_registered_ = forced;  // a registered algorithm: its lists checked now, on every rank
-    registered_for(forced, Collective::kAllReduce);
+    // A registered algorithm: its lists checked now, on every rank (those that differ by size,
+    // for each size class at its first use).
+    forced_registered_ = forced;
+    registered_for(forced, Collective::kAllReduce, 0);
   }
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   watch_for_fork();
@@ -546,23 +548,25 @@ WorkPtr Communicator::barrier(bool async) {
 }
 
 std::shared_ptr<const AlgorithmLists> Communicator::registered_for(const std::string& name,
-                                                                  Collective coll) {
-  std::shared_ptr<const AlgorithmLists> lists = registered_lists(name, coll, world_size_);
+                                                                  Collective coll, size_t bytes) {
+  std::shared_ptr<const AlgorithmLists> lists = registered_lists(name, coll, world_size_, bytes);
   RC_CHECK_ARG(lists, collective_name(coll), " has no algorithm '", name,
                "': none built in, and none registered under that name (ringcomm.algorithms)");
   if (debug_enabled()) {
     std::lock_guard<std::mutex> lk(logged_lists_mu_);
     if (logged_lists_.insert(lists->id).second)
       RC_LOG("rank ", rank_, ": ", collective_name(coll), " by registered algorithm '", name,
-             "' (lists ", std::hex, lists->id, std::dec, ", checked for ", world_size_,
-             " ranks); this rank's steps: ", lists->schedules[size_t(rank_)].describe());
+             "' (lists ", std::hex, lists->id, std::dec, ", checked for ", world_size_, " ranks",
+             lists->sized ? str_cat(" and messages from ", lists->size_class, " bytes") : "",
+             "); this rank's steps: ", lists->schedules[size_t(rank_)].describe());
   }
   return lists;
 }
 
 WorkPtr Communicator::all_reduce_registered(void* buf, size_t count, DType dtype, ReduceOp op,
                                             const std::string& algorithm, bool async) {
-  std::shared_ptr<const AlgorithmLists> lists = registered_for(algorithm, Collective::kAllReduce);
+  std::shared_ptr<const AlgorithmLists> lists =
+      registered_for(algorithm, Collective::kAllReduce, count * dtype_size(dtype));
   auto sig = collective(Collective::kAllReduce, dtype, op, Algorithm::kRegistered, count, -1,
                         lists->id);
   return submit(sig, [=](Context& ctx) {
@@ -574,8 +578,8 @@ WorkPtr Communicator::all_reduce_registered(void* buf, size_t count, DType dtype
 WorkPtr Communicator::reduce_scatter_registered(void* out, const void* in, size_t count,
                                                 DType dtype, ReduceOp op,
                                                 const std::string& algorithm, bool async) {
-  std::shared_ptr<const AlgorithmLists> lists =
-      registered_for(algorithm, Collective::kReduceScatter);
+  std::shared_ptr<const AlgorithmLists> lists = registered_for(
+      algorithm, Collective::kReduceScatter, count * size_t(world_size_) * dtype_size(dtype));
   auto sig = collective(Collective::kReduceScatter, dtype, op, Algorithm::kRegistered, count, -1,
                         lists->id);
   return submit(sig, [=](Context& ctx) {
@@ -586,7 +590,8 @@ WorkPtr Communicator::reduce_scatter_registered(void* out, const void* in, size_
 
 WorkPtr Communicator::all_gather_registered(void* out, const void* in, size_t count, DType dtype,
                                             const std::string& algorithm, bool async) {
-  std::shared_ptr<const AlgorithmLists> lists = registered_for(algorithm, Collective::kAllGather);
+  std::shared_ptr<const AlgorithmLists> lists = registered_for(
+      algorithm, Collective::kAllGather, count * size_t(world_size_) * dtype_size(dtype));
   auto sig = collective(Collective::kAllGather, dtype, ReduceOp::kSum, Algorithm::kRegistered,
                         count * size_t(world_size_), -1, lists->id);
   const size_t e = dtype_size(dtype);
@@ -601,7 +606,8 @@ WorkPtr Communicator::all_gather_registered(void* out, const void* in, size_t co
 WorkPtr Communicator::broadcast_registered(void* buf, size_t count, DType dtype, int root,
                                            const std::string& algorithm, bool async) {
   check_rank(root, "broadcast src");
-  std::shared_ptr<const AlgorithmLists> lists = registered_for(algorithm, Collective::kBroadcast);
+  std::shared_ptr<const AlgorithmLists> lists =
+      registered_for(algorithm, Collective::kBroadcast, count * dtype_size(dtype));
   auto sig = collective(Collective::kBroadcast, dtype, ReduceOp::kSum, Algorithm::kRegistered,
                         count, root, lists->id);
   return submit(sig, [=](Context& ctx) {
@@ -613,7 +619,8 @@ WorkPtr Communicator::broadcast_registered(void* buf, size_t count, DType dtype,
 WorkPtr Communicator::reduce_registered(void* buf, size_t count, DType dtype, ReduceOp op,
                                         int root, const std::string& algorithm, bool async) {
   check_rank(root, "reduce dst");
-  std::shared_ptr<const AlgorithmLists> lists = registered_for(algorithm, Collective::kReduce);
+  std::shared_ptr<const AlgorithmLists> lists =
+      registered_for(algorithm, Collective::kReduce, count * dtype_size(dtype));
   auto sig = collective(Collective::kReduce, dtype, op, Algorithm::kRegistered, count, root,
                         lists->id);
   return submit(sig, [=](Context& ctx) {

@@ -217,6 +217,8 @@ class Communicator {
   // The algorithm all_reduce runs now outside trials: as above, or where auto retunes
   // (RINGCOMM_RETUNE_CALLS) what its last trials found.
   Algorithm algorithm_for(size_t bytes, Algorithm requested) const;
+  // The registered algorithm RINGCOMM_ALGO names, which auto all_reduce calls run ("" for none).
+  const std::string& forced_registered() const { return forced_registered_; }
   // Whether an all_reduce of `bytes` asked for `requested` is one auto retunes.
   bool retuned(size_t bytes, Algorithm requested) const;
   // What auto's trials found, one entry per size class retuned so far (algorithms/retune.h).
@@ -321,9 +323,10 @@ class Communicator {
   const Clock::duration timeout_;
   Algorithm forced_all_reduce_ = Algorithm::kAuto;  // RINGCOMM_ALGO
   std::string forced_registered_;  // RINGCOMM_ALGO naming a registered algorithm
-  // The lists of registered algorithm `name` for this world size, written for `coll`; the first
-  // use of each logged (RINGCOMM_DEBUG).
-  std::shared_ptr<const AlgorithmLists> registered_for(const std::string& name, Collective coll);
+  // The lists of registered algorithm `name` for this world size and a message of `bytes`,
+  // written for `coll`; the first use of each logged (RINGCOMM_DEBUG).
+  std::shared_ptr<const AlgorithmLists> registered_for(const std::string& name, Collective coll,
+                                                       size_t bytes);
   std::mutex logged_lists_mu_;
   std::set<uint64_t> logged_lists_;
   std::unique_ptr<Mesh> mesh_;

@@ -23,6 +23,11 @@ A program's steps run in order. Each names a block (0 .. blocks-1) and peers by 
     recv_reduce_send(b, src, dst)     the same, then the result on to dst
     exchange_reduce(b, peer)          send block b to peer and receive peer's, then combine them
 
+An algorithm that takes a third argument, (rank, world_size, nbytes), gets the size class of the
+message (the largest power of two <= its bytes, or 0), and may return other programs for other
+classes: its lists are then built and checked once per world size and size class, where the others'
+are once per world size.
+
 A block larger than the slice travels in slices: by step (pipeline="step", the ring's way) each
 step over all of its block's slices, a slice forwarded as soon as it is combined; by slice
 (pipeline="slice", the trees' way) in rounds of every step over one slice each, a step with
@@ -33,6 +38,7 @@ op="avg" divides) are found by the check.
 from __future__ import annotations
 
 import atexit
+import inspect
 import runpy
 from typing import Callable, Iterable, Optional
 
@@ -42,7 +48,9 @@ from ._env import env_int, env_string
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 _PRIMITIVES = _C.PRIMITIVE_CODES
 
-Algorithm = Callable[[int, int], "Program"]
+Algorithm = Callable[..., "Program"]
+# The size classes check() and register() try an algorithm that asks for them at: 0 B .. 1 GiB.
+SIZE_CLASSES = (0, *(1 << k for k in range(31)))
 
 
 class Program:
@@ -96,12 +104,29 @@ class Program:
                 -1 if self.slice_bytes is None else self.slice_bytes)
 
 
-def _lists(name: str, algorithm: Algorithm, n: int) -> tuple:
-    """Every rank's program among n ranks, as the core takes them."""
+def _sized(algorithm: Algorithm) -> bool:
+    """Whether the algorithm takes the message's size class as a third argument."""
+    try:
+        parameters = inspect.signature(algorithm).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: (rank, world_size)
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds for p in parameters) >= 3
+
+
+def size_class(nbytes: int) -> int:
+    """The size class of a message of `nbytes`: the largest power of two <= nbytes, or 0."""
+    return 1 << (int(nbytes).bit_length() - 1) if nbytes > 0 else 0
+
+
+def _lists(name: str, algorithm: Algorithm, n: int, nbytes: int = 0) -> tuple:
+    """Every rank's program among n ranks (for messages of nbytes' size class, where the
+    algorithm asks), as the core takes them."""
+    sized = _sized(algorithm)
     programs = []
     for rank in range(n):
         try:
-            program = algorithm(rank, n)
+            program = algorithm(rank, n, size_class(nbytes)) if sized else algorithm(rank, n)
         except Exception as e:
             raise ValueError(f"algorithm {name!r} ({n} ranks): rank {rank}'s program raised "
                              f"{type(e).__name__}: {e}") from e
@@ -116,14 +141,16 @@ def _lists(name: str, algorithm: Algorithm, n: int) -> tuple:
                              f"{diff} {getattr(program, diff)!r} where rank 0's has "
                              f"{getattr(programs[0], diff)!r}")
         programs.append(program)
-    return programs[0]._shape() + ([p.steps for p in programs],)
+    return programs[0]._shape() + (size_class(nbytes) if sized else -1,
+                                   [p.steps for p in programs])
 
 
 def _name_of(algorithm: Algorithm) -> str:
     return getattr(algorithm, "__name__", type(algorithm).__name__)
 
 
-def check(algorithm: Algorithm, world_sizes: Iterable[int]) -> dict:
+def check(algorithm: Algorithm, world_sizes: Iterable[int],
+          sizes: Optional[Iterable[int]] = None) -> dict:
     """Runs every rank's program among each of `world_sizes` ranks symbolically, as the core's
     executor would, and raises ValueError, naming the rank, the step and the block, unless: every
     step names a block and another rank; the programs fit together (no deadlock, every message
@@ -133,9 +160,15 @@ def check(algorithm: Algorithm, world_sizes: Iterable[int]) -> dict:
     ends with it (so results are bitwise equal); and all_gather and broadcast only move blocks.
 
     Returns {world size: {"id", "orders": each block's order of combination, "((0 1) 2)" for
-    (x0 op x1) op x2, "steps": each rank's steps as the core runs them}}."""
+    (x0 op x1) op x2, "steps": each rank's steps as the core runs them}}; for an algorithm that
+    takes the size class, keyed by (world size, size class) for the classes of `sizes` (bytes;
+    default SIZE_CLASSES)."""
     name = _name_of(algorithm)
-    return {n: _C.check_algorithm(name, _lists(name, algorithm, n)) for n in world_sizes}
+    if not _sized(algorithm):
+        return {n: _C.check_algorithm(name, _lists(name, algorithm, n)) for n in world_sizes}
+    classes = sorted({size_class(b) for b in (SIZE_CLASSES if sizes is None else sizes)})
+    return {(n, c): _C.check_algorithm(name, _lists(name, algorithm, n, c))
+            for n in world_sizes for c in classes}
 
 
 _registered: dict[str, Algorithm] = {}
@@ -144,12 +177,15 @@ _BUILT_IN = set(_C.ALGORITHM_CODES) | set(_C.SPARSE_ALGORITHM_CODES) | {
     "chain", "binomial", "dissemination", "direct", "nccl", "one_shot", "registered"}
 
 
-def register(name: str, algorithm: Algorithm, world_sizes: Optional[Iterable[int]] = None):
-    """Registers `algorithm` (a function of (rank, world_size) returning that rank's Program)
-    under `name`, for `comm.<collective>(..., algorithm=name)` and RINGCOMM_ALGO=name (all_reduce).
-    Checks it first among each of `world_sizes` ranks (default: WORLD_SIZE's, where set), and
-    registers nothing if a check fails; a world size not checked here is checked where it is
-    first used, on every rank alike, before anything is sent. Registering a name again replaces
+def register(name: str, algorithm: Algorithm, world_sizes: Optional[Iterable[int]] = None,
+             sizes: Optional[Iterable[int]] = None):
+    """Registers `algorithm` (a function of (rank, world_size), or of (rank, world_size, nbytes),
+    returning that rank's Program) under `name`, for `comm.<collective>(..., algorithm=name)` and
+    RINGCOMM_ALGO=name (all_reduce). Checks it first among each of `world_sizes` ranks (default:
+    WORLD_SIZE's, where set; for each size class of `sizes` where it takes one, default
+    SIZE_CLASSES), and registers nothing if a check fails; a world size (or size class) not
+    checked here is checked where it is first used, on every rank alike, before anything is
+    sent. Registering a name again replaces
     its algorithm from the next call on (every rank must do so before that call: ranks that run
     different lists fail as a mismatch)."""
     if not isinstance(name, str) or not name.isidentifier():
@@ -162,8 +198,10 @@ def register(name: str, algorithm: Algorithm, world_sizes: Optional[Iterable[int
     if world_sizes is None:
         size = env_int("WORLD_SIZE")
         world_sizes = [size] if size is not None and size > 1 else []
+    classes = sorted({size_class(b) for b in (SIZE_CLASSES if sizes is None else sizes)})
     for n in world_sizes:
-        _C.check_algorithm(name, _lists(name, algorithm, int(n)))
+        for c in classes if _sized(algorithm) else [0]:
+            _C.check_algorithm(name, _lists(name, algorithm, int(n), c))
     _registered[name] = algorithm
     _C.forget_algorithm(name)
 
@@ -180,10 +218,11 @@ def registered() -> dict[str, Algorithm]:
     return dict(_registered)
 
 
-def lists(name: str, collective: str, world_size: int) -> Optional[dict]:
-    """What the core runs for registered algorithm `name` among `world_size` ranks (as check()
-    returns for one world size, without the orders), or None where no such name is registered."""
-    return _C.registered_algorithm(name, collective, int(world_size))
+def lists(name: str, collective: str, world_size: int, nbytes: int = 0) -> Optional[dict]:
+    """What the core runs for registered algorithm `name` among `world_size` ranks for a message
+    of `nbytes` (as check() returns for one world size, without the orders), or None where no
+    such name is registered."""
+    return _C.registered_algorithm(name, collective, int(world_size), int(nbytes))
 
 
 def _load_file() -> bool:
@@ -199,14 +238,14 @@ def _load_file() -> bool:
     return True
 
 
-def _source(name: str, world_size: int):
+def _source(name: str, world_size: int, nbytes: int):
     """The core's source of registered lists (algorithms/registered.h)."""
     algorithm = _registered.get(name)
     if algorithm is None and _load_file():
         algorithm = _registered.get(name)
     if algorithm is None:
         return None
-    return () if world_size == 0 else _lists(name, algorithm, world_size)
+    return () if world_size == 0 else _lists(name, algorithm, world_size, nbytes)
 
 
 _C.set_algorithm_source(_source)

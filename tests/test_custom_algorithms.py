@@ -612,3 +612,42 @@ def test_the_bench_runs_a_registered_algorithm_beside_the_built_ins(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0
     assert "--algorithm nowhere: no algorithm is registered under that name" in run.stderr
+
+
+def by_size(rank, n, nbytes):
+    """Recursive doubling for messages under 4 KiB, the ring from there."""
+    return (RECURSIVE_DOUBLING if nbytes < 4096 else RING)(rank, n)
+
+
+def sized_algorithm(comm):
+    algorithms.register("by_size", by_size, world_sizes=[comm.world_size], sizes=[8, 1 << 20])
+    out = []
+    for count in (100, 1000, 100003):  # 400 B, 4000 B (class 2 KiB), 400012 B
+        x = torch.randn(count, generator=torch.Generator().manual_seed(comm.rank))
+        a, b = x.clone(), x.clone()
+        comm.all_reduce(a, algorithm="recursive_doubling" if count < 1024 else "ring")
+        work = comm.all_reduce(b, algorithm="by_size", async_op=True)
+        work.wait()
+        out.append((torch.equal(a, b), work.stats()["algorithm"]))
+    return out
+
+
+@pytest.mark.every_transport
+def test_lists_by_size_class():
+    reports = algorithms.check(by_size, [3], sizes=[100, 5000])
+    assert sorted(reports) == [(3, 64), (3, 4096)]
+    assert reports[3, 64]["steps"][0] == _C.schedule(ALGORITHMS["recursive_doubling"], 3, 0)
+    assert reports[3, 4096]["steps"][0] == _C.schedule(ALGORITHMS["ring"], 3, 0)
+    for out in run_ranks(3, sized_algorithm, timeout=60):
+        assert out == [(True, "by_size")] * 3
+
+
+def test_a_size_class_is_named_where_refused():
+    def broken_above_1k(rank, n, nbytes):
+        p = RING(rank, n)
+        if nbytes >= 1024 and rank == 0:
+            del p.steps[0]
+        return p
+    algorithms.check(broken_above_1k, [3], sizes=[0, 512])
+    with pytest.raises(ValueError, match=r"over 3 ranks, messages of 1024\.\.2047 bytes\): rank "):
+        algorithms.check(broken_above_1k, [3], sizes=[1500])

@@ -75,8 +75,11 @@ class ListsCheck {
 
  private:
   [[noreturn]] void refuse(const std::string& what) const {
+    const size_t c = lists_.size_class;
     RC_INVALID("algorithm '", lists_.name, "' (", collective_name(lists_.coll), " over ", n_,
-               " ranks", legend_, "): ", what);
+               " ranks",
+               lists_.sized ? str_cat(", messages of ", c, "..", c ? 2 * c - 1 : 0, " bytes") : "",
+               legend_, "): ", what);
   }
   const std::vector<Step>& steps(int r) const { return lists_.schedules[size_t(r)].steps; }
   std::string at(int r, size_t i) const { return str_cat("rank ", r, " ", step_text(r, i)); }
@@ -296,6 +299,7 @@ class ListsCheck {
     add(uint64_t(blocks_));
     add(uint64_t(lists_.pipeline));
     add(uint64_t(lists_.slice_bytes));
+    add(lists_.sized ? uint64_t(lists_.size_class) : ~uint64_t(0));
     for (const Schedule& s : lists_.schedules) {
       add(s.steps.size());
       for (const Step& st : s.steps) {
@@ -356,14 +360,17 @@ Schedule from_root(const Context& ctx, const AlgorithmLists& lists, int root) {
 struct Registry {
   std::mutex mu;
   ListsSource source;
-  // By name, collective and world size.
-  std::map<std::tuple<std::string, Collective, int>, std::shared_ptr<const AlgorithmLists>> lists;
+  // By name, collective, world size and size class (kAnySize for lists that serve every size).
+  std::map<std::tuple<std::string, Collective, int, size_t>, std::shared_ptr<const AlgorithmLists>>
+      lists;
   uint64_t generation = 0;  // forget_lists: lists made before it are not kept
 };
 Registry& registry() {
   static Registry r;
   return r;
 }
+
+constexpr size_t kAnySize = ~size_t(0);
 
 uint64_t fnv(const std::string& text) {
   uint64_t h = 1469598103934665603ull;
@@ -392,16 +399,24 @@ void set_lists_source(ListsSource source) {
   ++reg.generation;
 }
 
+size_t size_class_of(size_t bytes) {
+  size_t c = bytes ? 1 : 0;
+  while (c && c <= bytes / 2) c *= 2;
+  return c;
+}
+
 // The source runs without the lock: it may call back (Python registering, or forgetting).
 std::shared_ptr<const AlgorithmLists> registered_lists(const std::string& name, Collective coll,
-                                                       int world_size) {
+                                                       int world_size, size_t bytes) {
   Registry& reg = registry();
-  const auto key = std::make_tuple(name, coll, world_size);
+  const size_t size_class = size_class_of(bytes);
   uint64_t generation;
   {
     std::lock_guard<std::mutex> lk(reg.mu);
-    auto it = reg.lists.find(key);
-    if (it != reg.lists.end()) return it->second;
+    for (size_t key : {kAnySize, size_class}) {
+      auto it = reg.lists.find(std::make_tuple(name, coll, world_size, key));
+      if (it != reg.lists.end()) return it->second;
+    }
     generation = reg.generation;
   }
   std::optional<AlgorithmLists> made;
@@ -417,7 +432,7 @@ std::shared_ptr<const AlgorithmLists> registered_lists(const std::string& name, 
       std::lock_guard<std::mutex> lk(reg.mu);
       source = reg.source;
     }
-    if (source) made = source(name, world_size);
+    if (source) made = source(name, world_size, size_class);
     if (!made) return nullptr;
     RC_CHECK_ARG(int(made->schedules.size()) == world_size, "algorithm '", name,
                  "': lists for ", made->schedules.size(), " ranks where ", world_size,
@@ -425,10 +440,12 @@ std::shared_ptr<const AlgorithmLists> registered_lists(const std::string& name, 
     RC_CHECK_ARG(made->coll == coll, "algorithm '", name, "' is ",
                  collective_name(made->coll), "'s, not ", collective_name(coll), "'s");
     made->name = name;
+    made->size_class = made->sized ? size_class : 0;
     check_lists(*made);
   }
   made->name = name;
   name_registered_lists(made->id, name);
+  const auto key = std::make_tuple(name, coll, world_size, made->sized ? size_class : kAnySize);
   auto checked = std::make_shared<const AlgorithmLists>(std::move(*made));
   std::lock_guard<std::mutex> lk(reg.mu);
   if (reg.generation != generation) return checked;
@@ -442,7 +459,7 @@ bool lists_known(const std::string& name) {
     std::lock_guard<std::mutex> lk(reg.mu);
     source = reg.source;
   }
-  return source && source(name, 0).has_value();
+  return source && source(name, 0, 0).has_value();
 }
 
 void forget_lists(const std::string& name) {

@@ -2,8 +2,8 @@
 // (ringcomm.algorithms builds them in Python), checked by running every rank's list symbolically
 // before a byte is sent, and run by the same executor as the built-in lists.
 //
-// A registered algorithm is one collective's lists for a number of ranks, all over `blocks`
-// blocks of the buffer, cut as Segments cuts them (all_reduce, broadcast, reduce: the buffer into
+// A registered algorithm is one collective's lists for a number of ranks (and, where it asks, for
+// a size class: the messages of 2^k .. 2^(k+1)-1 bytes), all over `blocks` blocks of the buffer, cut as Segments cuts them (all_reduce, broadcast, reduce: the buffer into
 // `blocks`; reduce_scatter, all_gather: each rank's share into blocks / n, rank r's share being
 // blocks r * blocks / n onwards). Broadcast and reduce lists are written for root 0 and run
 // with every rank renumbered from the root.
@@ -35,6 +35,10 @@ struct AlgorithmLists {
   // RINGCOMM_RING_SLICE_BYTES; by slice the tree's, RINGCOMM_TREE_CHUNK_BYTES), 0 whole blocks.
   int64_t slice_bytes = -1;
   std::vector<Schedule> schedules;  // by rank
+  // The lists differ by size class: these are for one (its lower bound, set by the registry);
+  // else they serve every size.
+  bool sized = false;
+  size_t size_class = 0;
   // Set by check_lists: a hash of everything above, the same on every rank that built the same
   // lists (it travels in the signature's aux, so ranks whose lists differ fail as a mismatch).
   uint64_t id = 0;
@@ -53,19 +57,24 @@ struct AlgorithmLists {
 // order of combination, "((0 1) 2)" (none for the collectives that only move blocks).
 std::vector<std::string> check_lists(AlgorithmLists& lists);
 
-// Where registered lists come from: the lists of `name` for `world_size` ranks, unchecked, or
-// nullopt where it knows no such name; `world_size` 0 asks only whether it knows the name
-// (ringcomm.algorithms, through the bindings).
-using ListsSource =
-    std::function<std::optional<AlgorithmLists>(const std::string& name, int world_size)>;
+// Where registered lists come from: the lists of `name` for `world_size` ranks and messages of
+// the size class `size_class` (a power of two, or 0), unchecked, or nullopt where it knows no
+// such name; `world_size` 0 asks only whether it knows the name (ringcomm.algorithms, through
+// the bindings).
+using ListsSource = std::function<std::optional<AlgorithmLists>(
+    const std::string& name, int world_size, size_t size_class)>;
 void set_lists_source(ListsSource source);
-// The checked lists of `name` for `coll` among `world_size` ranks, from the source at their
-// first use (on the caller's thread, before anything is sent), kept until forget_lists(name);
-// nullptr where the source knows no such name. Throws what check_lists throws, or where the
-// lists are another collective's. One rank moves nothing: its lists are one empty list, whatever
-// the source would build.
+// The size class of a message of `bytes`: the largest power of two <= bytes, or 0.
+size_t size_class_of(size_t bytes);
+// The checked lists of `name` for `coll` among `world_size` ranks, for a message of `bytes`
+// (the collective's buffer; reduce_scatter's input, all_gather's output), from the source at
+// their first use (on the caller's thread, before anything is sent): once per world size, or per
+// size class for lists that differ by size, kept until forget_lists(name); nullptr where the
+// source knows no such name. Throws what check_lists throws, or where the lists are another
+// collective's. One rank moves nothing: its lists are one empty list, whatever the source would
+// build.
 std::shared_ptr<const AlgorithmLists> registered_lists(const std::string& name, Collective coll,
-                                                       int world_size);
+                                                       int world_size, size_t bytes);
 // Whether the source knows `name`.
 bool lists_known(const std::string& name);
 // Drops the lists kept for `name` (registered again, or no longer).

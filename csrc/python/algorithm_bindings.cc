@@ -1,7 +1,7 @@
 // Bindings of registered algorithms (algorithms/registered.h) into ringcomm._C. Lists cross from
 // ringcomm.algorithms as a tuple: (collective name, blocks, pipeline "step" or "slice", slice
-// bytes (-1: the pipeline's own, 0: whole blocks), one list per rank of steps (primitive code,
-// block, from, to, incoming first, lag)).
+// bytes (-1: the pipeline's own, 0: whole blocks), size class (-1: lists for every size), one
+// list per rank of steps (primitive code, block, from, to, incoming first, lag)).
 #include <optional>
 #include <string>
 #include <tuple>
@@ -35,11 +35,11 @@ Collective collective_named(const std::string& name) {
 }
 
 using StepTuple = std::tuple<int, int, int, int, bool, int>;
-using ListsTuple =
-    std::tuple<std::string, int, std::string, int64_t, std::vector<std::vector<StepTuple>>>;
+using ListsTuple = std::tuple<std::string, int, std::string, int64_t, int64_t,
+                              std::vector<std::vector<StepTuple>>>;
 
 AlgorithmLists lists_of(const std::string& name, const ListsTuple& t) {
-  const auto& [coll, blocks, pipeline, slice_bytes, ranks] = t;
+  const auto& [coll, blocks, pipeline, slice_bytes, size_class, ranks] = t;
   RC_CHECK_ARG(pipeline == "step" || pipeline == "slice", "pipeline '", pipeline,
                "': 'step' or 'slice'");
   AlgorithmLists lists;
@@ -48,6 +48,8 @@ AlgorithmLists lists_of(const std::string& name, const ListsTuple& t) {
   lists.blocks = blocks;
   lists.pipeline = pipeline == "step" ? Pipeline::kByStep : Pipeline::kBySlice;
   lists.slice_bytes = slice_bytes;
+  lists.sized = size_class >= 0;
+  lists.size_class = lists.sized ? size_t(size_class) : 0;
   for (const std::vector<StepTuple>& steps : ranks) {
     Schedule s;
     s.pipeline = lists.pipeline;
@@ -94,9 +96,10 @@ void bind_algorithms(py::module_& m) {
     }
     return checked(lists, orders);
   }, py::arg("name"), py::arg("lists"));
-  // Where the core finds registered lists: `source(name, world_size)` returns their tuple, or
-  // None where it knows no such name (world_size 0: any tuple where it knows it). Called with the
-  // GIL taken, from any thread; what it raises is raised as ValueError by the call that asked.
+  // Where the core finds registered lists: `source(name, world_size, size_class)` returns their
+  // tuple, or None where it knows no such name (world_size 0: any tuple where it knows it).
+  // Called with the GIL taken, from any thread; what it raises is raised as ValueError by the call
+  // that asked.
   m.def("set_algorithm_source", [](py::object source) {
     if (source.is_none()) {
       set_lists_source(nullptr);
@@ -106,11 +109,11 @@ void bind_algorithms(py::module_& m) {
       py::gil_scoped_acquire gil;
       delete o;
     });
-    set_lists_source([held](const std::string& name, int world_size) {
+    set_lists_source([held](const std::string& name, int world_size, size_t size_class) {
       py::gil_scoped_acquire gil;
       py::object got;
       try {
-        got = (*held)(name, world_size);
+        got = (*held)(name, world_size, size_class);
       } catch (py::error_already_set& e) {
         throw std::invalid_argument(py::str(e.value()).cast<std::string>());
       }
@@ -120,14 +123,15 @@ void bind_algorithms(py::module_& m) {
     });
   });
   m.def("forget_algorithm", &forget_lists, py::arg("name"));
-  // The lists the core runs for `name` among `world_size` ranks, checked (as check_algorithm).
+  // The lists the core runs for `name` among `world_size` ranks for a message of `nbytes`,
+  // checked (as check_algorithm returns them, without the orders).
   m.def("registered_algorithm", [](const std::string& name, const std::string& coll,
-                                   int world_size) -> py::object {
+                                   int world_size, size_t nbytes) -> py::object {
     std::shared_ptr<const AlgorithmLists> lists =
-        registered_lists(name, collective_named(coll), world_size);
+        registered_lists(name, collective_named(coll), world_size, nbytes);
     if (!lists) return py::none();
     return checked(*lists, {});
-  }, py::arg("name"), py::arg("collective"), py::arg("world_size"));
+  }, py::arg("name"), py::arg("collective"), py::arg("world_size"), py::arg("nbytes") = 0);
 
   // Collectives by a registered algorithm (Communicator::*_registered). all_reduce returns the
   // Work only when async, as the built-ins' binding does.

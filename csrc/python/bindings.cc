@@ -189,6 +189,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("set"), py::arg("get"), G())
       .def("algorithm_for",
            [](const Communicator& c, size_t bytes, int algo) {
+             if (Algorithm(algo) == Algorithm::kAuto && !c.forced_registered().empty())
+               return c.forced_registered();
              return std::string(algorithm_name(c.algorithm_for(bytes, Algorithm(algo))));
            })
       .def("auto_trials",

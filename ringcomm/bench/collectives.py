@@ -1092,11 +1092,12 @@ def use_registered(args, world: int) -> None:
     if args.coll != "all_reduce" or args.algo != "auto":
         raise SystemExit("--algorithm names the all_reduce ringcomm's column runs: use it with "
                          "--coll all_reduce and without --algo")
-    try:
-        lists = algorithms.lists(args.algorithm, "all_reduce", world)
+    try:  # at each size: lists may differ by size class
+        lists = [algorithms.lists(args.algorithm, "all_reduce", world, nbytes)
+                 for nbytes in sizes_from(args)]
     except ValueError as e:
         raise SystemExit(f"--algorithm {args.algorithm}: {e}") from None
-    if lists is None:
+    if None in lists:
         raise SystemExit(f"--algorithm {args.algorithm}: no algorithm is registered under that "
                          "name (--algorithm-file FILE.py registers those in FILE.py)")
     args.algo = args.algorithm
