@@ -19,6 +19,9 @@ from ringcomm._buffers import ALGORITHMS
 from ringcomm.algorithms import Program
 from ranks import run_ranks
 
+# The tests that run collectives do so over every transport; those that check lists alone, or
+# start their own processes, run once (transport_fixed).
+pytestmark = pytest.mark.every_transport
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                         "algorithms")
 
@@ -34,6 +37,7 @@ RECURSIVE_DOUBLING = example("recursive_doubling")["recursive_doubling"]
 TORUS = example("torus")["torus"]
 
 
+@pytest.mark.transport_fixed
 @pytest.mark.parametrize("algorithm,built_in,sizes", [
     (RING, "ring", range(2, 13)), (DOUBLE_TREE, "tree", range(2, 13)),
     (RECURSIVE_DOUBLING, "recursive_doubling", range(2, 13))])
@@ -43,6 +47,7 @@ def test_examples_are_the_built_in_step_lists(algorithm, built_in, sizes):
         assert report["steps"] == [_C.schedule(ALGORITHMS[built_in], n, r) for r in range(n)]
 
 
+@pytest.mark.transport_fixed
 def test_the_ring_is_short_and_its_orders_are_the_built_in_ones():
     source = inspect.getsource(RING).strip().splitlines()
     assert len(source) <= 15
@@ -54,6 +59,7 @@ def test_the_ring_is_short_and_its_orders_are_the_built_in_ones():
         ALGORITHMS["ring"], 4, 4)]
 
 
+@pytest.mark.transport_fixed
 def test_the_torus_checks_on_its_grids():
     reports = algorithms.check(TORUS(2), [2, 4, 6, 8])
     # 2 x 2: half 0 along the rows first, half 1 along the columns first.
@@ -174,6 +180,7 @@ MUTANTS = [
 ]
 
 
+@pytest.mark.transport_fixed
 def test_the_mutant_set_covers_every_kind():
     kinds = {kind for kind, *_ in MUTANTS}
     assert len(MUTANTS) >= 30 and len({base for _, base, *_ in MUTANTS}) >= 3
@@ -181,6 +188,7 @@ def test_the_mutant_set_covers_every_kind():
                      "reorder that deadlocks", "order differing across ranks"}
 
 
+@pytest.mark.transport_fixed
 @pytest.mark.parametrize("kind,base,n,victim,change", MUTANTS,
                          ids=[f"{m[0]}-{m[1].__name__}{m[2]}-{i}" for i, m in enumerate(MUTANTS)])
 def test_mutants_are_refused_naming_rank_and_step(kind, base, n, victim, change):
@@ -206,6 +214,7 @@ def program_of(steps, blocks=1, **kwargs):
     return program
 
 
+@pytest.mark.transport_fixed
 @pytest.mark.parametrize("steps,blocks,kwargs,message", [
     ([[("send", 0, 1)], [("recv", 0, 0)]], 1, {},
      r"rank 0 ends with block 0 missing the contribution of rank 1 \(nothing received into "
@@ -240,6 +249,7 @@ def test_refusals_say_what_is_wrong(steps, blocks, kwargs, message):
         algorithms.check(program_of(steps, blocks, **kwargs), [len(steps)])
 
 
+@pytest.mark.transport_fixed
 def test_programs_of_ranks_must_agree():
     def uneven(rank, n):
         return Program(blocks=n + rank)
@@ -249,6 +259,7 @@ def test_programs_of_ranks_must_agree():
         algorithms.check(lambda rank, n: [], [2])
 
 
+@pytest.mark.transport_fixed
 def test_registration_checks_its_world_sizes():
     broken = mutant(RING, 0, delete(0))
     with pytest.raises(ValueError, match=r"algorithm 'ring_without_send' \(all_reduce over 2"):
@@ -288,7 +299,6 @@ def ring_against_built_in(comm, sizes):
     return out
 
 
-@pytest.mark.every_transport
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_python_ring_gives_the_built_in_rings_bits(world):
     # Slices of 4 KiB: the larger sizes travel in many slices per segment.
@@ -315,7 +325,6 @@ def examples_against_built_ins(comm, count):
     return out
 
 
-@pytest.mark.every_transport
 def test_other_examples_run_on_four_ranks():
     # An even count: the Python tree's halves are the built-in tree's.
     results = run_ranks(4, examples_against_built_ins, 50002, timeout=120)
@@ -395,7 +404,7 @@ def test_a_list_refused_at_first_use_sends_nothing():
         assert values == [3.0] * 16
 
 
-def forced_by_environment(store, rank, world, file):
+def forced_by_environment(store, rank, world, file, out):
     import ringcomm
     from ringcomm import trace
     os.environ["RINGCOMM_ALGORITHM_FILE"] = file
@@ -403,7 +412,7 @@ def forced_by_environment(store, rank, world, file):
     lines = []
     _C.set_log_sink(lines.append)
     comm = ringcomm.Communicator(store, rank, world)
-    trace.start(os.path.join(os.environ["TMPDIR"], f"timeline{rank}.json"))
+    trace.start(os.path.join(out, f"timeline{rank}.json"))
     work = comm.all_reduce(torch.ones(1000), async_op=True)  # auto: RINGCOMM_ALGO
     work.wait()
     with open(trace.stop()) as f:
@@ -420,7 +429,7 @@ def forced_by_environment(store, rank, world, file):
 
 def test_ringcomm_algo_and_algorithm_file(tmp_path):
     results = run_ranks(2, forced_by_environment, os.path.join(EXAMPLES, "ring.py"),
-                        make_comm=False, env={"RINGCOMM_DEBUG": "1"}, timeout=60)
+                        str(tmp_path), make_comm=False, env={"RINGCOMM_DEBUG": "1"}, timeout=60)
     for ran, events, coalesced, lines in results:
         assert ran == "py_ring"
         assert any("py_ring" in str(args) for args in events), events
@@ -438,12 +447,14 @@ def unknown_forced(store, rank, world):
     return "made"
 
 
+@pytest.mark.transport_fixed
 def test_ringcomm_algo_names_a_registered_algorithm_or_fails():
     for message in run_ranks(2, unknown_forced, make_comm=False, timeout=60):
         assert message.startswith("RINGCOMM_ALGO=nowhere: expected one of ring, tree, ")
         assert message.endswith("or an algorithm registered by ringcomm.algorithms")
 
 
+@pytest.mark.transport_fixed
 def test_a_broken_algorithm_file_says_so(tmp_path, monkeypatch):
     path = tmp_path / "broken.py"
     path.write_text("raise RuntimeError('no such luck')\n")
@@ -546,7 +557,6 @@ def other_collectives(comm, count):
     return out
 
 
-@pytest.mark.every_transport
 @pytest.mark.parametrize("world", [3, 4])
 def test_other_collectives_by_registered_lists(world):
     # Tree slices of 4 KiB: the chains run pipelined.
@@ -556,6 +566,7 @@ def test_other_collectives_by_registered_lists(world):
                        "all_gather algorithm": "ag", "broadcast": True, "reduce": True}
 
 
+@pytest.mark.transport_fixed
 def test_the_other_collectives_check():
     reports = algorithms.check(ring_reduce_scatter, [2, 3, 5])
     assert reports[3]["steps"][0] == "send b2 >1; recv-reduce-send b1 <2 >1; recv-reduce b0 <2 " \
@@ -570,14 +581,14 @@ def test_the_other_collectives_check():
         algorithms.check(mutant(chain_broadcast, (1, 2), lambda steps: steps.pop()), [3])
 
 
-def backend_forced(store, rank, world, file):
+def backend_forced(store, rank, world, file, out):
     import torch.distributed as dist
     import ringcomm
     from ringcomm import trace
     os.environ["RINGCOMM_ALGORITHM_FILE"] = file
     os.environ["RINGCOMM_ALGO"] = "py_ring"
     dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
-    trace.start(os.path.join(os.environ["TMPDIR"], f"backend{rank}.json"))
+    trace.start(os.path.join(out, f"backend{rank}.json"))
     t = torch.randn(10001, generator=torch.Generator().manual_seed(rank))
     reference = t.clone()
     dist.all_reduce(t)  # the c10d backend's auto all_reduce: RINGCOMM_ALGO
@@ -589,12 +600,13 @@ def backend_forced(store, rank, world, file):
     return ran, torch.equal(t, reference)
 
 
-def test_the_torch_backend_runs_ringcomm_algo():
+def test_the_torch_backend_runs_ringcomm_algo(tmp_path):
     for ran, equal in run_ranks(2, backend_forced, os.path.join(EXAMPLES, "ring.py"),
-                                make_comm=False, timeout=600):
+                                str(tmp_path), make_comm=False, timeout=600):
         assert ran == ["py_ring", "ring"] and equal
 
 
+@pytest.mark.transport_fixed
 def test_the_bench_runs_a_registered_algorithm_beside_the_built_ins(tmp_path):
     out_file = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "4", "--sizes", "8,64K",
@@ -632,7 +644,6 @@ def sized_algorithm(comm):
     return out
 
 
-@pytest.mark.every_transport
 def test_lists_by_size_class():
     reports = algorithms.check(by_size, [3], sizes=[100, 5000])
     assert sorted(reports) == [(3, 64), (3, 4096)]
@@ -642,6 +653,7 @@ def test_lists_by_size_class():
         assert out == [(True, "by_size")] * 3
 
 
+@pytest.mark.transport_fixed
 def test_a_size_class_is_named_where_refused():
     def broken_above_1k(rank, n, nbytes):
         p = RING(rank, n)
