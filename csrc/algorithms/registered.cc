@@ -168,10 +168,9 @@ class ListsCheck {
       const ScheduleFault& f = run.faults[0];
       refuse(str_cat(where(f.rank, f.step), ": ", f.what));
     }
-    check_contributions(walked, run);
     after_ = run.after;
     for (int b = 0; b < blocks_; ++b)
-      for (size_t j = 0; j < slices[size_t(b)]; ++j) check_end(run, b, j);
+      for (size_t j = 0; j < slices[size_t(b)]; ++j) check_end(walked, run, b, j);
     return run.value;
   }
 
@@ -190,7 +189,8 @@ class ListsCheck {
   }
 
   // Each rank's contribution enters a block once: the first reduction that would add one a
-  // second time, at the step where both operands were still sound.
+  // second time, at the step where both operands were still sound (asked once a block ends
+  // wrong: n^3 work for a ring).
   void check_contributions(const std::vector<Schedule>& walked, const SymbolicRun& run) {
     for (int r = 0; r < n_; ++r)
       for (size_t k = 0; k < walked[size_t(r)].steps.size(); ++k) {
@@ -198,29 +198,79 @@ class ListsCheck {
         if (!reduces(s.prim)) continue;
         const Expressions::Node& node = expr_.nodes[size_t(run.after[size_t(r)][k])];
         if (twice(node.a) >= 0 || twice(node.b) >= 0) continue;
-        std::vector<int> in_a = expr_.leaves(node.a), in_b = expr_.leaves(node.b);
-        std::sort(in_a.begin(), in_a.end());
-        for (int leaf : in_b)
-          if (std::binary_search(in_a.begin(), in_a.end(), leaf))
-            refuse(str_cat(where(r, k), ": block ", s.block / int(most_slices_),
-                           " would hold rank ", leaf, "'s contribution twice: ", text(node.a),
-                           " combined with ", text(node.b)));
+        const int leaf = shared(node.a, node.b);
+        if (leaf >= 0)
+          refuse(str_cat(where(r, k), ": block ", s.block / int(most_slices_), " would hold rank ",
+                         leaf, "'s contribution twice: ", text(node.a), " combined with ",
+                         text(node.b)));
       }
   }
 
-  // The first contribution `node` holds twice, or -1.
-  int twice(int node) const {
-    std::vector<int> leaves = expr_.leaves(node);
-    std::sort(leaves.begin(), leaves.end());
-    auto it = std::adjacent_find(leaves.begin(), leaves.end());
-    return it == leaves.end() ? -1 : *it;
+  // The first contribution `node` holds twice, or -1; remembered by node (a ring's blocks have n
+  // steps of n leaves each, and every step's operands are earlier steps' nodes).
+  int twice(int node) {
+    if (twice_.size() < expr_.nodes.size()) twice_.resize(expr_.nodes.size(), -2);
+    if (twice_[size_t(node)] != -2) return twice_[size_t(node)];
+    const Expressions::Node x = expr_.nodes[size_t(node)];
+    int found = -1;
+    if (x.leaf < 0) {
+      found = twice(x.a);
+      if (found < 0) found = twice(x.b);
+      if (found < 0) found = shared(x.a, x.b);
+    }
+    return twice_[size_t(node)] = found;
+  }
+
+  // The contributions `node` holds, counted with repeats, and the sum of their keys (a random
+  // 64-bit number per contribution, the same on every rank); remembered by node.
+  std::pair<int, uint64_t> tally(int node) {
+    if (tally_.size() < expr_.nodes.size()) tally_.resize(expr_.nodes.size(), {-1, 0});
+    if (tally_[size_t(node)].first >= 0) return tally_[size_t(node)];
+    const Expressions::Node x = expr_.nodes[size_t(node)];
+    std::pair<int, uint64_t> t{1, key(x.leaf)};
+    if (x.leaf < 0) {
+      const auto a = tally(x.a), b = tally(x.b);
+      t = {a.first + b.first, a.second + b.second};
+    }
+    return tally_[size_t(node)] = t;
+  }
+  static uint64_t key(int leaf) {  // splitmix64
+    uint64_t z = uint64_t(leaf) + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+
+  // Whether `node` holds every rank's contribution once: n of them whose keys sum to all ranks'
+  // (one held twice in place of another would need two keys' difference to vanish).
+  bool complete(int node) {
+    uint64_t all = 0;
+    for (int r = 0; r < n_; ++r) all += key(r);
+    const auto t = tally(node);
+    return t.first == n_ && t.second == all;
+  }
+
+  // A contribution both `a` and `b` hold, or -1.
+  int shared(int a, int b) {
+    mark(a);
+    for (int leaf : expr_.leaves(b))
+      if (marked_[size_t(leaf)] == stamp_) return leaf;
+    return -1;
+  }
+
+  // Stamps `node`'s contributions in marked_ (a fresh stamp each time: nothing to clear).
+  void mark(int node) {
+    marked_.resize(size_t(2 * n_), 0);
+    ++stamp_;
+    for (int leaf : expr_.leaves(node)) marked_[size_t(leaf)] = stamp_;
   }
 
   // The contributions `node` misses (every rank's contribution, in a collective that reduces).
-  std::vector<int> missing(int node) const {
-    std::vector<int> leaves = expr_.leaves(node), out;
+  std::vector<int> missing(int node) {
+    mark(node);
+    std::vector<int> out;
     for (int r = 0; r < n_; ++r)
-      if (std::find(leaves.begin(), leaves.end(), r) == leaves.end()) out.push_back(r);
+      if (marked_[size_t(r)] != stamp_) out.push_back(r);
     return out;
   }
 
@@ -238,7 +288,7 @@ class ListsCheck {
                  : str_cat("its value since ", where(r, size_t(k)));
   }
 
-  void check_end(const SymbolicRun& run, int b, size_t j) {
+  void check_end(const std::vector<Schedule>& walked, const SymbolicRun& run, int b, size_t j) {
     const size_t u = unit(b, j);
     const std::string block = most_slices_ == 1 ? str_cat("block ", b)
                                                 : str_cat("slice ", j, " of block ", b);
@@ -258,8 +308,9 @@ class ListsCheck {
     for (int r = 0; r < n_; ++r) {
       if (!ends_at(r, b)) continue;
       const int v = run.value[size_t(r)][u];
-      const std::vector<int> absent = missing(v);
-      if (!absent.empty()) {
+      if (!complete(v)) {
+        check_contributions(walked, run);  // where one was taken twice, if one was
+        const std::vector<int> absent = missing(v);
         std::string ranks;
         for (int a : absent) ranks += str_cat(ranks.empty() ? "" : ", ", a);
         refuse(str_cat("rank ", r, " ends with ", block, " missing the contribution",
@@ -284,7 +335,7 @@ class ListsCheck {
     for (int r = 0; r < n_; ++r)
       for (size_t k = 0; k < after_[size_t(r)].size(); ++k) {
         Step& s = lists_.schedules[size_t(r)].steps[origin_[size_t(r)][k].first];
-        s.completes = reduces(s.prim) && missing(after_[size_t(r)][k]).empty();
+        s.completes = reduces(s.prim) && complete(after_[size_t(r)][k]);
       }
   }
 
@@ -321,6 +372,10 @@ class ListsCheck {
   std::string legend_;
   std::vector<std::vector<std::pair<size_t, size_t>>> origin_;  // by rank, walked step: (step, slice)
   std::vector<std::vector<int>> after_;
+  std::vector<int> twice_;   // by node: twice()'s answer, -2 before it is asked
+  std::vector<std::pair<int, uint64_t>> tally_;  // by node: tally()'s answer, -1 before asked
+  std::vector<uint64_t> marked_;  // by contribution: the stamp of the last mark() that found it
+  uint64_t stamp_ = 0;
 };
 
 // The pieces of a reduce-scatter's or all-gather's buffer: each rank's share of `count`
