@@ -69,7 +69,8 @@ class ListsCheck {
     lists_.id = hash();
     std::vector<std::string> orders;
     if (!moves_only(lists_.coll))
-      for (int b = 0; b < blocks_; ++b) orders.push_back(text(whole[size_t(result_rank(b))][size_t(b)]));
+      for (int b = 0; b < blocks_; ++b)
+        orders.push_back(text(whole[size_t(owner(b))][size_t(b)]));
     return orders;
   }
 
@@ -94,7 +95,6 @@ class ListsCheck {
   int owner(int b) const {
     return in_shares(lists_.coll) ? b / (blocks_ / n_) : 0;
   }
-  int result_rank(int b) const { return owner(b); }
   // Whether rank r must end with block b's result.
   bool ends_at(int r, int b) const {
     return lists_.coll == Collective::kAllReduce || moves_only(lists_.coll) ||
@@ -112,7 +112,8 @@ class ListsCheck {
                         blocks_ - 1, ")"));
         auto peer = [&](int p, const char* verb) {
           if (p == r) fault(str_cat(verb, " its own rank"));
-          if (p < 0 || p >= n_) fault(str_cat(verb, " rank ", p, ", not one of the ", n_, " ranks"));
+          if (p < 0 || p >= n_)
+            fault(str_cat(verb, " rank ", p, ", not one of the ", n_, " ranks"));
         };
         if (sends(s.prim)) peer(s.to, "sends to");
         if (receives_from(s.prim)) peer(s.from, "receives from");
@@ -370,7 +371,8 @@ class ListsCheck {
   Expressions expr_;  // one for every run: the same expression is the same node in all of them
   size_t most_slices_ = 1;
   std::string legend_;
-  std::vector<std::vector<std::pair<size_t, size_t>>> origin_;  // by rank, walked step: (step, slice)
+  // By rank, by walked step: the step of the rank's list it walks, and the slice.
+  std::vector<std::vector<std::pair<size_t, size_t>>> origin_;
   std::vector<std::vector<int>> after_;
   std::vector<int> twice_;   // by node: twice()'s answer, -2 before it is asked
   std::vector<std::pair<int, uint64_t>> tally_;  // by node: tally()'s answer, -1 before asked

@@ -3,10 +3,11 @@
 // before a byte is sent, and run by the same executor as the built-in lists.
 //
 // A registered algorithm is one collective's lists for a number of ranks (and, where it asks, for
-// a size class: the messages of 2^k .. 2^(k+1)-1 bytes), all over `blocks` blocks of the buffer, cut as Segments cuts them (all_reduce, broadcast, reduce: the buffer into
-// `blocks`; reduce_scatter, all_gather: each rank's share into blocks / n, rank r's share being
-// blocks r * blocks / n onwards). Broadcast and reduce lists are written for root 0 and run
-// with every rank renumbered from the root.
+// a size class: the messages of 2^k .. 2^(k+1)-1 bytes), all over `blocks` blocks of the buffer,
+// cut as Segments cuts them (all_reduce, broadcast, reduce: the buffer into `blocks`;
+// reduce_scatter, all_gather: each rank's share into blocks / n, rank r's share being blocks
+// r * blocks / n onwards). Broadcast and reduce lists are written for root 0 and run with every
+// rank renumbered from the root.
 #pragma once
 
 #include <cstdint>
