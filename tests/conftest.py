@@ -19,7 +19,7 @@ os.environ["RINGCOMM_TUNING"] = "off"
 # before ranks.py starts its fork server, so every rank and every launched script inherits it.
 os.environ["OMP_NUM_THREADS"] = "1"
 
-# The modules that take longest, longest first (30-110 s each with two workers, session 36):
+# The modules that take longest, longest first:
 # `make test`'s workers take modules in collection order, and one started last would run alone at
 # the end.
 FIRST = ("test_hooks", "test_powersgd", "test_errors", "test_clients", "test_launchers",

@@ -12,9 +12,9 @@ MIB4 = 4 << 20
 COUNT = MIB4 // 4
 # 3 ranks in shared memory with fixed figures (RINGCOMM_TUNING=off): the model picks the ring at
 # 4 MiB and the shared buffer is the other candidate (its estimate 1.16x the ring's). A ring
-# slice of 1 KiB makes the ring about 8x slower than the shared buffer (which the model does not
-# know): 6.4-7.1 ms against 0.83-0.93 on the 2-vCPU guest. (A 4 KiB slice, 2.3-2.7 against
-# 0.72-0.81 ms, once left the trials at 3.0 against 2.1.)
+# slice of 1 KiB makes the ring several times slower than the shared buffer (which the model does
+# not know), far enough apart that noise cannot hide the winner from the trials (a 4 KiB slice
+# leaves them too close to tell reliably).
 SLOW_RING = {"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_TUNING": "off",
              "RINGCOMM_RING_SLICE_BYTES": "1024", "RINGCOMM_RETUNE_CALLS": "24"}
 

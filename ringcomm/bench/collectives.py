@@ -721,8 +721,8 @@ def layout_limit(samples, row) -> dict:
       (fusion.BufferList), right after an all-reduce has streamed its bytes through the caches,
       as every call of all_reduce_coalesced does: the flat all_reduce followed by that read, less
       the flat all_reduce alone, the median of those differences repeat by repeat (the two
-      samples of one repeat are taken in the same round; a difference of the two medians came out
-      below zero in two runs of session 42, the machine drifting between the samples)."""
+      samples of one repeat are taken in the same round, so a drift of the machine between samples
+      cannot push the difference below zero as a difference of two medians can)."""
     passes = {name: statistics.median(samples[name]) * 1e6
               for name in (PASSES_TENSORS, PASSES_VIEWS)}
     flat = row["ringcomm all_reduce, one flat tensor"]["time_us"]
