@@ -87,7 +87,7 @@ def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torc
     density = state.density()
     if density < 1:
         world = dist.get_world_size()
-        residual = state.memory("residuals", bucket.index(), flat)
+        residual = state.memory.get("residuals", bucket.index(), flat)
         values, indices = compress.topk_with_residual(
             flat, residual, max(1, int(flat.numel() * density)), state.value_dtype)
         wire, positions = values.to(flat.dtype), indices.long()
@@ -96,7 +96,7 @@ def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torc
             flat.index_add_(0, positions, wire)
         flat.div_(world)
     elif state.density(state.step + 1) < 1:
-        state.prepare_memory(flat)  # as topk_hook does on its last dense step
+        state.memory.prepare(flat)  # as topk_hook does on its last dense step
     if bucket.is_last():
         state.step += 1
     fut = torch.futures.Future()

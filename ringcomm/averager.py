@@ -42,18 +42,19 @@ class GradientAverager:
     averages each bucket as its DDP hook does, its memory kept per bucket and its step counting
     step() calls: a `ringcomm.hooks.TopKState` sends the bucket's top-k with error feedback, like
     topk_hook (the bucket's gradients flattened into one tensor); a
-    `ringcomm.hooks.PowerSGDState` sends it as powersgd_hook does: its matrices as low-rank
-    factors with error feedback, its vectors and small matrices whole. Until step() returns,
-    issue nothing else on `comm` (PowerSGD issues part of its all-reduces from the progress
-    thread).
+    `ringcomm.hooks.QuantizeState` sends it as 8-bit codes with error feedback, like
+    quantize_hook; a `ringcomm.hooks.PowerSGDState` sends it as powersgd_hook does: its matrices
+    as low-rank factors with error feedback, its vectors and small matrices whole; any other
+    Compressor as compressor_hook would. Until step() returns, issue nothing else on `comm`
+    (PowerSGD and the quantizer issue part of their all-reduces from the progress thread).
     """
 
     def __init__(self, params, comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression=None):
         self._compressor = compression if isinstance(compression, Compressor) else None
         if self._compressor is None and compression not in COMPRESSION:
-            raise ValueError(f"compression must be None, 'fp16', 'bf16', a "
-                             f"ringcomm.hooks.TopKState or a ringcomm.hooks.PowerSGDState, got "
-                             f"{compression!r}")
+            raise ValueError(f"compression must be None, 'fp16', 'bf16' or a "
+                             f"ringcomm.compress.Compressor (ringcomm.hooks.TopKState, "
+                             f"QuantizeState, PowerSGDState, ...), got {compression!r}")
         self._comm = comm
         self._wire = FLOAT32 if self._compressor is not None else COMPRESSION[compression]
         self._bucket_bytes = check_bucket_bytes(bucket_bytes)

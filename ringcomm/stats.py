@@ -2,9 +2,10 @@
 
 A hook tells its communicator's BucketStats when it was called for a bucket (`watch`, with the
 future it returns) and which operations carry the bucket (`add_work`): each bucket then reports
-how often it ran, the payload bytes its operations sent and received, the time from the hook's
-call to its average being ready ("comm_s"), and of the operations' running time ("run_s") the
-part spent idle, waiting for peers ("idle_s"). The same span goes to the timeline
+how often it ran, how often of those a compressing hook sent it whole ("dense", with the reason
+in the hook state's statistics), the payload bytes its operations sent and received, the time
+from the hook's call to its average being ready ("comm_s"), and of the operations' running time
+("run_s") the part spent idle, waiting for peers ("idle_s"). The same span goes to the timeline
 (ringcomm.trace) as "DDP bucket <i>".
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 
 from . import trace
 
-_FIELDS = ("calls", "bytes_sent", "bytes_received", "comm_s", "run_s", "idle_s")
+_FIELDS = ("calls", "dense", "bytes_sent", "bytes_received", "comm_s", "run_s", "idle_s")
 
 
 class BucketStats:
@@ -46,6 +47,11 @@ class BucketStats:
 
         # Chained, not a callback: DDP is woken only once the bucket is counted.
         return trace.profile_future(f"bucket {index}", future.then(ready))
+
+    def count_dense(self, index: int) -> None:
+        """Counts a call of bucket `index` that a compressing hook sent whole."""
+        with self._lock:
+            self._entry(index)["dense"] += 1
 
     def add_work(self, index: int, work) -> None:
         """Adds what the operation behind `work` (a ringcomm Work) sent, received and spent, once

@@ -325,38 +325,6 @@ def test_bench_compare_mpi(tmp_path):
         assert r["ratios"]["mpi"]["time"] > 0
 
 
-def test_compression_quality_bench_help_lists_the_configurations():
-    # The names hold % signs, which argparse's help formatting once choked on.
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compression_quality.py"),
-                          "--help"], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr[-3000:]
-    text = " ".join(run.stdout.split())  # as argparse wraps it
-    assert "topk-1%, topk-0.1%," in text and "topk-1%/warmup_steps=10" in text, run.stdout
-
-
-def test_compression_quality_bench_reports_every_configuration(tmp_path):
-    # A tiny model for an epoch: the bench's own machinery (spawned ranks, per-configuration
-    # groups and settings, byte counting, JSON, plot).
-    out, plot = tmp_path / "quality.json", tmp_path / "quality.svg"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "compression_quality.py"), "--ranks", "2",
-           "--epochs", "2", "--width", "128", "--configs",
-           "dense,bf16,topk-10%/warmup_steps=0,powersgd-1/start_iter=2",
-           "--json", str(out), "--plot", str(plot)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
-    assert list(results) == ["dense", "bf16", "topk-10%/warmup_steps=0", "powersgd-1/start_iter=2"]
-    dense = results["dense"]["bytes_per_step"]
-    for name in ("dense", "bf16", "topk-10%/warmup_steps=0", "powersgd-1/start_iter=2"):
-        r = results[name]
-        assert not r["error"] and len(r["accuracy"]) == 2 and 0 < r["accuracy"][-1] <= 1, r
-    assert results["dense"]["accuracy"][-1] > 0.5  # it trains
-    assert abs(results["bf16"]["accuracy"][-1] - results["dense"]["accuracy"][-1]) < 0.05
-    assert 1.8 < dense / results["bf16"]["bytes_per_step"] < 2.2  # half the bytes on the wire
-    assert results["topk-10%/warmup_steps=0"]["bytes_per_step"] < dense / 2
-    assert "<svg" in plot.read_text() and "| dense |" in run.stdout
-
-
 def test_kernel_bench_pack_compares_memory_layouts(tmp_path, capsys):
     from ringcomm.bench import kernels
 

@@ -95,7 +95,7 @@ def ddp_training(store, rank, world, backend, hook_kind, comm_kind):
     return dict(losses=losses, params=uninterrupted, resumed=resumed["loaded"],
                 step_only=resumed["step only"], steps=stats.steps,
                 ratio=stats.compression_ratio, compressed=stats.compressed_tensors,
-                dense=stats.dense_tensors, memory_slots=sorted(state.memory))
+                dense=stats.dense_tensors, memory_slots=sorted(state.factors))
 
 
 @pytest.mark.parametrize("backend,hook_kind,comm_kind", [
@@ -117,7 +117,8 @@ def test_ddp_trains_with_powersgd_hook(backend, hook_kind, comm_kind):
 
 
 class Bucket:
-    """What DDP passes: buffer(), gradients() (views of the buffer), index(), is_last()."""
+    """What DDP passes: buffer(), gradients() (views of the buffer), parameters(), index(),
+    is_last()."""
 
     def __init__(self, shapes, values, index, last):
         self.flat = torch.cat([v.reshape(-1) for v in values])
@@ -133,6 +134,9 @@ class Bucket:
             out.append(self.flat[offset:offset + n].view(shape))
             offset += n
         return out
+
+    def parameters(self):
+        return self.gradients()  # one parameter per gradient
 
     def index(self):
         return self.i
@@ -170,7 +174,7 @@ def full_rank_matches_dense(comm, rank_r, steps):
         offsets = [0]
         for shape in shapes:
             offsets.append(offsets[-1] + torch.Size(shape).numel())
-        memory = state.memory[i].error
+        memory = state.factors[i].error
         e = 0
         for t, n, m, _ in powersgd_module._plan(tuple(shapes), rank_r, 0.0, True).matrices:
             error[offsets[t]:offsets[t] + n * m] = memory[e:e + n * m]
@@ -237,7 +241,7 @@ def compiled_ddp(store, rank, world):
         backward(xb, yb)
         opt.step()
     in_ringcomm = sum(os.path.join("ringcomm", "hooks", "") in trace for trace in traced)
-    return (state.step, state.stats.compressed_tensors, sorted(state.memory), flat_params(model),
+    return (state.step, state.stats.compressed_tensors, sorted(state.factors), flat_params(model),
             len(traced), in_ringcomm)
 
 

@@ -29,7 +29,7 @@ def digits_batches(rank, world, steps, batch=32):
 def train(store, rank, world, hook_kind, steps):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     model = DDP(make_model(), bucket_cap_mb=0.05)  # several buckets
-    state = TopKState(ratio=0.05, dense_steps=2, warmup_steps=4, adaptive=False)
+    state = TopKState(ratio=0.05, dense_steps=2, warmup_steps=4, adaptive=False, schedule="fixed")
     if hook_kind == "topk":
         model.register_comm_hook(state, topk_hook)
     elif hook_kind == "fp16_topk":
@@ -44,10 +44,10 @@ def train(store, rank, world, hook_kind, steps):
         losses.append(loss.item())
         if state.step == state.dense_steps:  # the last dense step ended: its prepared blocks
             prepared = {block.untyped_storage().data_ptr(): block.numel()
-                        for block, _ in state._prepared}
+                        for block, *_ in state.memory._prepared}
         elif state.step == state.dense_steps + 1:  # the first compressed step took them
             carved = {t.untyped_storage().data_ptr() for t in state.residuals.values()}
-            assert not state._prepared, "the blocks are let go after the first compressed step"
+            assert not state.memory._prepared, "let go after the first compressed step"
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     saved = state.state_dict()
     restored = TopKState()
@@ -112,12 +112,15 @@ class Bucket:  # what DDP passes a hook: buffer(), index(), is_last(), parameter
     def parameters(self):
         return [self.t]  # one parameter the bucket's size
 
+    def gradients(self):
+        return [self.t]
+
 
 def adaptive_buckets(store, rank, world):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(rank)
     grads = [torch.randn(1000), torch.randn(200_000)]
-    state = TopKState(dense_steps=0, warmup_steps=0)  # adaptive by default
+    state = TopKState(dense_steps=0, warmup_steps=0, schedule="fixed")  # adaptive by default
     outs = [topk_hook(state, Bucket(g.clone(), i, i == 1)).wait() for i, g in enumerate(grads)]
     dense = grads[0].clone()
     dist.all_reduce(dense)
@@ -195,7 +198,7 @@ def averager_with_topk(comm, ratio):
     torch.manual_seed(0)
     model = make_model()
     state = TopKState(ratio=ratio, dense_steps=1, warmup_steps=0, adaptive=False,
-                      value_dtype=torch.float32)
+                      value_dtype=torch.float32, schedule="fixed")
     averager = ringcomm.GradientAverager(model.parameters(), comm, bucket_bytes=40_000,
                                          compression=state)
     grads_seen = []
@@ -270,3 +273,159 @@ def test_take_momentum_on_dense_steps_is_sgd_momentum():
 
 def make_model_params():
     return torch.cat([p.detach().reshape(-1) for p in make_model().parameters()])
+
+
+# -- the signal schedule --------------------------------------------------------------------------
+
+class Done:  # a finished Work, as the energies' all-reduce is by the next step
+    def wait(self):
+        return True
+
+
+def feed(state, slot, signal, gradient=1.0):
+    """One step of the signal schedule for `slot`: the density it decides, after an exchange
+    that then measures summed energies with density * residual / gradient = `signal`."""
+    density = state._level_density(slot)
+    residual = signal * gradient / density
+    state.levels[slot].measured = (Done(), torch.tensor([residual, gradient]), density)
+    return density
+
+
+def test_signal_schedule_sparsifies_as_training_and_error_feedback_settle():
+    state = TopKState(ratio=0.01)
+    assert state.ladder() == [1.0, 0.0625, 0.015625, 0.01]
+    # a steady gradient, a residual of noise (signal about 1/6): whole until WINDOW steps were
+    # calm, then a level sparser after 1 / density steps at each
+    densities = [feed(state, 0, 1 / 6) for _ in range(110)]
+    assert densities == [1.0] * 16 + [0.0625] * 16 + [0.015625] * 64 + [0.01] * 14
+
+
+def test_signal_schedule_goes_denser_while_the_gradient_changes_or_is_held_back():
+    state = TopKState(ratio=0.01)
+    # the gradient's energy growing 8% a step: critical, whole throughout
+    assert {feed(state, 0, 0.1, 1.08 ** t) for t in range(60)} == {1.0}
+    # then steady: sparser once calm for WINDOW steps
+    densities = [feed(state, 0, 0.1, 1.08 ** 60) for _ in range(40)]
+    assert densities[-1] == 0.0625
+    # the energy falls to a third (a learning rate decay): the smoothed energy takes 15 steps to
+    # move by critical_change (meanwhile 6.25% has settled), then the bucket goes a level denser
+    densities = [feed(state, 0, 0.1, 1.08 ** 60 / 3) for _ in range(18)]
+    assert densities == [0.0625] * 13 + [0.015625] * 4 + [0.0625]
+    # a residual holding gradient back (signal 5 > residual_limit 1) keeps it denser too
+    state = TopKState(ratio=0.01, critical_change=1e9)
+    assert {feed(state, 1, 5.0) for _ in range(100)} == {1.0}
+    # a state saved and loaded keeps each slot's level and signals
+    restored = TopKState()
+    restored.load_state_dict(state.state_dict())
+    assert restored.levels[1].saved() == state.levels[1].saved()
+
+
+def signal_schedule_on_ranks(store, rank, world, steps):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    model = DDP(make_model(), bucket_cap_mb=0.05)
+    # every settled level goes sparser
+    state = TopKState(ratio=0.01, residual_limit=1e9, critical_change=1e9)
+    model.register_comm_hook(state, topk_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    history = []
+    for xb, yb in digits_batches(rank, world, steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        history.append(dict(state.stats.densities))
+    saved = {slot: lv.saved() for slot, lv in state.levels.items()}
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    dist.destroy_process_group()
+    return history, saved, params, dict(state.stats.dense_reasons)
+
+
+def test_signal_schedule_decides_alike_on_every_rank():
+    results = run_ranks(3, signal_schedule_on_ranks, 22, make_comm=False, timeout=180)
+    history, saved, params, reasons = results[0]
+    for r in results:
+        assert r[0] == history and r[1] == saved  # the same densities and signals, bit for bit
+        assert torch.equal(r[2], params)
+    assert set(history[0].values()) == {1.0}  # the dense step, then whole while not yet calm
+    assert set(history[16].values()) == {1.0} and set(history[-1].values()) == {0.0625}
+    assert reasons["whole as bfloat16: critical regime"] > 0
+
+
+# -- the same weights whatever the load at start ------------------------------------------------
+
+def topk_training(store, rank, world, steps):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    model = DDP(make_model(), bucket_cap_mb=0.02)  # buckets from 2.6K to 16K elements
+    state = TopKState(ratio=0.05, schedule="fixed")  # top-k from the second step
+    model.register_comm_hook(state, topk_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for xb, yb in digits_batches(rank, world, steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    from ringcomm.hooks import default_communicator
+    link = default_communicator().link_model()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    stats = state.stats
+    dist.destroy_process_group()
+    return params, link["alpha_s"], stats.dense_buckets, stats.compressed_buckets
+
+
+def test_topk_training_started_under_a_cpu_hog_ends_with_the_same_weights():
+    import subprocess
+    import sys
+    env = {"RINGCOMM_TUNING": ""}  # the default: the link model probed at connect
+    quiet = run_ranks(3, topk_training, 12, make_comm=False, timeout=240, env=env)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        busy = run_ranks(3, topk_training, 12, make_comm=False, timeout=240, env=env)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    for q, b in zip(quiet, busy):
+        assert torch.equal(q[0], b[0])  # every rank's weights, bit for bit
+        assert q[2:] == b[2:]  # the same buckets went whole
+    assert quiet[0][3] > 0
+    # the probe did time the machine differently: nothing of it reached the weights
+    assert quiet[0][1] != busy[0][1]
+
+
+def dense_bucket_logged(store, rank, world):
+    import logging
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("ringcomm")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    state = TopKState(dense_steps=1, warmup_steps=0, schedule="fixed")
+    grads = [torch.randn(100), torch.randn(200_000)]
+    for _ in range(3):
+        for i, g in enumerate(grads):
+            topk_hook(state, Bucket(g.clone(), i, i == 1)).wait()
+    signal = TopKState(dense_steps=0)  # starts whole, as value_dtype
+    topk_hook(signal, Bucket(grads[1].clone(), 1, True)).wait()
+    lines.append(signal.stats.dense_reasons)
+    from ringcomm.hooks import default_communicator
+    buckets = default_communicator().stats()["buckets"]
+    dist.destroy_process_group()
+    return lines, state.stats, buckets
+
+
+def test_a_bucket_sent_whole_says_so_in_stats_and_at_info():
+    lines, stats, buckets = run_ranks(2, dense_bucket_logged, make_comm=False)[0]
+    # step 0 both whole (dense steps); then the small one whole by the cost model, the large one
+    # compressed: each change of way logged once
+    assert stats.dense_reasons == {"dense steps": 2, "its dense all-reduce costs no more": 2}
+    assert stats.compressed_buckets == 2 and stats.densities == {0: 1.0, 1: 0.01}
+    assert buckets[0]["dense"] == 3 and buckets[1]["dense"] == 2  # + the signal schedule's
+    assert lines == [
+        "TopKState: bucket 0 (100 float32 elements) goes whole (dense steps) from step 0",
+        "TopKState: bucket 1 (200,000 float32 elements) goes whole (dense steps) from step 0",
+        "TopKState: bucket 0 (100 float32 elements) goes whole (its dense all-reduce costs no "
+        "more) from step 1",
+        "TopKState: bucket 1 (200,000 float32 elements) is compressed from step 1",
+        "TopKState: bucket 1 (200,000 float32 elements) goes whole (whole as bfloat16: critical "
+        "regime) from step 0",
+        {"whole as bfloat16: critical regime": 1}], lines

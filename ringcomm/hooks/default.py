@@ -6,7 +6,8 @@ gradients averaged over ranks. `bucket` is a GradBucket (eager DDP), whose all-r
 started, so it overlaps the rest of backward; or a (grad, param) tuple (compiled DDP's python
 reducer), which discards the returned future, so the averaged gradient is written into `grad`
 before the hook returns. `state` is None, a ringcomm.Communicator or a ringcomm process group (see
-state.communicator_for).
+state.communicator_for). The all-reduce's algorithm follows the bucket's size, not the load at
+start (compress.all_reduce_algorithm): the same bits on every run.
 
 This module must not use `from __future__ import annotations`: DDP compares the `bucket` and
 return annotations with dist.GradBucket and Future[Tensor] as objects, and refuses strings.
@@ -16,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..compress import average_densely
 from .state import communicator_for, completed, ringcomm_named
 
 
@@ -25,16 +27,10 @@ def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch
     called = time.monotonic_ns()
     comm = communicator_for(state)
     grad = bucket[0] if isinstance(bucket, tuple) else bucket.buffer()
-    if grad.dtype == torch.float16:
-        # fp16 partial sums can overflow where the mean does not: divide first (as torch does).
-        grad.div_(comm.world_size)
-        op = "sum"
-    else:
-        op = "avg"  # divided inside the core; the ring divides only each rank's reduced share
     if isinstance(bucket, tuple):
-        comm.all_reduce(grad, op=op)
+        average_densely(comm, grad, async_op=False)
         return completed(grad)
-    work = comm.all_reduce(grad, op=op, async_op=True)
+    work = average_densely(comm, grad)
     comm.bucket_stats.add_work(bucket.index(), work)
     return comm.bucket_stats.watch(bucket.index(), called, work.get_future())
 

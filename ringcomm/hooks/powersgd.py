@@ -20,13 +20,15 @@ Order. The Q all-reduce can only start once P's has finished, so it is issued fr
 callback, on the communicator's progress thread, while backward goes on issuing the next buckets
 from the main thread. Ranks whose threads interleave differently would issue their collectives in
 different orders (torch's powerSGD_hook on gloo fails this way). Here a bucket issues its first
-all-reduce only after the bucket before it has issued its last (`PowerSGDState._lane`), so every
-rank issues the same messages in the same order whatever the timing. Nothing here waits on a
-ringcomm Work inside a callback (that would block the very thread that completes it): each step
-is a callback of the one before, and the last completes the Future the hook returned. An error
-(a failed all-reduce, or an exception in this code) fails that Future, so it comes out of DDP's
-backward; an exception raised here also aborts the communicator, so the other ranks' operations
-fail at once instead of waiting for a message this rank will not send.
+all-reduce only after the bucket before it has issued its last (compress.Lane, compress.rounds),
+so every rank issues the same messages in the same order whatever the timing. Nothing here waits
+on a ringcomm Work inside a callback (that would block the very thread that completes it): each
+step is a callback of the one before, and the last completes the Future the hook returned. An
+error (a failed all-reduce, or an exception in this code) fails that Future, so it comes out of
+DDP's backward; an exception raised here also aborts the communicator, so the other ranks'
+operations fail at once instead of waiting for a message this rank will not send. The all-reduces
+take an algorithm chosen by size (compress.all_reduce_algorithm), so the bits of the average do
+not depend on the load at start either.
 
 This module must not use `from __future__ import annotations` (see default.py: DDP compares the
 hook's annotations as objects).
@@ -41,8 +43,10 @@ import torch
 
 import torch.distributed as dist
 
-from ..compress import Bucket, Compressor, as_exception
-from .state import ReportsBuckets, communicator_for, completed, ringcomm_named
+from .. import compress
+from ..compress import Bucket, CompressionStats, Compressor, Lane, abort_on
+from .compressor import run_compressor
+from .state import ReportsBuckets, ringcomm_named
 
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # float16 / bfloat16 gradients: math in float32
 # Its factors and error memory live in host memory, and its futures are not CUDA-aware.
@@ -51,20 +55,13 @@ CUDA_REFUSED = ("ringcomm's PowerSGD runs on CPU gradients only; for CUDA gradie
 
 
 @dataclass
-class PowerSGDStats:
-    """Running totals since the state was created (load_state_dict leaves them as they are)."""
+class PowerSGDStats(CompressionStats):
+    """Running totals since the state was created (load_state_dict leaves them as they are); a
+    bucket counts as compressed where any of its matrices travels as factors."""
 
-    steps: int = 0
     compressed_tensors: int = 0     # gradients sent as P and Q factors (counted every step)
     dense_tensors: int = 0          # gradients sent whole (warm-up steps included)
-    bytes_sent: int = 0             # measured on this rank's connections
-    dense_bytes: int = 0            # what a ring all-reduce of the same gradients would have sent
     compute_seconds: float = 0.0    # error feedback, P, Q, orthonormalization, M' on this rank
-
-    @property
-    def compression_ratio(self) -> float:
-        """Dense bytes over bytes actually sent (warm-up steps included)."""
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
 
 
 @dataclass(frozen=True)
@@ -82,11 +79,11 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(shapes: tuple, rank: int, min_compression_rate: float, compress: bool) -> _Plan:
+def _plan(shapes: tuple, rank: int, min_compression_rate: float, compressing: bool) -> _Plan:
     dense, matrices, dense_numel = [], [], 0
     for i, shape in enumerate(shapes):
         numel = functools.reduce(lambda a, b: a * b, shape, 1)
-        if compress and len(shape) >= 2 and numel > 0:
+        if compressing and len(shape) >= 2 and numel > 0:
             n, m = shape[0], numel // shape[0]
             r = min(n, m, rank)
             if (n + m) * r * min_compression_rate < n * m:
@@ -108,13 +105,7 @@ class _Memory:
     q: Optional[torch.Tensor]          # the last averaged Q factors, flat (warm start)
 
 
-def _completed_lane() -> torch.futures.Future:
-    fut = torch.futures.Future()
-    fut.set_result(None)
-    return fut
-
-
-@dataclass
+@dataclass(eq=False)
 class PowerSGDState(ReportsBuckets, Compressor):
     """Configuration, per-bucket memory and the Compressor of powersgd_hook (and of a
     GradientAverager given it as `compression`): one state per model.
@@ -146,15 +137,10 @@ class PowerSGDState(ReportsBuckets, Compressor):
     error_feedback: bool = True
     warm_start: bool = True
     seed: int = 0
-    comm: Optional[object] = None
-    step: int = 0
-    stats: PowerSGDStats = field(default_factory=PowerSGDStats)
-    memory: dict = field(default_factory=dict)  # slot -> _Memory
-    _step_start_bytes: Optional[int] = field(default=None, repr=False)
-    _param_slots: dict = field(default_factory=dict, repr=False)  # compiled DDP: id(param) -> slot
-    # completed once the bucket started last has issued its last all-reduce (see the module doc)
-    _lane: torch.futures.Future = field(default_factory=_completed_lane, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    stats: PowerSGDStats = field(default_factory=PowerSGDStats, kw_only=True)
+    factors: dict = field(default_factory=dict, kw_only=True)  # slot -> _Memory
+    _lane: Lane = field(default_factory=lambda: Lane("PowerSGD"), repr=False, kw_only=True)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, kw_only=True)
 
     _CONFIG = ("matrix_approximation_rank", "start_iter", "min_compression_rate", "error_feedback",
                "warm_start", "seed")
@@ -168,21 +154,9 @@ class PowerSGDState(ReportsBuckets, Compressor):
         if self.min_compression_rate < 0:
             raise ValueError(f"min_compression_rate must be >= 0, got {self.min_compression_rate}")
 
-    def slot_of_param(self, param, comm) -> int:
-        """Compiled DDP calls the hook once per parameter, with no "last" flag: there the first
-        parameter's call coming round again is what ends the previous step."""
-        slot = self._param_slots.setdefault(id(param), len(self._param_slots))
-        if slot == 0 and self._step_start_bytes is not None:
-            self.end_step(comm)
-        return slot
-
     def end_step(self, comm):
         with self._lock:
-            if self._step_start_bytes is not None:
-                self.stats.bytes_sent += comm.bytes_sent - self._step_start_bytes
-            self._step_start_bytes = None
-            self.step += 1
-            self.stats.steps += 1
+            super().end_step(comm)
 
     def _add_stats(self, **amounts):
         with self._lock:
@@ -192,9 +166,9 @@ class PowerSGDState(ReportsBuckets, Compressor):
     def _memory_for(self, slot: int, signature: tuple, plan: _Plan, dtype) -> _Memory:
         """The slot's memory, made anew when its gradients changed (DDP rebuilt its buckets) or
         the configuration did."""
-        mem = self.memory.get(slot)
+        mem = self.factors.get(slot)
         if mem is None or mem.signature != signature:
-            mem = self.memory[slot] = _Memory(signature, None, None)
+            mem = self.factors[slot] = _Memory(signature, None, None)
         if not self.error_feedback:
             mem.error = None
         elif mem.error is None:
@@ -209,19 +183,19 @@ class PowerSGDState(ReportsBuckets, Compressor):
         out["memory"] = {slot: {"signature": mem.signature,
                                 "error": None if mem.error is None else mem.error.clone(),
                                 "q": None if mem.q is None else mem.q.clone()}
-                         for slot, mem in self.memory.items()}
+                         for slot, mem in self.factors.items()}
         return out
 
     def load_state_dict(self, state: dict):
         for key in self._CONFIG + ("step",):
             setattr(self, key, state[key])
-        self.memory = {int(slot): _Memory(_as_tuple(mem["signature"]),
-                                          None if mem["error"] is None else mem["error"].clone(),
-                                          None if mem["q"] is None else mem["q"].clone())
-                       for slot, mem in state["memory"].items()}
+        self.factors = {int(slot): _Memory(_as_tuple(mem["signature"]),
+                                           None if mem["error"] is None else mem["error"].clone(),
+                                           None if mem["q"] is None else mem["q"].clone())
+                        for slot, mem in state["memory"].items()}
         self._step_start_bytes = None
         self._param_slots = {}
-        self._lane = _completed_lane()
+        self._lane = Lane("PowerSGD")
         self.__post_init__()
 
     # -- the Compressor: see the module's docstring for the steps and their order ---------------
@@ -233,22 +207,17 @@ class PowerSGDState(ReportsBuckets, Compressor):
     def compress(self, comm, bucket: Bucket) -> "_Exchange":
         """Error feedback, the starting Q and the P factors, packed after the tensors sent whole.
         A failure aborts the communicator: the other ranks wait for this bucket's messages."""
-        previous, lane = self._lane, torch.futures.Future()
-        self._lane = lane
         try:
-            if self._step_start_bytes is None:
-                self._step_start_bytes = comm.bytes_sent
-            return _Exchange(self, comm, bucket, previous, lane)
+            return _Exchange(self, comm, bucket)
         except BaseException as e:
-            lane.set_result(None)  # the buckets after this one fail on the aborted communicator
-            _abort(comm, e)
+            abort_on(comm, e, "PowerSGD")
             raise
 
     def exchange(self, comm, bucket: Bucket, compressed: "_Exchange") -> torch.futures.Future:
         """Once the bucket before it has issued its last message: [whole tensors | P] averaged,
         then the Q factors, from the progress thread."""
-        compressed.previous.add_done_callback(compressed.begin)
-        return compressed.exchanged
+        rounds = [compressed.send_p] + ([compressed.send_q] if compressed.plan.matrices else [])
+        return compress.rounds(comm, self._lane, rounds)
 
     def decompress(self, comm, bucket: Bucket, compressed: "_Exchange",
                    exchanged) -> Optional[torch.Tensor]:
@@ -256,9 +225,14 @@ class PowerSGDState(ReportsBuckets, Compressor):
         try:
             compressed.finish()
         except BaseException as e:
-            _abort(comm, e)
+            abort_on(comm, e, "PowerSGD")
             raise
         return bucket.flat
+
+    def dense_reason(self, compressed: "_Exchange") -> Optional[str]:
+        if compressed.plan.matrices:
+            return None
+        return "dense steps" if self.step < self.start_iter else "no matrix worth compressing"
 
     def average(self, comm, bucket: Bucket) -> torch.futures.Future:
         """Compressor.average, failing the Future where compress() fails (a KeyboardInterrupt
@@ -295,14 +269,12 @@ def _orthonormalize(matrix: torch.Tensor):
 
 class _Exchange:
     """One bucket's average, PowerSGDState's compressed bucket. Prepared on the calling thread;
-    then begin() (once `previous`, the bucket before it, has issued its last message) all-reduces
-    [whole tensors | P factors]; after_p() finishes P and all-reduces the Q factors; `exchanged`
-    completes once they are averaged, and finish() writes M' into the gradients."""
+    then send_p() all-reduces [whole tensors | P factors]; send_q() finishes P and all-reduces
+    the Q factors; finish() writes the whole tensors and M' into the gradients."""
 
-    def __init__(self, state, comm, bucket: Bucket, previous, lane):
+    def __init__(self, state, comm, bucket: Bucket):
         self.state, self.comm, self.grads, self.slot = state, comm, list(bucket.grads), bucket.slot
-        self.index, self.previous, self.lane = bucket.index, previous, lane
-        self.exchanged = torch.futures.Future()
+        self.index = bucket.index
         flat = bucket.flat
         started = time.perf_counter()
         dtype = self.grads[0].dtype if self.grads else torch.float32
@@ -314,13 +286,11 @@ class _Exchange:
         self.scale = 1.0 / comm.world_size if dtype == torch.float16 else 1.0
         self.op = "sum" if dtype == torch.float16 else "avg"
         shapes = tuple(tuple(g.shape) for g in self.grads)
-        compress = state.step >= state.start_iter and dtype.is_floating_point
+        compressing = state.step >= state.start_iter and dtype.is_floating_point
         self.plan = _plan(shapes, int(state.matrix_approximation_rank),
-                          float(state.min_compression_rate), compress)
+                          float(state.min_compression_rate), compressing)
         numel = sum(g.numel() for g in self.grads)
-        world = comm.world_size
-        state._add_stats(dense_bytes=2 * (world - 1) * numel * dtype.itemsize // world,
-                         compressed_tensors=len(self.plan.matrices),
+        state._add_stats(compressed_tensors=len(self.plan.matrices),
                          dense_tensors=len(self.plan.dense))
         if not self.plan.matrices and flat is not None and flat.is_contiguous() \
                 and flat.numel() == numel:
@@ -373,71 +343,57 @@ class _Exchange:
             self.ms.append(matrix)
             p_offset, q_offset, e_offset = p_offset + n * r, q_offset + m * r, e_offset + n * m
 
-    # -- on the lane: these run on the progress thread (or inline, if already due) -----------
+    # -- in the lane's order: these run on the progress thread (or inline, if already due) ----
 
-    def begin(self, _=None):
-        try:
-            work = self.comm.all_reduce(self.w1, op=self.op, async_op=True)
-            self._count(work)
-        except BaseException as e:  # noqa: BLE001 - every failure must reach the future
-            self.fail(e)
-            return
-        if not self.plan.matrices:
-            self._release_lane()  # its only message is out
-        work.get_future().add_done_callback(self.after_p)
+    def send_p(self, _):
+        return self._all_reduce(self.w1)
 
-    def after_p(self, fut):
-        try:
-            fut.value()  # raises the all-reduce's error
-            started = time.perf_counter()
-            plan = self.plan
-            if not self.in_place:
-                offset = 0
-                for i in plan.dense:
-                    g = self.grads[i]
-                    g.copy_(self.w1[offset:offset + g.numel()].view(g.shape))
-                    offset += g.numel()
-            if not plan.matrices:
-                self.state._add_stats(compute_seconds=time.perf_counter() - started)
-                self.exchanged.set_result(None)
-                return
-            self.w2 = torch.empty(plan.q_numel, dtype=self.wire)
-            self.ps, p_offset, q_offset = [], plan.dense_numel, 0
-            for (_, n, m, r), matrix in zip(plan.matrices, self.ms):
-                p = self.w1[p_offset:p_offset + n * r].view(n, r)
-                if self.wire != self.compute:
-                    p = p.to(self.compute)
-                _orthonormalize(p)  # the same bits on every rank
-                q = self.w2[q_offset:q_offset + m * r].view(m, r)
-                if self.wire == self.compute:
-                    torch.mm(matrix.t(), p, out=q)
-                else:
-                    q.copy_(torch.mm(matrix.t(), p).mul_(self.scale))
-                self.ps.append(p)
-                p_offset, q_offset = p_offset + n * r, q_offset + m * r
-            self.state._add_stats(compute_seconds=time.perf_counter() - started)
-            work = self.comm.all_reduce(self.w2, op=self.op, async_op=True)
-            self._count(work)
-        except BaseException as e:  # noqa: BLE001
-            self.fail(e)
-            return
-        self._release_lane()  # the next bucket may issue its first message now
-        work.get_future().add_done_callback(self.after_q)
+    def send_q(self, _):
+        """Once P is averaged: the whole tensors into the gradients, P orthonormalized, and the
+        Q factors all-reduced."""
+        started = time.perf_counter()
+        plan = self.plan
+        self._unpack_whole()
+        self.w2 = torch.empty(plan.q_numel, dtype=self.wire)
+        self.ps, p_offset, q_offset = [], plan.dense_numel, 0
+        for (_, n, m, r), matrix in zip(plan.matrices, self.ms):
+            p = self.w1[p_offset:p_offset + n * r].view(n, r)
+            if self.wire != self.compute:
+                p = p.to(self.compute)
+            _orthonormalize(p)  # the same bits on every rank
+            q = self.w2[q_offset:q_offset + m * r].view(m, r)
+            if self.wire == self.compute:
+                torch.mm(matrix.t(), p, out=q)
+            else:
+                q.copy_(torch.mm(matrix.t(), p).mul_(self.scale))
+            self.ps.append(p)
+            p_offset, q_offset = p_offset + n * r, q_offset + m * r
+        self.state._add_stats(compute_seconds=time.perf_counter() - started)
+        return self._all_reduce(self.w2)
 
-    def after_q(self, fut):
-        try:
-            fut.value()
-        except BaseException as e:  # noqa: BLE001
-            self.fail(e)
-            return
-        self.exchanged.set_result(None)
+    def _all_reduce(self, flat: torch.Tensor):
+        algorithm = compress.all_reduce_algorithm(self.comm, flat.numel() * flat.element_size())
+        work = self.comm.all_reduce(flat, op=self.op, algorithm=algorithm, async_op=True)
+        if self.index is not None:
+            self.comm.bucket_stats.add_work(self.index, work)
+        return work
 
-    # -- decompress: on the progress thread, once `exchanged` has completed ---------------------
+    def _unpack_whole(self):
+        if not self.in_place:
+            offset = 0
+            for i in self.plan.dense:
+                g = self.grads[i]
+                g.copy_(self.w1[offset:offset + g.numel()].view(g.shape))
+                offset += g.numel()
+
+    # -- decompress: on the progress thread, once the last all-reduce has completed ------------
 
     def finish(self):
-        """M' = P Q^T into the compressed gradients; the error memory and the warm start kept."""
+        """M' = P Q^T into the compressed gradients; the error memory and the warm start kept.
+        Without matrices, the whole tensors into the gradients."""
         plan = self.plan
         if not plan.matrices:
+            self._unpack_whole()
             return
         started = time.perf_counter()
         mem = self.mem
@@ -453,30 +409,6 @@ class _Exchange:
         mem.q = q_flat if self.state.warm_start else None
         self.state._add_stats(compute_seconds=time.perf_counter() - started)
 
-    def _count(self, work):
-        if self.index is not None:
-            self.comm.bucket_stats.add_work(self.index, work)
-
-    def _release_lane(self):
-        if not self.lane.done():
-            self.lane.set_result(None)
-
-    def fail(self, error: BaseException):
-        """Fails this bucket's exchange. An error of this code (not of the communicator, which is
-        then broken already) aborts the communicator: the other ranks wait for messages this rank
-        will not send, and learn why at once instead of at their timeout."""
-        try:
-            _abort(self.comm, error)
-        finally:
-            self._release_lane()  # the buckets after this one fail on the broken communicator
-            if not self.exchanged.done():
-                self.exchanged.set_exception(as_exception(error))
-
-
-def _abort(comm, error: BaseException):
-    if comm.broken is None:
-        comm.abort(f"PowerSGD failed on rank {comm.rank}: {type(error).__name__}: {error}")
-
 
 @ringcomm_named
 def powersgd_hook(state: PowerSGDState,
@@ -487,21 +419,10 @@ def powersgd_hook(state: PowerSGDState,
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"powersgd_hook needs a ringcomm.hooks.PowerSGDState, got "
                         f"{type(state).__name__}")
-    grad = bucket[0] if isinstance(bucket, tuple) else bucket.buffer()
-    state.check_device(grad.device)
-    if isinstance(bucket, tuple):  # compiled DDP discards the future: finish in place now
-        grad, param = bucket
-        comm = communicator_for(state.comm)
-        slot = state.slot_of_param(param, comm)
-        state.average(comm, Bucket([grad], slot)).wait()
-        return completed(grad)
-    if state.start_iter < 2 and (state.error_feedback or state.warm_start):
+    if not isinstance(bucket, tuple) and state.start_iter < 2 and \
+            (state.error_feedback or state.warm_start):
         raise ValueError(f"with DDP, PowerSGDState.start_iter must be >= 2 when error_feedback or "
                          f"warm_start is on (got {state.start_iter}): DDP rebuilds its buckets "
                          f"after its first iteration, and memory kept per bucket would then "
                          f"belong to other parameters")
-    called = time.monotonic_ns()
-    comm = communicator_for(state.comm)
-    average = state.average(comm, Bucket(bucket.gradients(), bucket.index(), flat=bucket.buffer(),
-                                         index=bucket.index(), is_last=bucket.is_last()))
-    return comm.bucket_stats.watch(bucket.index(), called, average)
+    return run_compressor(state, bucket)

@@ -3,15 +3,24 @@
     state = ringcomm.hooks.TopKState(ratio=0.01)
     ddp.register_comm_hook(state, ringcomm.hooks.topk_hook)
 
-Each bucket sends only its k = ratio * numel largest-magnitude entries (int32 index + value) and
-keeps what it did not send in a per-bucket residual that is added to the next step's gradient
+Each bucket sends only its k = density * numel largest-magnitude entries (int32 index + value)
+and keeps what it did not send in a per-bucket residual that is added to the next step's gradient
 (error feedback), so nothing is lost, only delayed. The exchange is ringcomm's sparse all-reduce
-(all-gather of pairs, or a range-partitioned sparse reduce-scatter, or dense, by a cost estimate).
+(all-gather of pairs, or a range-partitioned sparse reduce-scatter).
+
+How dense each bucket goes follows the run's own signal (schedule "signal"): a bucket goes whole
+(as value_dtype, with error feedback) while its gradient energy is still changing fast (the
+critical regime of Accordion, Agarwal et al. 2021), then a level sparser at a time (warmup_density,
+/ 4, ..., ratio) once error feedback has settled at its level, and a level denser again when the
+gradient changes fast or the residual holds gradient held back (docs/algorithms.md,
+"Compression"). The signals are summed over the ranks, so every rank decides alike. Which buckets
+go whole because that is cheaper, and by which algorithms, follows their sizes and a model every
+run agrees on, never the load at start (compress.sparse_choice).
 
 This module must not use `from __future__ import annotations` (see default.py: DDP compares the
 hook's annotations as objects).
 """
-import time
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -20,60 +29,106 @@ import torch
 import torch.distributed as dist
 
 from .. import compress, trace
-from ..compress import Bucket, Compressor
-from .state import ReportsBuckets, communicator_for, completed, ringcomm_named
+from ..compress import Bucket, CompressionStats, Compressor, Dense
+from .compressor import run_compressor
+from .state import ReportsBuckets, ringcomm_named
+
+SCHEDULES = ("signal", "fixed")
+# The signal schedule's constants: how far each measurement moves the smoothed residual signal
+# (a quarter of the way) and the smoothed gradient energy (a sixteenth: one step's batch is noisy);
+# the steps over which a change of gradient energy is judged; the fewest steps at a level before
+# it moves, so that one measurement does not decide.
+SMOOTHING = 0.25
+ENERGY_SMOOTHING = 0.0625
+WINDOW = 16
+MIN_STEPS = 4
 
 
 @dataclass
-class TopKStats:
-    """Running totals since the state was created (or reset)."""
+class TopKStats(CompressionStats):
+    """Running totals since the state was created, and each bucket slot's density at its last
+    step (`densities`, 1.0 where it went whole)."""
 
-    steps: int = 0
-    compressed_buckets: int = 0
-    dense_buckets: int = 0
-    bytes_sent: int = 0             # measured on this rank's connections
-    dense_bytes: int = 0            # what a ring all-reduce of the same buckets would have sent
-    compress_seconds: float = 0.0   # error feedback + top-k selection
-    exchange_seconds: float = 0.0   # submit to result, sparse decode (scatter-add) included
-
-    @property
-    def compression_ratio(self) -> float:
-        """Dense bytes over bytes actually sent (warm-up steps included)."""
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
+    densities: dict = field(default_factory=dict)
 
 
 @dataclass
-class _Compressed:
-    """What one bucket sends: its flat gradient, and either `dense` (the gradient plus what it is
-    owed, all-reduced whole) or its top-k `indices` and wire `values`; `started`, when the
-    exchange's time (TopKStats.exchange_seconds) began."""
+class _Sparse:
+    """What one bucket sends: its flat gradient (where the average lands), its top-k `indices` and
+    wire `values`, the sparse all-reduce's way, and for the signal schedule this rank's
+    (residual, gradient) energies to sum over the ranks, at `density`."""
 
     flat: torch.Tensor
-    started: float
-    dense: Optional[torch.Tensor] = None
-    indices: Optional[torch.Tensor] = None
-    values: Optional[torch.Tensor] = None
+    indices: torch.Tensor
+    values: torch.Tensor
+    algorithm: str
+    density: float
+    energies: Optional[torch.Tensor] = None
 
 
 @dataclass
+class _Whole:
+    """A bucket on the signal schedule's whole level: every element as `wire` (value_dtype), what
+    that rounding lost kept in the residual, and this rank's energies."""
+
+    flat: torch.Tensor
+    wire: torch.Tensor
+    energies: torch.Tensor
+    density: float = 1.0
+
+
+@dataclass
+class Level:
+    """The signal schedule's state of one bucket slot: `level`, its place on the ladder
+    (TopKState.ladder(): 0 is whole); `steps` there; `signal`, the smoothed density * residual
+    energy / gradient energy; `energy`, the smoothed gradient energy, and `history`, its last
+    WINDOW + 1 values; `calm`, the steps since it last changed by more than critical_change over
+    WINDOW steps; `measured`, the last exchange's summed (residual, gradient) energies and the
+    density they were measured at, once their all-reduce (`work`) is done."""
+
+    level: int = 0
+    steps: int = 0
+    signal: Optional[float] = None
+    energy: Optional[float] = None
+    history: list = field(default_factory=list)
+    calm: int = 0
+    measured: Optional[tuple] = None  # (work, energies, density)
+
+    def saved(self) -> tuple:
+        return (self.level, self.steps, self.signal, self.energy, list(self.history), self.calm)
+
+
+@dataclass(eq=False)
 class TopKState(ReportsBuckets, Compressor):
     """Configuration, per-bucket memory and the Compressor of topk_hook (and of a
     GradientAverager given it as `compression`).
 
-    The defaults are the measured good settings (docs/performance.md, Top-k compression,
-    "Quality"):
-
-    ratio: fraction of each bucket's entries sent once the warm-up is over.
-    dense_steps: first iterations averaged densely. Residuals and velocities are kept per
-    bucket and follow their parameters when DDP rebuilds its buckets after the first iteration.
-    warmup_steps, warmup_density: Deep Gradient Compression's sparsity warm-up: the density
-    starts at warmup_density and is divided by 4 at each stage (93.75%, 98.4%, 99.6% sparsity,
-    ...) until it reaches ratio; the stages share warmup_steps equally (0: ratio from the start).
+    ratio: the sparsest density a bucket goes to: fraction of its entries sent.
+    dense_steps: first iterations averaged densely, as float32. Residuals and velocities are kept
+    per bucket and follow their parameters when DDP rebuilds its buckets after the first
+    iteration.
+    schedule: how dense a bucket goes after that. "signal" (default): by the run's own signal,
+    the same on every rank. The levels: whole (every element, as value_dtype, what rounding loses
+    kept by error feedback), then warmup_density, / 4 at each level (6.25%, 1.56%, 0.39%, ...)
+    down to ratio. After each step the ranks sum their gradient energy G and residual energy R
+    (what error feedback keeps back). Critical: G, smoothed, changed by more than
+    critical_change (relative) over the last WINDOW steps, as it does while training finds its
+    way (Accordion's critical regime: there compression costs accuracy that later steps do not
+    win back). Held back: density * R / G, smoothed, above residual_limit; about 1/6 at any
+    density where what waits in the residual is noise that averages out, growing as 1 / density
+    where it is gradient held back step after step. A bucket starts whole; after MIN_STEPS steps
+    at a level it goes a level denser while critical or held back, and a level sparser once it
+    has spent 1 / density steps there (the steps error feedback takes to settle), nothing was
+    critical for WINDOW steps and nothing is held back. "fixed": Deep Gradient Compression's
+    warm-up schedule: warmup_density, divided by 4 at each of the stages that share
+    warmup_steps equally, then ratio (warmup_steps 0: ratio from the start).
+    critical_change, residual_limit: the signal schedule's thresholds (above).
+    warmup_density: the densest a top-k goes (both schedules).
     error_feedback: keep unsent entries (and value rounding) for later steps.
-    adaptive: a bucket goes dense when the cost model puts its dense all-reduce at no more than
-    its sparse exchange (Communicator.compression_costs: small buckets, where dense takes fewer
-    rounds, and high densities); the same choice on every rank. False: every floating bucket is
-    compressed.
+    adaptive: a bucket goes whole when the cost model puts its dense all-reduce at no more than
+    its sparse exchange (small buckets, where dense takes fewer rounds, and high densities); the
+    model is the communicator's where RINGCOMM_TUNING pins it, else the fixed one, so the choice
+    follows the sizes alone (compress.sparse_choice). False: every floating bucket is compressed.
     value_dtype: wire type of the values (float32, float16, bfloat16).
     momentum_correction, momentum: Deep Gradient Compression's local momentum with factor
     masking; the optimizer must then not apply momentum itself: take_momentum(optimizer) moves
@@ -94,65 +149,15 @@ class TopKState(ReportsBuckets, Compressor):
     momentum_correction: bool = False
     momentum: float = 0.9
     clip_norm: Optional[float] = None
-    comm: Optional[object] = None
-    step: int = 0
-    residuals: dict = field(default_factory=dict)
-    velocities: dict = field(default_factory=dict)
-    stats: TopKStats = field(default_factory=TopKStats)
-    _step_start_bytes: Optional[int] = None
-    _param_slots: dict = field(default_factory=dict)  # compiled DDP: id(param) -> memory slot
-    _layouts: dict = field(default_factory=dict)  # (memory name, slot) -> its bucket's layout
-    _retired: list = field(default_factory=list)  # memories replaced this step, for their pieces
-    _prepared: list = field(default_factory=list)  # [zeroed block, elements handed out]
+    schedule: str = "signal"
+    critical_change: float = 0.4
+    residual_limit: float = 1.0
+    stats: TopKStats = field(default_factory=TopKStats, kw_only=True)
+    levels: dict = field(default_factory=dict, repr=False, kw_only=True)  # slot -> Level
 
     SETTINGS = ("ratio", "dense_steps", "warmup_steps", "warmup_density", "error_feedback",
-                "adaptive", "value_dtype", "momentum_correction", "momentum", "clip_norm")
-
-    def slot_of(self, bucket, comm):
-        """(gradient, memory slot, last of the step?, layout for memory()) for a GradBucket or a
-        (grad, param) tuple.
-
-        Compiled DDP calls the hook per parameter with no "last" flag: there the first
-        parameter's call coming round again is what ends the previous step."""
-        if isinstance(bucket, tuple):
-            grad, param = bucket
-            slot = self._param_slots.setdefault(id(param), len(self._param_slots))
-            if slot == 0 and self._step_start_bytes is not None:
-                self.end_step(comm)
-            return grad, slot, False, None
-        layout = tuple((id(p), p.numel()) for p in bucket.parameters())
-        return bucket.buffer(), bucket.index(), bucket.is_last(), layout
-
-    def end_step(self, comm):
-        self.stats.bytes_sent += comm.bytes_sent - self._step_start_bytes
-        self._step_start_bytes = None
-        self._retired.clear()
-        if self.step >= self.dense_steps:
-            self._prepared.clear()  # what the first compressed step did not take
-        self.step += 1
-        self.stats.steps += 1
-
-    def prepare_memory(self, like: torch.Tensor) -> None:
-        """Zeroed memory for the residuals of the next step, the first compressed one, shaped
-        like `like` (a bucket's gradient): called on the last dense step, after its all-reduce
-        has started, so that faulting in the pages (16.9 MB for the digits MLP's big bucket,
-        4,100 page faults, 100 ms of a 4-rank host's first compressed step) overlaps the wait
-        for the network. DDP rebuilds its buckets after the first iteration; the rebuilt ones
-        have the same elements in all, so memory() carves their residuals out of these blocks.
-        A block stays allocated whole while any residual carved out of it lives (a bucket that
-        goes dense instead leaves its part unused)."""
-        self._prepared.append([torch.zeros_like(like, memory_format=torch.contiguous_format), 0])
-
-    def _zeros(self, like: torch.Tensor) -> torch.Tensor:
-        """Zeros shaped like the flat tensor `like`: a slice of a prepared block while they
-        last, else new."""
-        numel = like.numel()
-        for block in self._prepared:
-            t, used = block
-            if t.dtype == like.dtype and t.device == like.device and t.numel() - used >= numel:
-                block[1] = used + numel
-                return t[used:used + numel]
-        return torch.zeros_like(like, memory_format=torch.contiguous_format)
+                "adaptive", "value_dtype", "momentum_correction", "momentum", "clip_norm",
+                "schedule", "critical_change", "residual_limit")
 
     def __post_init__(self):
         if not 0 < self.ratio <= 1:
@@ -160,16 +165,43 @@ class TopKState(ReportsBuckets, Compressor):
         if not 0 < self.warmup_density <= 1:
             raise ValueError(f"warmup_density must be in (0, 1], got {self.warmup_density}")
         if self.value_dtype not in compress.TOPK_DTYPES:
-            raise TypeError(f"value_dtype must be one of {compress.TOPK_DTYPES}, got {self.value_dtype}")
+            raise TypeError(f"value_dtype must be one of {compress.TOPK_DTYPES}, got "
+                            f"{self.value_dtype}")
         if self.dense_steps < 0 or self.warmup_steps < 0:
             raise ValueError("dense_steps and warmup_steps must be >= 0")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be positive or None, got {self.clip_norm}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not self.residual_limit > 0 or not self.critical_change > 0:
+            raise ValueError(f"residual_limit and critical_change must be positive, got "
+                             f"{self.residual_limit} and {self.critical_change}")
+
+    @property
+    def residuals(self) -> dict:
+        """Error feedback's residual per bucket slot."""
+        return self.memory.named("residuals")
+
+    @property
+    def velocities(self) -> dict:
+        """Momentum correction's velocity per bucket slot."""
+        return self.memory.named("velocities")
+
+    def ladder(self) -> list:
+        """The densities of the signal schedule, densest first: 1.0 (whole), warmup_density /
+        4**i above ratio, then ratio."""
+        if self.warmup_density <= self.ratio:
+            return [1.0, self.ratio]
+        out = [1.0, self.warmup_density]
+        while out[-1] / 4 > self.ratio:
+            out.append(out[-1] / 4)
+        return out + [self.ratio]
 
     def density(self, step: Optional[int] = None) -> float:
-        """Fraction of entries sent at `step` (default: the current step); 1 for dense steps."""
+        """The fixed schedule's fraction of entries sent at `step` (default: the current step);
+        1 for dense steps."""
         step = self.step if step is None else step
         if step < self.dense_steps:
             return 1.0
@@ -201,154 +233,179 @@ class TopKState(ReportsBuckets, Compressor):
         for g in groups:
             g["momentum"] = 0
 
-    def memory(self, name: str, index: int, like: torch.Tensor, layout=None) -> torch.Tensor:
-        """The per-bucket tensor kept in the dict `name` ("residuals" or "velocities") for slot
-        `index`, shaped like `like`. `layout`, the bucket's parameters as ((id, numel), ...) in
-        order, lets what was kept survive DDP's rebuild of its buckets after the first iteration:
-        a bucket whose parameters changed gets each parameter's piece from wherever it was kept.
-        Without a layout, a change of shape or dtype starts the memory at zero."""
-        store = getattr(self, name)
-        t, known = store.get(index), self._layouts.get((name, index))
-        if t is not None and t.shape == like.shape and t.dtype == like.dtype and \
-                (layout is None or known is None or known == layout):
-            if layout is not None:
-                self._layouts[(name, index)] = layout
-            return t
-        fresh = self._zeros(like)
-        if layout is not None:
-            self._move_pieces(name, fresh, layout)
-        if t is not None:
-            self._retired.append((name, t, known))  # its pieces may be wanted by other slots
-        store[index] = fresh
-        self._layouts[(name, index)] = layout
-        return fresh
-
-    def _move_pieces(self, name: str, fresh: torch.Tensor, layout) -> None:
-        kept = [(t, self._layouts.get((name, i))) for i, t in getattr(self, name).items()]
-        kept += [(t, known) for n, t, known in self._retired if n == name]
-        pieces = {}
-        for t, known in kept:
-            if known is None or t.dtype != fresh.dtype:
-                continue
-            offset = 0
-            for pid, numel in known:
-                pieces.setdefault((pid, numel), t[offset:offset + numel])
-                offset += numel
-        offset = 0
-        for pid, numel in layout:
-            piece = pieces.get((pid, numel))
-            if piece is not None:
-                fresh[offset:offset + numel].copy_(piece)
-            offset += numel
-
     def state_dict(self) -> dict:
         """Everything needed to resume (no communicator inside)."""
         state = {key: getattr(self, key) for key in self.SETTINGS}
         state.update(step=self.step,
                      residuals={i: t.clone() for i, t in self.residuals.items()},
-                     velocities={i: t.clone() for i, t in self.velocities.items()})
+                     velocities={i: t.clone() for i, t in self.velocities.items()},
+                     levels={i: lv.saved() for i, lv in self.levels.items()})
         return state
 
     def load_state_dict(self, state: dict):
         for key in self.SETTINGS + ("step",):
-            setattr(self, key, state[key])
-        self.residuals = {int(i): t.clone() for i, t in state["residuals"].items()}
-        self.velocities = {int(i): t.clone() for i, t in state["velocities"].items()}
-        self._layouts, self._retired, self._prepared = {}, [], []  # ids do not outlive the process
+            if key in state:
+                setattr(self, key, state[key])
+        self.memory.load_state_dict({"residuals": state["residuals"],
+                                     "velocities": state["velocities"]})
+        self.levels = {int(i): Level(*lv) for i, lv in state.get("levels", {}).items()}
         self.__post_init__()
+
+    # -- the signal schedule -------------------------------------------------------------------
+
+    def _level_density(self, slot: int) -> float:
+        """Moves the slot's level by what its last exchange measured; returns its density."""
+        ladder = self.ladder()
+        lv = self.levels.get(slot)
+        if lv is None:
+            lv = self.levels[slot] = Level()
+            return ladder[0]
+        lv.level = min(lv.level, len(ladder) - 1)  # a resumed state may have another ratio
+        lv.steps += 1
+        if lv.measured is not None:
+            work, energies, density = lv.measured
+            lv.measured = None
+            work.wait()  # long done: all-reduced right after the bucket's exchange
+            residual, gradient = energies.tolist()
+            if gradient > 0:
+                lv.energy = gradient if lv.energy is None else \
+                    lv.energy + ENERGY_SMOOTHING * (gradient - lv.energy)
+                lv.history = (lv.history + [lv.energy])[-(WINDOW + 1):]
+                critical = abs(lv.energy / lv.history[0] - 1) > self.critical_change
+                lv.calm = 0 if critical else lv.calm + 1
+                q = density * residual / gradient
+                lv.signal = q if lv.signal is None else lv.signal + SMOOTHING * (q - lv.signal)
+        if lv.signal is not None and lv.steps >= MIN_STEPS:
+            if (lv.calm == 0 or lv.signal > self.residual_limit) and lv.level > 0:
+                lv.level, lv.steps, lv.signal = lv.level - 1, 0, None
+            elif lv.calm >= WINDOW and lv.signal <= self.residual_limit and \
+                    lv.level + 1 < len(ladder) and lv.steps >= math.ceil(1 / ladder[lv.level]):
+                lv.level, lv.steps, lv.signal = lv.level + 1, 0, None
+        return ladder[lv.level]
 
     # -- the Compressor: the bucket's top-k with error feedback, or the bucket whole -------------
 
-    def compress(self, comm, bucket: Bucket) -> _Compressed:
-        """Dense on dense steps, for other dtypes and where the cost model prefers it, else the
-        top-k of the bucket's flat gradient with error feedback. The residual and velocity
-        memory is the bucket's slot (memory())."""
-        stats, slot, layout = self.stats, bucket.slot, bucket.layout
-        flat = (bucket.flat.reshape(-1) if bucket.flat is not None
-                else torch.cat([g.reshape(-1) for g in bucket.grads]))
-        if self._step_start_bytes is None:
-            self._step_start_bytes = comm.bytes_sent
+    def compress(self, comm, bucket: Bucket):
+        """Whole as float32 on dense steps, for other dtypes and where the cost model prefers it;
+        whole as value_dtype on the signal schedule's whole level; else the top-k of the
+        bucket's flat gradient. Both of the last two with error feedback, whose residual and
+        velocity memory is the bucket's slot."""
+        slot, flat = bucket.slot, bucket.gradient()
         numel = flat.numel()
-        world = comm.world_size
-        stats.dense_bytes += 2 * (world - 1) * numel * flat.element_size() // world
-        source = flat if flat.is_contiguous() else flat.contiguous()
-        started = time.perf_counter()
-        k = max(1, int(numel * self.density()))
-        compressible = flat.dtype in compress.TOPK_DTYPES and self.step >= self.dense_steps
-        if compressible and self.adaptive:
-            sparse_cost, dense_cost = comm.compression_costs(numel, k, self.value_dtype, flat.dtype)
-            compressible = sparse_cost < dense_cost
+        source = flat
+        if flat.dtype not in compress.TOPK_DTYPES:
+            reason = f"{flat.dtype} is not compressed"
+        elif self.step < self.dense_steps:
+            reason = "dense steps"
+        else:
+            reason = None
+        whole, density, choice = False, 1.0, None
+        if reason is None:
+            if self.schedule == "signal":
+                density = self._level_density(slot)
+                whole = self.levels[slot].level == 0
+            else:
+                density = self.density()
+        if reason is None and not whole:
+            k = max(1, int(numel * density))
+            choice = compress.sparse_choice(comm, numel, k, self.value_dtype, flat.dtype)
+            if self.adaptive and not choice.sparse:
+                reason = "its dense all-reduce costs no more"
+        self.stats.densities[slot] = 1.0 if reason else density
         if self.clip_norm is not None:
             limit = self.clip_norm / comm.world_size ** 0.5
             norm = float(torch.linalg.vector_norm(source))
             if norm > limit:
                 source = source * (limit / norm)
         if self.momentum_correction and flat.is_floating_point():
-            velocity = self.memory("velocities", slot, source, layout)
+            velocity = self.memory.get("velocities", bucket, source)
             velocity.mul_(self.momentum).add_(source)
             source = velocity
-        if not compressible:
-            if self.error_feedback and slot in self.residuals:
-                source = source + self.memory("residuals", slot, source, layout)  # owed: out now
-                del self.residuals[slot]
+        if reason is not None:
+            residual = self.memory.pop("residuals", slot) if self.error_feedback else None
+            if residual is not None and residual.shape == source.shape:
+                source = source + residual  # owed: out now
             elif source is not flat:
                 source = source.clone()  # the velocity is kept; the all-reduce works in place
-            stats.dense_buckets += 1
-            return _Compressed(flat, started, dense=source)
+            return Dense(source, reason)
+        residual = self.memory.get("residuals", bucket, source) if self.error_feedback else None
+        if whole:
+            if residual is None:
+                wire = source.to(self.value_dtype, copy=True)
+            else:
+                residual.add_(source)
+                wire = residual.to(self.value_dtype, copy=True)
+                residual.sub_(wire.to(residual.dtype))  # what the rounding lost: owed
+            return _Whole(flat, wire, self._energies(residual, source))
         with trace.span("compress", numel=numel, k=k):
-            if self.error_feedback:
+            if residual is not None:
                 # what rounding to the wire type loses is owed too: the kernel keeps it
-                residual = self.memory("residuals", slot, source, layout)
                 wire_values, indices = compress.topk_with_residual(source, residual, k,
                                                                    self.value_dtype)
             else:
                 values, indices = compress.topk(source, k)
                 wire_values = values.to(self.value_dtype)
+            energies = self._energies(residual, source) if self.schedule == "signal" else None
         if self.momentum_correction:
             source.index_fill_(0, indices.long(), 0)  # DGC's momentum factor masking
-        stats.compressed_buckets += 1
-        stats.compress_seconds += time.perf_counter() - started
-        return _Compressed(flat, started, indices=indices, values=wire_values)
+        return _Sparse(flat, indices, wire_values, choice.algorithm, density, energies)
 
-    def exchange(self, comm, bucket: Bucket, compressed: _Compressed) -> torch.futures.Future:
-        """The dense all-reduce, or the sparse all-reduce of the top-k (averages, both)."""
+    @staticmethod
+    def _energies(residual: Optional[torch.Tensor], gradient: torch.Tensor) -> torch.Tensor:
+        """This rank's (residual, gradient) energies, float64 on the CPU, to sum over ranks."""
+        kept = torch.zeros((), dtype=torch.float64) if residual is None else _energy(residual)
+        return torch.stack([kept.to(gradient.device), _energy(gradient)]).cpu()
+
+    def dense_reason(self, compressed) -> Optional[str]:
+        if isinstance(compressed, _Whole):
+            return f"whole as {str(self.value_dtype).replace('torch.', '')}: critical regime"
+        return super().dense_reason(compressed)
+
+    def exchange(self, comm, bucket: Bucket, compressed) -> torch.futures.Future:
+        """The sparse all-reduce of the top-k, or the all-reduce of the whole bucket (averages),
+        then, for the signal schedule, the sum of the ranks' energies, added in a fixed order so
+        that every rank decides alike."""
         flat = compressed.flat
-        if compressed.dense is not None:
-            work = comm.all_reduce(compressed.dense, op="avg", async_op=True)
-            if self.error_feedback and self.step + 1 == self.dense_steps and \
-                    flat.dtype in compress.TOPK_DTYPES:
-                self.prepare_memory(flat)
+        if isinstance(compressed, _Whole):
+            work = compress.average_densely(comm, compressed.wire)
         else:
-            compressed.started = time.perf_counter()
             # The gradient is consumed: the average can take its place (no 4-bytes-per-element
             # allocation, and its page faults, per step).
-            out = flat if flat.is_contiguous() else torch.empty(flat.numel(), dtype=flat.dtype,
-                                                                device=flat.device)
             work = comm.sparse_all_reduce(compressed.indices, compressed.values, flat.numel(),
-                                          out=out, op="avg", async_op=True)
+                                          out=flat, op="avg", algorithm=compressed.algorithm,
+                                          async_op=True)
         if bucket.index is not None:
             comm.bucket_stats.add_work(bucket.index, work)
+        if compressed.energies is not None:
+            summed = comm.all_reduce(compressed.energies, op="sum",
+                                     algorithm="recursive_doubling", async_op=True)
+            self.levels[bucket.slot].measured = (summed, compressed.energies, compressed.density)
         return work.get_future()
 
-    def decompress(self, comm, bucket: Bucket, compressed: _Compressed,
+    def decompress(self, comm, bucket: Bucket, compressed,
                    exchanged: torch.Tensor) -> torch.Tensor:
-        """The average comes back whole and flat: shaped like bucket.flat, where given."""
-        self.stats.exchange_seconds += time.perf_counter() - compressed.started
+        """The average comes back whole and flat, into the gradient: shaped like bucket.flat,
+        where given."""
+        if isinstance(compressed, _Whole):
+            exchanged = compressed.flat.copy_(exchanged)
         return exchanged if bucket.flat is None else exchanged.view_as(bucket.flat)
+
+    def started(self, comm, bucket: Bucket, compressed) -> None:
+        """On the last dense step, zeroed memory for the first compressed step's residuals."""
+        if self.error_feedback and self.step + 1 == self.dense_steps and \
+                bucket.dtype in compress.TOPK_DTYPES:
+            self.memory.prepare(compressed.tensor)
+
+
+def _energy(t: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of `t`, in float64."""
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
 
 
 @ringcomm_named
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: top-k sparse exchange with error feedback (see TopKState for when a bucket
-    goes dense)."""
+    """DDP comm hook: top-k sparse exchange with error feedback (see TopKState for how dense each
+    bucket goes)."""
     if not isinstance(state, TopKState):
         raise TypeError(f"topk_hook needs a ringcomm.hooks.TopKState, got {type(state).__name__}")
-    called = time.monotonic_ns()
-    comm = communicator_for(state.comm)
-    grad, slot, is_last, layout = state.slot_of(bucket, comm)
-    if isinstance(bucket, tuple):  # compiled DDP discards the future: finish in place now
-        average = state.average(comm, Bucket([grad], slot, flat=grad)).wait()
-        return completed(grad.copy_(average))
-    average = state.average(comm, Bucket([grad], slot, flat=grad, layout=layout,
-                                         index=bucket.index(), is_last=is_last))
-    return comm.bucket_stats.watch(bucket.index(), called, average)
+    return run_compressor(state, bucket)
