@@ -192,7 +192,7 @@ def test_ddp_buckets_on_the_timeline_in_stats_and_in_torch_profiler(tmp_path, mo
     path = tmp_path / "ddp.json"
     monkeypatch.setenv("RINGCOMM_TIMELINE", str(path))
     state = "None" if hook == "allreduce_hook" else \
-        "hooks.TopKState(dense_steps=0, warmup_steps=0, adaptive=False)"
+        "hooks.TopKState(dense_steps=0, warmup_steps=0, adaptive=False, schedule='fixed')"
     script = DDP_JOB.format(hook=hook, state=state)
     out = run_torchrun(tmp_path, script, nproc=2)
     result = json.loads(out.strip().splitlines()[-1])
