@@ -235,7 +235,7 @@ def test_averager_result_does_not_depend_on_the_algorithm():
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-# -- the CUDA kernels' build (tests/gpu/test_quantize.py runs them) --------------------------------
+# -- the CUDA kernels' build (tests/gpu/test_cuda_quantize.py runs them) --------------------------------
 
 def test_cuda_kernels_are_built_for_sm80_and_sm90_and_check_their_arguments():
     import subprocess
