@@ -24,7 +24,7 @@ take it as it is):
             residual.sub_(wire.float())                         # error feedback
             return wire
         def exchange(self, comm, bucket, wire):
-            return comm.all_reduce(wire, op="avg", async_op=True).get_future()
+            return ringcomm.compress.average_densely(comm, wire).get_future()
         def decompress(self, comm, bucket, wire, average):
             return average.float()
 
@@ -53,13 +53,13 @@ CODE_SUM = 255
 logger = logging.getLogger("ringcomm")
 
 
-def _check(t: torch.Tensor, name: str, what: str = "top-k"):
+def _check(t: torch.Tensor, name: str):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
     if t.dtype not in TOPK_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; {what} supports float32, float16, bfloat16")
+        raise TypeError(f"{name} has dtype {t.dtype}; top-k supports float32, float16, bfloat16")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
 
@@ -233,12 +233,11 @@ def all_reduce_algorithm(comm, nbytes: int) -> str:
 
 @dataclass(frozen=True)
 class SparseChoice:
-    """Whether a vector goes as its top k (sparse_all_reduce with `algorithm`) or whole (all_reduce
-    with `dense_algorithm`), and the costs that decided it, in seconds by the model used."""
+    """Whether a vector goes as its top k (sparse_all_reduce with `algorithm`) or whole
+    (average_densely), and the costs that decided it, in seconds by the model used."""
 
     sparse: bool
     algorithm: str
-    dense_algorithm: str
     sparse_cost: float
     dense_cost: float
 
@@ -250,14 +249,12 @@ def sparse_choice(comm, numel: int, k: int, value_dtype=torch.float32,
     follows the sizes alone (docs/algorithms.md, "Compression")."""
     if model_is_pinned():
         sparse_cost, dense_cost = comm.compression_costs(numel, k, value_dtype, out_dtype)
-        return SparseChoice(sparse_cost < dense_cost, "auto", "auto", sparse_cost, dense_cost)
-    sparse_cost, dense_cost, way, dense = _C.fixed_compression_costs(
-        comm._core, int(numel), int(k), TORCH_DTYPES[value_dtype], TORCH_DTYPES[out_dtype])
+        return SparseChoice(sparse_cost < dense_cost, "auto", sparse_cost, dense_cost)
     # The dense way of the sparse all-reduce adds in ring order, gather and ranges in rank order:
     # the way is fixed here, not left to the exchange's estimate by the probed model.
-    if env_string("RINGCOMM_ALGO") != "auto":
-        dense = "auto"
-    return SparseChoice(sparse_cost < dense_cost, way, dense, sparse_cost, dense_cost)
+    sparse_cost, dense_cost, way = _C.fixed_compression_costs(
+        comm._core, int(numel), int(k), TORCH_DTYPES[value_dtype], TORCH_DTYPES[out_dtype])
+    return SparseChoice(sparse_cost < dense_cost, way, sparse_cost, dense_cost)
 
 
 def average_densely(comm, tensor: torch.Tensor, async_op: bool = True):

@@ -39,7 +39,7 @@ class Bfloat16Feedback(Compressor):
         return wire
 
     def exchange(self, comm, bucket, wire):
-        return comm.all_reduce(wire, op="avg", async_op=True).get_future()
+        return ringcomm.compress.average_densely(comm, wire).get_future()
 
     def decompress(self, comm, bucket, wire, average):
         return average.float() if bucket.flat is None else average.float().view_as(bucket.flat)

@@ -63,8 +63,7 @@ void bind_compress(py::module_& m) {
           const Algorithm dense = fixed.all_reduce(numel * out_size);
           const CompressionCosts costs = compression_costs(
               fixed, numel, k, dtype_size(checked_dtype(value_dt)), out_size, dense);
-          return py::make_tuple(costs.sparse, costs.dense, algorithm_name(costs.way),
-                                algorithm_name(dense));
+          return py::make_tuple(costs.sparse, costs.dense, algorithm_name(costs.way));
         });
 }
 
