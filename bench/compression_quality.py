@@ -28,6 +28,7 @@ With --cluster RATE each rank count runs on that many simulated hosts (bench/sim
 namespaces, links shaped to RATE; needs root), one rank each, so step times are those of a
 network; without it the ranks share this host and step times say little about a network.
 """
+
 import argparse
 import ast
 import importlib
@@ -63,8 +64,14 @@ def state(make_state, hook, **settings):
 def torch_powersgd(rank):
     def make():
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_hook
-        return (torch_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                         start_powerSGD_iter=10), torch_hook.powerSGD_hook)
+
+        return (
+            torch_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=10
+            ),
+            torch_hook.powerSGD_hook,
+        )
+
     return make
 
 
@@ -90,27 +97,41 @@ MODELS = ("digits", "classification")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ranks", default="2,4,8", help="rank counts (comma-separated)")
     p.add_argument("--steps", default="50,200,1000", help="run lengths in optimizer steps")
     p.add_argument("--models", default=",".join(MODELS), help=f"from {', '.join(MODELS)}")
-    p.add_argument("--seeds", default="0",
-                   help="seeds (comma-separated): initial weights, data order, synthetic data")
-    p.add_argument("--configs", default="dense,bf16,topk,quantize",
-                   # argparse formats help with %: the names' own % signs are doubled
-                   help=f"comma-separated, from: {', '.join(CONFIGS).replace('%', '%%')}; with "
-                        f"settings: topk/ratio=0.001/schedule='fixed'; or FILE.py:CLASS, "
-                        f"MODULE:CLASS (a ringcomm.compress.Compressor)")
+    p.add_argument(
+        "--seeds",
+        default="0",
+        help="seeds (comma-separated): initial weights, data order, synthetic data",
+    )
+    p.add_argument(
+        "--configs",
+        default="dense,bf16,topk,quantize",
+        # argparse formats help with %: the names' own % signs are doubled
+        help=f"comma-separated, from: {', '.join(CONFIGS).replace('%', '%%')}; with "
+        f"settings: topk/ratio=0.001/schedule='fixed'; or FILE.py:CLASS, "
+        f"MODULE:CLASS (a ringcomm.compress.Compressor)",
+    )
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--features", type=int, default=4096, help="classification's input features")
     p.add_argument("--batch", type=int, default=32, help="examples per rank per step")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--evals", type=int, default=20, help="test accuracy measurements per run")
-    p.add_argument("--cluster", metavar="RATE",
-                   help="run each rank count on simulated hosts linked at RATE (e.g. 1gbit)")
-    p.add_argument("--group-timeout", type=float, default=300,
-                   help="seconds before a configuration's stuck collective fails it")
+    p.add_argument(
+        "--cluster",
+        metavar="RATE",
+        help="run each rank count on simulated hosts linked at RATE (e.g. 1gbit)",
+    )
+    p.add_argument(
+        "--group-timeout",
+        type=float,
+        default=300,
+        help="seconds before a configuration's stuck collective fails it",
+    )
     p.add_argument("--json", help="write every result here")
     p.add_argument("--plot", help="write an SVG of accuracy against dense's, per cell, here")
     p.add_argument("--worker-json", help=argparse.SUPPRESS)  # a rank under bench/simcluster
@@ -130,20 +151,33 @@ def parse_args(argv=None):
 
 # -- models and data ---------------------------------------------------------------------------
 
+
 def mlp(inputs: int, width: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(inputs, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 10))
+    return torch.nn.Sequential(
+        torch.nn.Linear(inputs, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 10),
+    )
 
 
 def classification(features: int, seed: int):
     """(train x, train y, test x, test y): make_classification's 6,000 examples of `features`
     features (96 of them informative or redundant), 10 classes, standardized, split 80/20."""
     from sklearn.datasets import make_classification
-    x, y = make_classification(n_samples=6000, n_features=features, n_informative=48,
-                               n_redundant=48, n_classes=10, n_clusters_per_class=2,
-                               flip_y=0.01, random_state=seed)
+
+    x, y = make_classification(
+        n_samples=6000,
+        n_features=features,
+        n_informative=48,
+        n_redundant=48,
+        n_classes=10,
+        n_clusters_per_class=2,
+        flip_y=0.01,
+        random_state=seed,
+    )
     x = torch.tensor(x, dtype=torch.float32)
     x = (x - x.mean(0)) / x.std(0)
     y = torch.tensor(y, dtype=torch.int64)
@@ -154,8 +188,9 @@ def classification(features: int, seed: int):
 def dataset(name: str, args, seed: int, cache={}):  # noqa: B006 - one per process, on purpose
     key = (name, seed)
     if key not in cache:
-        cache[key] = (train_ddp.digits(seed) if name == "digits"
-                      else classification(args.features, seed))
+        cache[key] = (
+            train_ddp.digits(seed) if name == "digits" else classification(args.features, seed)
+        )
     return cache[key]
 
 
@@ -166,6 +201,7 @@ def model_for(name: str, args, seed: int) -> torch.nn.Module:
 
 
 # -- configurations -----------------------------------------------------------------------------
+
 
 def split_config(name: str):
     """(base, [settings]): topk/ratio=0.1 -> ("topk", ["ratio=0.1"]); a FILE.py:CLASS's path keeps
@@ -208,8 +244,11 @@ def make_config(name: str, optimizer):
     for setting in settings:
         key, value = setting.split("=", 1)
         current = getattr(hook_state, key)
-        setattr(hook_state, key, getattr(torch, value) if isinstance(current, torch.dtype)
-                else ast.literal_eval(value))
+        setattr(
+            hook_state,
+            key,
+            getattr(torch, value) if isinstance(current, torch.dtype) else ast.literal_eval(value),
+        )
     if settings and hasattr(hook_state, "__post_init__"):
         hook_state.__post_init__()
     if base == "topk-dgc":
@@ -228,6 +267,7 @@ def config_label(name: str) -> str:
 
 # -- one rank ---------------------------------------------------------------------------------
 
+
 def train(args, model_name, steps, seed, config, group, rank, world):
     """Trains one configuration of one cell; returns its accuracy curve (rank 0: (step, training
     seconds, accuracy) at each evaluation), bytes and step time."""
@@ -245,7 +285,7 @@ def train(args, model_name, steps, seed, config, group, rank, world):
     for step in range(steps):
         if position + per_step > len(train_y):  # a new epoch, the same order on every rank
             order, position = torch.randperm(len(train_y), generator=shuffle), 0
-        batch = order[position + rank * args.batch:][:args.batch]
+        batch = order[position + rank * args.batch :][: args.batch]
         position += per_step
         before, start = train_ddp.bytes_sent(), time.perf_counter()
         F.cross_entropy(model(train_x[batch]), train_y[batch]).backward()
@@ -260,10 +300,15 @@ def train(args, model_name, steps, seed, config, group, rank, world):
                 curve.append((step + 1, seconds, accuracy))
             dist.barrier(group)  # the others wait here, not in their next timed step
     stats = getattr(hook_state, "stats", None)
-    counts = {} if stats is None else dict(
-        dense_buckets=getattr(stats, "dense_buckets", 0),
-        compressed_buckets=getattr(stats, "compressed_buckets", 0),
-        dense_reasons=getattr(stats, "dense_reasons", {}))
+    counts = (
+        {}
+        if stats is None
+        else dict(
+            dense_buckets=getattr(stats, "dense_buckets", 0),
+            compressed_buckets=getattr(stats, "compressed_buckets", 0),
+            dense_reasons=getattr(stats, "dense_reasons", {}),
+        )
+    )
     del model  # before its group goes (see examples/train_ddp.py)
     return dict(curve=curve, bytes_per_step=sent / steps, step_ms=1e3 * seconds / steps, **counts)
 
@@ -298,29 +343,44 @@ def run_config(args, model_name, steps, seed, config, rank, world) -> dict:
         if os.environ.get("QUALITY_TRACEBACK"):
             traceback.print_exc()
     # every rank learns whether any failed, and the sums of bytes and step times (default group)
-    totals = torch.tensor([float(bool(error)), result.get("bytes_per_step", 0.0),
-                           result.get("step_ms", 0.0)], dtype=torch.float64)
+    totals = torch.tensor(
+        [float(bool(error)), result.get("bytes_per_step", 0.0), result.get("step_ms", 0.0)],
+        dtype=torch.float64,
+    )
     dist.all_reduce(totals)
     failed = int(totals[0])
-    record = dict(result, model=model_name, ranks=world, steps=steps, seed=seed,
-                  config=config_label(config),
-                  error=error or (f"failed on {failed} other rank(s)" if failed else ""),
-                  bytes_per_step=totals[1].item(), step_ms=totals[2].item() / world)
+    record = dict(
+        result,
+        model=model_name,
+        ranks=world,
+        steps=steps,
+        seed=seed,
+        config=config_label(config),
+        error=error or (f"failed on {failed} other rank(s)" if failed else ""),
+        bytes_per_step=totals[1].item(),
+        step_ms=totals[2].item() / world,
+    )
     record["accuracy"] = record["curve"][-1][2] if record.get("curve") else None
     if rank == 0:
-        print(f"  {model_name}, {world} ranks, {steps} steps, seed {seed}, {record['config']}: "
-              f"{row_text(record)}", flush=True)
+        print(
+            f"  {model_name}, {world} ranks, {steps} steps, seed {seed}, {record['config']}: "
+            f"{row_text(record)}",
+            flush=True,
+        )
     return record
 
 
 def row_text(r: dict) -> str:
     if r["error"]:
         return f"failed: {r['error']}"
-    return (f"accuracy {100 * r['accuracy']:6.2f}%  {r['bytes_per_step'] / 1e6:8.3f} MB/step  "
-            f"{r['step_ms']:7.1f} ms/step")
+    return (
+        f"accuracy {100 * r['accuracy']:6.2f}%  {r['bytes_per_step'] / 1e6:8.3f} MB/step  "
+        f"{r['step_ms']:7.1f} ms/step"
+    )
 
 
 # -- the matrix ---------------------------------------------------------------------------------
+
 
 def job_configs(args):
     """The configurations in groups run by one set of processes each: torch's own hooks alone
@@ -331,15 +391,31 @@ def job_configs(args):
 
 def failed_records(args, world, configs, error: str) -> list:
     print(f"  {world} ranks, {', '.join(configs)}: failed: {error}", flush=True)
-    return [dict(model=m, ranks=world, steps=s, seed=seed, config=config_label(c), error=error,
-                 accuracy=None, curve=[], bytes_per_step=0.0, step_ms=0.0)
-            for m in args.models for s in args.steps for seed in args.seeds for c in configs]
+    return [
+        dict(
+            model=m,
+            ranks=world,
+            steps=s,
+            seed=seed,
+            config=config_label(c),
+            error=error,
+            accuracy=None,
+            curve=[],
+            bytes_per_step=0.0,
+            step_ms=0.0,
+        )
+        for m in args.models
+        for s in args.steps
+        for seed in args.seeds
+        for c in configs
+    ]
 
 
 def local_job(args, world, configs) -> list:
     """`world` ranks forked on this host; a job that dies or outlives its deadline is reported
     as failed."""
     from ringcomm.bench.common import free_port
+
     job = argparse.Namespace(**{**vars(args), "configs": configs})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     # Forks: this process has imported torch and the data's library already (spawned ranks
@@ -348,10 +424,16 @@ def local_job(args, world, configs) -> list:
         for seed in args.seeds:
             dataset(model_name, args, seed)
     queue = mp.get_context("fork").SimpleQueue()
-    context = mp.start_processes(lambda rank: worker(rank, world, job, queue.put), nprocs=world,
-                                 join=False, start_method="fork")
-    limit = args.group_timeout + 0.5 * sum(args.steps) * len(args.models) * len(args.seeds) * \
-        len(configs) * world
+    context = mp.start_processes(
+        lambda rank: worker(rank, world, job, queue.put),
+        nprocs=world,
+        join=False,
+        start_method="fork",
+    )
+    limit = (
+        args.group_timeout
+        + 0.5 * sum(args.steps) * len(args.models) * len(args.seeds) * len(configs) * world
+    )
     deadline = time.monotonic() + limit
     try:
         while not context.join(timeout=1):
@@ -361,8 +443,9 @@ def local_job(args, world, configs) -> list:
         for p in context.processes:
             if p.is_alive():
                 p.kill()
-        return failed_records(args, world, configs,
-                              f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}")
+        return failed_records(
+            args, world, configs, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+        )
     return queue.get()
 
 
@@ -370,30 +453,62 @@ def cluster_job(args, world, configs) -> list:
     """`world` ranks on `world` simulated hosts (bench/simcluster run), this script as each."""
     with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
         part = os.path.join(tmp, "records.json")
-        forwarded = ["--steps", ",".join(map(str, args.steps)), "--models", ",".join(args.models),
-                     "--seeds", ",".join(map(str, args.seeds)), "--configs", ",".join(configs),
-                     "--width", str(args.width), "--features", str(args.features),
-                     "--batch", str(args.batch), "--lr", str(args.lr), "--evals", str(args.evals),
-                     "--group-timeout", str(args.group_timeout), "--worker-json", part]
-        cmd = [os.path.join(HERE, "simcluster"), "run", str(world), args.cluster, "--out",
-               os.path.join(tmp, "logs"), "--", sys.executable, os.path.abspath(__file__)]
+        forwarded = [
+            "--steps",
+            ",".join(map(str, args.steps)),
+            "--models",
+            ",".join(args.models),
+            "--seeds",
+            ",".join(map(str, args.seeds)),
+            "--configs",
+            ",".join(configs),
+            "--width",
+            str(args.width),
+            "--features",
+            str(args.features),
+            "--batch",
+            str(args.batch),
+            "--lr",
+            str(args.lr),
+            "--evals",
+            str(args.evals),
+            "--group-timeout",
+            str(args.group_timeout),
+            "--worker-json",
+            part,
+        ]
+        cmd = [
+            os.path.join(HERE, "simcluster"),
+            "run",
+            str(world),
+            args.cluster,
+            "--out",
+            os.path.join(tmp, "logs"),
+            "--",
+            sys.executable,
+            os.path.abspath(__file__),
+        ]
         run = subprocess.run(cmd + forwarded)
         if run.returncode != 0 or not os.path.exists(part):
-            return failed_records(args, world, configs,
-                                  f"bench/simcluster run exited with {run.returncode}")
+            return failed_records(
+                args, world, configs, f"bench/simcluster run exited with {run.returncode}"
+            )
         with open(part) as f:
             return json.load(f)
 
 
 def cluster_worker(args):
     """This process is one rank under bench/simcluster (env:// variables)."""
+
     def report(records):
         with open(args.worker_json, "w") as f:
             json.dump(records, f)
+
     worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, report)
 
 
 # -- the report ---------------------------------------------------------------------------------
+
 
 def mean(values):
     values = [v for v in values if v is not None]
@@ -404,33 +519,50 @@ def summarize(records: list, args) -> dict:
     """Per cell (model, ranks, steps) and configuration: the means over seeds of accuracy,
     bytes per step, step time and time to accuracy (None: a seed never got there)."""
     ok = [r for r in records if not r["error"]]
-    dense = {(r["model"], r["ranks"], r["steps"], r["seed"]): r for r in ok
-             if r["config"] == "dense"}
+    dense = {
+        (r["model"], r["ranks"], r["steps"], r["seed"]): r for r in ok if r["config"] == "dense"
+    }
     cells = {}
     for r in ok:
         key = (r["model"], r["ranks"], r["steps"])
         base = dense.get(key + (r["seed"],))
         target = None if base is None else base["accuracy"] - 0.01
-        reached = None if target is None else next(
-            (seconds for _, seconds, acc in r["curve"] if acc >= target), None)
+        reached = (
+            None
+            if target is None
+            else next((seconds for _, seconds, acc in r["curve"] if acc >= target), None)
+        )
         cell = cells.setdefault(key, {}).setdefault(r["config"], [])
-        cell.append(dict(accuracy=r["accuracy"], bytes=r["bytes_per_step"], step_ms=r["step_ms"],
-                         tta=reached, reached=reached is not None or target is None))
+        cell.append(
+            dict(
+                accuracy=r["accuracy"],
+                bytes=r["bytes_per_step"],
+                step_ms=r["step_ms"],
+                tta=reached,
+                reached=reached is not None or target is None,
+            )
+        )
     out = {}
     for key, configs in cells.items():
-        out[key] = {name: dict(accuracy=mean(s["accuracy"] for s in runs),
-                               bytes=mean(s["bytes"] for s in runs),
-                               step_ms=mean(s["step_ms"] for s in runs),
-                               tta=mean(s["tta"] for s in runs) if all(s["reached"] for s in runs)
-                               else None, seeds=len(runs))
-                    for name, runs in configs.items()}
+        out[key] = {
+            name: dict(
+                accuracy=mean(s["accuracy"] for s in runs),
+                bytes=mean(s["bytes"] for s in runs),
+                step_ms=mean(s["step_ms"] for s in runs),
+                tta=mean(s["tta"] for s in runs) if all(s["reached"] for s in runs) else None,
+                seeds=len(runs),
+            )
+            for name, runs in configs.items()
+        }
     return out
 
 
 def tables(summary: dict, records: list) -> str:
     lines = []
-    head = ("| steps | configuration | accuracy | vs dense (points) | MB/step (all ranks) | "
-            "dense bytes / these | step (ms) | bf16 step / this | time to dense - 1 point (s) |")
+    head = (
+        "| steps | configuration | accuracy | vs dense (points) | MB/step (all ranks) | "
+        "dense bytes / these | step (ms) | bf16 step / this | time to dense - 1 point (s) |"
+    )
     for model in sorted({k[0] for k in summary}):
         for ranks in sorted({k[1] for k in summary if k[0] == model}):
             lines += ["", f"{model}, {ranks} ranks:", "", head, "|---:|---|" + "---:|" * 7]
@@ -438,21 +570,32 @@ def tables(summary: dict, records: list) -> str:
                 cell = summary[(model, ranks, steps)]
                 dense, bf16 = cell.get("dense"), cell.get("bf16")
                 for name, c in cell.items():
-                    vs = "" if dense is None else \
-                        f"{100 * (c['accuracy'] - dense['accuracy']):+.2f}"
-                    fewer = "" if dense is None or not c["bytes"] else \
-                        f"{dense['bytes'] / c['bytes']:.1f}x"
-                    faster = "" if bf16 is None or not c["step_ms"] else \
-                        f"{bf16['step_ms'] / c['step_ms']:.2f}x"
+                    vs = (
+                        "" if dense is None else f"{100 * (c['accuracy'] - dense['accuracy']):+.2f}"
+                    )
+                    fewer = (
+                        ""
+                        if dense is None or not c["bytes"]
+                        else f"{dense['bytes'] / c['bytes']:.1f}x"
+                    )
+                    faster = (
+                        ""
+                        if bf16 is None or not c["step_ms"]
+                        else f"{bf16['step_ms'] / c['step_ms']:.2f}x"
+                    )
                     tta = "not reached" if c["tta"] is None else f"{c['tta']:.2f}"
-                    lines.append(f"| {steps} | {name} | {100 * c['accuracy']:.2f}% | {vs} | "
-                                 f"{c['bytes'] / 1e6:.3f} | {fewer} | {c['step_ms']:.1f} | "
-                                 f"{faster} | {tta} |")
+                    lines.append(
+                        f"| {steps} | {name} | {100 * c['accuracy']:.2f}% | {vs} | "
+                        f"{c['bytes'] / 1e6:.3f} | {fewer} | {c['step_ms']:.1f} | "
+                        f"{faster} | {tta} |"
+                    )
     failed = [r for r in records if r["error"]]
     if failed:
-        lines += ["", "Failed:"] + [f"  {r['model']}, {r['ranks']} ranks, {r['steps']} steps, "
-                                    f"seed {r['seed']}, {r['config']}: {r['error']}"
-                                    for r in failed]
+        lines += ["", "Failed:"] + [
+            f"  {r['model']}, {r['ranks']} ranks, {r['steps']} steps, "
+            f"seed {r['seed']}, {r['config']}: {r['error']}"
+            for r in failed
+        ]
     return "\n".join(lines)
 
 
@@ -466,23 +609,42 @@ def checks(summary: dict, args) -> list:
             continue
         worst = min(cells, key=lambda kc: kc[1][name]["accuracy"] - kc[1]["dense"]["accuracy"])
         gap = 100 * (worst[1][name]["accuracy"] - worst[1]["dense"]["accuracy"])
-        out.append((f"{name} within 1 point of dense in every cell", gap >= -1.0,
-                    f"worst {gap:+.2f} points ({worst[0][0]}, {worst[0][1]} ranks, "
-                    f"{worst[0][2]} steps)"))
+        out.append(
+            (
+                f"{name} within 1 point of dense in every cell",
+                gap >= -1.0,
+                f"worst {gap:+.2f} points ({worst[0][0]}, {worst[0][1]} ranks, "
+                f"{worst[0][2]} steps)",
+            )
+        )
     cells = [(k[2], c) for k, c in summary.items() if "topk" in c and "dense" in c]
     if cells:  # all the bytes each sent over the matrix: per step times steps
-        ratio = sum(steps * c["dense"]["bytes"] for steps, c in cells) / \
-            sum(steps * c["topk"]["bytes"] for steps, c in cells)
-        out.append(("topk sends at least 4x fewer bytes than dense over the matrix", ratio >= 4,
-                    f"{ratio:.1f}x"))
-    cells = [(k, c) for k, c in summary.items()
-             if k[1] == 4 and k[2] >= 200 and "topk" in c and "bf16" in c]
+        ratio = sum(steps * c["dense"]["bytes"] for steps, c in cells) / sum(
+            steps * c["topk"]["bytes"] for steps, c in cells
+        )
+        out.append(
+            (
+                "topk sends at least 4x fewer bytes than dense over the matrix",
+                ratio >= 4,
+                f"{ratio:.1f}x",
+            )
+        )
+    cells = [
+        (k, c)
+        for k, c in summary.items()
+        if k[1] == 4 and k[2] >= 200 and "topk" in c and "bf16" in c
+    ]
     if cells and args.cluster:
         worst = min(cells, key=lambda kc: kc[1]["bf16"]["step_ms"] / kc[1]["topk"]["step_ms"])
         speedup = worst[1]["bf16"]["step_ms"] / worst[1]["topk"]["step_ms"]
-        out.append((f"topk steps at least 2x faster than bf16 on 4 hosts at {args.cluster}, "
-                    f"200 steps and more", speedup >= 2,
-                    f"slowest {speedup:.2f}x ({worst[0][0]}, {worst[0][2]} steps)"))
+        out.append(
+            (
+                f"topk steps at least 2x faster than bf16 on 4 hosts at {args.cluster}, "
+                f"200 steps and more",
+                speedup >= 2,
+                f"slowest {speedup:.2f}x ({worst[0][0]}, {worst[0][2]} steps)",
+            )
+        )
     return out
 
 
@@ -494,38 +656,54 @@ def svg_plot(summary: dict, args) -> str:
     ranks = sorted({k[1] for k in keys})
     lengths = sorted({k[2] for k in keys})
     names = [c for c in dict.fromkeys(n for cell in summary.values() for n in cell) if c != "dense"]
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
-              "#7f7f7f", "#bcbd22", "#17becf"]
+    colors = [
+        "#1f77b4",
+        "#d62728",
+        "#2ca02c",
+        "#9467bd",
+        "#ff7f0e",
+        "#8c564b",
+        "#e377c2",
+        "#7f7f7f",
+        "#bcbd22",
+        "#17becf",
+    ]
     pw, ph, left, top = 260, 200, 60, 40
     width, height = left + pw * len(ranks) + 180, top + ph * len(models) + 40
     lo, hi = -5.0, 2.0
     hosts = f", {args.cluster} hosts" if args.cluster else ""
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="sans-serif" font-size="11">',
-           f'<text x="{width / 2}" y="16" text-anchor="middle">accuracy minus dense float32\'s '
-           f'(points) against optimizer steps{hosts}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="11">',
+        f'<text x="{width / 2}" y="16" text-anchor="middle">accuracy minus dense float32\'s '
+        f"(points) against optimizer steps{hosts}</text>",
+    ]
     for row, model in enumerate(models):
         for col, n in enumerate(ranks):
             x0, y0 = left + col * pw, top + row * ph
             inner_w, inner_h = pw - 30, ph - 40
 
-            def px(i):
+            def px(i, x0=x0, inner_w=inner_w):
                 return x0 + (i + 0.5) / len(lengths) * inner_w
 
-            def py(points):
+            def py(points, y0=y0, inner_h=inner_h):
                 return y0 + (hi - max(lo, min(hi, points))) / (hi - lo) * inner_h
 
-            out.append(f'<rect x="{x0}" y="{py(0)}" width="{inner_w}" height="{py(-1) - py(0)}" '
-                       f'fill="#eee"/><rect x="{x0}" y="{y0}" width="{inner_w}" '
-                       f'height="{inner_h}" fill="none" stroke="black"/>'
-                       f'<text x="{x0 + inner_w / 2}" y="{y0 - 4}" text-anchor="middle">{model}, '
-                       f'{n} ranks</text>')
+            out.append(
+                f'<rect x="{x0}" y="{py(0)}" width="{inner_w}" height="{py(-1) - py(0)}" '
+                f'fill="#eee"/><rect x="{x0}" y="{y0}" width="{inner_w}" '
+                f'height="{inner_h}" fill="none" stroke="black"/>'
+                f'<text x="{x0 + inner_w / 2}" y="{y0 - 4}" text-anchor="middle">{model}, '
+                f"{n} ranks</text>"
+            )
             for i, steps in enumerate(lengths):
-                out.append(f'<text x="{px(i)}" y="{y0 + inner_h + 14}" text-anchor="middle">'
-                           f'{steps}</text>')
+                out.append(
+                    f'<text x="{px(i)}" y="{y0 + inner_h + 14}" text-anchor="middle">{steps}</text>'
+                )
             for value in (hi, 0, -1, lo):
-                out.append(f'<text x="{x0 - 4}" y="{py(value) + 4}" text-anchor="end">'
-                           f'{value:+g}</text>')
+                out.append(
+                    f'<text x="{x0 - 4}" y="{py(value) + 4}" text-anchor="end">{value:+g}</text>'
+                )
             for c, name in enumerate(names):
                 points = []
                 for i, steps in enumerate(lengths):
@@ -535,13 +713,17 @@ def svg_plot(summary: dict, args) -> str:
                         points.append(f"{px(i):.1f},{py(gap):.1f}")
                 color = colors[c % len(colors)]
                 if points:
-                    out.append(f'<polyline points="{" ".join(points)}" fill="none" '
-                               f'stroke="{color}" stroke-width="2"/>')
+                    out.append(
+                        f'<polyline points="{" ".join(points)}" fill="none" '
+                        f'stroke="{color}" stroke-width="2"/>'
+                    )
     for c, name in enumerate(names):
         y = top + 14 * c
-        out.append(f'<rect x="{width - 170}" y="{y}" width="12" height="4" '
-                   f'fill="{colors[c % len(colors)]}"/><text x="{width - 152}" y="{y + 6}">'
-                   f'{name}</text>')
+        out.append(
+            f'<rect x="{width - 170}" y="{y}" width="12" height="4" '
+            f'fill="{colors[c % len(colors)]}"/><text x="{width - 152}" y="{y + 6}">'
+            f"{name}</text>"
+        )
     out.append("</svg>")
     return "\n".join(out)
 
@@ -552,9 +734,12 @@ def main(argv=None):
         cluster_worker(args)
         return
     where = f"simulated hosts at {args.cluster}" if args.cluster else "ranks on this host"
-    print(f"models {', '.join(args.models)} (width {args.width}, {args.features} features); "
-          f"ranks {args.ranks} ({where}); steps {args.steps}; seeds {args.seeds}; batch "
-          f"{args.batch} per rank; SGD lr {args.lr} momentum 0.9", flush=True)
+    print(
+        f"models {', '.join(args.models)} (width {args.width}, {args.features} features); "
+        f"ranks {args.ranks} ({where}); steps {args.steps}; seeds {args.seeds}; batch "
+        f"{args.batch} per rank; SGD lr {args.lr} momentum 0.9",
+        flush=True,
+    )
     records = []
     for world in args.ranks:
         for configs in job_configs(args):
@@ -571,9 +756,15 @@ def main(argv=None):
         print(f"{'PASS' if holds else 'FAIL'}  {what}: {detail}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), results=records,
-                           checks=[dict(check=w, holds=h, detail=d) for w, h, d in results]),
-                      f, indent=1)
+            json.dump(
+                dict(
+                    args=vars(args),
+                    results=records,
+                    checks=[dict(check=w, holds=h, detail=d) for w, h, d in results],
+                ),
+                f,
+                indent=1,
+            )
     if args.plot:
         with open(args.plot, "w") as f:
             f.write(svg_plot(summary, args))

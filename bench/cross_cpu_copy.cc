@@ -55,8 +55,7 @@ struct Control {
 };
 
 double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 double median(std::vector<double> v) {
@@ -132,15 +131,12 @@ int main(int argc, char** argv) {
     size_t sent_bytes = 0, received_bytes = 0;
     while ((sent_bytes < kRoundBytes || received_bytes < kRoundBytes) &&
            !stop->load(std::memory_order_relaxed)) {
-      if (sent_bytes < kRoundBytes &&
-          sent - out->tail.load(std::memory_order_acquire) < kSlots) {
-        std::memcpy(out_slots + (sent % kSlots) * kSlotBytes, send.data() + sent_bytes,
-                    kSlotBytes);
+      if (sent_bytes < kRoundBytes && sent - out->tail.load(std::memory_order_acquire) < kSlots) {
+        std::memcpy(out_slots + (sent % kSlots) * kSlotBytes, send.data() + sent_bytes, kSlotBytes);
         out->head.store(++sent, std::memory_order_release);
         sent_bytes += kSlotBytes;
       }
-      if (received_bytes < kRoundBytes &&
-          in->head.load(std::memory_order_acquire) > received) {
+      if (received_bytes < kRoundBytes && in->head.load(std::memory_order_acquire) > received) {
         std::memcpy(recv.data() + received_bytes, in_slots + (received % kSlots) * kSlotBytes,
                     kSlotBytes);
         in->tail.store(++received, std::memory_order_release);

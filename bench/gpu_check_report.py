@@ -9,6 +9,7 @@ WORK_DIR holds what the script's steps left: steps.tsv (a line per step: name, s
 exit code, command), info.json, tests_*.xml (pytest's JUnit XML), bench_*.json (the bench's
 --json, named bench_<ranks>ranks_<sharing>.json) and mps_servers.txt.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -40,17 +41,23 @@ def command_line(argv: list[str]) -> str:
 
 def info() -> dict:
     """The GPU, driver, compilers and torch this check runs with."""
-    out = {"python": sys.version.split()[0],
-           "driver": command_line(["nvidia-smi", "--query-gpu=driver_version",
-                                   "--format=csv,noheader"]),
-           "nvcc": command_line(["nvcc", "--version"]),
-           "mps_control": shutil.which("nvidia-cuda-mps-control")}
+    out = {
+        "python": sys.version.split()[0],
+        "driver": command_line(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        ),
+        "nvcc": command_line(["nvcc", "--version"]),
+        "mps_control": shutil.which("nvidia-cuda-mps-control"),
+    }
     try:
         import torch
     except ImportError:
         return {**out, "torch": None, "gpu": None, "gpus": 0}
-    out.update(torch=torch.__version__, torch_cuda=torch.version.cuda,
-               gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    out.update(
+        torch=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    )
     if out["gpus"]:
         major, minor = torch.cuda.get_device_capability(0)
         out.update(gpu=torch.cuda.get_device_name(0), compute_capability=f"{major}.{minor}")
@@ -74,8 +81,15 @@ def steps(work: str) -> list[dict]:
     with open(path) as f:
         for line in f:
             name, status, seconds, code, command = line.rstrip("\n").split("\t", 4)
-            out.append({"step": name, "status": status, "seconds": int(seconds),
-                        "exit_code": int(code), "command": command})
+            out.append(
+                {
+                    "step": name,
+                    "status": status,
+                    "seconds": int(seconds),
+                    "exit_code": int(code),
+                    "command": command,
+                }
+            )
     return out
 
 
@@ -83,8 +97,10 @@ def junit(path: str) -> dict:
     """Counts and the failures of a pytest JUnit XML file."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {key: sum(int(s.get(key, 0)) for s in suites)
-              for key in ("tests", "failures", "errors", "skipped")}
+    counts = {
+        key: sum(int(s.get(key, 0)) for s in suites)
+        for key in ("tests", "failures", "errors", "skipped")
+    }
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     counts["seconds"] = round(sum(float(s.get("time", 0)) for s in suites), 1)
     failed = []
@@ -93,10 +109,20 @@ def junit(path: str) -> dict:
             element = case.find(kind)
             if element is not None:
                 message = (element.get("message") or element.text or "").strip()
-                failed.append({"test": f"{case.get('classname')}::{case.get('name')}",
-                               "kind": kind, "message": message[:2000]})
-    skipped = sorted({(c.find("skipped").get("message") or "")[:200]
-                      for c in root.iter("testcase") if c.find("skipped") is not None})
+                failed.append(
+                    {
+                        "test": f"{case.get('classname')}::{case.get('name')}",
+                        "kind": kind,
+                        "message": message[:2000],
+                    }
+                )
+    skipped = sorted(
+        {
+            (c.find("skipped").get("message") or "")[:200]
+            for c in root.iter("testcase")
+            if c.find("skipped") is not None
+        }
+    )
     return {**counts, "failed": failed, "skip_reasons": skipped}
 
 
@@ -125,8 +151,12 @@ def figures(run: dict) -> dict:
     small = [r for r in rows if LATENCY_SIZES[0] <= r["size"] <= LATENCY_SIZES[1]]
     if small:
         out["latency_8B_64KiB_max_us"] = max(r["ringcomm"]["time_us"] for r in small)
-    out["wrong"] = sum(r[lib]["wrong"] or 0 for r in rows for lib in r
-                       if isinstance(r[lib], dict) and "wrong" in r[lib])
+    out["wrong"] = sum(
+        r[lib]["wrong"] or 0
+        for r in rows
+        for lib in r
+        if isinstance(r[lib], dict) and "wrong" in r[lib]
+    )
     return out
 
 
@@ -135,14 +165,21 @@ def assemble(work: str, report: str) -> dict:
     if os.path.exists(os.path.join(work, "info.json")):
         with open(os.path.join(work, "info.json")) as f:
             described = json.load(f)
-    tests = {os.path.basename(p)[len("tests_"):-len(".xml")]: junit(p)
-             for p in sorted(glob.glob(os.path.join(work, "tests_*.xml")))}
+    tests = {
+        os.path.basename(p)[len("tests_") : -len(".xml")]: junit(p)
+        for p in sorted(glob.glob(os.path.join(work, "tests_*.xml")))
+    }
     runs = bench_runs(work)
     servers = os.path.join(work, "mps_servers.txt")
-    out = {"machine": described.get("gpu") or "no GPU", "commit": commit(),
-           "date": datetime.date.today().isoformat(), "info": described,
-           "steps": steps(work), "tests": tests,
-           "bench": {name: {"figures": figures(run), "run": run} for name, run in runs.items()}}
+    out = {
+        "machine": described.get("gpu") or "no GPU",
+        "commit": commit(),
+        "date": datetime.date.today().isoformat(),
+        "info": described,
+        "steps": steps(work),
+        "tests": tests,
+        "bench": {name: {"figures": figures(run), "run": run} for name, run in runs.items()},
+    }
     if os.path.exists(servers):
         with open(servers) as f:
             out["mps_servers"] = f.read().split()
@@ -156,19 +193,32 @@ def summary(out: dict) -> list[str]:
     for s in out["steps"]:
         lines.append(f"  {s['step']:<28} {s['status']:<34} {s['seconds']:>4} s")
     for name, t in out["tests"].items():
-        lines.append(f"# tests {name}: {t['passed']} passed, {t['failures']} failed, "
-                     f"{t['errors']} errors, {t['skipped']} skipped of {t['tests']} "
-                     f"({t['seconds']} s)")
-        lines += [f"  FAILED {f['test']}: {f['message'].splitlines()[0][:160] if f['message'] else ''}"
-                  for f in t["failed"]]
+        lines.append(
+            f"# tests {name}: {t['passed']} passed, {t['failures']} failed, "
+            f"{t['errors']} errors, {t['skipped']} skipped of {t['tests']} "
+            f"({t['seconds']} s)"
+        )
+        lines += [
+            f"  FAILED {f['test']}: {f['message'].splitlines()[0][:160] if f['message'] else ''}"
+            for f in t["failed"]
+        ]
     for name, b in out["bench"].items():
         run, fig = b["run"], b["figures"]
-        libs = [lib for lib in run["rows"][0] if isinstance(run["rows"][0][lib], dict)
-                and "time_us" in run["rows"][0][lib]]
-        lines.append(f"# all_reduce, {name}, transport {run['transport']} (time in us; vs floor: "
-                     "ringcomm / floor)")
-        lines.append("  " + f"{'size':>10}" + "".join(f"{lib:>15}" for lib in libs)
-                     + (f"{'vs floor':>10}" if "floor" in libs else ""))
+        libs = [
+            lib
+            for lib in run["rows"][0]
+            if isinstance(run["rows"][0][lib], dict) and "time_us" in run["rows"][0][lib]
+        ]
+        lines.append(
+            f"# all_reduce, {name}, transport {run['transport']} (time in us; vs floor: "
+            "ringcomm / floor)"
+        )
+        lines.append(
+            "  "
+            + f"{'size':>10}"
+            + "".join(f"{lib:>15}" for lib in libs)
+            + (f"{'vs floor':>10}" if "floor" in libs else "")
+        )
         for r in run["rows"]:
             line = f"  {r['size']:>10}" + "".join(f"{r[lib]['time_us']:>15.1f}" for lib in libs)
             if "floor" in libs:
@@ -194,8 +244,12 @@ def main(argv: list[str]) -> int:
         print("\n".join(summary(out)))
         # 1 where a step did not finish well or a test failed; a dry run's steps ran none, and
         # a machine without MPS runs no MPS case
-        bad = [s for s in out["steps"] if s["status"] not in ("ok", "not run (dry run)")
-               and not s["status"].startswith("not run: no MPS")]
+        bad = [
+            s
+            for s in out["steps"]
+            if s["status"] not in ("ok", "not run (dry run)")
+            and not s["status"].startswith("not run: no MPS")
+        ]
         failed = sum(t["failures"] + t["errors"] for t in out["tests"].values())
         return 1 if bad or failed else 0
     print(__doc__, file=sys.stderr)

@@ -13,6 +13,7 @@ and its forced time over the fastest forced one. An all_reduce_coalesced file gi
 table, and its layout limit where the run had --floor. Files written before the bench recorded
 the transport say "transport not recorded".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,15 @@ import os
 import sys
 
 from ringcomm.bench.common import format_size
-from ringcomm.bench.plot import (ALGORITHMS, LIMITS, NAMES, bench_plot, check_matplotlib,
-                                 run_title, series)
+from ringcomm.bench.plot import (
+    ALGORITHMS,
+    LIMITS,
+    NAMES,
+    bench_plot,
+    check_matplotlib,
+    run_title,
+    series,
+)
 
 
 def time_text(us: float) -> str:
@@ -45,18 +53,28 @@ def sweep_table(rows: list[dict]) -> list[str]:
     # a forced algorithm's column is named by its algorithm, not "ringcomm" as in plot legends
     names = [(NAMES[lib][1], NAMES[lib][1]) if lib in ALGORITHMS else NAMES[lib] for lib in libs]
     chose = "auto_chose" in rows[0]  # forced algorithms beside auto (ringcomm.bench)
-    head = (["size"] + [f"{name} (us)" for name, _ in names]
-            + [f"vs {short}" for _, short in names[1:]] + ["#wrong"]
-            + (["auto chose", "chosen / best"] if chose else []))
+    head = (
+        ["size"]
+        + [f"{name} (us)" for name, _ in names]
+        + [f"vs {short}" for _, short in names[1:]]
+        + ["#wrong"]
+        + (["auto chose", "chosen / best"] if chose else [])
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for row in rows:
         ringcomm_us = row["ringcomm"]["time_us"]
-        cells = ([format_size(row["size"])] + [time_text(row[lib]["time_us"]) for lib in libs]
-                 + [ratio_text(ringcomm_us / row[lib]["time_us"]) for lib in others]
-                 + [wrong_text(row, libs)])
+        cells = (
+            [format_size(row["size"])]
+            + [time_text(row[lib]["time_us"]) for lib in libs]
+            + [ratio_text(ringcomm_us / row[lib]["time_us"]) for lib in others]
+            + [wrong_text(row, libs)]
+        )
         if chose:
             best = row.get("chosen_vs_best")
-            cells += [row["auto_chose"].replace("_", " "), "-" if best is None else ratio_text(best)]
+            cells += [
+                row["auto_chose"].replace("_", " "),
+                "-" if best is None else ratio_text(best),
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -66,19 +84,24 @@ def coalesced_table(rows: list[dict]) -> list[str]:
     for row in rows:
         for variant in (v for v in series(row) if v != "layout limit"):
             r = row[variant]
-            lines.append(f"| {variant} | {time_text(r['time_us'])} | {r['algbw']:.2f} | "
-                         f"{ratio_text(r['ratio'])} | {r['wrong']} |")
+            lines.append(
+                f"| {variant} | {time_text(r['time_us'])} | {r['algbw']:.2f} | "
+                f"{ratio_text(r['ratio'])} | {r['wrong']} |"
+            )
         if "layout limit" in row:
             limit = row["layout limit"]
             passes = limit["passes_us"]  # the tensors' two passes over memory, and the views'
             views = next(t for name, t in passes.items() if "views" in name)
             tensors = next(t for name, t in passes.items() if "views" not in name)
-            lines += ["", f"Layout limit: {time_text(limit['time_us'])} us (list read "
-                      f"{time_text(limit['list_read_us'])} us; pack + unpack of the tensors "
-                      f"{time_text(tensors)} us, of the views {time_text(views)} us) = "
-                      f"{ratio_text(limit['over_flat'])}x the flat all_reduce; "
-                      f"all_reduce_coalesced = {ratio_text(limit['coalesced_over_flat'])}x the "
-                      f"flat, {ratio_text(limit['coalesced_over_limit'])}x the limit."]
+            lines += [
+                "",
+                f"Layout limit: {time_text(limit['time_us'])} us (list read "
+                f"{time_text(limit['list_read_us'])} us; pack + unpack of the tensors "
+                f"{time_text(tensors)} us, of the views {time_text(views)} us) = "
+                f"{ratio_text(limit['over_flat'])}x the flat all_reduce; "
+                f"all_reduce_coalesced = {ratio_text(limit['coalesced_over_flat'])}x the "
+                f"flat, {ratio_text(limit['coalesced_over_limit'])}x the limit.",
+            ]
     return lines
 
 
@@ -99,14 +122,19 @@ def report(path: str, data: dict) -> list[str]:
     where = ""
     if "machine" in data:  # files the bench wrote before it recorded where and on what code: none
         where = f" {data['machine']}; commit {data['commit'][:7]}, {data['date']}."
-    lines = [f"### {run_title(first)}" + ("" if first["transport"] else ", transport not recorded"),
-             "", f"`{path}`:{where} `--algo {args['algo']}`, medians of {args['repeats']} samples."]
+    lines = [
+        f"### {run_title(first)}" + ("" if first["transport"] else ", transport not recorded"),
+        "",
+        f"`{path}`:{where} `--algo {args['algo']}`, medians of {args['repeats']} samples.",
+    ]
     if "mpi" in data:
         lines[-1] += f" {data['mpi']['library']}."
     if "wire" in data:
         rate = data["wire"]["rate_GBps"]
-        lines[-1] += (f" Wire: {rate:.3f} GB/s ({rate * 8:.2f} Gbit/s) of payload per link, plain "
-                      f"TCP, {format_size(data['wire']['stream_bytes'])} per sample.")
+        lines[-1] += (
+            f" Wire: {rate:.3f} GB/s ({rate * 8:.2f} Gbit/s) of payload per link, plain "
+            f"TCP, {format_size(data['wire']['stream_bytes'])} per sample."
+        )
     coalesced = first["coll"] == "all_reduce_coalesced"
     return lines + [""] + (coalesced_table(rows) if coalesced else sweep_table(rows)) + [""]
 
@@ -122,8 +150,11 @@ def plot_paths(out: str, inputs: list[str]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="+", help="files written by python -m ringcomm.bench --json")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="also draw each file's rows (with several files: FILE-<name>.png each)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw each file's rows (with several files: FILE-<name>.png each)",
+    )
     args = p.parse_args(argv)
     if args.plot:
         check_matplotlib()

@@ -7,6 +7,7 @@ plot draws every rank's threads and DDP bucket tracks as rows of a Gantt chart (
 needs matplotlib), time in ms from the first event; --from/--to cut a window of that time axis,
 --ranks keeps some ranks.
 """
+
 import argparse
 import json
 import sys
@@ -34,8 +35,9 @@ def window(data: dict, start_ms, end_ms, ranks) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("merge", help="merge per-rank parts into one trace")
     m.add_argument("out")
@@ -45,14 +47,18 @@ def main(argv=None) -> int:
     d.add_argument("png")
     d.add_argument("--from", dest="start", type=float, help="ms from the first event")
     d.add_argument("--to", dest="end", type=float, help="ms from the first event")
-    d.add_argument("--ranks", type=lambda text: {int(r) for r in text.split(",")},
-                   help="comma-separated ranks to draw (default all)")
+    d.add_argument(
+        "--ranks",
+        type=lambda text: {int(r) for r in text.split(",")},
+        help="comma-separated ranks to draw (default all)",
+    )
     args = p.parse_args(argv)
     if args.command == "merge":
         count = trace.merge(args.parts, args.out)
         print(f"{args.out}: {count} events from {len(args.parts)} parts")
         return 0
     from ringcomm.bench.plot import timeline_plot
+
     with open(args.trace) as f:
         data = json.load(f)
     timeline_plot(window(data, args.start, args.end, args.ranks), args.png)

@@ -69,11 +69,13 @@ void watch_for_fork() {
 bool Work::wait(double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
   if (!finished_ && owner_ && owner_ == progress_thread_owner)
-    RC_THROW("waiting for a ringcomm operation from a completion callback of the same "
-             "communicator would wait forever: the callback runs on the thread that finishes it");
+    RC_THROW(
+        "waiting for a ringcomm operation from a completion callback of the same "
+        "communicator would wait forever: the callback runs on the thread that finishes it");
   if (timeout_s < 0) {
     cv_.wait(lk, [&] { return finished_; });
-  } else if (!cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return finished_; })) {
+  } else if (!cv_.wait_for(lk, std::chrono::duration<double>(timeout_s),
+                           [&] { return finished_; })) {
     return false;
   }
   if (!error_.empty()) throw Error(error_, error_kind_);
@@ -146,8 +148,11 @@ uint64_t retune_period(int world_size) {
 
 Communicator::Communicator(int rank, int world_size, double timeout_s,
                            const std::string& master_addr)
-    : rank_(rank), world_size_(world_size), trace_id_(next_trace_id++),
-      timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))),
+    : rank_(rank),
+      world_size_(world_size),
+      trace_id_(next_trace_id++),
+      timeout_(
+          std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))),
       selector_(world_size, LinkModel{}),
       retuner_(retune_period(world_size)) {
   RC_CHECK_ARG(world_size >= 1, "world_size must be >= 1, got ", world_size);
@@ -182,9 +187,9 @@ void Communicator::connect(const std::vector<std::string>& addresses, const std:
     layout_ = HostLayout::of(mesh_->host_of());
     boards_ = mesh_->boards_everywhere();
     const bool uniform = layout_.uniform();
-    selector_ = Selector(world_size_, calibrate(deadline), uniform ? int(layout_.hosts.size()) : 0,
-                         uniform ? int(layout_.hosts[0].size()) : 0,
-                         boards_ ? mesh_->board_bytes() : 0);
+    selector_ =
+        Selector(world_size_, calibrate(deadline), uniform ? int(layout_.hosts.size()) : 0,
+                 uniform ? int(layout_.hosts[0].size()) : 0, boards_ ? mesh_->board_bytes() : 0);
     last_choice_.store(0, std::memory_order_relaxed);  // made, if at all, by the model before
   }
   progress_thread_ = std::thread([this] {
@@ -228,8 +233,7 @@ void Communicator::rendezvous(const KeyValueStore& store) {
     token = store.get(prefix + "token");
   }
   std::vector<std::string> addresses;
-  for (int r = 0; r < world_size_; ++r)
-    addresses.push_back(store.get(str_cat(prefix, "addr/", r)));
+  for (int r = 0; r < world_size_; ++r) addresses.push_back(store.get(str_cat(prefix, "addr/", r)));
   connect(addresses, token);
 }
 
@@ -267,8 +271,9 @@ Algorithm Communicator::choose_all_reduce(size_t bytes, Algorithm requested) con
     while (size_class < 63 && (size_t(1) << (size_class + 1)) <= bytes) ++size_class;
     const uint64_t bit = uint64_t(1) << size_class;
     if (!(logged_choices_.fetch_or(bit) & bit))
-      RC_LOG("rank ", rank_, ": all_reduce of ", bytes, " bytes (and others of ", size_t(1) << size_class,
-             "..", (size_t(2) << size_class) - 1, "): ", algorithm_name(algo), "; estimates ring ",
+      RC_LOG("rank ", rank_, ": all_reduce of ", bytes, " bytes (and others of ",
+             size_t(1) << size_class, "..", (size_t(2) << size_class) - 1,
+             "): ", algorithm_name(algo), "; estimates ring ",
              selector_.all_reduce_cost(Algorithm::kRing, double(bytes)) * 1e6, " us, tree ",
              selector_.all_reduce_cost(Algorithm::kTree, double(bytes)) * 1e6,
              " us, recursive doubling ",
@@ -330,9 +335,12 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
     std::copy(saved.factors[p].begin(), saved.factors[p].end(),
               factors + p * kMeasuredAlgorithms.size());
   auto agree = [&](double* values, size_t count) {
-    connect_step(count, [&](Context& ctx) {
-      recursive_doubling_all_reduce(ctx, values, count, DType::kFloat64, ReduceOp::kMax);
-    }, deadline);
+    connect_step(
+        count,
+        [&](Context& ctx) {
+          recursive_doubling_all_reduce(ctx, values, count, DType::kFloat64, ReduceOp::kMax);
+        },
+        deadline);
   };
   agree(agreed, 8 + kFactors);
   const char* source = "loaded from RINGCOMM_TUNING";
@@ -340,19 +348,23 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
     source = "probed";
     const auto start = Clock::now();
     if (agreed[6] == 0) {
-      connect_step(0, [&](Context& ctx) {
-        if (host.size() < 2) return;
-        Context local = ctx.view(host);
-        const bool faster = probe_single_copy(local, single_copy,
-                                              [&](bool on) { mesh_->use_single_copy(on); });
-        agreed[7] = faster ? 0.0 : 1.0;
-      }, deadline);
+      connect_step(
+          0,
+          [&](Context& ctx) {
+            if (host.size() < 2) return;
+            Context local = ctx.view(host);
+            const bool faster =
+                probe_single_copy(local, single_copy, [&](bool on) { mesh_->use_single_copy(on); });
+            agreed[7] = faster ? 0.0 : 1.0;
+          },
+          deadline);
       agree(agreed + 7, 1);
       mesh_->use_single_copy(agreed[7] == 0);
     }
     const std::vector<int>* links_host = layout_.uniform() ? &host : nullptr;
     const bool one_host = layout_.hosts.size() == 1;
-    connect_step(0, [&](Context& ctx) { model = probe_links(ctx, one_host, links_host); }, deadline);
+    connect_step(
+        0, [&](Context& ctx) { model = probe_links(ctx, one_host, links_host); }, deadline);
     agreed[1] = model.alpha_s;
     agreed[2] = 1 / model.bytes_per_s;
     agreed[3] = 1 / model.reduce_bytes_per_s;
@@ -366,11 +378,14 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
       links.alpha_s = agreed[1];
       links.bytes_per_s = 1 / agreed[2];
       links.reduce_bytes_per_s = 1 / agreed[3];
-      connect_step(0, [&](Context& ctx) {
-        const auto rows = probe_algorithms(ctx, links);
-        for (size_t p = 0; p < rows.size(); ++p)
-          std::copy(rows[p].begin(), rows[p].end(), factors + p * kMeasuredAlgorithms.size());
-      }, deadline);
+      connect_step(
+          0,
+          [&](Context& ctx) {
+            const auto rows = probe_algorithms(ctx, links);
+            for (size_t p = 0; p < rows.size(); ++p)
+              std::copy(rows[p].begin(), rows[p].end(), factors + p * kMeasuredAlgorithms.size());
+          },
+          deadline);
     }
     RC_LOG("rank ", rank_, ": link probe took ",
            std::chrono::duration<double>(Clock::now() - start).count() * 1e3, " ms");
@@ -403,8 +418,8 @@ LinkModel Communicator::calibrate(Clock::time_point deadline) {
 
 void Communicator::connect_step(size_t count, const std::function<void(Context&)>& body,
                                 Clock::time_point deadline) {
-  Signature sig = collective(Collective::kProbe, DType::kFloat64, ReduceOp::kMax,
-                             Algorithm::kDirect, count);
+  Signature sig =
+      collective(Collective::kProbe, DType::kFloat64, ReduceOp::kMax, Algorithm::kDirect, count);
   sig.seq = next_seq_++;
   mesh_->set_current(sig);
   Context ctx(*mesh_, sig, deadline, scratch_, selector_);
@@ -425,30 +440,36 @@ Signature Communicator::collective(Collective coll, DType dtype, ReduceOp op, Al
   return s;
 }
 
-WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp op,
-                                 Algorithm algo, bool async) {
+WorkPtr Communicator::all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, Algorithm algo,
+                                 bool async) {
   if (algo == Algorithm::kAuto && !forced_registered_.empty())
     return all_reduce_registered(buf, count, dtype, op, forced_registered_, async);
   const size_t bytes = count * dtype_size(dtype);
   const bool retune = retuned(bytes, algo);
   algo = retune ? Algorithm::kAuto : choose_all_reduce(bytes, algo);  // kAuto: settled in run()
   auto sig = collective(Collective::kAllReduce, dtype, op, algo, count);
-  return submit(sig, [=](Context& ctx) {
-    mesh_->offer_huge_pages(buf, bytes);
-    const Clock::time_point start = Clock::now();
-    all_reduce_by(ctx, ctx.signature().algo, layout_, buf, count, dtype, op);
-    if (retune)
-      retuner_.ran(ctx, bytes, std::chrono::duration<double>(Clock::now() - start).count());
-  }, async);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        mesh_->offer_huge_pages(buf, bytes);
+        const Clock::time_point start = Clock::now();
+        all_reduce_by(ctx, ctx.signature().algo, layout_, buf, count, dtype, op);
+        if (retune)
+          retuner_.ran(ctx, bytes, std::chrono::duration<double>(Clock::now() - start).count());
+      },
+      async);
 }
 
 WorkPtr Communicator::reduce_scatter(void* out, const void* in, size_t count, DType dtype,
                                      ReduceOp op, bool async) {
   auto sig = collective(Collective::kReduceScatter, dtype, op, Algorithm::kRing, count);
-  return submit(sig, [=](Context& ctx) {
-    mesh_->offer_huge_pages(in, count * size_t(world_size_) * dtype_size(dtype));
-    ring_reduce_scatter(ctx, in, out, count, dtype, op);
-  }, async);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        mesh_->offer_huge_pages(in, count * size_t(world_size_) * dtype_size(dtype));
+        ring_reduce_scatter(ctx, in, out, count, dtype, op);
+      },
+      async);
 }
 
 WorkPtr Communicator::all_gather(void* out, const void* in, size_t count, DType dtype, bool async) {
@@ -464,16 +485,20 @@ WorkPtr Communicator::all_gatherv(void* out, const void* in, const std::vector<s
     if (r == rank_) offset = total;
     total += counts[r];
   }
-  bool uniform = std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; });
+  bool uniform =
+      std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; });
   auto sig = collective(uniform ? Collective::kAllGather : Collective::kAllGatherV, dtype,
                         ReduceOp::kSum, Algorithm::kRing, total, -1, hash_counts(counts));
   const size_t e = dtype_size(dtype);
-  return submit(sig, [=](Context& ctx) {
-    char* dst = static_cast<char*>(out) + offset * e;
-    if (dst != in && counts[rank_] > 0) std::memmove(dst, in, counts[rank_] * e);
-    mesh_->offer_huge_pages(out, total * e);
-    ring_all_gather(ctx, out, counts, dtype);
-  }, async);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        char* dst = static_cast<char*>(out) + offset * e;
+        if (dst != in && counts[rank_] > 0) std::memmove(dst, in, counts[rank_] * e);
+        mesh_->offer_huge_pages(out, total * e);
+        ring_all_gather(ctx, out, counts, dtype);
+      },
+      async);
 }
 
 WorkPtr Communicator::gather(const void* in, const std::vector<void*>& outputs, size_t count,
@@ -481,7 +506,8 @@ WorkPtr Communicator::gather(const void* in, const std::vector<void*>& outputs, 
   check_rank(root, "gather dst");
   RC_CHECK_ARG(rank_ != root || int(outputs.size()) == world_size_, "gather needs ", world_size_,
                " outputs on the root, got ", outputs.size());
-  auto sig = collective(Collective::kGather, dtype, ReduceOp::kSum, Algorithm::kDirect, count, root);
+  auto sig =
+      collective(Collective::kGather, dtype, ReduceOp::kSum, Algorithm::kDirect, count, root);
   const size_t bytes = count * dtype_size(dtype);
   return submit(sig, [=](Context& ctx) { direct_gather(ctx, in, outputs, bytes, root); }, async);
 }
@@ -491,7 +517,8 @@ WorkPtr Communicator::scatter(const std::vector<const void*>& inputs, void* out,
   check_rank(root, "scatter src");
   RC_CHECK_ARG(rank_ != root || int(inputs.size()) == world_size_, "scatter needs ", world_size_,
                " inputs on the root, got ", inputs.size());
-  auto sig = collective(Collective::kScatter, dtype, ReduceOp::kSum, Algorithm::kDirect, count, root);
+  auto sig =
+      collective(Collective::kScatter, dtype, ReduceOp::kSum, Algorithm::kDirect, count, root);
   const size_t bytes = count * dtype_size(dtype);
   return submit(sig, [=](Context& ctx) { direct_scatter(ctx, inputs, out, bytes, root); }, async);
 }
@@ -514,9 +541,9 @@ WorkPtr Communicator::all_to_all(const std::vector<const void*>& inputs,
   }
   RC_CHECK_ARG(in_bytes[rank_] == out_bytes[rank_], "all_to_all: rank ", rank_, " sends itself ",
                in_counts[rank_], " elements but expects ", out_counts[rank_]);
-  return submit(sig, [=](Context& ctx) {
-    pairwise_all_to_all(ctx, inputs, in_bytes, outputs, out_bytes);
-  }, async);
+  return submit(
+      sig, [=](Context& ctx) { pairwise_all_to_all(ctx, inputs, in_bytes, outputs, out_bytes); },
+      async);
 }
 
 WorkPtr Communicator::broadcast(void* buf, size_t count, DType dtype, int root, bool async) {
@@ -524,10 +551,13 @@ WorkPtr Communicator::broadcast(void* buf, size_t count, DType dtype, int root, 
   size_t bytes = count * dtype_size(dtype);
   Algorithm shape = choose_rooted(bytes);
   auto sig = collective(Collective::kBroadcast, dtype, ReduceOp::kSum, shape, count, root);
-  return submit(sig, [=](Context& ctx) {
-    mesh_->offer_huge_pages(buf, bytes);
-    tree_broadcast(ctx, buf, bytes, root, shape);
-  }, async);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        mesh_->offer_huge_pages(buf, bytes);
+        tree_broadcast(ctx, buf, bytes, root, shape);
+      },
+      async);
 }
 
 WorkPtr Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, int root,
@@ -535,20 +565,23 @@ WorkPtr Communicator::reduce(void* buf, size_t count, DType dtype, ReduceOp op, 
   check_rank(root, "reduce dst");
   Algorithm shape = choose_rooted(count * dtype_size(dtype));
   auto sig = collective(Collective::kReduce, dtype, op, shape, count, root);
-  return submit(sig, [=](Context& ctx) {
-    mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
-    tree_reduce(ctx, buf, count, dtype, op, root, shape);
-  }, async);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
+        tree_reduce(ctx, buf, count, dtype, op, root, shape);
+      },
+      async);
 }
 
 WorkPtr Communicator::barrier(bool async) {
-  auto sig = collective(Collective::kBarrier, DType::kUInt8, ReduceOp::kSum,
-                        Algorithm::kDissemination, 0);
+  auto sig =
+      collective(Collective::kBarrier, DType::kUInt8, ReduceOp::kSum, Algorithm::kDissemination, 0);
   return submit(sig, [](Context& ctx) { dissemination_barrier(ctx); }, async);
 }
 
 std::shared_ptr<const AlgorithmLists> Communicator::registered_for(const std::string& name,
-                                                                  Collective coll, size_t bytes) {
+                                                                   Collective coll, size_t bytes) {
   std::shared_ptr<const AlgorithmLists> lists = registered_lists(name, coll, world_size_, bytes);
   RC_CHECK_ARG(lists, collective_name(coll), " has no algorithm '", name,
                "': none built in, and none registered under that name (ringcomm.algorithms)");
@@ -567,12 +600,15 @@ WorkPtr Communicator::all_reduce_registered(void* buf, size_t count, DType dtype
                                             const std::string& algorithm, bool async) {
   std::shared_ptr<const AlgorithmLists> lists =
       registered_for(algorithm, Collective::kAllReduce, count * dtype_size(dtype));
-  auto sig = collective(Collective::kAllReduce, dtype, op, Algorithm::kRegistered, count, -1,
-                        lists->id);
-  return submit(sig, [=](Context& ctx) {
-    mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
-    registered_all_reduce(ctx, *lists, buf, count, dtype, op);
-  }, async);
+  auto sig =
+      collective(Collective::kAllReduce, dtype, op, Algorithm::kRegistered, count, -1, lists->id);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
+        registered_all_reduce(ctx, *lists, buf, count, dtype, op);
+      },
+      async);
 }
 
 WorkPtr Communicator::reduce_scatter_registered(void* out, const void* in, size_t count,
@@ -582,10 +618,13 @@ WorkPtr Communicator::reduce_scatter_registered(void* out, const void* in, size_
       algorithm, Collective::kReduceScatter, count * size_t(world_size_) * dtype_size(dtype));
   auto sig = collective(Collective::kReduceScatter, dtype, op, Algorithm::kRegistered, count, -1,
                         lists->id);
-  return submit(sig, [=](Context& ctx) {
-    mesh_->offer_huge_pages(in, count * size_t(world_size_) * dtype_size(dtype));
-    registered_reduce_scatter(ctx, *lists, in, out, count, dtype, op);
-  }, async);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        mesh_->offer_huge_pages(in, count * size_t(world_size_) * dtype_size(dtype));
+        registered_reduce_scatter(ctx, *lists, in, out, count, dtype, op);
+      },
+      async);
 }
 
 WorkPtr Communicator::all_gather_registered(void* out, const void* in, size_t count, DType dtype,
@@ -595,12 +634,15 @@ WorkPtr Communicator::all_gather_registered(void* out, const void* in, size_t co
   auto sig = collective(Collective::kAllGather, dtype, ReduceOp::kSum, Algorithm::kRegistered,
                         count * size_t(world_size_), -1, lists->id);
   const size_t e = dtype_size(dtype);
-  return submit(sig, [=](Context& ctx) {
-    char* dst = static_cast<char*>(out) + count * size_t(rank_) * e;
-    if (dst != in && count > 0) std::memmove(dst, in, count * e);
-    mesh_->offer_huge_pages(out, count * size_t(world_size_) * e);
-    registered_all_gather(ctx, *lists, out, count, dtype);
-  }, async);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        char* dst = static_cast<char*>(out) + count * size_t(rank_) * e;
+        if (dst != in && count > 0) std::memmove(dst, in, count * e);
+        mesh_->offer_huge_pages(out, count * size_t(world_size_) * e);
+        registered_all_gather(ctx, *lists, out, count, dtype);
+      },
+      async);
 }
 
 WorkPtr Communicator::broadcast_registered(void* buf, size_t count, DType dtype, int root,
@@ -610,28 +652,34 @@ WorkPtr Communicator::broadcast_registered(void* buf, size_t count, DType dtype,
       registered_for(algorithm, Collective::kBroadcast, count * dtype_size(dtype));
   auto sig = collective(Collective::kBroadcast, dtype, ReduceOp::kSum, Algorithm::kRegistered,
                         count, root, lists->id);
-  return submit(sig, [=](Context& ctx) {
-    mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
-    registered_broadcast(ctx, *lists, buf, count * dtype_size(dtype), root);
-  }, async);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
+        registered_broadcast(ctx, *lists, buf, count * dtype_size(dtype), root);
+      },
+      async);
 }
 
-WorkPtr Communicator::reduce_registered(void* buf, size_t count, DType dtype, ReduceOp op,
-                                        int root, const std::string& algorithm, bool async) {
+WorkPtr Communicator::reduce_registered(void* buf, size_t count, DType dtype, ReduceOp op, int root,
+                                        const std::string& algorithm, bool async) {
   check_rank(root, "reduce dst");
   std::shared_ptr<const AlgorithmLists> lists =
       registered_for(algorithm, Collective::kReduce, count * dtype_size(dtype));
-  auto sig = collective(Collective::kReduce, dtype, op, Algorithm::kRegistered, count, root,
-                        lists->id);
-  return submit(sig, [=](Context& ctx) {
-    mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
-    registered_reduce(ctx, *lists, buf, count, dtype, op, root);
-  }, async);
+  auto sig =
+      collective(Collective::kReduce, dtype, op, Algorithm::kRegistered, count, root, lists->id);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        mesh_->offer_huge_pages(buf, count * dtype_size(dtype));
+        registered_reduce(ctx, *lists, buf, count, dtype, op, root);
+      },
+      async);
 }
 
 WorkPtr Communicator::sparse_all_reduce(const int32_t* indices, const void* values, size_t k,
-                                        DType value_dtype, void* out, size_t numel,
-                                        DType out_dtype, ReduceOp op, Algorithm algo, bool async) {
+                                        DType value_dtype, void* out, size_t numel, DType out_dtype,
+                                        ReduceOp op, Algorithm algo, bool async) {
   auto sparse_type = [](DType t) {
     return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16;
   };
@@ -640,7 +688,8 @@ WorkPtr Communicator::sparse_all_reduce(const int32_t* indices, const void* valu
                dtype_name(value_dtype), " and ", dtype_name(out_dtype));
   RC_CHECK_ARG(op == ReduceOp::kSum || op == ReduceOp::kAvg,
                "sparse_all_reduce supports op sum and avg, got ", op_name(op));
-  RC_CHECK_ARG(numel <= size_t(INT32_MAX), "sparse_all_reduce: numel ", numel, " exceeds int32 indices");
+  RC_CHECK_ARG(numel <= size_t(INT32_MAX), "sparse_all_reduce: numel ", numel,
+               " exceeds int32 indices");
   RC_CHECK_ARG(k <= size_t(INT32_MAX), "sparse_all_reduce: ", k, " pairs, more than 2^31 - 1");
   RC_CHECK_ARG(algo == Algorithm::kAuto || listed(kSparseAllReduceAlgorithms, algo),
                "sparse_all_reduce algorithm must be auto, sparse_gather, sparse_ranges or ring");
@@ -649,9 +698,13 @@ WorkPtr Communicator::sparse_all_reduce(const int32_t* indices, const void* valu
                  " at position ", i, " is outside [0, ", numel, ")");
   auto sig = collective(Collective::kSparseAllReduce, value_dtype, op, algo, numel, -1,
                         uint64_t(out_dtype));
-  return submit(sig, [=](Context& ctx) {
-    sparse_all_reduce_steps(ctx, indices, values, k, value_dtype, out, numel, out_dtype, op, algo);
-  }, async);
+  return submit(
+      sig,
+      [=](Context& ctx) {
+        sparse_all_reduce_steps(ctx, indices, values, k, value_dtype, out, numel, out_dtype, op,
+                                algo);
+      },
+      async);
 }
 
 WorkPtr Communicator::send(const void* buf, size_t count, DType dtype, int peer, bool async,
@@ -693,7 +746,8 @@ WorkPtr Communicator::point_to_point(bool is_send, void* buf, size_t count, DTyp
       std::lock_guard<std::mutex> lk(mu_);
       id = next_p2p_id_++;
       // The peer in words: the abort carries this text to ranks that know nothing of the pair.
-      p2p_deadlines_[id] = {deadline, str_cat(sig.describe(), is_send ? " to rank " : " from rank ", peer)};
+      p2p_deadlines_[id] = {deadline,
+                            str_cat(sig.describe(), is_send ? " to rank " : " from rank ", peer)};
     }
     auto done = [this, id, work, peer](const std::exception_ptr& error) {
       {
@@ -721,8 +775,8 @@ WorkPtr Communicator::recv_any(void* buf, size_t count, DType dtype, bool async,
   auto work = std::make_shared<Work>(this);
   Task task;
   task.work = work;
-  task.sig = collective(Collective::kSendRecv, dtype, ReduceOp::kSum, Algorithm::kDirect, count,
-                        -1, tag);
+  task.sig =
+      collective(Collective::kSendRecv, dtype, ReduceOp::kSum, Algorithm::kDirect, count, -1, tag);
   task.sig.p2p = true;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -766,18 +820,18 @@ void Communicator::match_any_source() {
     WorkPtr work = a.work;
     int64_t id = a.id;
     work->set_source(found);
-    mesh_->post_recv(found, a.buf, a.count * dtype_size(a.dtype), sig,
-                     [this, id, work, found](const std::exception_ptr& error) {
-                       {
-                         std::lock_guard<std::mutex> guard(mu_);
-                         p2p_deadlines_.erase(id);
-                       }
-                       if (error)
-                         work->finish(
-                             error_at(error, str_cat(" [rank ", rank_, ", peer ", found, "]")));
-                       else
-                         work->finish();
-                     });
+    mesh_->post_recv(
+        found, a.buf, a.count * dtype_size(a.dtype), sig,
+        [this, id, work, found](const std::exception_ptr& error) {
+          {
+            std::lock_guard<std::mutex> guard(mu_);
+            p2p_deadlines_.erase(id);
+          }
+          if (error)
+            work->finish(error_at(error, str_cat(" [rank ", rank_, ", peer ", found, "]")));
+          else
+            work->finish();
+        });
     lk.lock();
   }
 }
@@ -786,10 +840,12 @@ bool Communicator::on_progress_thread() const { return progress_thread_owner == 
 
 void Communicator::check_may_block(bool async, const char* what) const {
   if (forked_child)
-    RC_THROW(what, " in a process forked from the one that made this communicator (a DataLoader "
+    RC_THROW(what,
+             " in a process forked from the one that made this communicator (a DataLoader "
              "worker?): the connections are the parent's; create a communicator in the child");
   if (!async && on_progress_thread())
-    RC_THROW("blocking ", what, " called from a completion callback (the progress thread) would "
+    RC_THROW("blocking ", what,
+             " called from a completion callback (the progress thread) would "
              "wait for itself: use async_op=True, or call it from another thread");
 }
 
@@ -852,7 +908,8 @@ void Communicator::enqueue(Task task, bool inline_ok) {
 
 void Communicator::wake() {
   uint64_t one = 1;
-  if (write(wake_fd_, &one, sizeof one) < 0) { /* counter saturated: already awake */ }
+  if (write(wake_fd_, &one, sizeof one) < 0) { /* counter saturated: already awake */
+  }
   mesh_->wake();
 }
 
@@ -891,8 +948,8 @@ void Communicator::run(Task& task) {
   }
 }
 
-void Communicator::account(const Task& task, int64_t begin_ns, uint64_t sent0,
-                           uint64_t received0, int64_t idle0) {
+void Communicator::account(const Task& task, int64_t begin_ns, uint64_t sent0, uint64_t received0,
+                           int64_t idle0) {
   const int64_t end_ns = trace::now_ns();
   OpStats op;
   op.calls = 1;
@@ -1028,8 +1085,9 @@ void Communicator::progress_loop() {
     if (p2p_deadlines_.empty()) break;  // stopping, nothing left
     // Only sends/receives are outstanding: progress them until one finishes, new work arrives
     // (wake_fd_) or the earliest of their deadlines passes.
-    auto earliest = std::min_element(p2p_deadlines_.begin(), p2p_deadlines_.end(),
-                                     [](auto& a, auto& b) { return a.second.first < b.second.first; });
+    auto earliest =
+        std::min_element(p2p_deadlines_.begin(), p2p_deadlines_.end(),
+                         [](auto& a, auto& b) { return a.second.first < b.second.first; });
     auto deadline = earliest->second.first;
     std::string what = earliest->second.second;
     if (stopping_ || Clock::now() >= deadline) {
@@ -1068,7 +1126,8 @@ void Communicator::progress_loop() {
     executing_ = true;
     lk.unlock();
     uint64_t drained;
-    while (read(wake_fd_, &drained, sizeof drained) > 0) {}
+    while (read(wake_fd_, &drained, sizeof drained) > 0) {
+    }
     try {
       if (now >= next_notice) {
         mesh_->announce_waiting();

@@ -31,9 +31,9 @@ struct CoalescedAllReduce;  // algorithms/coalesced.h
 struct OpStats {
   uint64_t calls = 0;
   uint64_t bytes_sent = 0, bytes_received = 0;  // payload, no headers
-  int64_t queued_ns = 0;  // from the call until a thread began running it
-  int64_t run_ns = 0;     // running it
-  int64_t idle_ns = 0;    // of run_ns: waiting with nothing to move (for peers, mostly)
+  int64_t queued_ns = 0;                        // from the call until a thread began running it
+  int64_t run_ns = 0;                           // running it
+  int64_t idle_ns = 0;              // of run_ns: waiting with nothing to move (for peers, mostly)
   const char* algorithm = nullptr;  // what one operation ran (none in a kind's totals)
   void add(const OpStats& o) {
     calls += o.calls;
@@ -172,9 +172,9 @@ class Communicator {
                      const std::vector<void*>& outputs, const std::vector<size_t>& out_counts,
                      DType dtype, bool async);
   // Dense sum/average of every rank's k (index, value) pairs into `out` (algorithms/sparse.cc).
-  WorkPtr sparse_all_reduce(const int32_t* indices, const void* values, size_t k,
-                            DType value_dtype, void* out, size_t numel, DType out_dtype,
-                            ReduceOp op, Algorithm algo, bool async);
+  WorkPtr sparse_all_reduce(const int32_t* indices, const void* values, size_t k, DType value_dtype,
+                            void* out, size_t numel, DType out_dtype, ReduceOp op, Algorithm algo,
+                            bool async);
   // The k-th send from a to b pairs with the k-th receive at b from a; `tag` travels in the
   // signature, so a pair whose tags differ fails with both described (tags order nothing).
   WorkPtr send(const void* buf, size_t count, DType dtype, int peer, bool async, uint32_t tag = 0);
@@ -204,8 +204,8 @@ class Communicator {
   };
   WorkPtr all_reduce_coalesced(const std::vector<BufferRef>& buffers, ReduceOp op,
                                size_t bucket_bytes, const FusedReduceOptions& options, bool async);
-  WorkPtr broadcast_coalesced(const std::vector<BufferRef>& buffers, int root,
-                              size_t bucket_bytes, bool async);
+  WorkPtr broadcast_coalesced(const std::vector<BufferRef>& buffers, int root, size_t bucket_bytes,
+                              bool async);
   // outputs[q][i] (shaped like inputs[i]) receives rank q's inputs[i].
   WorkPtr all_gather_coalesced(const std::vector<std::vector<BufferRef>>& outputs,
                                const std::vector<BufferRef>& inputs, size_t bucket_bytes,
@@ -322,7 +322,7 @@ class Communicator {
   const uint64_t trace_id_;  // this communicator's number in this process, for the timeline
   const Clock::duration timeout_;
   Algorithm forced_all_reduce_ = Algorithm::kAuto;  // RINGCOMM_ALGO
-  std::string forced_registered_;  // RINGCOMM_ALGO naming a registered algorithm
+  std::string forced_registered_;                   // RINGCOMM_ALGO naming a registered algorithm
   // The lists of registered algorithm `name` for this world size and a message of `bytes`,
   // written for `coll`; the first use of each logged (RINGCOMM_DEBUG).
   std::shared_ptr<const AlgorithmLists> registered_for(const std::string& name, Collective coll,
@@ -333,7 +333,7 @@ class Communicator {
   Scratch scratch_;
   Selector selector_;
   Retuner retuner_;
-  HostLayout layout_;  // ranks by host, from connect()
+  HostLayout layout_;    // ranks by host, from connect()
   bool boards_ = false;  // every rank reaches every other through shared memory with a board
   // RINGCOMM_DEBUG: the power-of-two size classes whose all-reduce choice was logged
   mutable std::atomic<uint64_t> logged_choices_{0};
@@ -363,16 +363,16 @@ class Communicator {
   std::mutex coalesced_mu_;
   std::deque<CoalescedCall> coalesced_calls_;
 
-  std::mutex mu_;                 // guards everything below
+  std::mutex mu_;  // guards everything below
   std::condition_variable cv_;
   std::deque<Task> queue_;
-  bool executing_ = false;        // a thread is inside the transport
+  bool executing_ = false;  // a thread is inside the transport
   bool stopping_ = false;
-  std::string abort_reason_;      // abort() asked; the progress thread fails what is left
+  std::string abort_reason_;               // abort() asked; the progress thread fails what is left
   bool closing_ = false, closed_ = false;  // a thread outside the progress thread is closing / done
   std::string broken_;
   ErrorKind broken_kind_ = ErrorKind::kOther;
-  bool peers_told_ = false;       // fail() has told the peers why: what abort() waits for
+  bool peers_told_ = false;  // fail() has told the peers why: what abort() waits for
   uint64_t next_seq_ = 0;
   std::map<int, uint64_t> send_seq_, recv_seq_;  // per peer, for send/recv
   // Posted sends/receives not yet finished: deadline and description, by id.

@@ -134,16 +134,16 @@ struct PlannedBucket {
 // group and base, and signature dtype, count and layout hash (extra(hash, buffer index) adds
 // per-buffer words); the caller completes the signature.
 template <typename WireOf, typename Extra>
-std::vector<PlannedBucket> plan_buckets(const std::vector<BufferRef>& buffers,
-                                        size_t bucket_bytes, WireOf wire_of, Extra extra) {
+std::vector<PlannedBucket> plan_buckets(const std::vector<BufferRef>& buffers, size_t bucket_bytes,
+                                        WireOf wire_of, Extra extra) {
   RC_CHECK_ARG(bucket_bytes > 0, "bucket_bytes must be positive");
   std::vector<PlannedBucket> planned;
   const auto groups = group_by_dtype(buffers);
   for (size_t g = 0; g < groups.size(); ++g) {
     const DType dtype = buffers[groups[g][0]].dtype, wire = wire_of(dtype);
     size_t base = 0;
-    for (Bucket& pieces : cut_into_buckets(
-             buffers, groups[g], std::max<size_t>(1, bucket_bytes / dtype_size(wire)))) {
+    for (Bucket& pieces : cut_into_buckets(buffers, groups[g],
+                                           std::max<size_t>(1, bucket_bytes / dtype_size(wire)))) {
       PlannedBucket b{{{}, pack_list(dtype, pieces, buffers), {}, g, base}, std::move(pieces)};
       b.fused.sig.dtype = wire;
       b.fused.sig.count = b.fused.buffers.count();
@@ -194,8 +194,8 @@ std::shared_ptr<const ReductionOrders> Communicator::reduction_orders(uint32_t a
   return orders_;
 }
 
-bool Communicator::CoalescedCall::same(const std::vector<BufferRef>& b, ReduceOp o,
-                                       size_t bytes, const FusedReduceOptions& opt) const {
+bool Communicator::CoalescedCall::same(const std::vector<BufferRef>& b, ReduceOp o, size_t bytes,
+                                       const FusedReduceOptions& opt) const {
   if (o != op || bytes != bucket_bytes || opt.float32_wire != options.float32_wire ||
       opt.prescale != options.prescale || b.size() != buffers.size())
     return false;
@@ -210,8 +210,10 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
                                            size_t bucket_bytes, const FusedReduceOptions& options,
                                            bool async) {
   // Its reduction orders are the built-ins'; a registered algorithm runs through all_reduce.
-  RC_CHECK_ARG(forced_registered_.empty(), "all_reduce_coalesced runs the built-in algorithms: "
-               "RINGCOMM_ALGO=", forced_registered_, " names a registered one");
+  RC_CHECK_ARG(forced_registered_.empty(),
+               "all_reduce_coalesced runs the built-in algorithms: "
+               "RINGCOMM_ALGO=",
+               forced_registered_, " names a registered one");
   std::shared_ptr<const CoalescedAllReduce> plan;
   {
     std::lock_guard<std::mutex> lk(coalesced_mu_);
@@ -233,11 +235,14 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
     if (coalesced_calls_.size() > kCoalescedPlansKept) coalesced_calls_.pop_back();
   }
   if (plan->buckets.empty()) return finished_work();  // an empty list
-  return submit(plan->buckets[0].sig, [this, plan](Context& ctx) {
-    for (const iovec& run : plan->runs) mesh_->offer_huge_pages(run.iov_base, run.iov_len);
-    // Here, in the order operations run: the retuned choice is the same on every rank.
-    coalesced_all_reduce(ctx, *plan, coalesced_through_boards(*plan));
-  }, async, plan->buckets.size());
+  return submit(
+      plan->buckets[0].sig,
+      [this, plan](Context& ctx) {
+        for (const iovec& run : plan->runs) mesh_->offer_huge_pages(run.iov_base, run.iov_len);
+        // Here, in the order operations run: the retuned choice is the same on every rank.
+        coalesced_all_reduce(ctx, *plan, coalesced_through_boards(*plan));
+      },
+      async, plan->buckets.size());
 }
 
 // The boards, unless RINGCOMM_ALGO forces another algorithm, or two ranks send by single copy.
@@ -248,8 +253,7 @@ WorkPtr Communicator::all_reduce_coalesced(const std::vector<BufferRef>& buffers
 // there the call goes the way of a flat all-reduce of its largest bucket, which runs the boards
 // or reads by single copy.
 bool Communicator::coalesced_through_boards(const CoalescedAllReduce& plan) const {
-  if (forced_all_reduce_ != Algorithm::kAuto)
-    return forced_all_reduce_ == Algorithm::kSharedBuffer;
+  if (forced_all_reduce_ != Algorithm::kAuto) return forced_all_reduce_ == Algorithm::kSharedBuffer;
   if (world_size_ == 2 && plan.one_host && selector_.model().single_copy)
     return algorithm_for(plan.largest_bucket_bytes, Algorithm::kAuto) == Algorithm::kSharedBuffer;
   return true;
@@ -259,10 +263,9 @@ std::shared_ptr<const CoalescedAllReduce> Communicator::plan_all_reduce_coalesce
     const std::vector<BufferRef>& buffers, ReduceOp op, size_t bucket_bytes,
     const FusedReduceOptions& options) {
   const DType f32_wire = options.float32_wire;
-  RC_CHECK_ARG(f32_wire == DType::kFloat32 || f32_wire == DType::kFloat16 ||
-                   f32_wire == DType::kBFloat16,
-               "float32 buffers travel as float32, float16 or bfloat16, not ",
-               dtype_name(f32_wire));
+  RC_CHECK_ARG(
+      f32_wire == DType::kFloat32 || f32_wire == DType::kFloat16 || f32_wire == DType::kBFloat16,
+      "float32 buffers travel as float32, float16 or bfloat16, not ", dtype_name(f32_wire));
   auto wire_of = [&](DType t) { return t == DType::kFloat32 ? f32_wire : t; };
   auto plan = std::make_shared<CoalescedAllReduce>();
   plan->op = op;
@@ -320,8 +323,9 @@ WorkPtr Communicator::broadcast_coalesced(const std::vector<BufferRef>& buffers,
   }
   if (buckets->empty()) return finished_work();  // an empty list
   const Signature first = (*buckets)[0].sig;
-  return submit(first, [buckets, root](Context& ctx) { coalesced_broadcast(ctx, *buckets, root); },
-                async, buckets->size());
+  return submit(
+      first, [buckets, root](Context& ctx) { coalesced_broadcast(ctx, *buckets, root); }, async,
+      buckets->size());
 }
 
 WorkPtr Communicator::all_gather_coalesced(const std::vector<std::vector<BufferRef>>& outputs,
@@ -335,8 +339,8 @@ WorkPtr Communicator::all_gather_coalesced(const std::vector<std::vector<BufferR
     RC_CHECK_ARG(out.size() == inputs.size(), "output list ", q, " has ", out.size(),
                  " buffers, expected ", inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
-      RC_CHECK_ARG(out[i].dtype == inputs[i].dtype && out[i].count == inputs[i].count,
-                   "output ", q, "[", i, "] (", out[i].count, " x ", dtype_name(out[i].dtype),
+      RC_CHECK_ARG(out[i].dtype == inputs[i].dtype && out[i].count == inputs[i].count, "output ", q,
+                   "[", i, "] (", out[i].count, " x ", dtype_name(out[i].dtype),
                    ") does not match input ", i, " (", inputs[i].count, " x ",
                    dtype_name(inputs[i].dtype), ")");
       all.push_back(&out[i]);
@@ -352,8 +356,9 @@ WorkPtr Communicator::all_gather_coalesced(const std::vector<std::vector<BufferR
   }
   if (buckets->empty()) return finished_work();  // an empty list
   const Signature first = (*buckets)[0].sig;
-  return submit(first, [buckets](Context& ctx) { coalesced_all_gather(ctx, *buckets); }, async,
-                buckets->size());
+  return submit(
+      first, [buckets](Context& ctx) { coalesced_all_gather(ctx, *buckets); }, async,
+      buckets->size());
 }
 
 }  // namespace ringcomm

@@ -5,12 +5,15 @@
 A 2 x 2 DeviceMesh: tensor parallelism (ColwiseParallel / RowwiseParallel) inside each pair of
 ranks, FSDP2 (fully_shard) across the pairs. --backend gloo to compare.
 """
+
 import argparse
 
-parser = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--backend", default="ringcomm",
-                    help="torch.distributed backend (default: %(default)s)")
+parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+)
+parser.add_argument(
+    "--backend", default="ringcomm", help="torch.distributed backend (default: %(default)s)"
+)
 parser.add_argument("--steps", type=int, default=20, help="training steps (default: %(default)s)")
 args = parser.parse_args()
 
@@ -24,8 +27,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import ringcomm  # registers the backend
 
 if ringcomm.launch.discover().world_size != 4:
-    parser.error("run it on 4 ranks: torchrun --nproc-per-node 4 examples/fsdp_tp.py "
-                 "(or srun -n 4, mpirun -n 4)")
+    parser.error(
+        "run it on 4 ranks: torchrun --nproc-per-node 4 examples/fsdp_tp.py "
+        "(or srun -n 4, mpirun -n 4)"
+    )
 ringcomm.launch.init_process_group(args.backend)
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 torch.manual_seed(0)

@@ -24,6 +24,7 @@ gradient, backward after it (waiting for the averages) and optimizer, and for ri
 what each bucket sent and how long its average took. With
 RINGCOMM_TIMELINE=path, the timeline shows the phases of each step beside ringcomm's work.
 """
+
 import argparse
 import ast
 import os
@@ -39,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringcomm  # registers the "ringcomm" backend
 from ringcomm import compress, hooks, trace
+
 
 def local_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """No communication at all: each rank keeps its own gradient. Not training, a floor: the
@@ -89,7 +91,8 @@ def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torc
         world = dist.get_world_size()
         residual = state.memory.get("residuals", bucket.index(), flat)
         values, indices = compress.topk_with_residual(
-            flat, residual, max(1, int(flat.numel() * density)), state.value_dtype)
+            flat, residual, max(1, int(flat.numel() * density)), state.value_dtype
+        )
         wire, positions = values.to(flat.dtype), indices.long()
         flat.zero_()
         for _ in range(world):
@@ -104,16 +107,24 @@ def topk_floor_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torc
     return fut
 
 
-HOOKS = {"none": None, "allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
-         "bf16": hooks.bf16_compress_hook, "topk": hooks.topk_hook, "local": local_hook,
-         "sync-floor": sync_floor_hook, "reduce-floor": reduce_floor_hook,
-         "topk-floor": topk_floor_hook}
+HOOKS = {
+    "none": None,
+    "allreduce": hooks.allreduce_hook,
+    "fp16": hooks.fp16_compress_hook,
+    "bf16": hooks.bf16_compress_hook,
+    "topk": hooks.topk_hook,
+    "local": local_hook,
+    "sync-floor": sync_floor_hook,
+    "reduce-floor": reduce_floor_hook,
+    "topk-floor": topk_floor_hook,
+}
 TCP_INFO_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64, Linux >= 4.19) in struct tcp_info
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--backend", choices=["gloo", "ringcomm"], default="gloo")
     p.add_argument("--hook", choices=list(HOOKS), default="allreduce")
     p.add_argument("--width", type=int, default=256, help="units in each of the two hidden layers")
@@ -121,17 +132,32 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=64, help="global batch, split over the ranks")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the mean step time")
-    p.add_argument("--ratio", type=float, default=0.01, help="--hook topk: fraction of entries sent")
-    p.add_argument("--topk", action="append", default=[], metavar="SETTING=VALUE",
-                   help="--hook topk: a TopKState setting other than its default, e.g. "
-                        "warmup_steps=0, value_dtype=float32, adaptive=False (repeatable)")
-    p.add_argument("--compare-gloo", action="store_true",
-                   help="also train gloo's default DDP, alternating steps, and print both")
-    p.add_argument("--compare-floor", action="store_true",
-                   help="also train with no communication (the local hook) and with the limits "
-                        "of an averaged step (sync-floor, reduce-floor; with --hook topk also "
-                        "topk-floor), alternating steps")
+    p.add_argument(
+        "--warmup", type=int, default=5, help="first steps left out of the mean step time"
+    )
+    p.add_argument(
+        "--ratio", type=float, default=0.01, help="--hook topk: fraction of entries sent"
+    )
+    p.add_argument(
+        "--topk",
+        action="append",
+        default=[],
+        metavar="SETTING=VALUE",
+        help="--hook topk: a TopKState setting other than its default, e.g. "
+        "warmup_steps=0, value_dtype=float32, adaptive=False (repeatable)",
+    )
+    p.add_argument(
+        "--compare-gloo",
+        action="store_true",
+        help="also train gloo's default DDP, alternating steps, and print both",
+    )
+    p.add_argument(
+        "--compare-floor",
+        action="store_true",
+        help="also train with no communication (the local hook) and with the limits "
+        "of an averaged step (sync-floor, reduce-floor; with --hook topk also "
+        "topk-floor), alternating steps",
+    )
     args = p.parse_args()
     if args.width < 1 or args.epochs < 1 or args.batch_size < 1 or args.warmup < 0:
         p.error("--width, --epochs and --batch-size must be positive, --warmup non-negative")
@@ -144,8 +170,10 @@ def topk_settings(items) -> dict:
     for item in items:
         key, _, value = item.partition("=")
         if key not in hooks.TopKState.SETTINGS:
-            raise SystemExit(f"--topk {item}: no TopKState setting {key!r}; "
-                             f"settings: {', '.join(hooks.TopKState.SETTINGS)}")
+            raise SystemExit(
+                f"--topk {item}: no TopKState setting {key!r}; "
+                f"settings: {', '.join(hooks.TopKState.SETTINGS)}"
+            )
         settings[key] = getattr(torch, value) if key == "value_dtype" else ast.literal_eval(value)
     return settings
 
@@ -162,7 +190,9 @@ def tcp_bytes_sent() -> int:
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
                 continue
-            with socket.socket(fileno=os.dup(int(fd))) as s:  # a duplicate: closing it keeps fd open
+            with socket.socket(
+                fileno=os.dup(int(fd))
+            ) as s:  # a duplicate: closing it keeps fd open
                 if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
                     info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
                     total += struct.unpack_from("Q", info, TCP_INFO_BYTES_SENT)[0]
@@ -184,9 +214,13 @@ def digits(seed: int):
 
 def mlp(width: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 10))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 10),
+    )
 
 
 class Run:
@@ -232,10 +266,15 @@ class Run:
             self.step_times.append(end - start)
             self.cpu_seconds += time.process_time() - cpu_start  # every thread of the process
             self.bytes_sent += bytes_sent() - sent_before
-            for phase, seconds in zip(self.phases, (forward_done - start,
-                                                    self.last_gradient - forward_done,
-                                                    backward_done - self.last_gradient,
-                                                    end - backward_done)):
+            for phase, seconds in zip(
+                self.phases,
+                (
+                    forward_done - start,
+                    self.last_gradient - forward_done,
+                    backward_done - self.last_gradient,
+                    end - backward_done,
+                ),
+            ):
                 self.phases[phase] += seconds
 
     @torch.no_grad()
@@ -251,11 +290,13 @@ def main():
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {world} ranks")
 
-    hook_name = {"none": "DDP's all-reduce", "local": "no communication (floor)",
-                 "sync-floor": "wait only (sync limit)",
-                 "reduce-floor": "wait + local a+b (limit)",
-                 "topk-floor": "top-k, no network (limit)"}.get(
-        args.hook, f"ringcomm {args.hook} hook")
+    hook_name = {
+        "none": "DDP's all-reduce",
+        "local": "no communication (floor)",
+        "sync-floor": "wait only (sync limit)",
+        "reduce-floor": "wait + local a+b (limit)",
+        "topk-floor": "top-k, no network (limit)",
+    }.get(args.hook, f"ringcomm {args.hook} hook")
     runs = [Run(f"{args.backend}, {hook_name}", args, hook=HOOKS[args.hook])]
     groups = [None]  # the default group, and a gloo group when that is not gloo already
     if args.compare_gloo:
@@ -272,15 +313,16 @@ def main():
     per_rank = args.batch_size // world
     steps_per_epoch = len(train_y) // args.batch_size
     if steps_per_epoch * args.epochs <= args.warmup:
-        raise SystemExit(f"{steps_per_epoch * args.epochs} steps leave none to time after "
-                         f"--warmup {args.warmup}")
+        raise SystemExit(
+            f"{steps_per_epoch * args.epochs} steps leave none to time after --warmup {args.warmup}"
+        )
     step = 0
     for epoch in range(args.epochs):
         # the same shuffle on every rank; each takes its slice of every global batch
         shuffle = torch.Generator().manual_seed(args.seed * 1000 + epoch)
         order = torch.randperm(len(train_y), generator=shuffle)
         for i in range(steps_per_epoch):
-            batch = order[i * args.batch_size + rank * per_rank:][:per_rank]
+            batch = order[i * args.batch_size + rank * per_rank :][:per_rank]
             for run in runs:
                 run.step(train_x[batch], train_y[batch], timed=step >= args.warmup)
             step += 1
@@ -293,48 +335,70 @@ def main():
     hooks.default_communicator().all_reduce(cpu)
     # Each run's mean step time on its slowest rank: a job's pace. The floor's ranks never wait
     # for each other, and one's mean can run a few percent above the other's.
-    step_s = torch.tensor([sum(run.step_times) / len(run.step_times) for run in runs],
-                          dtype=torch.float64)
+    step_s = torch.tensor(
+        [sum(run.step_times) / len(run.step_times) for run in runs], dtype=torch.float64
+    )
     hooks.default_communicator().all_reduce(step_s, op="max")
     if rank == 0:
         params = sum(p.numel() for p in runs[0].model.parameters())
         timed = step - args.warmup
-        print(f"digits: {len(train_y)} train / {len(test_y)} test images; MLP 64-{args.width}-"
-              f"{args.width}-10, {params:,} parameters; {world} ranks, global batch {args.batch_size}, "
-              f"{step} steps ({timed} timed)")
-        print(f"{'run':<34} {'test acc':>9} {'step ms':>9} {'steps/s':>8} {'MB sent/step':>13} "
-              f"{'CPU ms/step, all ranks':>23}   (step: the slowest rank's mean)")
+        print(
+            f"digits: {len(train_y)} train / {len(test_y)} test images; MLP 64-{args.width}-"
+            f"{args.width}-10, {params:,} parameters; {world} ranks, global batch {args.batch_size}, "
+            f"{step} steps ({timed} timed)"
+        )
+        print(
+            f"{'run':<34} {'test acc':>9} {'step ms':>9} {'steps/s':>8} {'MB sent/step':>13} "
+            f"{'CPU ms/step, all ranks':>23}   (step: the slowest rank's mean)"
+        )
         for run, cpu_seconds, mean in zip(runs, cpu.tolist(), step_s.tolist()):
-            print(f"{run.name:<34} {100 * run.accuracy(test_x, test_y):>8.2f}% {1e3 * mean:>9.2f} "
-                  f"{1 / mean:>8.2f} {run.bytes_sent / timed / 1e6:>13.2f} "
-                  f"{1e3 * cpu_seconds / timed:>23.1f}")
+            print(
+                f"{run.name:<34} {100 * run.accuracy(test_x, test_y):>8.2f}% {1e3 * mean:>9.2f} "
+                f"{1 / mean:>8.2f} {run.bytes_sent / timed / 1e6:>13.2f} "
+                f"{1e3 * cpu_seconds / timed:>23.1f}"
+            )
         for other, mean in zip(runs[1:], step_s.tolist()[1:]):
             ratio = mean / step_s[0].item()
             print(f"steps/s, {runs[0].name} over {other.name}: {ratio:.2f}x")
-        print(f"step time on rank 0, ms per step (waiting: backward after its last gradient, "
-              f"for the averages)")
-        print(f"{'run':<34} " + " ".join(f"{p:>16}" for p in runs[0].phases) + f" {'waiting share':>14}")
+        print(
+            "step time on rank 0, ms per step (waiting: backward after its last gradient, "
+            "for the averages)"
+        )
+        print(
+            f"{'run':<34} "
+            + " ".join(f"{p:>16}" for p in runs[0].phases)
+            + f" {'waiting share':>14}"
+        )
         for run in runs:
             total = sum(run.step_times)
-            print(f"{run.name:<34} " + " ".join(f"{1e3 * v / timed:>16.2f}" for v in run.phases.values())
-                  + f" {100 * run.phases['waiting'] / total:>13.1f}%")
+            print(
+                f"{run.name:<34} "
+                + " ".join(f"{1e3 * v / timed:>16.2f}" for v in run.phases.values())
+                + f" {100 * run.phases['waiting'] / total:>13.1f}%"
+            )
         if args.hook in ("allreduce", "fp16", "bf16", "topk"):
             comm = hooks.communicator_for(runs[0].topk.comm if runs[0].topk else None)
-            print("ringcomm hook on rank 0, per bucket and step (all steps): payload MB sent / "
-                  "received, ms from the hook's call to the average, ms of it the operations ran, "
-                  "idle in them")
+            print(
+                "ringcomm hook on rank 0, per bucket and step (all steps): payload MB sent / "
+                "received, ms from the hook's call to the average, ms of it the operations ran, "
+                "idle in them"
+            )
             for index, b in comm.stats()["buckets"].items():
                 n = b["calls"]
-                print(f"  bucket {index}: {b['bytes_sent'] / n / 1e6:.2f} / "
-                      f"{b['bytes_received'] / n / 1e6:.2f} MB, {1e3 * b['comm_s'] / n:.2f} ms, "
-                      f"{1e3 * b['run_s'] / n:.2f} ms running, {1e3 * b['idle_s'] / n:.2f} ms idle")
+                print(
+                    f"  bucket {index}: {b['bytes_sent'] / n / 1e6:.2f} / "
+                    f"{b['bytes_received'] / n / 1e6:.2f} MB, {1e3 * b['comm_s'] / n:.2f} ms, "
+                    f"{1e3 * b['run_s'] / n:.2f} ms running, {1e3 * b['idle_s'] / n:.2f} ms idle"
+                )
         for run in runs:
             if run.topk is not None:
                 s = run.topk.stats
-                print(f"top-k on rank 0, all {s.steps} steps: {s.compressed_buckets} buckets "
-                      f"compressed, {s.dense_buckets} dense; per step {1e3 * s.compress_seconds / s.steps:.1f} "
-                      f"ms selecting, {1e3 * s.exchange_seconds / s.steps:.1f} ms from sparse "
-                      f"exchange start to result; {s.compression_ratio:.1f}x fewer bytes than dense")
+                print(
+                    f"top-k on rank 0, all {s.steps} steps: {s.compressed_buckets} buckets "
+                    f"compressed, {s.dense_buckets} dense; per step {1e3 * s.compress_seconds / s.steps:.1f} "
+                    f"ms selecting, {1e3 * s.exchange_seconds / s.steps:.1f} ms from sparse "
+                    f"exchange start to result; {s.compression_ratio:.1f}x fewer bytes than dense"
+                )
     # Models first, while torch still holds their groups; then a barrier on each group; then the
     # groups. torch 2.13's gloo destructor joins its worker threads holding the GIL, and a worker
     # still freeing an all-reduce issued during backward needs the GIL (the work carries

@@ -40,7 +40,8 @@ std::vector<uint8_t> round_trip(const int32_t* indices, size_t n) {
   if (n > 0) {
     std::unique_ptr<char[]> cut = exact_buffer(len - 1);
     if (len > 1) std::memcpy(cut.get(), enc.get(), len - 1);
-    FUZZ_CHECK(decode_indices(reinterpret_cast<const uint8_t*>(cut.get()), len - 1, n, decoded) == 0);
+    FUZZ_CHECK(decode_indices(reinterpret_cast<const uint8_t*>(cut.get()), len - 1, n, decoded) ==
+               0);
   }
   return std::vector<uint8_t>(bytes, bytes + len);
 }

@@ -36,7 +36,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   const Proof genuine = make_proof(token, hello, challenge);
   const bool forged = std::memcmp(proof.mac, genuine.mac, sizeof proof.mac) != 0;
-  FUZZ_CHECK(proof_valid(token, hello, challenge, proof) == (!forged && proof.magic == kHandshakeMagic));
+  FUZZ_CHECK(proof_valid(token, hello, challenge, proof) ==
+             (!forged && proof.magic == kHandshakeMagic));
   FUZZ_CHECK(proof_valid(token, hello, challenge, genuine));
 
   const Challenge mine = make_challenge(token, hello, acceptor);

@@ -35,8 +35,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t factor = in.take<uint8_t>();
   const double raw = in.take<double>();
   const int world = 1 + in.take<uint8_t>();
-  scaling.factor = factor % 8 == 0 ? 1.0 : factor % 8 == 1 ? 0.0 : factor % 8 == 2 ? double(world)
-                   : factor % 8 == 3 ? 1.0 / world : raw;
+  scaling.factor = factor % 8 == 0   ? 1.0
+                   : factor % 8 == 1 ? 0.0
+                   : factor % 8 == 2 ? double(world)
+                   : factor % 8 == 3 ? 1.0 / world
+                                     : raw;
   try {
     cpu::check_conversion(wire, dtype, scaling);
   } catch (const std::invalid_argument&) {

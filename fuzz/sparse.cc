@@ -14,8 +14,8 @@
 //           pieces.
 // Every input ends in success or a ringcomm::Error; anything else thrown escapes and is a crash,
 // as is a read or write outside a buffer (every message and `out` are allocations of exactly their
-// size, null when empty). A message longer than what is left of the input ends it (its sender would have had to
-// send those bytes first). On top of the sanitizers:
+// size, null when empty). A message longer than what is left of the input ends it (its sender would
+// have had to send those bytes first). On top of the sanitizers:
 //   gather: the call succeeds exactly when every block is well-formed (an index encoding of
 //           exactly its size, every index in [0, numel)), whatever the decode buffer held before.
 //   ranges: the owner's additions write only its range; placing the pieces writes only the other
@@ -95,7 +95,8 @@ void run(Input& in) {
       // every rank's block, back to back in the input, decoded as sparse.cc does
       std::vector<SparsePairs> pairs;
       bool ascending = true;
-      for (size_t q = 0, offset = 0, at = 0; q < size_t(n); offset += s.packed[q], at += s.k[q], ++q)
+      for (size_t q = 0, offset = 0, at = 0; q < size_t(n);
+           offset += s.packed[q], at += s.k[q], ++q)
         pairs.push_back(
             decode_block(s, int(q), blocks.get() + offset, decoded.data() + at, &ascending));
       reduce_decoded(s, pairs, ascending, seen.data(), out.get(), ReduceOp::kAvg);
@@ -121,7 +122,8 @@ void run(Input& in) {
   const size_t n_touched = add_owned_pairs(s, incoming.get(), from, out.get(), touched.data());
   FUZZ_CHECK(n_touched == size_t(std::count(touched.begin(), touched.end(), 1)));
   FUZZ_CHECK(n_touched + size_t(std::count(touched.begin(), touched.end(), 0)) == len);
-  FUZZ_CHECK(untouched_outside(out.get(), out_bytes, begin * s.out_size, (begin + len) * s.out_size));
+  FUZZ_CHECK(
+      untouched_outside(out.get(), out_bytes, begin * s.out_size, (begin + len) * s.out_size));
   // Step 3: what add_owned_pairs left in my range must survive placing the others' pieces.
   std::vector<size_t> piece_sizes(n);
   for (size_t& p : piece_sizes) p = word();

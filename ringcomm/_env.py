@@ -1,6 +1,7 @@
 """The environment the Python layer reads, through the core's table of knobs (common/knobs.h):
 the same names, types, defaults and parse rules as the core's readers. A name the table does not
 list raises RuntimeError; a value the knob does not take raises ValueError."""
+
 from __future__ import annotations
 
 from typing import Optional

@@ -8,6 +8,7 @@ built() only loads a finished build (fusion.py and cuda.py read tensor lists wit
 is, in Python where it is not). Of ringcomm, this module imports only the core and its knobs,
 so any module can import it.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -36,8 +37,10 @@ def sources() -> Path:
     for root in (_PACKAGE.parent / "csrc", _PACKAGE / "_csrc"):
         if (root / "torch" / "backend.cc").is_file():
             return root
-    raise RuntimeError(f"ringcomm: the backend's C++ sources are missing (looked in "
-                       f"{_PACKAGE.parent / 'csrc'} and {_PACKAGE / '_csrc'}); reinstall ringcomm")
+    raise RuntimeError(
+        f"ringcomm: the backend's C++ sources are missing (looked in "
+        f"{_PACKAGE.parent / 'csrc'} and {_PACKAGE / '_csrc'}); reinstall ringcomm"
+    )
 
 
 def build_dir(csrc: Path) -> Path:

@@ -4,6 +4,7 @@
     python -m ringcomm._knobs                              # print the section
     python -m ringcomm._knobs --write docs/configuration.md   # replace it between the markers
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,14 @@ from . import _C
 BEGIN = "<!-- knobs: begin (python -m ringcomm._knobs --write docs/configuration.md) -->"
 END = "<!-- knobs: end -->"
 
-_TYPES = {"int": "int", "size": "bytes", "flag": "flag", "switch": "0 or 1", "string": "string",
-          "path": "path"}
+_TYPES = {
+    "int": "int",
+    "size": "bytes",
+    "flag": "flag",
+    "switch": "0 or 1",
+    "string": "string",
+    "path": "path",
+}
 
 
 def _type(row: dict) -> str:
@@ -26,7 +33,9 @@ def _type(row: dict) -> str:
 
 def _default(row: dict) -> str:
     text = row["default"]
-    return text[1:-1] if text.startswith("(") and text.endswith(")") else f"`{text}`" if text else ""
+    return (
+        text[1:-1] if text.startswith("(") and text.endswith(")") else f"`{text}`" if text else ""
+    )
 
 
 def markdown() -> str:
@@ -36,8 +45,13 @@ def markdown() -> str:
     for row in _C.knobs():
         if row["section"] != section:
             section = row["section"]
-            lines += ["", f"### {section}", "", "| variable | type | default | meaning |",
-                      "|---|---|---|---|"]
+            lines += [
+                "",
+                f"### {section}",
+                "",
+                "| variable | type | default | meaning |",
+                "|---|---|---|---|",
+            ]
         lines.append(f"| `{row['name']}` | {_type(row)} | {_default(row)} | {row['doc']} |")
     return "\n".join(lines[1:]) + "\n"
 
@@ -49,8 +63,11 @@ def splice(page: str, section: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ringcomm._knobs", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m ringcomm._knobs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--write", metavar="FILE", help="replace the section between the markers")
     args = parser.parse_args(argv)
     if not args.write:

@@ -35,6 +35,7 @@ lag=k working k slices behind. Broadcast and reduce programs are written for roo
 renumbers the ranks from the root it is given. The steps where a block becomes complete (where
 op="avg" divides) are found by the check.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -62,8 +63,13 @@ class Program:
 
     __slots__ = ("collective", "blocks", "pipeline", "slice_bytes", "steps")
 
-    def __init__(self, blocks: int, collective: str = "all_reduce", pipeline: str = "step",
-                 slice_bytes: Optional[int] = None):
+    def __init__(
+        self,
+        blocks: int,
+        collective: str = "all_reduce",
+        pipeline: str = "step",
+        slice_bytes: Optional[int] = None,
+    ):
         if collective not in COLLECTIVES:
             raise ValueError(f"collective {collective!r}: one of {', '.join(COLLECTIVES)}")
         if pipeline not in ("step", "slice"):
@@ -75,8 +81,9 @@ class Program:
         self.steps = []  # (primitive code, block, src, dst, incoming_first, lag)
 
     def _add(self, prim, block, src=-1, dst=-1, incoming_first=False, lag=0):
-        self.steps.append((_PRIMITIVES[prim], int(block), int(src), int(dst), bool(incoming_first),
-                           int(lag)))
+        self.steps.append(
+            (_PRIMITIVES[prim], int(block), int(src), int(dst), bool(incoming_first), int(lag))
+        )
         return self
 
     def send(self, block: int, dst: int, lag: int = 0):
@@ -91,17 +98,21 @@ class Program:
     def recv_reduce(self, block: int, src: int, incoming_first: bool = False, lag: int = 0):
         return self._add("recv_reduce", block, src, incoming_first=incoming_first, lag=lag)
 
-    def recv_reduce_send(self, block: int, src: int, dst: int, incoming_first: bool = False,
-                         lag: int = 0):
+    def recv_reduce_send(
+        self, block: int, src: int, dst: int, incoming_first: bool = False, lag: int = 0
+    ):
         return self._add("recv_reduce_send", block, src, dst, incoming_first, lag)
 
     def exchange_reduce(self, block: int, peer: int, incoming_first: bool = False, lag: int = 0):
-        return self._add("exchange_reduce", block, dst=peer, incoming_first=incoming_first,
-                         lag=lag)
+        return self._add("exchange_reduce", block, dst=peer, incoming_first=incoming_first, lag=lag)
 
     def _shape(self):
-        return (self.collective, self.blocks, self.pipeline,
-                -1 if self.slice_bytes is None else self.slice_bytes)
+        return (
+            self.collective,
+            self.blocks,
+            self.pipeline,
+            -1 if self.slice_bytes is None else self.slice_bytes,
+        )
 
 
 def _sized(algorithm: Algorithm) -> bool:
@@ -128,29 +139,35 @@ def _lists(name: str, algorithm: Algorithm, n: int, nbytes: int = 0) -> tuple:
         try:
             program = algorithm(rank, n, size_class(nbytes)) if sized else algorithm(rank, n)
         except Exception as e:
-            raise ValueError(f"algorithm {name!r} ({n} ranks): rank {rank}'s program raised "
-                             f"{type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"algorithm {name!r} ({n} ranks): rank {rank}'s program raised "
+                f"{type(e).__name__}: {e}"
+            ) from e
         if not isinstance(program, Program):
-            raise ValueError(f"algorithm {name!r} ({n} ranks): rank {rank}'s program is a "
-                             f"{type(program).__name__}, not a ringcomm.algorithms.Program")
+            raise ValueError(
+                f"algorithm {name!r} ({n} ranks): rank {rank}'s program is a "
+                f"{type(program).__name__}, not a ringcomm.algorithms.Program"
+            )
         if programs and program._shape() != programs[0]._shape():
             words = ("collective", "blocks", "pipeline", "slice_bytes")
             a, b = programs[0]._shape(), program._shape()
             diff = next(w for w, x, y in zip(words, a, b) if x != y)
-            raise ValueError(f"algorithm {name!r} ({n} ranks): rank {rank}'s program has "
-                             f"{diff} {getattr(program, diff)!r} where rank 0's has "
-                             f"{getattr(programs[0], diff)!r}")
+            raise ValueError(
+                f"algorithm {name!r} ({n} ranks): rank {rank}'s program has "
+                f"{diff} {getattr(program, diff)!r} where rank 0's has "
+                f"{getattr(programs[0], diff)!r}"
+            )
         programs.append(program)
-    return programs[0]._shape() + (size_class(nbytes) if sized else -1,
-                                   [p.steps for p in programs])
+    return programs[0]._shape() + (size_class(nbytes) if sized else -1, [p.steps for p in programs])
 
 
 def _name_of(algorithm: Algorithm) -> str:
     return getattr(algorithm, "__name__", type(algorithm).__name__)
 
 
-def check(algorithm: Algorithm, world_sizes: Iterable[int],
-          sizes: Optional[Iterable[int]] = None) -> dict:
+def check(
+    algorithm: Algorithm, world_sizes: Iterable[int], sizes: Optional[Iterable[int]] = None
+) -> dict:
     """Runs every rank's program among each of `world_sizes` ranks symbolically, as the core's
     executor would, and raises ValueError, naming the rank, the step and the block, unless: every
     step names a block and another rank; the programs fit together (no deadlock, every message
@@ -167,18 +184,28 @@ def check(algorithm: Algorithm, world_sizes: Iterable[int],
     if not _sized(algorithm):
         return {n: _C.check_algorithm(name, _lists(name, algorithm, n)) for n in world_sizes}
     classes = sorted({size_class(b) for b in (SIZE_CLASSES if sizes is None else sizes)})
-    return {(n, c): _C.check_algorithm(name, _lists(name, algorithm, n, c))
-            for n in world_sizes for c in classes}
+    return {
+        (n, c): _C.check_algorithm(name, _lists(name, algorithm, n, c))
+        for n in world_sizes
+        for c in classes
+    }
 
 
 _registered: dict[str, Algorithm] = {}
 _loaded_files: set[str] = set()
-_BUILT_IN = set(_C.ALGORITHM_CODES) | set(_C.SPARSE_ALGORITHM_CODES) | {
-    "chain", "binomial", "dissemination", "direct", "nccl", "one_shot", "registered"}
+_BUILT_IN = (
+    set(_C.ALGORITHM_CODES)
+    | set(_C.SPARSE_ALGORITHM_CODES)
+    | {"chain", "binomial", "dissemination", "direct", "nccl", "one_shot", "registered"}
+)
 
 
-def register(name: str, algorithm: Algorithm, world_sizes: Optional[Iterable[int]] = None,
-             sizes: Optional[Iterable[int]] = None):
+def register(
+    name: str,
+    algorithm: Algorithm,
+    world_sizes: Optional[Iterable[int]] = None,
+    sizes: Optional[Iterable[int]] = None,
+):
     """Registers `algorithm` (a function of (rank, world_size), or of (rank, world_size, nbytes),
     returning that rank's Program) under `name`, for `comm.<collective>(..., algorithm=name)` and
     RINGCOMM_ALGO=name (all_reduce). Checks it first among each of `world_sizes` ranks (default:
@@ -193,8 +220,9 @@ def register(name: str, algorithm: Algorithm, world_sizes: Optional[Iterable[int
     if name in _BUILT_IN:
         raise ValueError(f"algorithm name {name!r} is a built-in algorithm's")
     if not callable(algorithm):
-        raise TypeError(f"algorithm {name!r}: a function of (rank, world_size), got "
-                        f"{type(algorithm).__name__}")
+        raise TypeError(
+            f"algorithm {name!r}: a function of (rank, world_size), got {type(algorithm).__name__}"
+        )
     if world_sizes is None:
         size = env_int("WORLD_SIZE")
         world_sizes = [size] if size is not None and size > 1 else []

@@ -1,12 +1,13 @@
 """GradientAverager: averages .grad over all ranks in fused buckets, for training loops without DDP.
 
-    averager = ringcomm.GradientAverager(model.parameters(), comm, compression="bf16")
-    for batch in data:
-        loss = model(batch).sum()
-        loss.backward()           # buckets start as soon as all their gradients are ready
-        averager.step()           # waits: every .grad now holds the average over all ranks
-        optimizer.step(); optimizer.zero_grad()
+averager = ringcomm.GradientAverager(model.parameters(), comm, compression="bf16")
+for batch in data:
+    loss = model(batch).sum()
+    loss.backward()           # buckets start as soon as all their gradients are ready
+    averager.step()           # waits: every .grad now holds the average over all ranks
+    optimizer.step(); optimizer.zero_grad()
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,11 @@ from ._buffers import TORCH_DTYPES, op_code
 from .compress import Bucket, Compressor
 from .fusion import DEFAULT_BUCKET_BYTES, FLOAT32, BufferList, check_bucket_bytes
 
-COMPRESSION = {None: FLOAT32, "fp16": TORCH_DTYPES[torch.float16],
-               "bf16": TORCH_DTYPES[torch.bfloat16]}
+COMPRESSION = {
+    None: FLOAT32,
+    "fp16": TORCH_DTYPES[torch.float16],
+    "bf16": TORCH_DTYPES[torch.bfloat16],
+}
 SUM = op_code("sum")
 
 
@@ -52,9 +56,11 @@ class GradientAverager:
     def __init__(self, params, comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression=None):
         self._compressor = compression if isinstance(compression, Compressor) else None
         if self._compressor is None and compression not in COMPRESSION:
-            raise ValueError(f"compression must be None, 'fp16', 'bf16' or a "
-                             f"ringcomm.compress.Compressor (ringcomm.hooks.TopKState, "
-                             f"QuantizeState, PowerSGDState, ...), got {compression!r}")
+            raise ValueError(
+                f"compression must be None, 'fp16', 'bf16' or a "
+                f"ringcomm.compress.Compressor (ringcomm.hooks.TopKState, "
+                f"QuantizeState, PowerSGDState, ...), got {compression!r}"
+            )
         self._comm = comm
         self._wire = FLOAT32 if self._compressor is not None else COMPRESSION[compression]
         self._bucket_bytes = check_bucket_bytes(bucket_bytes)
@@ -65,11 +71,15 @@ class GradientAverager:
             if not (p.requires_grad and p.is_leaf):
                 raise ValueError(f"params[{i}] must be a leaf tensor that requires grad")
             if p.device.type not in ("cpu", "cuda") or not p.dtype.is_floating_point:
-                raise ValueError(f"params[{i}] must be a floating CPU or CUDA tensor, got "
-                                 f"{p.dtype} on {p.device}")
+                raise ValueError(
+                    f"params[{i}] must be a floating CPU or CUDA tensor, got "
+                    f"{p.dtype} on {p.device}"
+                )
             if unique and p.device != unique[0].device:
-                raise ValueError(f"params[{i}] is on {p.device}, params[0] on "
-                                 f"{unique[0].device}: one device per GradientAverager")
+                raise ValueError(
+                    f"params[{i}] is on {p.device}, params[0] on "
+                    f"{unique[0].device}: one device per GradientAverager"
+                )
             if id(p) not in seen:  # shared parameters are averaged once
                 seen.add(id(p))
                 unique.append(p)
@@ -88,10 +98,11 @@ class GradientAverager:
         parameter gets a bucket of its own)."""
         buckets, size = [], 0
         for p in params:
-            wire_size = 2 if p.dtype == torch.float32 and self._wire != FLOAT32 else p.element_size()
+            wire_size = (
+                2 if p.dtype == torch.float32 and self._wire != FLOAT32 else p.element_size()
+            )
             nbytes = p.numel() * wire_size
-            if (not buckets or buckets[-1][0].dtype != p.dtype
-                    or size + nbytes > self._bucket_bytes):
+            if not buckets or buckets[-1][0].dtype != p.dtype or size + nbytes > self._bucket_bytes:
                 buckets.append([])
                 size = 0
             buckets[-1].append(p)
@@ -125,7 +136,8 @@ class GradientAverager:
             raise RuntimeError(
                 "a gradient was accumulated twice before GradientAverager.step(): its bucket may "
                 "already be on the wire. Call step() after each backward, or accumulate inside "
-                "averager.no_sync()")
+                "averager.no_sync()"
+            )
         self._ready.add(id(p))
         b = self._bucket_of[id(p)]
         self._missing[b] -= 1
@@ -151,17 +163,28 @@ class GradientAverager:
             self._works.append(self._launch_cuda(grads))
             return
         bufs = BufferList(grads, "gradients")
-        work = _C.all_reduce_coalesced(self._comm._core, bufs.ptrs, bufs.counts, bufs.dtypes, SUM,
-                                       self._bucket_bytes, self._wire, 1.0 / self._comm.world_size,
-                                       True)
+        work = _C.all_reduce_coalesced(
+            self._comm._core,
+            bufs.ptrs,
+            bufs.counts,
+            bufs.dtypes,
+            SUM,
+            self._bucket_bytes,
+            self._wire,
+            1.0 / self._comm.world_size,
+            True,
+        )
         self._works.append((work, grads, None))  # the gradients stay alive until it is done
 
     def _launch_cuda(self, grads):
         """A bucket of CUDA gradients: packed on the GPU (scaled by 1/world_size, cast to the wire
         dtype), summed through the communicator's staged all_reduce, unpacked in step()."""
         dtype = grads[0].dtype
-        wire = {FLOAT32: dtype, COMPRESSION["fp16"]: torch.float16,
-                COMPRESSION["bf16"]: torch.bfloat16}[self._wire]
+        wire = {
+            FLOAT32: dtype,
+            COMPRESSION["fp16"]: torch.float16,
+            COMPRESSION["bf16"]: torch.bfloat16,
+        }[self._wire]
         if dtype != torch.float32:
             wire = dtype  # the compressions are for float32 gradients, as on the CPU
         flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / self._comm.world_size)

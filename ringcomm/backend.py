@@ -12,6 +12,7 @@ The backend (csrc/torch/backend.cc, ringcomm._C_torch) is compiled against the i
 the first time it is needed, and cached (_extension.py): load() builds it, built() says whether
 a build is there.
 """
+
 from __future__ import annotations
 
 import threading
@@ -69,8 +70,9 @@ def communicator_of(group=None) -> Communicator:
             return comm
         backend = backend_of(group)
         if backend is None:
-            raise ValueError(f"{group!r} is not a process group with a ringcomm backend for CPU "
-                             "tensors")
+            raise ValueError(
+                f"{group!r} is not a process group with a ringcomm backend for CPU tensors"
+            )
         core = _C.Communicator.from_capsule(backend.communicator_capsule())
         comm = Communicator._borrow(core, timedelta(minutes=10))
         _borrowed[group] = comm

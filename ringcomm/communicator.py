@@ -1,4 +1,5 @@
 """The Communicator: rendezvous through a torch.distributed Store, collectives on tensors."""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,15 @@ import torch.distributed as dist
 from . import _C, device, fusion, launch, staging, trace
 from .stats import BucketStats
 from .compress import TOPK_DTYPES
-from ._buffers import (ALGORITHMS, FLOATING, SPARSE_ALGORITHMS, TORCH_DTYPES, Buffer,
-                       algorithm_code, op_code)
+from ._buffers import (
+    ALGORITHMS,
+    FLOATING,
+    SPARSE_ALGORITHMS,
+    TORCH_DTYPES,
+    Buffer,
+    algorithm_code,
+    op_code,
+)
 
 RingcommError = _C.RingcommError
 CollectiveTimeoutError = _C.CollectiveTimeoutError
@@ -26,6 +34,7 @@ def _error_of(core_work) -> Optional[RingcommError]:
     """The failed operation's error, as the class of its kind; None if it succeeded."""
     message = core_work.error()
     return _C.error_types[core_work.error_kind()](message) if message else None
+
 
 logger = logging.getLogger("ringcomm")
 # The device transports a Communicator tries for its CUDA tensors (ringcomm.device), in order;
@@ -156,21 +165,30 @@ class Communicator:
     staged through pinned host memory (ringcomm/staging.py), which is logged at INFO once.
     """
 
-    def __init__(self, store, rank: int, world_size: int,
-                 timeout: timedelta = timedelta(minutes=10), name: Optional[str] = None,
-                 device_transports: Sequence[str] = DEVICE_TRANSPORTS):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        timeout: timedelta = timedelta(minutes=10),
+        name: Optional[str] = None,
+        device_transports: Sequence[str] = DEVICE_TRANSPORTS,
+    ):
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
         self.rank, self.world_size, self.timeout = int(rank), int(world_size), timeout
         unknown = [t for t in device_transports if t not in DEVICE_TRANSPORTS]
         if unknown:
-            raise ValueError(f"device_transports must be some of {DEVICE_TRANSPORTS}, got "
-                             f"{tuple(device_transports)}")
+            raise ValueError(
+                f"device_transports must be some of {DEVICE_TRANSPORTS}, got "
+                f"{tuple(device_transports)}"
+            )
         name = name if name is not None else f"comm{next(_instance_counter)}"
         store = dist.PrefixStore(f"ringcomm/{name}", store)
         self._device_init(store, tuple(device_transports))
-        self._core = _C.Communicator(self.rank, self.world_size, timeout.total_seconds(),
-                                     os.environ.get("MASTER_ADDR", ""))
+        self._core = _C.Communicator(
+            self.rank, self.world_size, timeout.total_seconds(), os.environ.get("MASTER_ADDR", "")
+        )
 
         def get(key):
             store.wait([key], timeout)
@@ -217,13 +235,24 @@ class Communicator:
             else:
                 try:
                     path = device.DeviceCommunicator(
-                        self._store, self.rank, self.world_size, where, self.timeout,
-                        self._device_transports, name=f"device{len(self._device_paths)}")
+                        self._store,
+                        self.rank,
+                        self.world_size,
+                        where,
+                        self.timeout,
+                        self._device_transports,
+                        name=f"device{len(self._device_paths)}",
+                    )
                 except device.NoDeviceTransport as e:
                     why = str(e)
             if path is None:
-                logger.info("ringcomm: rank %d of %d stages CUDA tensors on %s through host "
-                            "memory: %s", self.rank, self.world_size, where, why)
+                logger.info(
+                    "ringcomm: rank %d of %d stages CUDA tensors on %s through host memory: %s",
+                    self.rank,
+                    self.world_size,
+                    where,
+                    why,
+                )
             self._device_paths[where.index] = path
             return path
 
@@ -242,8 +271,10 @@ class Communicator:
         if code == 1 and buf.dtype == 8:
             raise TypeError("op avg is undefined on bool")
         if code >= 5 and buf.dtype in FLOATING:
-            raise TypeError(f"op {('band', 'bor', 'bxor')[code - 5]} needs an integer or bool "
-                            f"dtype, got {buf.obj.dtype}")
+            raise TypeError(
+                f"op {('band', 'bor', 'bxor')[code - 5]} needs an integer or bool "
+                f"dtype, got {buf.obj.dtype}"
+            )
         return code
 
     def _check_rank(self, r: int, what: str) -> int:
@@ -290,8 +321,9 @@ class Communicator:
         (ringcomm.algorithms)."""
         code = ALGORITHMS.get(algorithm)
         if code is None:
-            return _C.all_reduce_registered(self._core, buf.ptr, buf.numel, buf.dtype, op,
-                                            algorithm, async_op)
+            return _C.all_reduce_registered(
+                self._core, buf.ptr, buf.numel, buf.dtype, op, algorithm, async_op
+            )
         return self._core.all_reduce(buf.ptr, buf.numel, buf.dtype, op, code, async_op)
 
     def _host_all_reduce(self, tensor: torch.Tensor, op, algorithm: str, on_success) -> Work:
@@ -301,24 +333,30 @@ class Communicator:
         w = self._core_all_reduce(buf, self._check_op(op, buf), algorithm, True)
         return Work(w, tensor, on_success=on_success)
 
-    def reduce_scatter(self, output, input, op="sum", async_op: bool = False,
-                       algorithm: str = "ring"):
+    def reduce_scatter(
+        self, output, input, op="sum", async_op: bool = False, algorithm: str = "ring"
+    ):
         """Reduces `input` (world_size blocks of output.numel() elements, as one tensor or a list
         of world_size tensors) over all ranks; block `rank` of the result lands in `output`.
         `algorithm`: "ring", or one registered by ringcomm.algorithms."""
         out = Buffer(output, "output")
-        flat = torch.cat([t.reshape(-1) for t in input]) if isinstance(input, (list, tuple)) else input
+        flat = (
+            torch.cat([t.reshape(-1) for t in input]) if isinstance(input, (list, tuple)) else input
+        )
         inp = Buffer(flat, "input")
         self._same_dtype(out, inp)
         if inp.numel != out.numel * self.world_size:
-            raise ValueError(f"reduce_scatter input has {inp.numel} elements, expected "
-                             f"world_size * output.numel() = {out.numel * self.world_size}")
+            raise ValueError(
+                f"reduce_scatter input has {inp.numel} elements, expected "
+                f"world_size * output.numel() = {out.numel * self.world_size}"
+            )
         code = self._check_op(op, out)
         if algorithm == "ring":
             w = self._core.reduce_scatter(out.ptr, inp.ptr, out.numel, out.dtype, code, async_op)
         else:
-            w = _C.reduce_scatter_registered(self._core, out.ptr, inp.ptr, out.numel, out.dtype,
-                                             code, algorithm, async_op)
+            w = _C.reduce_scatter_registered(
+                self._core, out.ptr, inp.ptr, out.numel, out.dtype, code, algorithm, async_op
+            )
         return self._finish(w, output, async_op, keep=(flat,))
 
     def all_gather(self, output, input, async_op: bool = False, algorithm: str = "ring"):
@@ -338,7 +376,9 @@ class Communicator:
         if len(counts) != self.world_size or min(counts) < 0:
             raise ValueError(f"counts must be {self.world_size} non-negative sizes, got {counts}")
         if counts[self.rank] != inp.numel:
-            raise ValueError(f"counts[{self.rank}] = {counts[self.rank]} but input has {inp.numel} elements")
+            raise ValueError(
+                f"counts[{self.rank}] = {counts[self.rank]} but input has {inp.numel} elements"
+            )
         as_list = isinstance(output, (list, tuple))
         if as_list:
             if len(output) != self.world_size:
@@ -361,13 +401,23 @@ class Communicator:
         if algorithm == "ring":
             w = self._core.all_gatherv(out.ptr, inp.ptr, counts, out.dtype, async_op)
         else:  # all_gather: every count the same
-            w = _C.all_gather_registered(self._core, out.ptr, inp.ptr, inp.numel, out.dtype,
-                                         algorithm, async_op)
-        return self._finish(w, output, async_op, keep=(flat, input),
-                            on_success=scatter_to_list if as_list else None)
+            w = _C.all_gather_registered(
+                self._core, out.ptr, inp.ptr, inp.numel, out.dtype, algorithm, async_op
+            )
+        return self._finish(
+            w, output, async_op, keep=(flat, input), on_success=scatter_to_list if as_list else None
+        )
 
-    def sparse_all_reduce(self, indices, values, numel: int, out=None, op="sum",
-                          algorithm: str = "auto", async_op: bool = False):
+    def sparse_all_reduce(
+        self,
+        indices,
+        values,
+        numel: int,
+        out=None,
+        op="sum",
+        algorithm: str = "auto",
+        async_op: bool = False,
+    ):
         """Dense sum (op="avg": average) over ranks of every rank's (indices, values) pairs.
 
         indices: int32 tensor of k positions in [0, numel) (repeats add up); values: k float32,
@@ -378,13 +428,24 @@ class Communicator:
         a CUDA tensor too.
         """
         if isinstance(values, torch.Tensor) and values.is_cuda:
-            return staging.sparse_all_reduce(self, indices, values, numel, out, op, algorithm,
-                                             async_op)
-        return self._host_sparse_all_reduce(indices, values, numel, out, op, algorithm, None,
-                                            async_op)
+            return staging.sparse_all_reduce(
+                self, indices, values, numel, out, op, algorithm, async_op
+            )
+        return self._host_sparse_all_reduce(
+            indices, values, numel, out, op, algorithm, None, async_op
+        )
 
-    def _host_sparse_all_reduce(self, indices, values, numel: int, out, op, algorithm: str,
-                                on_success, async_op: bool = True):
+    def _host_sparse_all_reduce(
+        self,
+        indices,
+        values,
+        numel: int,
+        out,
+        op,
+        algorithm: str,
+        on_success,
+        async_op: bool = True,
+    ):
         """sparse_all_reduce of CPU tensors: a Work (running on_success() once it succeeds) with
         async_op, else the result."""
         idx, val = Buffer(indices, "indices"), Buffer(values, "values")
@@ -398,15 +459,25 @@ class Communicator:
         if res.numel != numel:
             raise ValueError(f"out has {res.numel} elements, expected numel = {numel}")
         code = op_code(op)
-        w = self._core.sparse_all_reduce(idx.ptr, val.ptr, idx.numel, val.dtype, res.ptr, numel,
-                                         res.dtype, code, algorithm_code(algorithm, SPARSE_ALGORITHMS),
-                                         async_op)
+        w = self._core.sparse_all_reduce(
+            idx.ptr,
+            val.ptr,
+            idx.numel,
+            val.dtype,
+            res.ptr,
+            numel,
+            res.dtype,
+            code,
+            algorithm_code(algorithm, SPARSE_ALGORITHMS),
+            async_op,
+        )
         if async_op:
             return Work(w, out, keep=(indices, values), on_success=on_success)
         return out
 
-    def compression_costs(self, numel: int, k: int, value_dtype=torch.float32,
-                          out_dtype=torch.float32) -> tuple:
+    def compression_costs(
+        self, numel: int, k: int, value_dtype=torch.float32, out_dtype=torch.float32
+    ) -> tuple:
         """Estimated (sparse, dense) costs of averaging a vector of `numel` elements over the
         ranks, as its top k (index, value) pairs through sparse_all_reduce or whole through
         all_reduce, in seconds by the link model (link_model(); docs/algorithms.md). The same on
@@ -414,8 +485,9 @@ class Communicator:
         for name, dtype in (("value_dtype", value_dtype), ("out_dtype", out_dtype)):
             if dtype not in TOPK_DTYPES:
                 raise TypeError(f"{name} must be float32, float16 or bfloat16, got {dtype}")
-        return self._core.compression_costs(int(numel), int(k), TORCH_DTYPES[value_dtype],
-                                            TORCH_DTYPES[out_dtype])
+        return self._core.compression_costs(
+            int(numel), int(k), TORCH_DTYPES[value_dtype], TORCH_DTYPES[out_dtype]
+        )
 
     def link_model(self) -> dict:
         """The cost model's figures every rank agreed on when connecting (probed, or from
@@ -469,11 +541,16 @@ class Communicator:
         """
         with self._device_lock:
             paths = dict(self._device_paths)
-        return {"collectives": self._core.stats(), "buckets": self.bucket_stats.as_dict(),
-                "bytes_sent": self.bytes_sent_by_transport(), "idle_s": self._core.idle_s,
-                "cpu_moves": self._core.cpu_moves,
-                "device": {f"cuda:{i}": "host" if p is None else p.transport
-                           for i, p in sorted(paths.items())}}
+        return {
+            "collectives": self._core.stats(),
+            "buckets": self.bucket_stats.as_dict(),
+            "bytes_sent": self.bytes_sent_by_transport(),
+            "idle_s": self._core.idle_s,
+            "cpu_moves": self._core.cpu_moves,
+            "device": {
+                f"cuda:{i}": "host" if p is None else p.transport for i, p in sorted(paths.items())
+            },
+        }
 
     def broadcast(self, tensor, src: int, async_op: bool = False, algorithm: str = "auto"):
         """`algorithm`: "auto" (a binomial tree or a chain, by size), or one registered by
@@ -483,8 +560,9 @@ class Communicator:
         if algorithm == "auto":
             w = self._core.broadcast(buf.ptr, buf.numel, buf.dtype, src, async_op)
         else:
-            w = _C.broadcast_registered(self._core, buf.ptr, buf.numel, buf.dtype, src, algorithm,
-                                        async_op)
+            w = _C.broadcast_registered(
+                self._core, buf.ptr, buf.numel, buf.dtype, src, algorithm, async_op
+            )
         return self._finish(w, tensor, async_op)
 
     def reduce(self, tensor, dst: int, op="sum", async_op: bool = False, algorithm: str = "auto"):
@@ -497,8 +575,9 @@ class Communicator:
         if algorithm == "auto":
             w = self._core.reduce(buf.ptr, buf.numel, buf.dtype, code, dst, async_op)
         else:
-            w = _C.reduce_registered(self._core, buf.ptr, buf.numel, buf.dtype, code, dst,
-                                     algorithm, async_op)
+            w = _C.reduce_registered(
+                self._core, buf.ptr, buf.numel, buf.dtype, code, dst, algorithm, async_op
+            )
         return self._finish(w, tensor, async_op)
 
     def barrier(self, async_op: bool = False):
@@ -526,12 +605,19 @@ class Communicator:
         """inputs[q] goes to rank q, where it lands in outputs[rank]: world_size tensors of one
         dtype on each side, of any sizes as long as each pair agrees."""
         ins = [Buffer(t, f"inputs[{q}]") for q, t in enumerate(self._per_rank(inputs, "inputs"))]
-        outs = [Buffer(t, f"outputs[{q}]") for q, t in enumerate(self._per_rank(outputs, "outputs"))]
+        outs = [
+            Buffer(t, f"outputs[{q}]") for q, t in enumerate(self._per_rank(outputs, "outputs"))
+        ]
         for b in ins[1:] + outs:
             self._same_dtype(ins[0], b)
-        w = self._core.all_to_all([b.ptr for b in ins], [b.numel for b in ins],
-                                  [b.ptr for b in outs], [b.numel for b in outs], ins[0].dtype,
-                                  async_op)
+        w = self._core.all_to_all(
+            [b.ptr for b in ins],
+            [b.numel for b in ins],
+            [b.ptr for b in outs],
+            [b.numel for b in outs],
+            ins[0].dtype,
+            async_op,
+        )
         return self._finish(w, outputs, async_op, keep=(inputs, outputs))
 
     def _per_rank(self, tensors, what):
@@ -575,23 +661,40 @@ class Communicator:
 
     # -- coalesced collectives (fusion.py): grouped by dtype, fused into buckets, pipelined --
 
-    def all_reduce_coalesced(self, tensors, op="sum", bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
-                             async_op: bool = False):
+    def all_reduce_coalesced(
+        self,
+        tensors,
+        op="sum",
+        bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
+        async_op: bool = False,
+    ):
         """all_reduce of every tensor in the list, in place, as a few fused operations (buckets of
         at most `bucket_bytes`). Each result is bitwise what `all_reduce(t, op)` gives."""
         return fusion.all_reduce_coalesced(self, tensors, op, bucket_bytes, async_op)
 
-    def broadcast_coalesced(self, tensors, src: int,
-                            bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES, async_op: bool = False):
+    def broadcast_coalesced(
+        self,
+        tensors,
+        src: int,
+        bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
+        async_op: bool = False,
+    ):
         """broadcast of every tensor in the list from rank `src`, fused into buckets."""
         return fusion.broadcast_coalesced(self, tensors, src, bucket_bytes, async_op)
 
-    def all_gather_coalesced(self, output_lists, input_tensors,
-                             bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES, async_op: bool = False):
+    def all_gather_coalesced(
+        self,
+        output_lists,
+        input_tensors,
+        bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
+        async_op: bool = False,
+    ):
         """all_gather of every tensor in `input_tensors`, fused into buckets:
         output_lists[r][i] (world_size lists, tensors like the inputs) receives rank r's
         input_tensors[i]."""
-        return fusion.all_gather_coalesced(self, output_lists, input_tensors, bucket_bytes, async_op)
+        return fusion.all_gather_coalesced(
+            self, output_lists, input_tensors, bucket_bytes, async_op
+        )
 
     def _check_peer(self, peer, what):
         peer = self._check_rank(peer, what)
@@ -660,8 +763,13 @@ class Communicator:
         return f"ringcomm.Communicator(rank={self.rank}, world_size={self.world_size})"
 
 
-def init(store=None, rank: Optional[int] = None, world_size: Optional[int] = None,
-         timeout: timedelta = timedelta(minutes=10), name: Optional[str] = None) -> Communicator:
+def init(
+    store=None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout: timedelta = timedelta(minutes=10),
+    name: Optional[str] = None,
+) -> Communicator:
     """Creates a Communicator.
 
     Without arguments: reuses torch.distributed's default store (under a prefix) when a process
@@ -671,6 +779,7 @@ def init(store=None, rank: Optional[int] = None, world_size: Optional[int] = Non
     """
     if store is None and dist.is_available() and dist.is_initialized():
         from torch.distributed.distributed_c10d import _get_default_store
+
         store = _get_default_store()
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size

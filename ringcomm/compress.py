@@ -30,6 +30,7 @@ take it as it is):
 
     ddp.register_comm_hook(Bfloat16Feedback(), ringcomm.hooks.compressor_hook)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,8 +78,9 @@ def topk(t: torch.Tensor, k: int):
         return cuda.topk(t, k)
     _check(t, "tensor")
     k, values, indices = _outputs(t, k)
-    _C.topk_kernel(TORCH_DTYPES[t.dtype], t.data_ptr(), t.numel(), k, indices.data_ptr(),
-                   values.data_ptr())
+    _C.topk_kernel(
+        TORCH_DTYPES[t.dtype], t.data_ptr(), t.numel(), k, indices.data_ptr(), values.data_ptr()
+    )
     return values, indices
 
 
@@ -92,20 +94,30 @@ def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int, value
     _check(grad, "grad")
     _check(residual, "residual")
     if residual.dtype != grad.dtype or residual.numel() != grad.numel():
-        raise ValueError(f"residual ({residual.dtype}, {residual.numel()} elements) must match "
-                         f"grad ({grad.dtype}, {grad.numel()} elements)")
+        raise ValueError(
+            f"residual ({residual.dtype}, {residual.numel()} elements) must match "
+            f"grad ({grad.dtype}, {grad.numel()} elements)"
+        )
     value_dtype = grad.dtype if value_dtype is None else value_dtype
     if value_dtype not in TOPK_DTYPES:
         raise TypeError(f"value_dtype must be one of {TOPK_DTYPES}, got {value_dtype}")
     k, _, indices = _outputs(grad, k)
     values = torch.empty(k, dtype=value_dtype)
-    _C.topk_with_residual_kernel(TORCH_DTYPES[grad.dtype], grad.data_ptr(), residual.data_ptr(),
-                                 grad.numel(), k, indices.data_ptr(), values.data_ptr(),
-                                 TORCH_DTYPES[value_dtype])
+    _C.topk_with_residual_kernel(
+        TORCH_DTYPES[grad.dtype],
+        grad.data_ptr(),
+        residual.data_ptr(),
+        grad.numel(),
+        k,
+        indices.data_ptr(),
+        values.data_ptr(),
+        TORCH_DTYPES[value_dtype],
+    )
     return values, indices
 
 
 # -- 8-bit quantization (kernels/quantize_math.h) ------------------------------------------------
+
 
 def _check_quantized(t: torch.Tensor, name: str, device: torch.device, dtypes=QUANTIZE_DTYPES):
     if not isinstance(t, torch.Tensor):
@@ -141,12 +153,15 @@ def quantize_chunks(numel: int, chunk: int) -> int:
 def _ranges_of(numel: int, chunk: int, ranges: torch.Tensor, device: torch.device):
     _check_quantized(ranges, "ranges", device, (torch.float32,))
     if ranges.numel() != 2 * quantize_chunks(numel, chunk):
-        raise ValueError(f"ranges has {ranges.numel()} elements; {numel} elements in chunks of "
-                         f"{chunk} need {2 * quantize_chunks(numel, chunk)}")
+        raise ValueError(
+            f"ranges has {ranges.numel()} elements; {numel} elements in chunks of "
+            f"{chunk} need {2 * quantize_chunks(numel, chunk)}"
+        )
 
 
-def quantize_ranges(grad: torch.Tensor, residual: Optional[torch.Tensor], chunk: int
-                    ) -> torch.Tensor:
+def quantize_ranges(
+    grad: torch.Tensor, residual: Optional[torch.Tensor], chunk: int
+) -> torch.Tensor:
     """Error feedback and the ranges to agree on: with a residual, residual += grad (in place, in
     float, stored in their dtype); then per chunk of `chunk` elements of the residual (of grad
     without one), (-min, max) as float32, zeros made +0. All-reduced with op "max", they give
@@ -157,18 +172,31 @@ def quantize_ranges(grad: torch.Tensor, residual: Optional[torch.Tensor], chunk:
         _check_quantized(residual, "residual", device, (grad.dtype,))
         if residual.numel() != grad.numel():
             raise ValueError(f"residual has {residual.numel()} elements, grad {grad.numel()}")
-    ranges = torch.empty(2 * quantize_chunks(grad.numel(), chunk), dtype=torch.float32,
-                         device=device)
+    ranges = torch.empty(
+        2 * quantize_chunks(grad.numel(), chunk), dtype=torch.float32, device=device
+    )
     kernel, stream = _kernel(device, "quantize_ranges")
     with _on(device):
-        kernel(TORCH_DTYPES[grad.dtype], grad.data_ptr(),
-               0 if residual is None else residual.data_ptr(), grad.numel(), int(chunk),
-               ranges.data_ptr(), *stream)
+        kernel(
+            TORCH_DTYPES[grad.dtype],
+            grad.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
+            grad.numel(),
+            int(chunk),
+            ranges.data_ptr(),
+            *stream,
+        )
     return ranges
 
 
-def quantize(source: torch.Tensor, ranges: torch.Tensor, chunk: int, levels: int,
-             error: Optional[torch.Tensor] = None, key: Optional[int] = None) -> torch.Tensor:
+def quantize(
+    source: torch.Tensor,
+    ranges: torch.Tensor,
+    chunk: int,
+    levels: int,
+    error: Optional[torch.Tensor] = None,
+    key: Optional[int] = None,
+) -> torch.Tensor:
     """uint8 codes of `source` under the agreed `ranges` (quantize_ranges, all-reduced with max),
     `levels` steps per chunk (1 .. 255): floor((x - lo) / step + 1/2), or with `key` (an int, the
     random stream) stochastic rounding, floor((x - lo) / step + u) with u uniform in [0, 1) drawn
@@ -184,15 +212,30 @@ def quantize(source: torch.Tensor, ranges: torch.Tensor, chunk: int, levels: int
     codes = torch.empty(source.numel(), dtype=torch.uint8, device=device)
     kernel, stream = _kernel(device, "quantize")
     with _on(device):
-        kernel(TORCH_DTYPES[source.dtype], source.data_ptr(),
-               0 if error is None else error.data_ptr(), source.numel(), int(chunk),
-               ranges.data_ptr(), int(levels), key is not None,
-               0 if key is None else int(key) % (1 << 64), codes.data_ptr(), *stream)
+        kernel(
+            TORCH_DTYPES[source.dtype],
+            source.data_ptr(),
+            0 if error is None else error.data_ptr(),
+            source.numel(),
+            int(chunk),
+            ranges.data_ptr(),
+            int(levels),
+            key is not None,
+            0 if key is None else int(key) % (1 << 64),
+            codes.data_ptr(),
+            *stream,
+        )
     return codes
 
 
-def dequantize_mean(sums: torch.Tensor, ranges: torch.Tensor, chunk: int, levels: int, world: int,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def dequantize_mean(
+    sums: torch.Tensor,
+    ranges: torch.Tensor,
+    chunk: int,
+    levels: int,
+    world: int,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The mean of `world` ranks' quantized values whose codes summed to `sums` (uint8):
     lo + step (sum / world), into `out` (float32, float16 or bfloat16; default a new float32
     tensor), which is returned."""
@@ -206,12 +249,22 @@ def dequantize_mean(sums: torch.Tensor, ranges: torch.Tensor, chunk: int, levels
         raise ValueError(f"out has {out.numel()} elements, sums {sums.numel()}")
     kernel, stream = _kernel(device, "dequantize_mean")
     with _on(device):
-        kernel(sums.data_ptr(), sums.numel(), int(chunk), ranges.data_ptr(), int(levels),
-               int(world), TORCH_DTYPES[out.dtype], out.data_ptr(), *stream)
+        kernel(
+            sums.data_ptr(),
+            sums.numel(),
+            int(chunk),
+            ranges.data_ptr(),
+            int(levels),
+            int(world),
+            TORCH_DTYPES[out.dtype],
+            out.data_ptr(),
+            *stream,
+        )
     return out
 
 
 # -- choices that change results: sizes and an agreed, recorded model, never timing --------------
+
 
 def model_is_pinned() -> bool:
     """Whether the communicators' own algorithm choices replay from run to run: their link model
@@ -242,8 +295,9 @@ class SparseChoice:
     dense_cost: float
 
 
-def sparse_choice(comm, numel: int, k: int, value_dtype=torch.float32,
-                  out_dtype=torch.float32) -> SparseChoice:
+def sparse_choice(
+    comm, numel: int, k: int, value_dtype=torch.float32, out_dtype=torch.float32
+) -> SparseChoice:
     """Top k pairs or the whole vector, by the cost model every rank agrees on: the
     communicator's own where it replays (model_is_pinned()), else the fixed one, whose choice
     follows the sizes alone (docs/algorithms.md, "Compression")."""
@@ -253,7 +307,8 @@ def sparse_choice(comm, numel: int, k: int, value_dtype=torch.float32,
     # The dense way of the sparse all-reduce adds in ring order, gather and ranges in rank order:
     # the way is fixed here, not left to the exchange's estimate by the probed model.
     sparse_cost, dense_cost, way = _C.fixed_compression_costs(
-        comm._core, int(numel), int(k), TORCH_DTYPES[value_dtype], TORCH_DTYPES[out_dtype])
+        comm._core, int(numel), int(k), TORCH_DTYPES[value_dtype], TORCH_DTYPES[out_dtype]
+    )
     return SparseChoice(sparse_cost < dense_cost, way, sparse_cost, dense_cost)
 
 
@@ -270,6 +325,7 @@ def average_densely(comm, tensor: torch.Tensor, async_op: bool = True):
 
 
 # -- what a compressor works on and keeps ------------------------------------------------------
+
 
 @dataclass
 class Bucket:
@@ -321,10 +377,10 @@ class CompressionStats:
     steps: int = 0
     compressed_buckets: int = 0
     dense_buckets: int = 0
-    bytes_sent: int = 0             # measured on this rank's connections
-    dense_bytes: int = 0            # what a ring all-reduce of the same buckets would have sent
-    compress_seconds: float = 0.0   # compress(), on the caller's thread
-    exchange_seconds: float = 0.0   # from the exchange's start to the average (decode included)
+    bytes_sent: int = 0  # measured on this rank's connections
+    dense_bytes: int = 0  # what a ring all-reduce of the same buckets would have sent
+    compress_seconds: float = 0.0  # compress(), on the caller's thread
+    exchange_seconds: float = 0.0  # from the exchange's start to the average (decode included)
     dense_reasons: dict = field(default_factory=dict)  # why buckets went whole: reason -> count
 
     @property
@@ -343,7 +399,7 @@ class Memory:
     """
 
     def __init__(self):
-        self.tensors = {}   # name -> {slot: tensor}
+        self.tensors = {}  # name -> {slot: tensor}
         self._layouts = {}  # (name, slot) -> the layout its tensor was kept for
         self._retired = []  # tensors replaced this step: (name, tensor, layout), for their pieces
         self._prepared = []  # [zeroed block, elements handed out, prepared this step]
@@ -361,8 +417,13 @@ class Memory:
             slot, layout = bucket, None
         store = self.named(name)
         t, known = store.get(slot), self._layouts.get((name, slot))
-        if t is not None and t.shape == like.shape and t.dtype == like.dtype and \
-                t.device == like.device and (layout is None or known is None or known == layout):
+        if (
+            t is not None
+            and t.shape == like.shape
+            and t.dtype == like.dtype
+            and t.device == like.device
+            and (layout is None or known is None or known == layout)
+        ):
             if layout is not None:
                 self._layouts[(name, slot)] = layout
             return t
@@ -386,8 +447,9 @@ class Memory:
         for the digits MLP's big bucket, 4,100 page faults, 100 ms of a 4-rank host's first
         compressed step) overlaps the wait for the network. A block stays allocated whole while
         any tensor carved out of it lives."""
-        self._prepared.append([torch.zeros_like(like, memory_format=torch.contiguous_format), 0,
-                               True])
+        self._prepared.append(
+            [torch.zeros_like(like, memory_format=torch.contiguous_format), 0, True]
+        )
 
     def end_step(self) -> None:
         """Forgets what this step replaced, and the prepared blocks of the step before."""
@@ -397,12 +459,16 @@ class Memory:
             block[2] = False  # prepared this step: for the next one only
 
     def state_dict(self) -> dict:
-        return {name: {slot: t.clone() for slot, t in store.items()}
-                for name, store in self.tensors.items()}
+        return {
+            name: {slot: t.clone() for slot, t in store.items()}
+            for name, store in self.tensors.items()
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.tensors = {name: {int(slot): t.clone() for slot, t in store.items()}
-                        for name, store in state.items()}
+        self.tensors = {
+            name: {int(slot): t.clone() for slot, t in store.items()}
+            for name, store in state.items()
+        }
         self._layouts, self._retired, self._prepared = {}, [], []  # ids do not outlive a process
 
     def _zeros(self, like: torch.Tensor) -> torch.Tensor:
@@ -411,7 +477,7 @@ class Memory:
             t, used, _ = block
             if t.dtype == like.dtype and t.device == like.device and t.numel() - used >= numel:
                 block[1] = used + numel
-                return t[used:used + numel]
+                return t[used : used + numel]
         return torch.zeros(numel, dtype=like.dtype, device=like.device)
 
     def _move_pieces(self, name: str, fresh: torch.Tensor, layout) -> None:
@@ -423,13 +489,13 @@ class Memory:
                 continue
             offset = 0
             for pid, numel in known:
-                pieces.setdefault((pid, numel), t[offset:offset + numel])
+                pieces.setdefault((pid, numel), t[offset : offset + numel])
                 offset += numel
         offset = 0
         for pid, numel in layout:
             piece = pieces.get((pid, numel))
             if piece is not None:
-                fresh[offset:offset + numel].copy_(piece)
+                fresh[offset : offset + numel].copy_(piece)
             offset += numel
 
 
@@ -514,6 +580,7 @@ def rounds(comm, lane: Lane, steps) -> torch.futures.Future:
 
 
 # -- the interface ---------------------------------------------------------------------------
+
 
 @dataclass(kw_only=True, eq=False)
 class Compressor:
@@ -644,8 +711,15 @@ class Compressor:
             return
         self._ways[bucket.slot] = way
         what = f"goes whole ({reason})" if reason else "is compressed"
-        logger.info("%s: bucket %d (%s %s elements) %s from step %d", type(self).__name__,
-                    bucket.slot, f"{numel:,}", str(dtype).replace("torch.", ""), what, self.step)
+        logger.info(
+            "%s: bucket %d (%s %s elements) %s from step %d",
+            type(self).__name__,
+            bucket.slot,
+            f"{numel:,}",
+            str(dtype).replace("torch.", ""),
+            what,
+            self.step,
+        )
 
 
 def as_exception(error: BaseException) -> Exception:
@@ -660,8 +734,6 @@ def rank_key(*words: int) -> int:
     words give unrelated streams, the same words the same stream, on every machine."""
     key = 0
     for w in words:
-        key = (key * 0x100000001b3 + (int(w) & ((1 << 64) - 1)) + 0x9e3779b97f4a7c15) % (1 << 64)
+        key = (key * 0x100000001B3 + (int(w) & ((1 << 64) - 1)) + 0x9E3779B97F4A7C15) % (1 << 64)
         key ^= key >> 29
     return key
-
-

@@ -17,6 +17,7 @@ This module imports ringcomm._C_cuda only on first use, so `import ringcomm` nev
 library; without the extension (no nvcc at install) or without a GPU, `status()` says why and
 every kernel raises RuntimeError with that reason.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,14 +40,18 @@ def _load():
     try:
         from . import _C_cuda
     except ImportError as e:
-        return None, (f"ringcomm was built without its CUDA extension ({e}); reinstall with nvcc "
-                      "on PATH or RINGCOMM_CUDA=1")
+        return None, (
+            f"ringcomm was built without its CUDA extension ({e}); reinstall with nvcc "
+            "on PATH or RINGCOMM_CUDA=1"
+        )
     count, reason = _C_cuda.device_count()
     if count == 0:
         return None, f"no CUDA device visible to ringcomm._C_cuda ({reason})"
     if not torch.cuda.is_available():
-        return None, (f"torch {torch.__version__} has no CUDA (a CPU build, or it sees no device): "
-                      "the kernels take torch CUDA tensors")
+        return None, (
+            f"torch {torch.__version__} has no CUDA (a CPU build, or it sees no device): "
+            "the kernels take torch CUDA tensors"
+        )
     return _C_cuda, None
 
 
@@ -81,8 +86,9 @@ def _check(t: torch.Tensor, name: str, dtypes=None, device: Optional[torch.devic
         raise ValueError(f"{name} is on {t.device}, expected {device}")
     allowed = dtypes if dtypes is not None else TORCH_DTYPES
     if t.dtype not in allowed:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: "
-                        + ", ".join(str(d) for d in allowed))
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; supported: " + ", ".join(str(d) for d in allowed)
+        )
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
 
@@ -98,11 +104,20 @@ def reduce_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op="sum") -> to
     for name, t in (("a", a), ("b", b)):
         _check(t, name, device=out.device)
         if t.dtype != out.dtype or t.numel() != out.numel():
-            raise ValueError(f"{name} ({t.dtype}, {t.numel()} elements) must match out "
-                             f"({out.dtype}, {out.numel()} elements)")
+            raise ValueError(
+                f"{name} ({t.dtype}, {t.numel()} elements) must match out "
+                f"({out.dtype}, {out.numel()} elements)"
+            )
     with torch.cuda.device(out.device):
-        kernels.reduce(TORCH_DTYPES[out.dtype], op_code(op), out.data_ptr(), a.data_ptr(),
-                       b.data_ptr(), out.numel(), _stream(out.device))
+        kernels.reduce(
+            TORCH_DTYPES[out.dtype],
+            op_code(op),
+            out.data_ptr(),
+            a.data_ptr(),
+            b.data_ptr(),
+            out.numel(),
+            _stream(out.device),
+        )
     return out
 
 
@@ -111,8 +126,9 @@ def divide_(x: torch.Tensor, divisor: int) -> torch.Tensor:
     kernels = _kernels()
     _check(x, "x")
     with torch.cuda.device(x.device):
-        kernels.divide(TORCH_DTYPES[x.dtype], x.data_ptr(), x.numel(), int(divisor),
-                       _stream(x.device))
+        kernels.divide(
+            TORCH_DTYPES[x.dtype], x.data_ptr(), x.numel(), int(divisor), _stream(x.device)
+        )
     return x
 
 
@@ -138,13 +154,23 @@ def topk(t: torch.Tensor, k: int):
     k, values, indices = _topk_outputs(t, k)
     with torch.cuda.device(t.device):
         workspace = _workspace(kernels, t)
-        kernels.topk(TORCH_DTYPES[t.dtype], t.data_ptr(), t.numel(), k, indices.data_ptr(),
-                     values.data_ptr(), workspace.data_ptr(), workspace.numel(), _stream(t.device))
+        kernels.topk(
+            TORCH_DTYPES[t.dtype],
+            t.data_ptr(),
+            t.numel(),
+            k,
+            indices.data_ptr(),
+            values.data_ptr(),
+            workspace.data_ptr(),
+            workspace.numel(),
+            _stream(t.device),
+        )
     return values, indices
 
 
-def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int,
-                       value_dtype: Optional[torch.dtype] = None):
+def topk_with_residual(
+    grad: torch.Tensor, residual: torch.Tensor, k: int, value_dtype: Optional[torch.dtype] = None
+):
     """Error feedback: residual += grad; return its top-k as (values, indices), the values as
     `value_dtype` (default grad's dtype), and leave in those entries of `residual` (in place) what
     rounding to value_dtype lost, as ringcomm.compress.topk_with_residual does on the CPU."""
@@ -154,14 +180,25 @@ def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int,
     if value_dtype is not None and value_dtype not in TOPK_DTYPES:
         raise TypeError(f"value_dtype must be one of {TOPK_DTYPES}, got {value_dtype}")
     if residual.dtype != grad.dtype or residual.numel() != grad.numel():
-        raise ValueError(f"residual ({residual.dtype}, {residual.numel()} elements) must match "
-                         f"grad ({grad.dtype}, {grad.numel()} elements)")
+        raise ValueError(
+            f"residual ({residual.dtype}, {residual.numel()} elements) must match "
+            f"grad ({grad.dtype}, {grad.numel()} elements)"
+        )
     k, values, indices = _topk_outputs(grad, k)
     with torch.cuda.device(grad.device):
         workspace = _workspace(kernels, grad)
-        kernels.topk_with_residual(TORCH_DTYPES[grad.dtype], grad.data_ptr(), residual.data_ptr(),
-                                   grad.numel(), k, indices.data_ptr(), values.data_ptr(),
-                                   workspace.data_ptr(), workspace.numel(), _stream(grad.device))
+        kernels.topk_with_residual(
+            TORCH_DTYPES[grad.dtype],
+            grad.data_ptr(),
+            residual.data_ptr(),
+            grad.numel(),
+            k,
+            indices.data_ptr(),
+            values.data_ptr(),
+            workspace.data_ptr(),
+            workspace.numel(),
+            _stream(grad.device),
+        )
     if value_dtype is None or value_dtype == grad.dtype:
         return values, indices
     wire = values.to(value_dtype)
@@ -170,8 +207,9 @@ def topk_with_residual(grad: torch.Tensor, residual: torch.Tensor, k: int,
     return wire, indices
 
 
-def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
-                 check: bool = True) -> torch.Tensor:
+def scatter_add_(
+    out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, check: bool = True
+) -> torch.Tensor:
     """out.view(-1)[indices] += values, for distinct int32 indices (one rank's top-k), in an order
     that does not depend on scheduling. Indices outside out are skipped; with `check` (one host
     synchronisation) they raise ValueError afterwards."""
@@ -183,9 +221,16 @@ def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
         raise ValueError(f"{indices.numel()} indices for {values.numel()} values")
     with torch.cuda.device(out.device):
         bad = torch.zeros(1, dtype=torch.int32, device=out.device)
-        kernels.scatter_add(TORCH_DTYPES[out.dtype], out.data_ptr(), out.numel(),
-                            indices.data_ptr(), values.data_ptr(), values.numel(), bad.data_ptr(),
-                            _stream(out.device))
+        kernels.scatter_add(
+            TORCH_DTYPES[out.dtype],
+            out.data_ptr(),
+            out.numel(),
+            indices.data_ptr(),
+            values.data_ptr(),
+            values.numel(),
+            bad.data_ptr(),
+            _stream(out.device),
+        )
         if check and bool(bad.item()):
             raise ValueError(f"an index outside [0, {out.numel()}) was given to scatter_add_")
     return out
@@ -219,13 +264,20 @@ def _list(tensors: Sequence[torch.Tensor], device: torch.device):
     dtype = tensors[0].dtype
     for i, t in enumerate(tensors):
         _check(t, f"tensors[{i}]", (dtype,), device=device)
-    return (array("Q", [t.data_ptr() for t in tensors]), array("Q", [t.numel() for t in tensors]),
-            TORCH_DTYPES[dtype])
+    return (
+        array("Q", [t.data_ptr() for t in tensors]),
+        array("Q", [t.numel() for t in tensors]),
+        TORCH_DTYPES[dtype],
+    )
 
 
-def pack(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None,
-         scale: Optional[float] = None, divide: Optional[float] = None,
-         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pack(
+    tensors: Sequence[torch.Tensor],
+    dtype: Optional[torch.dtype] = None,
+    scale: Optional[float] = None,
+    divide: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The tensors (one dtype, one device) back to back in one flat buffer of `dtype` (default
     theirs; casts are float32 <-> float16 / bfloat16), each element multiplied by `scale` or
     divided by `divide` on the way, rounded once."""
@@ -241,13 +293,27 @@ def pack(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None,
         raise ValueError(f"out has {out.numel()} elements for {total}")
     kind, factor = _scaling(scale, divide)
     with torch.cuda.device(device):
-        kernels.pack(code, ptrs, counts, 0, total, out.data_ptr(), TORCH_DTYPES[dtype], kind,
-                     factor, _stream(device))
+        kernels.pack(
+            code,
+            ptrs,
+            counts,
+            0,
+            total,
+            out.data_ptr(),
+            TORCH_DTYPES[dtype],
+            kind,
+            factor,
+            _stream(device),
+        )
     return out
 
 
-def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: Optional[float] = None,
-           divide: Optional[float] = None) -> None:
+def unpack(
+    flat: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    scale: Optional[float] = None,
+    divide: Optional[float] = None,
+) -> None:
     """pack()'s inverse: the flat buffer back into `tensors` (in place), cast to their dtype and
     scaled on the way."""
     kernels = _kernels()
@@ -258,5 +324,15 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: Optional[
         raise ValueError(f"flat has {flat.numel()} elements for {sum(counts)}")
     kind, factor = _scaling(scale, divide)
     with torch.cuda.device(device):
-        kernels.unpack(flat.data_ptr(), TORCH_DTYPES[flat.dtype], code, ptrs, counts, 0,
-                       flat.numel(), kind, factor, _stream(device))
+        kernels.unpack(
+            flat.data_ptr(),
+            TORCH_DTYPES[flat.dtype],
+            code,
+            ptrs,
+            counts,
+            0,
+            flat.numel(),
+            kind,
+            factor,
+            _stream(device),
+        )

@@ -25,6 +25,7 @@ Each one a rank cannot use is refused on every rank, with the reason logged at I
 Every wait on a peer is bounded by `timeout` (cuda_ipc: a watchdog thread releases the stream
 and the next call raises, naming the rank that gave up and why); abort() gives up at once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,8 +52,10 @@ class NoDeviceTransport(RuntimeError):
 
     def __init__(self, refused: dict):
         self.refused = dict(refused)
-        super().__init__("no transport serves these ranks: " + "; ".join(
-            f"{t}: {why}" for t, why in self.refused.items()))
+        super().__init__(
+            "no transport serves these ranks: "
+            + "; ".join(f"{t}: {why}" for t, why in self.refused.items())
+        )
 
 
 class DeviceCommunicator:
@@ -60,18 +63,28 @@ class DeviceCommunicator:
     (default: the current one). Blocks until every rank has joined; every rank must make it with
     the same `name`, `transports` and `round_bytes`."""
 
-    def __init__(self, store, rank: int, world_size: int, device: Optional[torch.device] = None,
-                 timeout: timedelta = timedelta(minutes=10),
-                 transports: Sequence[str] = TRANSPORTS, name: str = "ringcomm-device",
-                 round_bytes: int = ROUND_BYTES):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        device: Optional[torch.device] = None,
+        timeout: timedelta = timedelta(minutes=10),
+        transports: Sequence[str] = TRANSPORTS,
+        name: str = "ringcomm-device",
+        round_bytes: int = ROUND_BYTES,
+    ):
         unknown = [t for t in transports if t not in TRANSPORTS]
         if unknown or not transports:
             raise ValueError(f"transports must be some of {TRANSPORTS}, got {tuple(transports)}")
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
         self.rank, self.world_size, self.timeout = int(rank), int(world_size), timeout
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device is None
             else torch.device(device)
+        )
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"device must be a CUDA device with an index, got {self.device}")
         self._store = store
@@ -92,8 +105,13 @@ class DeviceCommunicator:
                 self.transport = transport
                 break
             self.refused[transport] = why
-            logger.info("ringcomm: rank %d of %d does not use %s: %s", self.rank, self.world_size,
-                        transport, why)
+            logger.info(
+                "ringcomm: rank %d of %d does not use %s: %s",
+                self.rank,
+                self.world_size,
+                transport,
+                why,
+            )
         if self.transport is None:
             raise NoDeviceTransport(self.refused)
         self._codes = cuda._load()[0].DEVICE_ALGORITHM_CODES if self.transport != "host" else {}
@@ -110,7 +128,7 @@ class DeviceCommunicator:
         return [self._store.get(k) for k in keys]
 
     def _agree(self, why: str) -> str:
-        """"" if no rank has a reason to refuse, else the first rank's."""
+        """ "" if no rank has a reason to refuse, else the first rank's."""
         for r, theirs in enumerate(self._exchange(why.encode())):
             if theirs:
                 return f"rank {r}: {theirs.decode()}"
@@ -121,9 +139,14 @@ class DeviceCommunicator:
         why = self._agree(why or "")
         if why:
             return why
-        self._comm, why = module.ipc_communicator(self.rank, self.world_size, self.device.index,
-                                                  int(round_bytes), self.timeout.total_seconds(),
-                                                  self._exchange)
+        self._comm, why = module.ipc_communicator(
+            self.rank,
+            self.world_size,
+            self.device.index,
+            int(round_bytes),
+            self.timeout.total_seconds(),
+            self._exchange,
+        )
         return why
 
     def _connect_nccl(self, round_bytes: int) -> str:
@@ -133,12 +156,15 @@ class DeviceCommunicator:
         why = self._agree(why or "")
         if why:
             return why
-        gpus = [g.decode() for g in self._exchange(
-            str(torch.cuda.get_device_properties(self.device).uuid).encode())]
+        gpus = [
+            g.decode()
+            for g in self._exchange(
+                str(torch.cuda.get_device_properties(self.device).uuid).encode()
+            )
+        ]
         for r, g in enumerate(gpus):
             if gpus.index(g) != r:
-                return (f"ranks {gpus.index(g)} and {r} share GPU {g}; NCCL takes one GPU per "
-                        "rank")
+                return f"ranks {gpus.index(g)} and {r} share GPU {g}; NCCL takes one GPU per rank"
         unique_id, why = b"", ""
         if self.rank == 0:
             try:
@@ -149,16 +175,23 @@ class DeviceCommunicator:
         if why:
             return why
         ids = self._exchange(unique_id)
-        self._comm = module.nccl_communicator(nccl.library_path(), ids[0], self.rank,
-                                              self.world_size, self.device.index)
+        self._comm = module.nccl_communicator(
+            nccl.library_path(), ids[0], self.rank, self.world_size, self.device.index
+        )
         return ""
 
     def _connect_host(self, round_bytes: int) -> str:
         from .communicator import Communicator
 
         # Its CUDA tensors are staged: it is this communicator's host transport.
-        self._comm = Communicator(self._store, self.rank, self.world_size, timeout=self.timeout,
-                                  name=f"{self._prefix}/host", device_transports=())
+        self._comm = Communicator(
+            self._store,
+            self.rank,
+            self.world_size,
+            timeout=self.timeout,
+            name=f"{self._prefix}/host",
+            device_transports=(),
+        )
         return ""
 
     # Collectives.
@@ -179,13 +212,21 @@ class DeviceCommunicator:
     def _enqueue(self, tensor: torch.Tensor, op, algorithm: str, stream: torch.cuda.Stream):
         code = self._codes.get(algorithm)
         if code is None:
-            raise ValueError(f"unknown algorithm {algorithm!r}; expected one of "
-                             + ", ".join(self._codes))
-        self._comm.all_reduce(tensor.data_ptr(), tensor.numel(), TORCH_DTYPES[tensor.dtype],
-                              op_code(op), code, stream.cuda_stream)
+            raise ValueError(
+                f"unknown algorithm {algorithm!r}; expected one of " + ", ".join(self._codes)
+            )
+        self._comm.all_reduce(
+            tensor.data_ptr(),
+            tensor.numel(),
+            TORCH_DTYPES[tensor.dtype],
+            op_code(op),
+            code,
+            stream.cuda_stream,
+        )
 
-    def all_reduce_work(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto",
-                        async_op: bool = True) -> Optional["DeviceWork"]:
+    def all_reduce_work(
+        self, tensor: torch.Tensor, op="sum", algorithm: str = "auto", async_op: bool = True
+    ) -> Optional["DeviceWork"]:
         """all_reduce with ProcessGroupNCCL's stream semantics: enqueued on this communicator's
         own stream after the work already on the tensor's current stream, the tensor held
         (record_stream) until that stream is past it. async_op: a DeviceWork; else None, the
@@ -223,8 +264,9 @@ class DeviceCommunicator:
             torch.cuda.current_stream(self.device).synchronize()
             return
         timeout = self.timeout if timeout is None else timeout
-        self._comm.synchronize(torch.cuda.current_stream(self.device).cuda_stream,
-                               timeout.total_seconds())
+        self._comm.synchronize(
+            torch.cuda.current_stream(self.device).cuda_stream, timeout.total_seconds()
+        )
 
     def close(self) -> None:
         """Releases the transport; every rank calls it once its work is done (cuda_ipc waits
@@ -253,8 +295,13 @@ class DeviceWork:
     tensor: waiting on it, or on what it chains, makes the current stream wait. A peer's failure
     raises at the communicator's next call, as its module says."""
 
-    def __init__(self, comm: DeviceCommunicator, tensor: torch.Tensor, done: torch.cuda.Event,
-                 future: torch.futures.Future):
+    def __init__(
+        self,
+        comm: DeviceCommunicator,
+        tensor: torch.Tensor,
+        done: torch.cuda.Event,
+        future: torch.futures.Future,
+    ):
         self._comm, self._tensor, self._done, self._future = comm, tensor, done, future
 
     def wait(self, timeout=None) -> bool:

@@ -4,6 +4,7 @@ The tensors are grouped by dtype, fused into buckets of at most `bucket_bytes` (
 the wire each) and pipelined in the core (csrc/algorithms/coalesced.cc). Results land in the
 given tensors and are bitwise those of one collective per tensor (docs/algorithms.md).
 """
+
 from __future__ import annotations
 
 import operator
@@ -27,7 +28,9 @@ class BufferList:
 
     def __init__(self, items, name: str = "tensors"):
         if not isinstance(items, (list, tuple)):
-            raise TypeError(f"{name} must be a list or tuple of tensors, got {type(items).__name__}")
+            raise TypeError(
+                f"{name} must be a list or tuple of tensors, got {type(items).__name__}"
+            )
         # Lists of hundreds of small tensors are the point of coalescing, and torch's Python
         # accessors cost about 50 ns per tensor and attribute: for 1000 tensors, more than the
         # core's fused all-reduce takes beyond a flat one. So the common case (contiguous CPU
@@ -45,9 +48,12 @@ class BufferList:
         else:
             try:
                 codes = list(map(TORCH_DTYPES.get, map(_dtype, items)))
-                if (None not in codes and all(map(_is_cpu, items))
-                        and all(map(torch.Tensor.is_contiguous, items))
-                        and not any(map(torch.Tensor.is_neg, items))):
+                if (
+                    None not in codes
+                    and all(map(_is_cpu, items))
+                    and all(map(torch.Tensor.is_contiguous, items))
+                    and not any(map(torch.Tensor.is_neg, items))
+                ):
                     ptrs = list(map(torch.Tensor.data_ptr, items))
                     if 0 not in ptrs and all(map(has_memory, items)):
                         self.ptrs, self.dtypes = array("Q", ptrs), array("Q", codes)
@@ -89,18 +95,36 @@ def all_reduce_coalesced(comm, tensors, op, bucket_bytes, async_op):
     if code == 1:
         for i, dt in enumerate(bufs.dtypes):
             if dt not in FLOATING:
-                raise TypeError(f"op avg needs floating dtypes, but tensors[{i}] is "
-                                f"{getattr(tensors[i], 'dtype', None)}")
-    w = _C.all_reduce_coalesced(comm._core, bufs.ptrs, bufs.counts, bufs.dtypes, code,
-                                check_bucket_bytes(bucket_bytes), FLOAT32, 1.0, async_op)
+                raise TypeError(
+                    f"op avg needs floating dtypes, but tensors[{i}] is "
+                    f"{getattr(tensors[i], 'dtype', None)}"
+                )
+    w = _C.all_reduce_coalesced(
+        comm._core,
+        bufs.ptrs,
+        bufs.counts,
+        bufs.dtypes,
+        code,
+        check_bucket_bytes(bucket_bytes),
+        FLOAT32,
+        1.0,
+        async_op,
+    )
     return comm._finish(w, tensors, async_op, keep=(tensors,))
 
 
 def broadcast_coalesced(comm, tensors, src, bucket_bytes, async_op):
     bufs = BufferList(tensors)
     src = comm._check_rank(src, "src")
-    w = _C.broadcast_coalesced(comm._core, bufs.ptrs, bufs.counts, bufs.dtypes, src,
-                               check_bucket_bytes(bucket_bytes), async_op)
+    w = _C.broadcast_coalesced(
+        comm._core,
+        bufs.ptrs,
+        bufs.counts,
+        bufs.dtypes,
+        src,
+        check_bucket_bytes(bucket_bytes),
+        async_op,
+    )
     return comm._finish(w, tensors, async_op, keep=(tensors,))
 
 
@@ -112,16 +136,29 @@ def all_gather_coalesced(comm, output_lists, input_tensors, bucket_bytes, async_
     for r, outs in enumerate(output_lists):
         name = f"output_lists[{r}]"
         if isinstance(outs, (list, tuple)) and len(outs) != len(inputs):
-            raise ValueError(f"{name} has {len(outs)} tensors, expected {len(inputs)} (one per input)")
+            raise ValueError(
+                f"{name} has {len(outs)} tensors, expected {len(inputs)} (one per input)"
+            )
         bufs = BufferList(outs, name)
         for i in range(len(inputs)):
             if bufs.dtypes[i] != inputs.dtypes[i]:
-                raise TypeError(f"{name}[{i}] has dtype {outs[i].dtype}, "
-                                f"input_tensors[{i}] has {input_tensors[i].dtype}")
+                raise TypeError(
+                    f"{name}[{i}] has dtype {outs[i].dtype}, "
+                    f"input_tensors[{i}] has {input_tensors[i].dtype}"
+                )
             if bufs.counts[i] != inputs.counts[i]:
-                raise ValueError(f"{name}[{i}] has {bufs.counts[i]} elements, "
-                                 f"input_tensors[{i}] has {inputs.counts[i]}")
+                raise ValueError(
+                    f"{name}[{i}] has {bufs.counts[i]} elements, "
+                    f"input_tensors[{i}] has {inputs.counts[i]}"
+                )
         out_ptrs.append(bufs.ptrs)
-    w = _C.all_gather_coalesced(comm._core, out_ptrs, inputs.ptrs, inputs.counts, inputs.dtypes,
-                                check_bucket_bytes(bucket_bytes), async_op)
+    w = _C.all_gather_coalesced(
+        comm._core,
+        out_ptrs,
+        inputs.ptrs,
+        inputs.counts,
+        inputs.dtypes,
+        check_bucket_bytes(bucket_bytes),
+        async_op,
+    )
     return comm._finish(w, output_lists, async_op, keep=(output_lists, input_tensors))

@@ -25,6 +25,7 @@ variables, is logged at INFO on the "ringcomm.launch" logger.
 
 The standard library only; torch is imported where a store or a process group is made.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,20 +53,25 @@ class Launch:
     """This process's place in its job, and where the job's ranks meet (the TCPStore that rank 0
     hosts, or torchrun's agent)."""
 
-    launcher: str                  # "arguments", "torchrun", "env", "slurm", "openmpi", "mpich"
+    launcher: str  # "arguments", "torchrun", "env", "slurm", "openmpi", "mpich"
     rank: int
     world_size: int
-    local_rank: Optional[int]      # among the ranks on this host; None where the launcher says not
+    local_rank: Optional[int]  # among the ranks on this host; None where the launcher says not
     local_world_size: Optional[int]
-    master_addr: Optional[str]     # None only for "arguments" without MASTER_ADDR
+    master_addr: Optional[str]  # None only for "arguments" without MASTER_ADDR
     master_port: Optional[int]
-    agent_store: bool = False      # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE)
+    agent_store: bool = False  # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE)
 
     def env(self) -> dict:
         """The env:// variables of this launch (those known), as torchrun would set them."""
-        values = {"RANK": self.rank, "WORLD_SIZE": self.world_size, "LOCAL_RANK": self.local_rank,
-                  "LOCAL_WORLD_SIZE": self.local_world_size, "MASTER_ADDR": self.master_addr,
-                  "MASTER_PORT": self.master_port}
+        values = {
+            "RANK": self.rank,
+            "WORLD_SIZE": self.world_size,
+            "LOCAL_RANK": self.local_rank,
+            "LOCAL_WORLD_SIZE": self.local_world_size,
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": self.master_port,
+        }
         return {name: str(value) for name, value in values.items() if value is not None}
 
     def export(self) -> None:
@@ -77,25 +83,43 @@ class Launch:
         """The job's torch.distributed TCPStore at master_addr:master_port: rank 0 hosts it,
         unless torchrun's agent does."""
         if self.master_addr is None or self.master_port is None:
-            raise LaunchError("no store given and MASTER_ADDR/MASTER_PORT are not set (set them, "
-                              "start the ranks with a launcher, or pass store=)")
+            raise LaunchError(
+                "no store given and MASTER_ADDR/MASTER_PORT are not set (set them, "
+                "start the ranks with a launcher, or pass store=)"
+            )
         import torch.distributed as dist
-        return dist.TCPStore(self.master_addr, self.master_port, self.world_size,
-                             is_master=self.rank == 0 and not self.agent_store, timeout=timeout,
-                             wait_for_workers=False)
+
+        return dist.TCPStore(
+            self.master_addr,
+            self.master_port,
+            self.world_size,
+            is_master=self.rank == 0 and not self.agent_store,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
 
 
-def discover(rank: Optional[int] = None, world_size: Optional[int] = None,
-             environ: Optional[Mapping[str, str]] = None) -> Launch:
+def discover(
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Launch:
     """This process's Launch: rank and world_size as given, else from the launcher that started
     it (detect()). Given both, the environment is not searched for ranks, and MASTER_ADDR and
     MASTER_PORT (if set) are where the ranks meet. Logs what it found at INFO."""
     env = os.environ if environ is None else environ
     if rank is not None and world_size is not None:
         rank = _checked_rank(int(rank), int(world_size), "rank", "world_size")
-        launch = Launch("arguments", rank, int(world_size), _optional_int(env, "LOCAL_RANK"),
-                        _optional_int(env, "LOCAL_WORLD_SIZE"), env.get("MASTER_ADDR") or None,
-                        _optional_int(env, "MASTER_PORT"), _agent_store(env))
+        launch = Launch(
+            "arguments",
+            rank,
+            int(world_size),
+            _optional_int(env, "LOCAL_RANK"),
+            _optional_int(env, "LOCAL_WORLD_SIZE"),
+            env.get("MASTER_ADDR") or None,
+            _optional_int(env, "MASTER_PORT"),
+            _agent_store(env),
+        )
         _log(launch, "rank= and world_size= given")
         return launch
     launch, origin = _detect(env)
@@ -104,9 +128,16 @@ def discover(rank: Optional[int] = None, world_size: Optional[int] = None,
     if rank is not None or world_size is not None:
         rank = launch.rank if rank is None else int(rank)
         world_size = launch.world_size if world_size is None else int(world_size)
-        launch = Launch("arguments", _checked_rank(rank, world_size, "rank", "world_size"),
-                        world_size, launch.local_rank, launch.local_world_size, launch.master_addr,
-                        launch.master_port, launch.agent_store)
+        launch = Launch(
+            "arguments",
+            _checked_rank(rank, world_size, "rank", "world_size"),
+            world_size,
+            launch.local_rank,
+            launch.local_world_size,
+            launch.master_addr,
+            launch.master_port,
+            launch.agent_store,
+        )
         origin = f"rank= or world_size= given, the rest from {origin}"
     _log(launch, origin)
     return launch
@@ -124,6 +155,7 @@ def init_process_group(backend: Optional[str] = "ringcomm", **kwargs) -> Launch:
     (rank= and world_size= in kwargs are taken as given), exports its env:// variables and
     initialises the default group with its rank and world size. Returns the Launch."""
     import torch.distributed as dist
+
     launch = discover(kwargs.pop("rank", None), kwargs.pop("world_size", None))
     launch.export()
     dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, **kwargs)
@@ -191,9 +223,17 @@ def _tasks_per_node(text: str) -> list:
 # -- the launchers ---------------------------------------------------------------------------
 
 # The MPI launchers' variables: (launcher, name, rank, size, local rank, local size).
-_MPI = (("openmpi", "Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-         "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        ("mpich", "MPICH / PMI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+_MPI = (
+    (
+        "openmpi",
+        "Open MPI",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    ("mpich", "MPICH / PMI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
 
 # SLURM numbers the steps srun starts from 0; the batch script, the extern and the interactive
 # steps have reserved ids from this one up.
@@ -213,7 +253,8 @@ def _detect(env: Mapping[str, str]):
             raise LaunchError(
                 f"RANK={launch.rank} WORLD_SIZE={launch.world_size} contradict the launcher's "
                 f"{rank_var}={rank} {size_var}={size}: unset RANK and WORLD_SIZE to take the "
-                f"launcher's, or set them per rank")
+                f"launcher's, or set them per rank"
+            )
         return launch, origin
     inner = _nested(env)
     if inner is not None:
@@ -221,11 +262,15 @@ def _detect(env: Mapping[str, str]):
         return (_slurm_launch if kind == "slurm" else _mpi_launch)(env, *ranks)
     job = env.get("SLURM_JOB_ID")
     if job:
-        return None, (f"no launcher found: this is SLURM job {job} but not a task of an srun "
-                      f"step (SLURM_STEP_ID is not set, as in a batch script): start the ranks "
-                      f"with srun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
-    return None, ("no launcher found: run under torchrun, srun, mpirun or mpiexec, set RANK, "
-                  "WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or pass rank= and world_size=")
+        return None, (
+            f"no launcher found: this is SLURM job {job} but not a task of an srun "
+            f"step (SLURM_STEP_ID is not set, as in a batch script): start the ranks "
+            f"with srun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+        )
+    return None, (
+        "no launcher found: run under torchrun, srun, mpirun or mpiexec, set RANK, "
+        "WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or pass rank= and world_size="
+    )
 
 
 def _nested(env: Mapping[str, str]):
@@ -250,10 +295,21 @@ def _env_launch(env: Mapping[str, str]):
     _checked_rank(rank, world, "RANK", "WORLD_SIZE")
     if local_rank is not None and local_world is not None:
         _checked_rank(local_rank, local_world, "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    launch = Launch("torchrun" if torchrun else "env", rank, world, local_rank, local_world,
-                    env["MASTER_ADDR"], _port(env, "MASTER_PORT"), _agent_store(env))
-    origin = ("torchrun (TORCHELASTIC_RUN_ID set)" if torchrun
-              else "the env:// variables, without torchrun (no TORCHELASTIC_RUN_ID)")
+    launch = Launch(
+        "torchrun" if torchrun else "env",
+        rank,
+        world,
+        local_rank,
+        local_world,
+        env["MASTER_ADDR"],
+        _port(env, "MASTER_PORT"),
+        _agent_store(env),
+    )
+    origin = (
+        "torchrun (TORCHELASTIC_RUN_ID set)"
+        if torchrun
+        else "the env:// variables, without torchrun (no TORCHELASTIC_RUN_ID)"
+    )
     return launch, f"{origin}: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"
 
 
@@ -276,28 +332,38 @@ def _slurm_launch(env: Mapping[str, str], step: str, rank: int, world: int):
     if env.get("MASTER_ADDR"):
         addr, addr_from = env["MASTER_ADDR"], "MASTER_ADDR"
     else:
-        listed = next((name for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
-                       if env.get(name)), None)
+        listed = next(
+            (name for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if env.get(name)), None
+        )
         if listed is None:
-            raise LaunchError("SLURM: neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set, "
-                              "so rank 0's host is unknown: set MASTER_ADDR")
+            raise LaunchError(
+                "SLURM: neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set, "
+                "so rank 0's host is unknown: set MASTER_ADDR"
+            )
         addr, addr_from = expand_hostlist(env[listed])[0], f"the first host of {listed}"
         here = env.get("SLURMD_NODENAME")
         if rank == 0 and here and here != addr:
-            raise LaunchError(f"SLURM: rank 0 runs on {here}, not on {addr}, the first host of "
-                              f"{listed}={env[listed]} (a task distribution that does not put "
-                              f"rank 0 there): set MASTER_ADDR to rank 0's host")
+            raise LaunchError(
+                f"SLURM: rank 0 runs on {here}, not on {addr}, the first host of "
+                f"{listed}={env[listed]} (a task distribution that does not put "
+                f"rank 0 there): set MASTER_ADDR to rank 0's host"
+            )
     if env.get("MASTER_PORT"):
         port, port_from = _port(env, "MASTER_PORT"), "MASTER_PORT"
     elif re.fullmatch(r"[0-9]+", env.get("SLURM_JOB_ID", "")):
         port, port_from = PORT_BASE + int(env["SLURM_JOB_ID"]) % PORT_SPAN, "from SLURM_JOB_ID"
     else:
-        raise LaunchError(f"SLURM: SLURM_JOB_ID={env.get('SLURM_JOB_ID', '')!r} is no job number "
-                          f"to derive a port from: set MASTER_PORT")
-    launch = Launch("slurm", rank, world, _optional_int(env, "SLURM_LOCALID"), local_world, addr,
-                    port)
-    return launch, (f"srun (SLURM step {step}): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; "
-                    f"address: {addr_from}, port: {port_from}")
+        raise LaunchError(
+            f"SLURM: SLURM_JOB_ID={env.get('SLURM_JOB_ID', '')!r} is no job number "
+            f"to derive a port from: set MASTER_PORT"
+        )
+    launch = Launch(
+        "slurm", rank, world, _optional_int(env, "SLURM_LOCALID"), local_world, addr, port
+    )
+    return launch, (
+        f"srun (SLURM step {step}): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; "
+        f"address: {addr_from}, port: {port_from}"
+    )
 
 
 def _mpi_ranks(env: Mapping[str, str]):
@@ -324,14 +390,17 @@ def _mpi_launch(env: Mapping[str, str], entry, rank: int, world: int):
     elif one_host:
         addr, addr_from = "127.0.0.1", "127.0.0.1 (every rank on this host)"
     else:
-        raise LaunchError(f"{name}: {size_var}={world} but {local_size_var}="
-                          f"{env.get(local_size_var) or '(not set)'}: ranks on several hosts need "
-                          f"MASTER_ADDR set to rank 0's host (mpirun -x MASTER_ADDR=host, "
-                          f"mpiexec -genv MASTER_ADDR host)")
+        raise LaunchError(
+            f"{name}: {size_var}={world} but {local_size_var}="
+            f"{env.get(local_size_var) or '(not set)'}: ranks on several hosts need "
+            f"MASTER_ADDR set to rank 0's host (mpirun -x MASTER_ADDR=host, "
+            f"mpiexec -genv MASTER_ADDR host)"
+        )
     job = None
     if launcher == "openmpi":
-        job_var = next((var for var in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
-                        if env.get(var)), None)
+        job_var = next(
+            (var for var in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid") if env.get(var)), None
+        )
         if job_var is not None:
             job = job_var, zlib.crc32(env[job_var].encode())
     elif one_host:
@@ -343,11 +412,15 @@ def _mpi_launch(env: Mapping[str, str], entry, rank: int, world: int):
     elif job is not None:
         port, port_from = PORT_BASE + job[1] % PORT_SPAN, f"from {job[0]}"
     else:
-        raise LaunchError(f"{name}: nothing in the environment names this job alike on every "
-                          f"rank to derive a port from: set MASTER_PORT")
-    return (Launch(launcher, rank, world, local_rank, local_world, addr, port),
-            f"{name}: {rank_var}, {size_var}, {local_rank_var}; address: {addr_from}, "
-            f"port: {port_from}")
+        raise LaunchError(
+            f"{name}: nothing in the environment names this job alike on every "
+            f"rank to derive a port from: set MASTER_PORT"
+        )
+    return (
+        Launch(launcher, rank, world, local_rank, local_world, addr, port),
+        f"{name}: {rank_var}, {size_var}, {local_rank_var}; address: {addr_from}, "
+        f"port: {port_from}",
+    )
 
 
 def _hydra_proxy() -> Optional[int]:
@@ -360,7 +433,7 @@ def _hydra_proxy() -> Optional[int]:
                 stat = f.read()
         except OSError:
             return None
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
         if name in ("hydra_pmi_proxy", "pmi_proxy"):
             return pid
         pid = int(fields.split()[1])
@@ -369,12 +442,15 @@ def _hydra_proxy() -> Optional[int]:
 
 # -- reading variables -----------------------------------------------------------------------
 
+
 def _require(env: Mapping[str, str], names, what: str) -> None:
     missing = [name for name in names if not env.get(name)]
     if missing:
         present = [f"{name}={env[name]}" for name in names if env.get(name)]
-        raise LaunchError(f"{what} incomplete: {', '.join(missing)} not set"
-                          + (f" (beside {', '.join(present)})" if present else ""))
+        raise LaunchError(
+            f"{what} incomplete: {', '.join(missing)} not set"
+            + (f" (beside {', '.join(present)})" if present else "")
+        )
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -406,7 +482,18 @@ def _agent_store(env: Mapping[str, str]) -> bool:
 
 
 def _log(launch: Launch, origin: str) -> None:
-    local = "" if launch.local_rank is None else f", local rank {launch.local_rank}" + (
-        "" if launch.local_world_size is None else f" of {launch.local_world_size}")
-    logger.info("rank %d of %d%s; ranks meet at %s:%s; launched by %s", launch.rank,
-                launch.world_size, local, launch.master_addr, launch.master_port, origin)
+    local = (
+        ""
+        if launch.local_rank is None
+        else f", local rank {launch.local_rank}"
+        + ("" if launch.local_world_size is None else f" of {launch.local_world_size}")
+    )
+    logger.info(
+        "rank %d of %d%s; ranks meet at %s:%s; launched by %s",
+        launch.rank,
+        launch.world_size,
+        local,
+        launch.master_addr,
+        launch.master_port,
+        origin,
+    )

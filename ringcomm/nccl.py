@@ -18,6 +18,7 @@ NCCL is loaded when the first communicator (or unique id) is made, not at import
 RINGCOMM_NCCL_LIBRARY if set, else the nvidia-nccl wheel that torch's CUDA builds bring, else
 libnccl.so.2 from the dynamic loader's path.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -54,8 +55,10 @@ def _extension():
     try:
         from . import _C_cuda
     except ImportError as e:
-        raise RuntimeError(f"ringcomm was built without its CUDA extension ({e}): reinstall with "
-                           "nvcc on PATH or RINGCOMM_CUDA=1") from e
+        raise RuntimeError(
+            f"ringcomm was built without its CUDA extension ({e}): reinstall with "
+            "nvcc on PATH or RINGCOMM_CUDA=1"
+        ) from e
     return _C_cuda
 
 
@@ -70,13 +73,23 @@ class NcclCommunicator:
     Store): rank 0 makes the NCCL id and publishes it under `name`, the others read it. Blocks
     until every rank has joined."""
 
-    def __init__(self, store, rank: int, world_size: int, device: Optional[torch.device] = None,
-                 name: str = "ringcomm-nccl", timeout: timedelta = timedelta(minutes=10)):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        device: Optional[torch.device] = None,
+        name: str = "ringcomm-nccl",
+        timeout: timedelta = timedelta(minutes=10),
+    ):
         _, reason = cuda._load()
         if reason:
             raise RuntimeError(f"no NCCL communicator: {reason}")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device is None
             else torch.device(device)
+        )
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"device must be a CUDA device with an index, got {self.device}")
         self.timeout = timeout
@@ -88,8 +101,9 @@ class NcclCommunicator:
         if rank == 0:
             store.set(key, unique_id())
         store.wait([key], timeout)
-        self._transport = _extension().nccl_communicator(library_path(), store.get(key), rank,
-                                                         world_size, self.device.index)
+        self._transport = _extension().nccl_communicator(
+            library_path(), store.get(key), rank, world_size, self.device.index
+        )
         self.rank, self.world_size = rank, world_size
 
     def all_reduce(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:
@@ -97,12 +111,14 @@ class NcclCommunicator:
         doubling up to 256 KiB, the ring above (not calibrated on a GPU yet)."""
         code = ALGORITHMS.get(algorithm)
         if code is None:
-            raise ValueError(f"unknown algorithm {algorithm!r}; expected one of "
-                             + ", ".join(ALGORITHMS))
+            raise ValueError(
+                f"unknown algorithm {algorithm!r}; expected one of " + ", ".join(ALGORITHMS)
+            )
         cuda._check(tensor, "tensor", device=self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._transport.all_reduce(tensor.data_ptr(), tensor.numel(), TORCH_DTYPES[tensor.dtype],
-                                   op_code(op), code, stream)
+        self._transport.all_reduce(
+            tensor.data_ptr(), tensor.numel(), TORCH_DTYPES[tensor.dtype], op_code(op), code, stream
+        )
         return tensor
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
@@ -114,7 +130,7 @@ class NcclCommunicator:
         if output.numel() != n * self.world_size:
             raise ValueError(f"output has {output.numel()} elements for {self.world_size} x {n}")
         flat = output.view(-1)
-        flat[self.rank * n:(self.rank + 1) * n].copy_(input.view(-1))
+        flat[self.rank * n : (self.rank + 1) * n].copy_(input.view(-1))
         self._all_gather_blocks(flat, [n] * self.world_size)
         return output
 
@@ -131,8 +147,14 @@ class NcclCommunicator:
         self.all_reduce(flat, op, algorithm)
         cuda.unpack(flat, tensors)
 
-    def sparse_all_reduce(self, indices: torch.Tensor, values: torch.Tensor, numel: int,
-                          out: Optional[torch.Tensor] = None, op="sum") -> torch.Tensor:
+    def sparse_all_reduce(
+        self,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        numel: int,
+        out: Optional[torch.Tensor] = None,
+        op="sum",
+    ) -> torch.Tensor:
         """Dense sum (op="avg": average) over ranks of every rank's (int32 indices, values)
         pairs, into `out` (default a new float32 tensor of numel elements), returned: the counts
         of pairs are exchanged first (one host synchronisation, so that ranks may send different
@@ -176,8 +198,9 @@ class NcclCommunicator:
         deadline (default: the communicator's timeout), raises RingcommError and aborts the
         communicator."""
         timeout = self.timeout if timeout is None else timeout
-        self._transport.synchronize(torch.cuda.current_stream(self.device).cuda_stream,
-                                    timeout.total_seconds())
+        self._transport.synchronize(
+            torch.cuda.current_stream(self.device).cuda_stream, timeout.total_seconds()
+        )
 
     def close(self) -> None:
         """Frees the NCCL communicator (after its work is done)."""

@@ -15,6 +15,7 @@ A CUDA tensor of S bytes is all-reduced as ceil(S / RINGCOMM_STAGING_SLICE_BYTES
 one per slice: every rank must pass its tensor on the same kind of device (a mismatch is reported
 by the signature check, as any other).
 """
+
 from __future__ import annotations
 
 import threading
@@ -58,8 +59,13 @@ def _copy_streams(device: torch.device):
 class StagedWork:
     """The Work of a staged operation: done when every host operation is done and copied back."""
 
-    def __init__(self, tensor: torch.Tensor, slices: list, done: torch.cuda.Event,
-                 future: torch.futures.Future):
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        slices: list,
+        done: torch.cuda.Event,
+        future: torch.futures.Future,
+    ):
         self._tensor, self._slices, self._done, self._future = tensor, slices, done, future
         self._lock = threading.Lock()
         self._observers = []  # _on_finish's functions, run before the future completes
@@ -209,14 +215,18 @@ def all_reduce(comm, tensor: torch.Tensor, op, algorithm: str, async_op: bool):
     works = []
     for (a, b), event in zip(bounds, ready):
         event.synchronize()  # slice a:b is on the host: on the wire with it, while the rest copy
-        works.append(comm._host_all_reduce(
-            host[a:b], op, algorithm,
-            on_success=lambda a=a, b=b: stage.back(flat[a:b], host[a:b])))
+        works.append(
+            comm._host_all_reduce(
+                host[a:b],
+                op,
+                algorithm,
+                on_success=lambda a=a, b=b: stage.back(flat[a:b], host[a:b]),
+            )
+        )
     return stage.work(tensor, works, async_op)
 
 
-def sparse_all_reduce(comm, indices, values, numel: int, out, op, algorithm: str,
-                      async_op: bool):
+def sparse_all_reduce(comm, indices, values, numel: int, out, op, algorithm: str, async_op: bool):
     """Communicator.sparse_all_reduce with CUDA indices and values (the top-k of a CUDA
     gradient): the k pairs go to the host, the dense result comes back into `out` (a CUDA tensor,
     default a new float32 one on their device)."""
@@ -238,6 +248,12 @@ def sparse_all_reduce(comm, indices, values, numel: int, out, op, algorithm: str
     stage.out(indices, host_indices)
     stage.out(values, host_values).synchronize()
     work = comm._host_sparse_all_reduce(
-        host_indices, host_values, numel, host_out, op, algorithm,
-        on_success=lambda: stage.back(out.view(-1), host_out))
+        host_indices,
+        host_values,
+        numel,
+        host_out,
+        op,
+        algorithm,
+        on_success=lambda: stage.back(out.view(-1), host_out),
+    )
     return stage.work(out, [work], async_op) or out

@@ -8,6 +8,7 @@ from the hook's call to its average being ready ("comm_s"), and of the operation
 ("run_s") the part spent idle, waiting for peers ("idle_s"). The same span goes to the timeline
 (ringcomm.trace) as "DDP bucket <i>".
 """
+
 from __future__ import annotations
 
 import threading
@@ -56,6 +57,7 @@ class BucketStats:
     def add_work(self, index: int, work) -> None:
         """Adds what the operation behind `work` (a ringcomm Work) sent, received and spent, once
         it is done and before its waiters learn so."""
+
         def done():
             if work.exception() is not None:
                 return

@@ -24,6 +24,7 @@ monotonic clock with its own wall clock: across hosts the alignment is as good a
 synchronisation). RINGCOMM_TIMELINE_MAX_EVENTS bounds the events kept per process (default 1M;
 the count of dropped events is written out).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -41,9 +42,17 @@ from . import _C
 from ._env import env_int, env_string
 
 # C++ span names by category (docs: the list above).
-_CATEGORIES = {"send": "message", "recv": "message", "queued": "queue", "reduce": "compute",
-               "pack": "compute", "unpack": "compute", "encode": "compute", "decode": "compute",
-               "callbacks": "callback"}
+_CATEGORIES = {
+    "send": "message",
+    "recv": "message",
+    "queued": "queue",
+    "reduce": "compute",
+    "pack": "compute",
+    "unpack": "compute",
+    "encode": "compute",
+    "decode": "compute",
+    "callbacks": "callback",
+}
 # Tracks that are not threads (DDP buckets) get thread ids from here up.
 _TRACK_BASE = 1 << 30
 
@@ -122,6 +131,7 @@ def _profiling() -> bool:
 
 def _profiler_range(name: str):
     import torch
+
     return torch.autograd.profiler.record_function(f"ringcomm: {name}")
 
 
@@ -152,8 +162,10 @@ def _rank() -> int:
 
 def _job_key() -> str:
     """What the parts of one job share: the rendezvous they met at."""
-    return ":".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                                                    "MASTER_PORT", "WORLD_SIZE"))
+    return ":".join(
+        os.environ.get(k, "")
+        for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+    )
 
 
 def _part_path(path: str, rank: int) -> str:
@@ -164,11 +176,23 @@ def _chrome_trace(rank: int, events, dropped: int, threads: dict, python_events)
     # Wall-clock microseconds: ranks on other hosts have other monotonic clocks.
     offset_ns = time.time_ns() - time.monotonic_ns()
     pid = os.getpid()
-    out = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-            "args": {"name": f"rank {rank} (pid {pid})"}},
-           {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
-            "args": {"sort_index": rank}}]
-    for (name, algorithm, begin, end, thread, peer, seq, nbytes, comm) in events:
+    out = [
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": rank,
+            "tid": 0,
+            "args": {"name": f"rank {rank} (pid {pid})"},
+        },
+        {
+            "name": "process_sort_index",
+            "ph": "M",
+            "pid": rank,
+            "tid": 0,
+            "args": {"sort_index": rank},
+        },
+    ]
+    for name, algorithm, begin, end, thread, peer, seq, nbytes, comm in events:
         args = {"bytes": nbytes}
         if peer >= 0:
             args["peer"] = peer
@@ -178,27 +202,64 @@ def _chrome_trace(rank: int, events, dropped: int, threads: dict, python_events)
             args["algorithm"] = algorithm
         if comm:
             args["communicator"] = comm
-        out.append({"name": name, "cat": _CATEGORIES.get(name, "collective"), "ph": "X",
-                    "ts": (begin + offset_ns) / 1e3, "dur": (end - begin) / 1e3,
-                    "pid": rank, "tid": thread, "args": args})
+        out.append(
+            {
+                "name": name,
+                "cat": _CATEGORIES.get(name, "collective"),
+                "ph": "X",
+                "ts": (begin + offset_ns) / 1e3,
+                "dur": (end - begin) / 1e3,
+                "pid": rank,
+                "tid": thread,
+                "args": args,
+            }
+        )
     tracks = {}
-    for (name, category, begin, end, track, args) in python_events:
+    for name, category, begin, end, track, args in python_events:
         if isinstance(track, str):
             track = tracks.setdefault(track, _TRACK_BASE + len(tracks))
-        out.append({"name": name, "cat": category, "ph": "X", "ts": (begin + offset_ns) / 1e3,
-                    "dur": (end - begin) / 1e3, "pid": rank, "tid": track, "args": args})
+        out.append(
+            {
+                "name": name,
+                "cat": category,
+                "ph": "X",
+                "ts": (begin + offset_ns) / 1e3,
+                "dur": (end - begin) / 1e3,
+                "pid": rank,
+                "tid": track,
+                "args": args,
+            }
+        )
     names = dict(threads)
     if threading.main_thread().native_id is not None:
         names.setdefault(threading.main_thread().native_id, "python main")
     names.update({tid: label for label, tid in tracks.items()})
     seen = {e["tid"] for e in out if e["ph"] == "X"}
     for tid in sorted(seen):
-        out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
-                    "args": {"name": names.get(tid, f"thread {tid}")}})
-        out.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid,
-                    "args": {"sort_index": tid}})
-    other = {"ringcomm_rank": rank, "ringcomm_job": _job_key(), "ringcomm_dropped_events": dropped,
-             "ringcomm_events": len(out)}
+        out.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": rank,
+                "tid": tid,
+                "args": {"name": names.get(tid, f"thread {tid}")},
+            }
+        )
+        out.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": rank,
+                "tid": tid,
+                "args": {"sort_index": tid},
+            }
+        )
+    other = {
+        "ringcomm_rank": rank,
+        "ringcomm_job": _job_key(),
+        "ringcomm_dropped_events": dropped,
+        "ringcomm_events": len(out),
+    }
     return {"otherData": other, "traceEvents": out, "displayTimeUnit": "ms"}
 
 
@@ -233,7 +294,7 @@ def _read_part(part: str) -> tuple:
         with contextlib.suppress(ValueError):
             other, end = json.JSONDecoder().raw_decode(text, len(_HEAD))
             if text.startswith(_EVENTS, end) and isinstance(other.get("ringcomm_events"), int):
-                return other, text[end + len(_EVENTS):-len(_TAIL)], other["ringcomm_events"]
+                return other, text[end + len(_EVENTS) : -len(_TAIL)], other["ringcomm_events"]
     data = json.loads(text)
     events = data["traceEvents"]
     return data.get("otherData", {}), json.dumps(events)[1:-1], len(events)
@@ -249,8 +310,11 @@ def merge(parts: list, out: str) -> int:
         count += n
         dropped += other.get("ringcomm_dropped_events", 0)
         ranks.append(other.get("ringcomm_rank"))
-    other = {"ringcomm_ranks": sorted(r for r in ranks if r is not None),
-             "ringcomm_dropped_events": dropped, "ringcomm_events": count}
+    other = {
+        "ringcomm_ranks": sorted(r for r in ranks if r is not None),
+        "ringcomm_dropped_events": dropped,
+        "ringcomm_events": count,
+    }
     _write_text(out, _HEAD + json.dumps(other) + _EVENTS + ",".join(texts) + _TAIL)
     return count
 

@@ -22,9 +22,19 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # The modules that take longest, longest first:
 # `make test`'s workers take modules in collection order, and one started last would run alone at
 # the end.
-FIRST = ("test_hooks", "test_powersgd", "test_errors", "test_clients", "test_launchers",
-         "test_bench", "test_fusion", "test_backend", "test_topk_hook", "test_trace",
-         "test_torch_suite")
+FIRST = (
+    "test_hooks",
+    "test_powersgd",
+    "test_errors",
+    "test_clients",
+    "test_launchers",
+    "test_bench",
+    "test_fusion",
+    "test_backend",
+    "test_topk_hook",
+    "test_trace",
+    "test_torch_suite",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -36,8 +46,10 @@ def pytest_generate_tests(metafunc):
     """Tests marked every_transport (a module's pytestmark) run once per transport
     (ranks.TRANSPORTS), but those marked transport_fixed; the others use the default
     (RINGCOMM_TRANSPORT=auto: shared memory between the local ranks)."""
-    if (metafunc.definition.get_closest_marker("every_transport") is not None
-            and metafunc.definition.get_closest_marker("transport_fixed") is None):
+    if (
+        metafunc.definition.get_closest_marker("every_transport") is not None
+        and metafunc.definition.get_closest_marker("transport_fixed") is None
+    ):
         metafunc.parametrize("transport", sorted(ranks.TRANSPORTS), indirect=True)
 
 

@@ -6,6 +6,7 @@ single-threaded fork server (not from the pytest process, whose torch may have s
 threads: a fork from there can deadlock in the child). Results (or exceptions) come back to the
 test; a rank that does not finish within `timeout` seconds fails the test instead of hanging it.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -38,15 +39,29 @@ def build_native(name: str, out_dir: str) -> str:
     import shutil
     import pytest
     import ringcomm
+
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         pytest.skip("no C++ compiler")
     here = os.path.dirname(os.path.abspath(__file__))
     library = os.path.dirname(ringcomm.__file__)
     binary = os.path.join(out_dir, name)
-    subprocess.run([compiler, "-std=c++17", "-O1", f"-I{os.path.dirname(here)}/csrc",
-                    f"{here}/native/{name}.cc", f"-L{library}", "-lringcomm",
-                    f"-Wl,-rpath,{library}", "-pthread", "-o", binary], check=True)
+    subprocess.run(
+        [
+            compiler,
+            "-std=c++17",
+            "-O1",
+            f"-I{os.path.dirname(here)}/csrc",
+            f"{here}/native/{name}.cc",
+            f"-L{library}",
+            "-lringcomm",
+            f"-Wl,-rpath,{library}",
+            "-pthread",
+            "-o",
+            binary,
+        ],
+        check=True,
+    )
     return binary
 
 
@@ -68,7 +83,9 @@ def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm, wi
         if make_comm:
             import ringcomm
 
-            comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=comm_timeout))
+            comm = ringcomm.Communicator(
+                store, rank, world, timeout=timedelta(seconds=comm_timeout)
+            )
             result = fn(comm, store, *args) if with_store else fn(comm, *args)
             comm.close()
         else:
@@ -84,9 +101,18 @@ def _child(fn, rank, world, store_path, comm_timeout, queue, args, make_comm, wi
         os._exit(0)
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 30,
-              make_comm: bool = True, with_store: bool = False, allow_errors: bool = False,
-              env: dict | None = None, per_rank_env: dict | None = None):
+def run_ranks(
+    world: int,
+    fn,
+    *args,
+    timeout: float = 60,
+    comm_timeout: float = 30,
+    make_comm: bool = True,
+    with_store: bool = False,
+    allow_errors: bool = False,
+    env: dict | None = None,
+    per_rank_env: dict | None = None,
+):
     """Runs fn(comm, *args) on `world` ranks (fn(store, rank, world, *args) without make_comm;
     fn(comm, store, *args) with_store: the ranks' store, for handshakes beside the communicator).
 
@@ -95,23 +121,62 @@ def run_ranks(world: int, fn, *args, timeout: float = 60, comm_timeout: float = 
     per_rank_env[rank] (a dict) to that rank's.
     """
     with tempfile.TemporaryDirectory(prefix="ringcomm-test-") as tmp:
-        return _run_ranks_in(tmp, world, fn, args, timeout, comm_timeout, make_comm, with_store,
-                             allow_errors, env, per_rank_env)
+        return _run_ranks_in(
+            tmp,
+            world,
+            fn,
+            args,
+            timeout,
+            comm_timeout,
+            make_comm,
+            with_store,
+            allow_errors,
+            env,
+            per_rank_env,
+        )
 
 
-def _run_ranks_in(tmp, world, fn, args, timeout, comm_timeout, make_comm, with_store,
-                  allow_errors, env, per_rank_env):
+def _run_ranks_in(
+    tmp,
+    world,
+    fn,
+    args,
+    timeout,
+    comm_timeout,
+    make_comm,
+    with_store,
+    allow_errors,
+    env,
+    per_rank_env,
+):
     store_path = os.path.join(tmp, "store")
     queue = CTX.Queue()
+
     def rank_env(r):
         out = TRANSPORTS[transport](r) if transport else {}
         out.update(env or {})
         out.update((per_rank_env or {}).get(r, {}))
         return out
 
-    procs = [CTX.Process(target=_child, args=(fn, r, world, store_path, comm_timeout, queue, args,
-                                              make_comm, with_store, rank_env(r)), daemon=True)
-             for r in range(world)]
+    procs = [
+        CTX.Process(
+            target=_child,
+            args=(
+                fn,
+                r,
+                world,
+                store_path,
+                comm_timeout,
+                queue,
+                args,
+                make_comm,
+                with_store,
+                rank_env(r),
+            ),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = {}
@@ -152,6 +217,7 @@ def seconds_until_handler_runs(work, after: float = 0.3):
     """Waits on `work` (pending on a peer that has not joined) with a SIGALRM handler that raises
     Preempted due `after` seconds in: returns how long the wait took to give way to it, or a
     message if wait() returned without the handler running."""
+
     def handler(signum, frame):
         raise Preempted()
 
@@ -180,14 +246,25 @@ def expect_error(fn, kind=None):
     raise AssertionError("expected RingcommError")
 
 
-def run_torchrun(tmp_path, script_text: str, nproc: int, timeout: float = 120, args=(),
-                 extra=()) -> str:
+def run_torchrun(
+    tmp_path, script_text: str, nproc: int, timeout: float = 120, args=(), extra=()
+) -> str:
     """Runs `script_text` under real torchrun with `nproc` local ranks (and torchrun's `extra`
     options); returns its stdout."""
     script = tmp_path / "job.py"
     script.write_text(script_text)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), *extra, str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        *extra,
+        str(script),
+        *args,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout

@@ -3,6 +3,7 @@
 key, socket and ports (nothing under /etc is read or written), started for a test module and
 stopped after it. The node declares 4 CPUs whatever the machine has, so `srun -n 4` runs on 2.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,9 @@ def unavailable() -> str | None:
         return "slurmd starts tasks as their user: needs root"
     missing = [name for name in DAEMONS + CLIENTS if find(name) is None]
     if missing:
-        return (f"{', '.join(missing)} not found: apt-get install slurmctld slurmd slurm-client "
-                f"munge")
+        return (
+            f"{', '.join(missing)} not found: apt-get install slurmctld slurmd slurm-client munge"
+        )
     host = socket.gethostname()
     try:
         socket.getaddrinfo(host, None)
@@ -96,15 +98,30 @@ class SlurmCluster:
             f.write(os.urandom(1024))
         open(os.path.join(self.dir, "plugstack.conf"), "w").close()
         with open(os.path.join(self.dir, "slurm.conf"), "w") as f:
-            f.write(CONFIG.format(host=self.host, dir=self.dir, cpus=self.cpus,
-                                  ctld_port=free_port(), slurmd_port=free_port()))
+            f.write(
+                CONFIG.format(
+                    host=self.host,
+                    dir=self.dir,
+                    cpus=self.cpus,
+                    ctld_port=free_port(),
+                    slurmd_port=free_port(),
+                )
+            )
         conf = os.path.join(self.dir, "slurm.conf")
         # --force: munged otherwise refuses a socket directory under a world-writable /tmp.
-        self._spawn("munged", ["munged", "--foreground", "--force",
-                               f"--socket={self.dir}/munge.socket", f"--key-file={key}",
-                               f"--pid-file={self.dir}/munged.pid",
-                               f"--log-file={self.dir}/munged.log",
-                               f"--seed-file={self.dir}/munged.seed"])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={self.dir}/munge.socket",
+                f"--key-file={key}",
+                f"--pid-file={self.dir}/munged.pid",
+                f"--log-file={self.dir}/munged.log",
+                f"--seed-file={self.dir}/munged.seed",
+            ],
+        )
         self._wait(lambda: os.path.exists(f"{self.dir}/munge.socket"), "munged's socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", conf])
         self._spawn("slurmd", ["slurmd", "-D", "-f", conf, "-N", self.host])
@@ -112,8 +129,13 @@ class SlurmCluster:
 
     def run(self, args, timeout: float) -> subprocess.CompletedProcess:
         """A SLURM client command (srun ...) against this cluster, its output captured."""
-        return subprocess.run([find(args[0]), *args[1:]], capture_output=True, text=True,
-                              timeout=timeout, env=self.env())
+        return subprocess.run(
+            [find(args[0]), *args[1:]],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env(),
+        )
 
     def logs(self) -> str:
         """The daemons' logs, for a failed test's message."""
@@ -127,8 +149,12 @@ class SlurmCluster:
 
     def stop(self) -> None:
         if len(self.procs) > 1 and self.procs[1].poll() is None:  # slurmctld: cancel what is left
-            subprocess.run([find("scancel"), f"--user={os.getuid()}"], env=self.env(),
-                           timeout=30, capture_output=True)
+            subprocess.run(
+                [find("scancel"), f"--user={os.getuid()}"],
+                env=self.env(),
+                timeout=30,
+                capture_output=True,
+            )
         for proc in reversed(self.procs):
             proc.terminate()
         for proc in reversed(self.procs):
@@ -140,13 +166,24 @@ class SlurmCluster:
 
     def _spawn(self, name: str, argv) -> None:
         with open(os.path.join(self.dir, f"{name}.out"), "w") as out:
-            self.procs.append(subprocess.Popen([find(argv[0]), *argv[1:]], stdout=out,
-                                               stderr=subprocess.STDOUT, env=self.env(),
-                                               stdin=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [find(argv[0]), *argv[1:]],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=self.env(),
+                    stdin=subprocess.DEVNULL,
+                )
+            )
 
     def _idle(self) -> bool:
-        out = subprocess.run([find("sinfo"), "--noheader", "--format=%t"], capture_output=True,
-                             text=True, env=self.env(), timeout=30)
+        out = subprocess.run(
+            [find("sinfo"), "--noheader", "--format=%t"],
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=30,
+        )
         return out.stdout.strip() == "idle"
 
     def _wait(self, ready, what: str) -> None:

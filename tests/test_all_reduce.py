@@ -1,4 +1,5 @@
 """all_reduce on 1-5 real ranks: every op x dtype x algorithm against a float64 reference."""
+
 import hashlib
 
 import numpy as np
@@ -14,8 +15,11 @@ COUNTS = [0, 1, 7, 4097, (1 << 17) + 3]
 # Small ring slices and tree chunks, so that the largest count runs the pipelines over many of
 # them in every dtype (the defaults need megabytes for that; test_transport_knobs and test_shm
 # move those).
-PIPELINED = {"RINGCOMM_RING_SLICE_BYTES": "16384", "RINGCOMM_TREE_CHUNK_BYTES": "8192",
-             "RINGCOMM_SHM_BOARD_BYTES": "65536"}
+PIPELINED = {
+    "RINGCOMM_RING_SLICE_BYTES": "16384",
+    "RINGCOMM_TREE_CHUNK_BYTES": "8192",
+    "RINGCOMM_SHM_BOARD_BYTES": "65536",
+}
 OPS = ["sum", "avg", "prod", "min", "max"]
 ALGOS = ["ring", "tree", "recursive_doubling", "halving_doubling"]
 
@@ -34,10 +38,19 @@ def reference(op, world, count, dtype):
     if dtype == torch.bool:
         xs = xs.astype(bool)
         return {"sum": xs.any(0), "max": xs.any(0), "prod": xs.all(0), "min": xs.all(0)}[op]
-    red = {"sum": xs.sum(0), "avg": xs.mean(0), "prod": xs.prod(0), "min": xs.min(0),
-           "max": xs.max(0)}[op]
+    red = {
+        "sum": xs.sum(0),
+        "avg": xs.mean(0),
+        "prod": xs.prod(0),
+        "min": xs.min(0),
+        "max": xs.max(0),
+    }[op]
     if not dtype.is_floating_point:  # integers wrap around, like torch's
-        red = red.astype(np.int64).astype(torch.empty(0, dtype=dtype).numpy().dtype).astype(np.float64)
+        red = (
+            red.astype(np.int64)
+            .astype(torch.empty(0, dtype=dtype).numpy().dtype)
+            .astype(np.float64)
+        )
     return red
 
 
@@ -93,8 +106,9 @@ WORLDS = {"shm": {1, 2, 3, 4, 5}, "tcp": {2, 3, 4}, "mixed": {3, 4, 5}}
 def test_every_op_dtype_algorithm(world, transport):
     if world not in WORLDS[transport]:
         pytest.skip(f"{world} rank(s) over {transport}: covered by the other transports")
-    results = run_ranks(world, every_combination, COUNTS, timeout=240, comm_timeout=60,
-                        env=PIPELINED)
+    results = run_ranks(
+        world, every_combination, COUNTS, timeout=240, comm_timeout=60, env=PIPELINED
+    )
     for rank, (failures, _, algos) in enumerate(results):
         assert not failures, f"rank {rank}: {failures[:10]}"
         # two fake hosts of two ranks: the hierarchical all-reduce too
@@ -113,7 +127,9 @@ def random_float_sums(comm, count, repeats):
         runs = []
         for _ in range(repeats):
             gen = torch.Generator().manual_seed(comm.rank)
-            t = torch.randn(count, generator=gen) * 10 ** torch.randint(-3, 4, (count,), generator=gen)
+            t = torch.randn(count, generator=gen) * 10 ** torch.randint(
+                -3, 4, (count,), generator=gen
+            )
             comm.all_reduce(t, algorithm=algo)
             runs.append(hashlib.sha256(t.numpy().tobytes()).hexdigest())
         out[algo] = runs
@@ -164,11 +180,16 @@ def hierarchical_sums(comm, count):
     """float sums and other ops by the hierarchical all-reduce, against float64, and its choice."""
     gen = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(count, generator=gen, dtype=torch.float64)
-    everyone = [torch.randn(count, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
-                for r in range(comm.world_size)]
+    everyone = [
+        torch.randn(count, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        for r in range(comm.world_size)
+    ]
     out = {}
-    for op, expect in (("sum", sum(everyone)), ("avg", sum(everyone) / comm.world_size),
-                       ("max", torch.stack(everyone).max(0).values)):
+    for op, expect in (
+        ("sum", sum(everyone)),
+        ("avg", sum(everyone) / comm.world_size),
+        ("max", torch.stack(everyone).max(0).values),
+    ):
         digests = set()
         for _ in range(2):
             t = x.float()
@@ -180,14 +201,16 @@ def hierarchical_sums(comm, count):
 
 
 # Hosts given per rank: 3 of 2 ranks; 2 of 3; 2 of 2 whose ranks interleave (views map indices).
-@pytest.mark.parametrize("hosts", [["a", "a", "b", "b", "c", "c"], ["a", "a", "a", "b", "b", "b"],
-                                   ["a", "b", "a", "b"]])
+@pytest.mark.parametrize(
+    "hosts", [["a", "a", "b", "b", "c", "c"], ["a", "a", "a", "b", "b", "b"], ["a", "b", "a", "b"]]
+)
 def test_hierarchical_all_reduce_on_fake_hosts(hosts, transport):
     if transport == "mixed":
         pytest.skip("the hosts are given here: the same as shm")
     env = {r: {"RINGCOMM_HOST_ID": h} for r, h in enumerate(hosts)}
-    results = run_ranks(len(hosts), hierarchical_sums, 100_003, per_rank_env=env, env=PIPELINED,
-                        timeout=120)
+    results = run_ranks(
+        len(hosts), hierarchical_sums, 100_003, per_rank_env=env, env=PIPELINED, timeout=120
+    )
     layout = [[r for r, h in enumerate(hosts) if h == name] for name in dict.fromkeys(hosts)]
     for got_layout, choice, digests in results:
         assert got_layout == layout and choice == "hierarchical"
@@ -227,18 +250,24 @@ def test_shared_buffer_needs_every_rank_in_shared_memory(transport):
 def shared_buffer_against(comm, count_of, algo_of):
     from ranks import expect_error
     from ringcomm import MismatchError
+
     t = torch.ones(count_of[comm.rank])
-    message, _ = expect_error(lambda: comm.all_reduce(t, algorithm=algo_of[comm.rank]),
-                              MismatchError)
+    message, _ = expect_error(
+        lambda: comm.all_reduce(t, algorithm=algo_of[comm.rank]), MismatchError
+    )
     return message
 
 
-@pytest.mark.parametrize("count_of, algo_of", [
-    ([300_000, 300_000, 300_001], ["shared_buffer"] * 3),   # one rank's count differs
-    ([300_000] * 3, ["shared_buffer", "shared_buffer", "ring"]),  # one rank's algorithm
-])
-def test_a_shared_buffer_mismatch_fails_every_rank_before_a_board_is_read(count_of, algo_of,
-                                                                           transport):
+@pytest.mark.parametrize(
+    "count_of, algo_of",
+    [
+        ([300_000, 300_000, 300_001], ["shared_buffer"] * 3),  # one rank's count differs
+        ([300_000] * 3, ["shared_buffer", "shared_buffer", "ring"]),  # one rank's algorithm
+    ],
+)
+def test_a_shared_buffer_mismatch_fails_every_rank_before_a_board_is_read(
+    count_of, algo_of, transport
+):
     if transport != "shm":
         pytest.skip("the shared buffer runs only where every rank is in shared memory")
     for message in run_ranks(3, shared_buffer_against, count_of, algo_of, timeout=60):

@@ -1,5 +1,6 @@
 """Posting a message allocates nothing: heap allocations per call do not grow with the number of
 messages a call sends (tests/native/count_allocations.cc, real ranks, C++ only)."""
+
 import os
 import subprocess
 
@@ -16,8 +17,13 @@ def counter(tmp_path_factory):
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_allocations_per_call_do_not_grow_with_messages(counter, tmp_path, transport, world):
-    run = subprocess.run([counter, str(world), str(tmp_path)], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "RINGCOMM_TRANSPORT": transport})
+    run = subprocess.run(
+        [counter, str(world), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RINGCOMM_TRANSPORT": transport},
+    )
     assert run.returncode == 0, run.stderr
     rows = [line.rsplit(" ", 2) for line in run.stdout.splitlines()]
     assert len(rows) == 4, run.stdout
@@ -25,4 +31,6 @@ def test_allocations_per_call_do_not_grow_with_messages(counter, tmp_path, trans
         # A 4 MiB call sends tens of messages per step, an 8-byte one a single message: one
         # allocation per message would add tens per call. A queue or table that grows to a new
         # high-water mark now and then (more in flight on a loaded machine) adds a fraction.
-        assert float(large) <= float(small) + 1, f"{name}: {small} allocations per small call, {large} per large"
+        assert float(large) <= float(small) + 1, (
+            f"{name}: {small} allocations per small call, {large} per large"
+        )

@@ -1,5 +1,6 @@
 """The torch.distributed backend "ringcomm": every op against gloo's result, subgroups, mixed
 configs, torchrun, async futures, errors."""
+
 import os
 import subprocess
 import sys
@@ -21,8 +22,9 @@ from ranks import run_ranks, run_torchrun, seconds_until_handler_runs
 
 def init_ringcomm_and_gloo(store, rank, world):
     """ringcomm as the default group, and a gloo group over the same ranks to compare with."""
-    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "ringcomm", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
     return dist.new_group(backend="gloo")
 
 
@@ -34,8 +36,9 @@ def values(rank, shape, dtype=torch.float32):
 
 def assert_same(a, b, where):
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), \
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), (
             f"{where}: {a} != {b}"
+        )
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
@@ -59,6 +62,7 @@ def each_op(store, rank, world):
             t = values(rank, (7, 3), dtype)
             dist.all_reduce(t, op=op, group=group)
             return t
+
         return run
 
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
@@ -71,12 +75,14 @@ def each_op(store, rank, world):
         t = values(rank, (6, 4)).t()  # staged through a contiguous copy, copied back
         dist.all_reduce(t, group=group)
         return t
+
     both("all_reduce non-contiguous", non_contiguous)
 
     def all_reduce_large(group):
         t = values(rank, (300_000,))  # past the small-message threshold: the ring algorithm
         dist.all_reduce(t, group=group)
         return t
+
     both("all_reduce large", all_reduce_large)
 
     def coalesced(group):
@@ -86,6 +92,7 @@ def each_op(store, rank, world):
                 dist.all_reduce(t, group=group)
         cm.wait()
         return ts
+
     both("all_reduce coalesced", coalesced)
 
     def gathers_coalesced(group):
@@ -109,6 +116,7 @@ def each_op(store, rank, world):
                 dist.reduce_scatter_single(out, inp, group=group)
         dist.all_gather_coalesced(lists, list_ins, group=group)
         return gathered, reduced, lists
+
     both("all_gather and reduce_scatter coalesced", gathers_coalesced)
 
     def broadcast(group):
@@ -118,6 +126,7 @@ def each_op(store, rank, world):
             dist.broadcast(t, src=root, group=group)
             out.append(t)
         return out
+
     both("broadcast", broadcast)
 
     def reduce(group):
@@ -127,30 +136,35 @@ def each_op(store, rank, world):
             dist.reduce(t, dst=root, group=group)
             out.append(t if rank == root else None)  # gloo uses non-roots' tensors as scratch
         return out
+
     both("reduce", reduce)
 
     def all_gather(group):
         pieces = [torch.empty(2, 3, dtype=torch.bfloat16) for _ in range(n)]
         dist.all_gather(pieces, values(rank, (2, 3), torch.bfloat16), group=group)
         return pieces
+
     both("all_gather list", all_gather)
 
     def all_gather_into_tensor(group):
         out = torch.empty(n * 2, 5, dtype=torch.int32)
         dist.all_gather_single(out, values(rank, (2, 5), torch.int32), group=group)
         return out
+
     both("all_gather_into_tensor", all_gather_into_tensor)
 
     def reduce_scatter(group):
         out = torch.empty(3, 2)
         dist.reduce_scatter(out, [values(rank + q, (3, 2)) for q in range(n)], group=group)
         return out
+
     both("reduce_scatter list", reduce_scatter)
 
     def reduce_scatter_tensor(group):
         out = torch.empty(4)
         dist.reduce_scatter_single(out, values(rank, (4 * n,)), op=dist.ReduceOp.MAX, group=group)
         return out
+
     both("reduce_scatter_tensor", reduce_scatter_tensor)
 
     def gather(group):
@@ -160,22 +174,29 @@ def each_op(store, rank, world):
             dist.gather(values(rank, (6,)), pieces, dst=root, group=group)
             out.append(pieces)
         return out
+
     both("gather", gather)
 
     def scatter(group):
         out = []
         for root in range(n):
             t = torch.empty(2, 2, dtype=torch.int64)
-            pieces = [values(q + 10 * rank, (2, 2), torch.int64) for q in range(n)] if rank == root else None
+            pieces = (
+                [values(q + 10 * rank, (2, 2), torch.int64) for q in range(n)]
+                if rank == root
+                else None
+            )
             dist.scatter(t, pieces, src=root, group=group)
             out.append(t)
         return out
+
     both("scatter", scatter)
 
     def all_to_all(group):
         outs = [torch.empty(3) for q in range(n)]  # gloo needs equal sizes here
         dist.all_to_all(outs, [values(rank * n + q, (3,)) for q in range(n)], group=group)
         return outs
+
     both("all_to_all", all_to_all)
 
     def all_to_all_single(group):
@@ -184,15 +205,20 @@ def each_op(store, rank, world):
         in_splits = [(rank + q) % 3 for q in range(n)]  # rows rank sends to q; some empty
         out_splits = [(q + rank) % 3 for q in range(n)]  # rows q sends to rank
         uneven_out = torch.empty(sum(out_splits), 3)
-        dist.all_to_all_single(uneven_out, values(rank, (sum(in_splits), 3)), out_splits, in_splits,
-                               group=group)
+        dist.all_to_all_single(
+            uneven_out, values(rank, (sum(in_splits), 3)), out_splits, in_splits, group=group
+        )
         return even_out, uneven_out
+
     both("all_to_all_single", all_to_all_single)
 
     def point_to_point(group):
         right, left = (rank + 1) % n, (rank - 1) % n
         got = torch.empty(1000)
-        ops = [dist.P2POp(dist.irecv, got, left, group), dist.P2POp(dist.isend, values(rank, (1000,)), right, group)]
+        ops = [
+            dist.P2POp(dist.irecv, got, left, group),
+            dist.P2POp(dist.isend, values(rank, (1000,)), right, group),
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         blocking = torch.zeros(3, dtype=torch.float64)
@@ -201,6 +227,7 @@ def each_op(store, rank, world):
         elif rank == 1:
             dist.recv(blocking, 0, group=group)
         return got, blocking
+
     both("send/recv", point_to_point)
 
     def tagged(group):
@@ -213,6 +240,7 @@ def each_op(store, rank, world):
             for tag, t in zip((7, 8, 9), got):
                 dist.recv(t, 0, group=group, tag=tag)
         return got if rank == 1 else None
+
     both("send/recv with tags", tagged)
 
     def objects(group):
@@ -221,9 +249,11 @@ def each_op(store, rank, world):
         sent = [{"from": rank, "payload": list(range(rank + 3))}, "two"]
         dist.broadcast_object_list(sent, src=n - 1, group=group)
         received = [None]
-        dist.scatter_object_list(received, [f"to {q}" for q in range(n)] if rank == 0 else None,
-                                 src=0, group=group)
+        dist.scatter_object_list(
+            received, [f"to {q}" for q in range(n)] if rank == 0 else None, src=0, group=group
+        )
         return gathered, sent, received
+
     both("objects", objects)
 
     dist.barrier()
@@ -248,7 +278,11 @@ def average(store, rank, world):
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
         dist.all_reduce(total)
         # NCCL's semantics on integers: the sum divided with truncation toward zero
-        expect = total / world if dtype.is_floating_point else torch.div(total, world, rounding_mode="trunc")
+        expect = (
+            total / world
+            if dtype.is_floating_point
+            else torch.div(total, world, rounding_mode="trunc")
+        )
         checks.append(torch.equal(t, expect))
     t = values(rank, (50,))
     total = t.clone()
@@ -273,7 +307,9 @@ def test_average_and_premul_sum():
 def subgroups(store, rank, world):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     # every rank creates every group, members or not, in the same order (torch's rule)
-    groups = {tuple(r): dist.new_group(r, backend="ringcomm") for r in ([0, 1], [1, 2], [0, 2], [0, 1, 2])}
+    groups = {
+        tuple(r): dist.new_group(r, backend="ringcomm") for r in ([0, 1], [1, 2], [0, 2], [0, 1, 2])
+    }
     sums = {}
     for members, group in groups.items():
         if rank in members:
@@ -311,10 +347,12 @@ def mixed_config(store, rank, world):
         # connecting to a rank 1 that had raised already).
         for cpu_backend in ("gloo", "ringcomm"):
             with pytest.raises(RuntimeError, match="doesn't have NCCL built in"):
-                dist.init_process_group(f"cpu:{cpu_backend},cuda:nccl", rank=0, world_size=1,
-                                        store=dist.HashStore())
-    dist.init_process_group("cpu:ringcomm", store=dist.PrefixStore("cpu", store), rank=rank,
-                            world_size=world)
+                dist.init_process_group(
+                    f"cpu:{cpu_backend},cuda:nccl", rank=0, world_size=1, store=dist.HashStore()
+                )
+    dist.init_process_group(
+        "cpu:ringcomm", store=dist.PrefixStore("cpu", store), rank=rank, world_size=world
+    )
     assert dist.get_backend_config() == "cpu:ringcomm"
     t = torch.ones(10)
     before = ringcomm.shm_bytes_sent()
@@ -347,12 +385,20 @@ def async_future(store, rank, world):
             work.wait(timedelta(seconds=0.1))
     chained = fut.then(lambda f: f.value()[0] * 2)
     value = fut.wait()
-    ok = (isinstance(value, list) and value[0] is t and work.is_completed() and work.wait()
-          and torch.equal(chained.wait(), torch.full((1000,), 2.0)))
+    ok = (
+        isinstance(value, list)
+        and value[0] is t
+        and work.is_completed()
+        and work.wait()
+        and torch.equal(chained.wait(), torch.full((1000,), 2.0))
+    )
     # every kind of op returns a Work with a future
     out = torch.empty(world)
-    works = [dist.all_gather_single(out, torch.tensor([float(rank)]), async_op=True),
-             dist.broadcast(torch.zeros(2), 0, async_op=True), dist.barrier(async_op=True)]
+    works = [
+        dist.all_gather_single(out, torch.tensor([float(rank)]), async_op=True),
+        dist.broadcast(torch.zeros(2), 0, async_op=True),
+        dist.barrier(async_op=True),
+    ]
     futures_ok = all(isinstance(w.get_future(), torch._C.Future) for w in works)
     for w in works:
         w.get_future().wait()
@@ -379,14 +425,37 @@ def coalescing_by_device():
 def errors(store, rank, world):
     dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
     cases = [
-        (lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND), TypeError, "band needs an integer"),
-        (lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool), op=dist.ReduceOp.AVG), TypeError, "avg is undefined on bool"),
-        (lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint16)), TypeError, "unsupported dtype"),
+        (
+            lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
+            TypeError,
+            "band needs an integer",
+        ),
+        (
+            lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool), op=dist.ReduceOp.AVG),
+            TypeError,
+            "avg is undefined on bool",
+        ),
+        (
+            lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint16)),
+            TypeError,
+            "unsupported dtype",
+        ),
         (lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3)), ValueError, "split evenly"),
-        (lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 1], [2, 2]), ValueError, "output split sizes add up to 2 rows, the tensor has 3"),
-        (lambda: dist.all_gather_into_tensor(torch.empty(5), torch.ones(2)), ValueError, "world size x input"),
-        (lambda: dist.gather(torch.ones(2), [torch.empty(3)] * world if rank == 0 else None), ValueError,
-         "elements where 2 are expected" if rank == 0 else None),
+        (
+            lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 1], [2, 2]),
+            ValueError,
+            "output split sizes add up to 2 rows, the tensor has 3",
+        ),
+        (
+            lambda: dist.all_gather_into_tensor(torch.empty(5), torch.ones(2)),
+            ValueError,
+            "world size x input",
+        ),
+        (
+            lambda: dist.gather(torch.ones(2), [torch.empty(3)] * world if rank == 0 else None),
+            ValueError,
+            "elements where 2 are expected" if rank == 0 else None,
+        ),
         (coalescing_by_device, RuntimeError, "startCoalescing"),
         (lambda: dist.monitored_barrier(), ValueError, "GLOO"),
     ]
@@ -448,8 +517,9 @@ def test_failed_work_reports_its_error():
 
 def monitored(store, rank, world):
     # torch's dist.monitored_barrier is gloo-only by name; the group's own method reaches ringcomm
-    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=3))
+    dist.init_process_group(
+        "ringcomm", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=3)
+    )
     group = dist.group.WORLD
     group.monitored_barrier(timedelta(seconds=5), wait_all_ranks=True)  # everyone arrives
     if rank == 2:
@@ -469,8 +539,9 @@ def test_monitored_barrier_names_the_rank_that_did_not_arrive():
 
 
 def group_abort(store, rank, world):
-    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "ringcomm", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
     if rank == 1:
         store.wait(["test/aborted"], timedelta(seconds=30))  # joins after rank 0 has given up
         with pytest.raises(RuntimeError, match="ProcessGroup.abort") as info:
@@ -496,8 +567,9 @@ def test_process_group_abort_fails_pending_work_at_once():
 
 
 def signal_during_wait(store, rank, world):
-    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "ringcomm", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
     if rank == 1:
         time.sleep(2.0)
         dist.all_reduce(torch.ones(4))  # joins late: rank 0's handler has run by then
@@ -587,13 +659,13 @@ ELASTIC_SCRIPT = textwrap.dedent("""
 
 def test_torchrun_restarts_the_group_after_a_rank_dies(tmp_path):
     # the survivor of attempt 0 fails fast (its peer is gone), and attempt 1 rendezvouses anew
-    stdout = run_torchrun(tmp_path, ELASTIC_SCRIPT, 2, timeout=180,
-                          extra=["--max-restarts", "1"])
+    stdout = run_torchrun(tmp_path, ELASTIC_SCRIPT, 2, timeout=180, extra=["--max-restarts", "1"])
     for r in range(2):
         assert f"rank {r} attempt 1 sum 4.0" in stdout, stdout
 
 
 # ---- the module's other use: reading tensor lists for the coalesced collectives ----------------------------------------------------------------
+
 
 class Marked(torch.Tensor):
     pass
@@ -602,16 +674,23 @@ class Marked(torch.Tensor):
 def test_buffer_list_reads_in_cpp_what_python_reads(monkeypatch):
     module = ringcomm.backend.load()
     assert ringcomm.backend.built() is module
-    items = ([torch.arange(5).to(dtype) for dtype in TORCH_DTYPES]
-             + [torch.empty(0), torch.empty(0, 3), torch.nn.Parameter(torch.ones(3)),
-                torch.ones(2, 3), torch.arange(10.0)[4:], torch.ones(1, requires_grad=True)])
+    items = [torch.arange(5).to(dtype) for dtype in TORCH_DTYPES] + [
+        torch.empty(0),
+        torch.empty(0, 3),
+        torch.nn.Parameter(torch.ones(3)),
+        torch.ones(2, 3),
+        torch.arange(10.0)[4:],
+        torch.ones(1, requires_grad=True),
+    ]
     read = fusion.BufferList(items)
     monkeypatch.setattr(fusion, "torch_module", lambda: None)
     expect = fusion.BufferList(items)
     lists = (expect.ptrs.tolist(), expect.counts.tolist(), expect.dtypes.tolist())
     assert (read.ptrs.tolist(), read.counts.tolist(), read.dtypes.tolist()) == lists
     assert all(len(v) == len(items) for v in lists)
-    assert tuple(memoryview(b).cast("Q").tolist() for b in module.tensor_lists(tuple(items))) == lists
+    assert (
+        tuple(memoryview(b).cast("Q").tolist() for b in module.tensor_lists(tuple(items))) == lists
+    )
     assert module.tensor_lists([]) == (b"", b"", b"")
     assert module.tensor_lists(items, "cpu") is not None
     # tensors on another device than the one asked for (ringcomm.cuda.pack asks for a GPU's)
@@ -620,18 +699,28 @@ def test_buffer_list_reads_in_cpp_what_python_reads(monkeypatch):
     with pytest.raises(RuntimeError, match="device"):
         module.tensor_lists(items, "a device")
     # anything else is left to the Python path, which names the item or reads it
-    for other in ([torch.ones(4, 4).t()], [torch.ones(2, dtype=torch.complex64)],
-                  [torch.ones(2).as_subclass(Marked)], [torch.ones(3).to_sparse()],
-                  [torch.ones(2, device="meta")], [np.ones(3)], [torch.ones(2), 1.0],
-                  "tensors", iter([torch.ones(2)])):
+    for other in (
+        [torch.ones(4, 4).t()],
+        [torch.ones(2, dtype=torch.complex64)],
+        [torch.ones(2).as_subclass(Marked)],
+        [torch.ones(3).to_sparse()],
+        [torch.ones(2, device="meta")],
+        [np.ones(3)],
+        [torch.ones(2), 1.0],
+        "tensors",
+        iter([torch.ones(2)]),
+    ):
         assert module.tensor_lists(other) is None, other
     with pytest.raises(ValueError, match=r"tensors\[1\]"):
         fusion.BufferList([torch.ones(2), torch.ones(4, 4).t()])
     # memory that does not hold the values, or no memory: refused on both paths, named
     freed = torch.ones(6)[2:]
     freed.untyped_storage().resize_(0)
-    for bad, why in ((torch._neg_view(torch.ones(3)), "negated view"),
-                     (torch._efficientzerotensor(4), "no memory"), (freed, "no memory")):
+    for bad, why in (
+        (torch._neg_view(torch.ones(3)), "negated view"),
+        (torch._efficientzerotensor(4), "no memory"),
+        (freed, "no memory"),
+    ):
         assert module.tensor_lists([torch.ones(2), bad]) is None
         for reader in (lambda: module, lambda: None):
             monkeypatch.setattr(fusion, "torch_module", reader)
@@ -646,8 +735,14 @@ def both_paths(comm):
     reader leaves to Buffer named as before; a failure raised as the RingcommError of its kind."""
     assert comm._tensor_path is not None  # the module is built: the C++ reader is in use
     same = []
-    for dtype, op in ((torch.float32, "sum"), (torch.float32, "avg"), (torch.bfloat16, "max"),
-                      (torch.int64, "bxor"), (torch.int32, "min"), (torch.bool, "bor")):
+    for dtype, op in (
+        (torch.float32, "sum"),
+        (torch.float32, "avg"),
+        (torch.bfloat16, "max"),
+        (torch.int64, "bxor"),
+        (torch.int32, "min"),
+        (torch.bool, "bor"),
+    ):
         given = (torch.arange(7) * (comm.rank + 2)).to(dtype)
         read_in_cpp, by_buffer = given.clone(), given.clone()
         comm.all_reduce(read_in_cpp, op)
@@ -661,8 +756,12 @@ def both_paths(comm):
     errors = []
     freed = torch.ones(6)[2:]
     freed.untyped_storage().resize_(0)  # its address still looks valid
-    for bad, op in ((torch.ones(4, 4).t(), "sum"), (torch.ones(3, dtype=torch.bool), "avg"),
-                    (torch.ones(3), "band"), (freed, "sum")):
+    for bad, op in (
+        (torch.ones(4, 4).t(), "sum"),
+        (torch.ones(3, dtype=torch.bool), "avg"),
+        (torch.ones(3), "band"),
+        (freed, "sum"),
+    ):
         try:
             comm.all_reduce(bad, op)
         except (ValueError, TypeError) as e:
@@ -678,9 +777,14 @@ def test_a_blocking_all_reduce_reads_its_tensor_in_cpp():
     ringcomm.backend.load()  # built, in the cache the ranks look in
     for same, errors in run_ranks(2, both_paths):
         assert all(same), same
-        assert len(errors) == 5 and "contiguous" in errors[0] and "bool" in errors[1] and \
-            "integer" in errors[2] and "no memory" in errors[3] and errors[4] == "MismatchError", \
-            errors
+        assert (
+            len(errors) == 5
+            and "contiguous" in errors[0]
+            and "bool" in errors[1]
+            and "integer" in errors[2]
+            and "no memory" in errors[3]
+            and errors[4] == "MismatchError"
+        ), errors
 
 
 def _built_in(cache: str) -> str:
@@ -717,10 +821,12 @@ def test_built_loads_only_a_finished_build_and_never_waits(tmp_path):
 
 def test_built_never_starts_a_build(tmp_path):
     # a cache without this torch's build: the coalesced path reads its lists in Python
-    code = ("import torch, ringcomm\n"
-            "from ringcomm import backend, fusion\n"
-            "assert backend.built() is None and backend.built() is None\n"
-            "assert fusion.BufferList([torch.ones(3)]).counts.tolist() == [3]\n")
+    code = (
+        "import torch, ringcomm\n"
+        "from ringcomm import backend, fusion\n"
+        "assert backend.built() is None and backend.built() is None\n"
+        "assert fusion.BufferList([torch.ones(3)]).counts.tolist() == [3]\n"
+    )
     env = dict(os.environ, RINGCOMM_TORCH_BUILD_DIR=str(tmp_path))
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     assert list(tmp_path.iterdir()) == []

@@ -1,4 +1,5 @@
 """The benchmark CLI runs end to end, checks its results and writes JSON."""
+
 import json
 import os
 import re
@@ -21,9 +22,25 @@ def assert_run_metadata(report: dict):
 
 def test_bench_compares_with_gloo_and_forced_algorithms_and_writes_json(tmp_path):
     out_file = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "8,64K,1M",
-           "-n", "3", "-w", "1", "--repeats", "2", "--compare", "gloo,ring,tree",
-           "--json", str(out_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm.bench",
+        "--ranks",
+        "2",
+        "--sizes",
+        "8,64K,1M",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--repeats",
+        "2",
+        "--compare",
+        "gloo,ring,tree",
+        "--json",
+        str(out_file),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "busbw" in run.stdout and "gloo time ratio" in run.stdout
@@ -37,8 +54,9 @@ def test_bench_compares_with_gloo_and_forced_algorithms_and_writes_json(tmp_path
         for lib in ("ringcomm", "gloo", "ring", "tree"):  # forced algorithms are checked too
             assert r[lib]["wrong"] == 0 and len(r[lib]["samples_us"]) == 2, (lib, r)
         for lib in ("gloo", "ring", "tree"):
-            assert r["ratios"][lib]["time"] == pytest.approx(r["ringcomm"]["time_us"] /
-                                                             r[lib]["time_us"])
+            assert r["ratios"][lib]["time"] == pytest.approx(
+                r["ringcomm"]["time_us"] / r[lib]["time_us"]
+            )
         # which algorithm auto ran; where it is a forced column, its time over the fastest one
         assert r["auto_chose"] in ("ring", "tree", "recursive_doubling"), r
         if r["auto_chose"] in ("ring", "tree"):
@@ -50,8 +68,12 @@ def test_bench_compares_with_gloo_and_forced_algorithms_and_writes_json(tmp_path
     # (RINGCOMM_TUNING=off in tests: alpha 16 us, beta 4 GB/s)
     assert rows[0]["auto_chose"] == "recursive_doubling"
     assert "auto chose" in run.stdout and "chosen / best" in run.stdout
-    report = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"),
-                             str(out_file)], capture_output=True, text=True, timeout=60)
+    report = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "report.py"), str(out_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert report.returncode == 0, report.stderr[-3000:]
     lines = report.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("| size"))
@@ -63,8 +85,27 @@ def test_bench_compares_with_gloo_and_forced_algorithms_and_writes_json(tmp_path
 def test_bench_other_collectives_check_results(tmp_path):
     for coll in ("reduce_scatter", "all_gather", "broadcast", "reduce"):
         out_file = tmp_path / f"{coll}.json"
-        cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "3", "--coll", coll, "-d", "half",
-               "--sizes", "96,300K", "-n", "2", "-w", "1", "--repeats", "1", "--json", str(out_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ringcomm.bench",
+            "--ranks",
+            "3",
+            "--coll",
+            coll,
+            "-d",
+            "half",
+            "--sizes",
+            "96,300K",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--repeats",
+            "1",
+            "--json",
+            str(out_file),
+        ]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         assert run.returncode == 0, run.stderr[-3000:]
         for r in json.loads(out_file.read_text())["rows"]:
@@ -73,8 +114,24 @@ def test_bench_other_collectives_check_results(tmp_path):
 
 def test_bench_floor_row(tmp_path):
     out_file = tmp_path / "floor.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "8,4K", "-n", "3",
-           "-w", "1", "--repeats", "2", "--floor", "--json", str(out_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm.bench",
+        "--ranks",
+        "2",
+        "--sizes",
+        "8,4K",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--repeats",
+        "2",
+        "--floor",
+        "--json",
+        str(out_file),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "floor time(us)" in run.stdout and "vs floor" in run.stdout
@@ -85,19 +142,24 @@ def test_bench_floor_row(tmp_path):
         assert r["floor"]["wrong"] is None and r["ringcomm"]["wrong"] == 0
         ratio = r["ratios"]["floor"]
         assert abs(ratio["time"] - r["ringcomm"]["time_us"] / r["floor"]["time_us"]) < 1e-9
-        assert abs(ratio["busbw"] * ratio["time"] - 1) < 1e-9  # same bytes: busbw ratio = 1 / time ratio
+        assert (
+            abs(ratio["busbw"] * ratio["time"] - 1) < 1e-9
+        )  # same bytes: busbw ratio = 1 / time ratio
 
 
 def _floor_spans(comm, spans, iters):
     from ringcomm.bench.collectives import all_at_once
+
     return all_at_once(comm, spans[comm.rank], iters)
 
 
 def test_a_sample_every_rank_runs_at_once_lasts_from_the_first_start_to_the_last_end():
     """The floor's samples: a rank that starts late (woken last by the barrier, with more ranks
     than cores) makes the sample last longer though its own time is as short as the others'."""
-    spans = {0: [(10.0, 10.2), (20.0, 20.2)],   # each rank's own time: 0.2 s a sample, 2 calls
-             1: [(10.3, 10.5), (19.9, 20.1)]}   # sample 1: starts once rank 0 is done
+    spans = {
+        0: [(10.0, 10.2), (20.0, 20.2)],  # each rank's own time: 0.2 s a sample, 2 calls
+        1: [(10.3, 10.5), (19.9, 20.1)],
+    }  # sample 1: starts once rank 0 is done
     results = run_ranks(2, _floor_spans, spans, 2)
     for per_call in results:
         assert per_call == pytest.approx([0.25, 0.15])  # (10.5 - 10.0) / 2, (20.2 - 19.9) / 2
@@ -108,9 +170,27 @@ def limits_run(tmp_path_factory):
     """One small run with both limits, its JSON and its figure, shared by the tests below."""
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("limits")
-    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "8,64K", "-n", "5",
-           "-w", "1", "--repeats", "2", "--floor", "--wire", "--json", str(out / "rows.json"),
-           "--plot", str(out / "rows.png")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm.bench",
+        "--ranks",
+        "2",
+        "--sizes",
+        "8,64K",
+        "-n",
+        "5",
+        "-w",
+        "1",
+        "--repeats",
+        "2",
+        "--floor",
+        "--wire",
+        "--json",
+        str(out / "rows.json"),
+        "--plot",
+        str(out / "rows.png"),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     return run, out
@@ -123,9 +203,10 @@ def assert_png(path, min_bytes):
 
 def test_samples_interleave_with_a_different_lead_and_neighbours_each_repeat():
     from ringcomm.bench.collectives import interleaved
+
     names = ["ringcomm", "ring", "shared_buffer", "floor"]
     order = list(interleaved(names, 6))
-    repeats = [order[i:i + 4] for i in range(0, len(order), 4)]
+    repeats = [order[i : i + 4] for i in range(0, len(order), 4)]
     assert all(sorted(r) == sorted(names) for r in repeats) and len(repeats) == 6
     assert len({r[0] for r in repeats[:4]}) == 4
     # a column's samples follow more than one other column's
@@ -138,9 +219,27 @@ def test_bench_warms_auto_up_past_its_first_trials(tmp_path):
     """4 calls before the only sample, where auto's first trials take 16: the bench runs auto
     until they are over, so the sample times the winner."""
     out_file = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "1M", "-n", "3",
-           "-w", "1", "--sample-warmup", "0", "--repeats", "1", "--compare", "ring",
-           "--json", str(out_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm.bench",
+        "--ranks",
+        "2",
+        "--sizes",
+        "1M",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--sample-warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--compare",
+        "ring",
+        "--json",
+        str(out_file),
+    ]
     env = dict(os.environ, RINGCOMM_TRANSPORT="shm", RINGCOMM_RETUNE_CALLS="24")
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -168,7 +267,10 @@ def test_bench_wire_row(limits_run):
         wire = r["wire"]
         # the bytes on the wire at the measured rate: 2(n-1)/n x size, n = 2
         assert wire["time_us"] > 0 and wire["wrong"] is None
-        assert abs(wire["time_us"] * 1e-6 * data["wire"]["rate_GBps"] * 1e9 - r["size"]) < 1e-6 * r["size"]
+        assert (
+            abs(wire["time_us"] * 1e-6 * data["wire"]["rate_GBps"] * 1e9 - r["size"])
+            < 1e-6 * r["size"]
+        )
         assert abs(wire["busbw"] - data["wire"]["rate_GBps"]) < 1e-9
         assert abs(r["ratios"]["wire"]["time"] - r["ringcomm"]["time_us"] / wire["time_us"]) < 1e-9
 
@@ -219,15 +321,33 @@ def test_bench_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_pat
 
 
 def test_bench_progress_goes_to_stderr_on_long_sweeps():
-    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "-b", "8", "-e", "2K", "-n", "2",
-           "-w", "0", "--repeats", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm.bench",
+        "--ranks",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "2K",
+        "-n",
+        "2",
+        "-w",
+        "0",
+        "--repeats",
+        "1",
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     sizes = [8 << i for i in range(9)]  # 8 B .. 2 KiB: more than 8 sizes
-    assert [line.split()[0] for line in run.stdout.splitlines()
-            if not line.startswith("#")] == [str(s) for s in sizes]
+    assert [line.split()[0] for line in run.stdout.splitlines() if not line.startswith("#")] == [
+        str(s) for s in sizes
+    ]
     progress = [line for line in run.stderr.splitlines() if line.startswith("[")]
-    assert progress[0] == "[1/9] 8 B ..." and progress[-1] == "[9/9] 2 KiB ..." and len(progress) == 9
+    assert (
+        progress[0] == "[1/9] 8 B ..." and progress[-1] == "[9/9] 2 KiB ..." and len(progress) == 9
+    )
 
 
 def test_bench_progress_shows_a_row_that_takes_long(monkeypatch, capsys):
@@ -245,17 +365,23 @@ def test_bench_progress_shows_a_row_that_takes_long(monkeypatch, capsys):
 
 def test_report_prints_the_tables(limits_run):
     _, out = limits_run
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "report.py"), str(out / "rows.json"),
-           os.path.join(ROOT, "tests", "fixtures", "shm_2ranks.json"),
-           "--plot", str(out / "report.png")]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "bench", "report.py"),
+        str(out / "rows.json"),
+        os.path.join(ROOT, "tests", "fixtures", "shm_2ranks.json"),
+        "--plot",
+        str(out / "report.png"),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-3000:]
     tables = run.stdout.split("### ")[1:]
     assert len(tables) == 2
     assert tables[0].startswith("all_reduce, 2 ranks, float sum, shm")
     rows = [line for line in tables[0].splitlines() if line.startswith("| ")]
-    assert rows[0] == ("| size | ringcomm (us) | memory floor (us) | wire (us) | vs floor | vs wire "
-                       "| #wrong |")
+    assert rows[0] == (
+        "| size | ringcomm (us) | memory floor (us) | wire (us) | vs floor | vs wire | #wrong |"
+    )
     assert [r.split(" | ")[0] for r in rows[1:]] == ["| 8 B", "| 64 KiB"]
     assert all(r.endswith(" | 0 |") for r in rows[1:])
     # a file from before the bench recorded the transport (tests/fixtures)
@@ -271,20 +397,30 @@ def test_timeline_plot_draws_a_trace(tmp_path):
     from ringcomm.bench.plot import timeline_plot
 
     def event(name, ts, dur, pid, tid):
-        return {"ph": "X", "name": name, "cat": "ringcomm", "ts": ts, "dur": dur, "pid": pid,
-                "tid": tid, "args": {"bytes": 65536}}
+        return {
+            "ph": "X",
+            "name": name,
+            "cat": "ringcomm",
+            "ts": ts,
+            "dur": dur,
+            "pid": pid,
+            "tid": tid,
+            "args": {"bytes": 65536},
+        }
 
-    trace = {"traceEvents": [
-        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}},
-        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "progress"}},
-        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "rank 1"}},
-        event("all_reduce", 1000, 900, 0, 7),
-        event("reduce_scatter", 1050, 400, 0, 7),  # nested twice: inside all_reduce...
-        event("recv", 1100, 100, 0, 7),  # ...and inside reduce_scatter
-        event("all_gather", 1460, 400, 0, 7),
-        event("all_reduce", 1020, 950, 1, 7),
-        event("barrier", 2500, 30, 1, 8),  # a thread without a name
-    ]}
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}},
+            {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "progress"}},
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "rank 1"}},
+            event("all_reduce", 1000, 900, 0, 7),
+            event("reduce_scatter", 1050, 400, 0, 7),  # nested twice: inside all_reduce...
+            event("recv", 1100, 100, 0, 7),  # ...and inside reduce_scatter
+            event("all_gather", 1460, 400, 0, 7),
+            event("all_reduce", 1020, 950, 1, 7),
+            event("barrier", 2500, 30, 1, 8),  # a thread without a name
+        ]
+    }
     timeline_plot(trace, str(tmp_path / "timeline.png"))
     assert_png(tmp_path / "timeline.png", 10_000)
     with pytest.raises(ValueError, match="no complete"):
@@ -301,8 +437,11 @@ def test_bench_compare_mpi_without_mpi_says_what_to_install(monkeypatch, missing
         monkeypatch.setattr(bench, "find_mpiexec", lambda: None)
     else:
         find_spec = importlib.util.find_spec
-        monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda name, *a: None if name == "mpi4py" else find_spec(name, *a))
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a: None if name == "mpi4py" else find_spec(name, *a),
+        )
     with pytest.raises(SystemExit, match=r"pip install 'ringcomm\[mpi\]'"):
         bench.main(["--compare", "gloo,mpi"])
 
@@ -311,8 +450,25 @@ def test_bench_compare_mpi_without_mpi_says_what_to_install(monkeypatch, missing
 def test_bench_compare_mpi(tmp_path):
     pytest.importorskip("mpi4py")
     out_file = tmp_path / "mpi.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--sizes", "8,64K", "-n", "3",
-           "-w", "1", "--repeats", "2", "--compare", "mpi", "--json", str(out_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm.bench",
+        "--ranks",
+        "2",
+        "--sizes",
+        "8,64K",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--repeats",
+        "2",
+        "--compare",
+        "mpi",
+        "--json",
+        str(out_file),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mpi time(us)" in run.stdout and "mpi time ratio" in run.stdout
@@ -329,8 +485,19 @@ def test_kernel_bench_pack_compares_memory_layouts(tmp_path, capsys):
     from ringcomm.bench import kernels
 
     out = tmp_path / "pack.json"
-    kernels.main(["pack", "--tensors", "200", "--tensor-bytes", "1K-4K", "--repeats", "3",
-                        "--json", str(out)])
+    kernels.main(
+        [
+            "pack",
+            "--tensors",
+            "200",
+            "--tensor-bytes",
+            "1K-4K",
+            "--repeats",
+            "3",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     for layout in ("spread", "spread, by address", "views of one buffer", "one buffer"):
         assert re.search(rf"^  {layout} +[0-9.]+ +[0-9.]+ +[0-9.]+$", printed, re.M), printed
@@ -343,16 +510,28 @@ def test_kernel_bench_pack_compares_memory_layouts(tmp_path, capsys):
 def test_gpu_check_dry_run_names_every_step_and_writes_one_report(tmp_path):
     script = os.path.join(ROOT, "bench", "gpu_check.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
-    run = subprocess.run([script, "--dry-run"], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable))
+    run = subprocess.run(
+        [script, "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable),
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.log"]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["date"] and report["commit"]
     steps = [s["step"] for s in report["steps"]]
-    assert steps == ["build", "kernels can run", "tests/gpu time-sliced", "tests/gpu mps",
-                     "bench 2 ranks time-sliced", "bench 4 ranks time-sliced",
-                     "bench 2 ranks mps", "bench 4 ranks mps"], steps
+    assert steps == [
+        "build",
+        "kernels can run",
+        "tests/gpu time-sliced",
+        "tests/gpu mps",
+        "bench 2 ranks time-sliced",
+        "bench 4 ranks time-sliced",
+        "bench 2 ranks mps",
+        "bench 4 ranks mps",
+    ], steps
     assert all(s["status"] == "not run (dry run)" for s in report["steps"])
     assert "RINGCOMM_CUDA_ARCHS=90-real" in report["steps"][0]["command"]
     assert "--device cuda -b 8 -e 64M" in report["steps"][4]["command"]

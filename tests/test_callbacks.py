@@ -1,4 +1,5 @@
 """Completion callbacks run on the progress thread: what they may and may not do."""
+
 import threading
 import time
 
@@ -42,7 +43,9 @@ def blocking_call_in_callback(comm):
 
 
 def test_blocking_call_from_a_callback_raises_and_the_communicator_stays_usable():
-    (caught, value, broken), (_, value1, broken1) = run_ranks(2, blocking_call_in_callback, timeout=30)
+    (caught, value, broken), (_, value1, broken1) = run_ranks(
+        2, blocking_call_in_callback, timeout=30
+    )
     assert caught[0] == ("on progress thread", True), caught
     assert len(caught) == 2 and "would wait for itself" in caught[1], caught
     assert value == value1 == 1.0 and broken is None and broken1 is None

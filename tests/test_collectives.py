@@ -1,5 +1,6 @@
 """reduce_scatter, all_gather(v), broadcast, reduce, gather, scatter, all_to_all, barrier,
 send/recv, async handles."""
+
 import numpy as np
 import pytest
 import torch
@@ -23,7 +24,7 @@ def rooted_and_gathers(comm, counts):
         out = torch.empty(count)
         comm.reduce_scatter(out, inp)
         total = sum(values(q, count * n) for q in range(n))
-        assert torch.equal(out, total[r * count:(r + 1) * count]), "reduce_scatter"
+        assert torch.equal(out, total[r * count : (r + 1) * count]), "reduce_scatter"
         out2 = torch.empty(count, dtype=torch.float64)
         comm.reduce_scatter(out2, [values(r, count, torch.float64) + q for q in range(n)], op="max")
         assert torch.equal(out2, values(n - 1, count, torch.float64) + r), "reduce_scatter list max"
@@ -55,7 +56,9 @@ def rooted_and_gathers(comm, counts):
             else:
                 assert torch.equal(red, values(r, count)), "reduce must leave non-root input alone"
 
-            outs = [torch.empty(count, dtype=torch.float64) for _ in range(n)] if r == root else None
+            outs = (
+                [torch.empty(count, dtype=torch.float64) for _ in range(n)] if r == root else None
+            )
             comm.gather(values(r, count, torch.float64), outs, dst=root)
             if r == root:
                 for q in range(n):
@@ -66,7 +69,7 @@ def rooted_and_gathers(comm, counts):
             assert torch.equal(piece, values(r + root, count, torch.int8)), "scatter"
 
         # all_to_all with uneven blocks: rank a sends (a + b + count) % 4 * count // 3 elements to b
-        size = lambda a, b: (a + b + count) % 4 * count // 3  # noqa: E731
+        size = lambda a, b, count=count: (a + b + count) % 4 * count // 3  # noqa: E731
         sent = [values(10 * r + q, size(r, q)) for q in range(n)]
         got = [torch.empty(size(q, r)) for q in range(n)]
         comm.all_to_all(got, sent)
@@ -161,9 +164,11 @@ def async_handles(comm):
     assert (chained.wait() == 2 * n).all()
     # async collectives of every kind, waited on in reverse order
     out = torch.empty(3 * n)
-    works = [comm.all_gather(out, torch.full((3,), float(comm.rank)), async_op=True),
-             comm.broadcast(torch.zeros(3), 0, async_op=True),
-             comm.barrier(async_op=True)]
+    works = [
+        comm.all_gather(out, torch.full((3,), float(comm.rank)), async_op=True),
+        comm.broadcast(torch.zeros(3), 0, async_op=True),
+        comm.barrier(async_op=True),
+    ]
     for w in reversed(works):
         w.wait()
     assert torch.equal(out, torch.arange(n).float().repeat_interleave(3))
@@ -181,7 +186,9 @@ def list_results_when_done(comm):
     stale = 0
     for i in range(200):
         expected = [i * 10 + r for r in range(comm.world_size)]
-        outs = [[torch.zeros(1, dtype=torch.int64) for _ in range(comm.world_size)] for _ in range(2)]
+        outs = [
+            [torch.zeros(1, dtype=torch.int64) for _ in range(comm.world_size)] for _ in range(2)
+        ]
         by_wait = comm.all_gather(outs[0], torch.tensor([expected[comm.rank]]), async_op=True)
         by_wait.wait()
         by_future = comm.all_gather(outs[1], torch.tensor([expected[comm.rank]]), async_op=True)

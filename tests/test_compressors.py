@@ -1,6 +1,7 @@
 """A compressor written in one file, here, against ringcomm.compress.Compressor, runs under DDP
 (compressor_hook), under GradientAverager and in bench/compression_quality.py, with its memory
 following DDP's rebuilt buckets, its statistics and its whole buckets counted and logged."""
+
 import json
 import logging
 import os
@@ -47,8 +48,9 @@ class Bfloat16Feedback(Compressor):
 
 def make_model(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                         nn.Linear(1024, 10))
+    return nn.Sequential(
+        nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
 
 
 def ddp_run(store, rank, world, steps):
@@ -73,8 +75,15 @@ def ddp_run(store, rank, world, steps):
     buckets = ringcomm.hooks.default_communicator().stats()["buckets"]
     residual_numel = sum(t.numel() for t in state.memory.named("residual").values())
     dist.destroy_process_group()
-    return dict(losses=losses, params=params, stats=state.stats, step=state.step, lines=lines,
-                buckets=buckets, residual_numel=residual_numel)
+    return dict(
+        losses=losses,
+        params=params,
+        stats=state.stats,
+        step=state.step,
+        lines=lines,
+        buckets=buckets,
+        residual_numel=residual_numel,
+    )
 
 
 def test_a_compressor_of_a_few_lines_trains_under_ddp():
@@ -125,7 +134,7 @@ def test_a_compressor_of_a_few_lines_runs_under_gradient_averager():
         # error feedback: what was sent adds up to the true averages but for the last residual
         # and the bfloat16 rounding of each step's average (2**-9 of it, at most)
         true = steps * (a + b) / 2
-        assert bool(((s0 - true).abs() <= 2 ** -8 * (true.abs() + 1)).all())
+        assert bool(((s0 - true).abs() <= 2**-8 * (true.abs() + 1)).all())
 
 
 BENCH = os.path.join(HERE, "..", "bench", "compression_quality.py")
@@ -133,8 +142,9 @@ BENCH = os.path.join(HERE, "..", "bench", "compression_quality.py")
 
 def test_bench_help_lists_the_configurations():
     # The names hold % signs, which argparse's help formatting once choked on.
-    run = subprocess.run([sys.executable, BENCH, "--help"], capture_output=True, text=True,
-                         timeout=60)
+    run = subprocess.run(
+        [sys.executable, BENCH, "--help"], capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     text = " ".join(run.stdout.split())  # as argparse wraps it
     assert "topk-10%, topk-0.1%," in text and "topk/ratio=0.001/schedule='fixed'" in text
@@ -145,19 +155,47 @@ def test_bench_runs_its_matrix_and_a_compressor_from_a_file(tmp_path):
     # groups and settings, byte counting, the summary and its checks, JSON, plot).
     out, plot = tmp_path / "quality.json", tmp_path / "quality.svg"
     mine = f"{HERE}/test_compressors.py:Bfloat16Feedback/dense_steps=0"
-    configs = ["dense", "bf16", "topk-10%/schedule='fixed'/warmup_steps=0", "quantize",
-               "powersgd-1/start_iter=2", mine]
-    run = subprocess.run([sys.executable, BENCH, "--ranks", "2", "--steps", "4,8",
-                          "--models", "digits,classification", "--width", "64", "--features",
-                          "128", "--evals", "2", "--configs", ",".join(configs), "--json",
-                          str(out), "--plot", str(plot)],
-                         capture_output=True, text=True, timeout=400)
+    configs = [
+        "dense",
+        "bf16",
+        "topk-10%/schedule='fixed'/warmup_steps=0",
+        "quantize",
+        "powersgd-1/start_iter=2",
+        mine,
+    ]
+    run = subprocess.run(
+        [
+            sys.executable,
+            BENCH,
+            "--ranks",
+            "2",
+            "--steps",
+            "4,8",
+            "--models",
+            "digits,classification",
+            "--width",
+            "64",
+            "--features",
+            "128",
+            "--evals",
+            "2",
+            "--configs",
+            ",".join(configs),
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     records = report["results"]
     labels = [c.replace(f"{HERE}/", "") for c in configs]
     assert len(records) == 2 * 2 * len(configs)  # models x lengths x configurations
-    assert [r["config"] for r in records[:len(configs)]] == labels
+    assert [r["config"] for r in records[: len(configs)]] == labels
     for r in records:
         assert not r["error"] and 0 < r["accuracy"] <= 1 and len(r["curve"]) == 2, r
     cell = {r["config"]: r for r in records if r["model"] == "digits" and r["steps"] == 8}
@@ -168,5 +206,6 @@ def test_bench_runs_its_matrix_and_a_compressor_from_a_file(tmp_path):
     assert cell["test_compressors.py:Bfloat16Feedback/dense_steps=0"]["compressed_buckets"] > 0
     # the checks the matrix has configurations for: the default quantizer's (no default top-k)
     assert [c["check"] for c in report["checks"]] == [
-        "quantize within 1 point of dense in every cell"]
+        "quantize within 1 point of dense in every cell"
+    ]
     assert "<svg" in plot.read_text() and "| 8 | dense |" in run.stdout

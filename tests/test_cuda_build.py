@@ -2,6 +2,7 @@
 does, carries SASS for sm_80 and sm_90 and PTX, stays out of processes that do not ask for it
 (test_imports.py), and says plainly why its kernels cannot run. Its arithmetic is the CPU kernels' (test_kernels.py,
 test_topk.py, test_fusion.py cover it); tests/gpu/ runs the kernels where a GPU is."""
+
 import glob
 import os
 import shutil
@@ -20,7 +21,8 @@ CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 NVCC = shutil.which("nvcc") or shutil.which("nvcc", path=str(CUDA_HOME / "bin"))
 needs_build = pytest.mark.skipif(
     NVCC is None or os.environ.get("RINGCOMM_CUDA") == "0",
-    reason="no nvcc here (or RINGCOMM_CUDA=0): ringcomm._C_cuda is not built")
+    reason="no nvcc here (or RINGCOMM_CUDA=0): ringcomm._C_cuda is not built",
+)
 
 
 def extension_path():
@@ -49,8 +51,12 @@ def test_extension_is_built_where_nvcc_is():
 def test_extension_carries_sm80_sm90_and_ptx():
     tool = cuobjdump()
     path = str(extension_path())
-    elf = subprocess.run([tool, "--list-elf", path], capture_output=True, text=True, check=True).stdout
-    ptx = subprocess.run([tool, "--list-ptx", path], capture_output=True, text=True, check=True).stdout
+    elf = subprocess.run(
+        [tool, "--list-elf", path], capture_output=True, text=True, check=True
+    ).stdout
+    ptx = subprocess.run(
+        [tool, "--list-ptx", path], capture_output=True, text=True, check=True
+    ).stdout
     # One cubin per kernel file and architecture.
     assert elf.count(".sm_80.cubin") >= 3 and elf.count(".sm_90.cubin") >= 3, elf
     assert ".sm_90.ptx" in ptx, ptx
@@ -60,8 +66,9 @@ def test_extension_carries_sm80_sm90_and_ptx():
 def test_device_path_kernels_have_sm80_and_sm90_code():
     # The window plans' kernels (kernels/cuda/window.cu): entry points in the cubin of each
     # architecture, not only in the PTX a driver would compile at load.
-    out = subprocess.run([cuobjdump(), "-symbols", str(extension_path())], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [cuobjdump(), "-symbols", str(extension_path())], capture_output=True, text=True, check=True
+    ).stdout
     entries, arch = {}, None
     for line in out.splitlines():
         if line.startswith("arch = "):
@@ -74,8 +81,9 @@ def test_device_path_kernels_have_sm80_and_sm90_code():
 
 
 def needed(path):
-    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["readelf", "-d", str(path)], capture_output=True, text=True, check=True
+    ).stdout
     return [line.split("[")[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
 
 
@@ -83,8 +91,9 @@ def test_extension_links_no_cuda_library_and_no_torch():
     # The CUDA runtime is linked statically; NCCL is loaded at run time; the core (the step lists
     # the NCCL transport runs) is libringcomm, which itself needs neither CUDA nor torch.
     libraries = needed(extension_path())
-    assert not [lib for lib in libraries if "cuda" in lib or "torch" in lib or "c10" in lib
-                or "nccl" in lib], libraries
+    assert not [
+        lib for lib in libraries if "cuda" in lib or "torch" in lib or "c10" in lib or "nccl" in lib
+    ], libraries
     assert "libringcomm.so" in libraries, libraries
     core = needed(extension_path().parent / "libringcomm.so")
     assert not [lib for lib in core if "cuda" in lib or "torch" in lib or "c10" in lib], core
@@ -106,6 +115,7 @@ def test_without_a_gpu_kernels_say_why():
 @needs_build
 def test_raw_bindings_check_arguments_before_touching_a_device():
     from ringcomm import _C_cuda
+
     with pytest.raises(ValueError, match="unsupported dtype code"):
         _C_cuda.reduce(42, 0, 0, 0, 0, 1, 0)
     with pytest.raises(ValueError, match="needs an integer"):

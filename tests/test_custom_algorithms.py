@@ -3,6 +3,7 @@ built-ins', the check refusing broken lists (a kept set of mutants) with the ran
 at fault, and registered algorithms run by the core over every transport: the Python ring bit for
 bit the built-in ring, the algorithm that ran in the reports, ranks with different lists failing
 as a mismatch, RINGCOMM_ALGO and RINGCOMM_ALGORITHM_FILE."""
+
 import inspect
 import json
 import os
@@ -22,8 +23,9 @@ from ranks import run_ranks
 # The tests that run collectives do so over every transport; those that check lists alone, or
 # start their own processes, run once (transport_fixed).
 pytestmark = pytest.mark.every_transport
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                        "algorithms")
+EXAMPLES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "algorithms"
+)
 
 
 def example(name):
@@ -38,9 +40,14 @@ TORUS = example("torus")["torus"]
 
 
 @pytest.mark.transport_fixed
-@pytest.mark.parametrize("algorithm,built_in,sizes", [
-    (RING, "ring", range(2, 13)), (DOUBLE_TREE, "tree", range(2, 13)),
-    (RECURSIVE_DOUBLING, "recursive_doubling", range(2, 13))])
+@pytest.mark.parametrize(
+    "algorithm,built_in,sizes",
+    [
+        (RING, "ring", range(2, 13)),
+        (DOUBLE_TREE, "tree", range(2, 13)),
+        (RECURSIVE_DOUBLING, "recursive_doubling", range(2, 13)),
+    ],
+)
 def test_examples_are_the_built_in_step_lists(algorithm, built_in, sizes):
     # Steps, blocks, peers, operand order and the completing steps the check marks.
     for n, report in algorithms.check(algorithm, sizes).items():
@@ -53,10 +60,10 @@ def test_the_ring_is_short_and_its_orders_are_the_built_in_ones():
     assert len(source) <= 15
     report = algorithms.check(RING, [4])[4]
     # Segment k starts at rank k+1 and each rank combines mine (op) incoming.
-    assert report["orders"] == ["(0 (3 (2 1)))", "(1 (0 (3 2)))", "(2 (1 (0 3)))",
-                                "(3 (2 (1 0)))"]
-    assert report["orders"] == [order for count, order in _C.reduction_orders(
-        ALGORITHMS["ring"], 4, 4)]
+    assert report["orders"] == ["(0 (3 (2 1)))", "(1 (0 (3 2)))", "(2 (1 (0 3)))", "(3 (2 (1 0)))"]
+    assert report["orders"] == [
+        order for count, order in _C.reduction_orders(ALGORITHMS["ring"], 4, 4)
+    ]
 
 
 @pytest.mark.transport_fixed
@@ -66,21 +73,25 @@ def test_the_torus_checks_on_its_grids():
     assert reports[4]["orders"][0] == "((0 1) (2 3))"
     assert reports[4]["orders"][4] == "((0 2) (1 3))"
     algorithms.check(TORUS(3), [3, 9, 12])
-    with pytest.raises(ValueError, match="rank 0's program raised ValueError: 5 ranks are not "
-                                         "rows of 2"):
+    with pytest.raises(
+        ValueError, match="rank 0's program raised ValueError: 5 ranks are not rows of 2"
+    ):
         algorithms.check(TORUS(2), [5])
 
 
 # -- the check refuses ------------------------------------------------------------------------
 
+
 def mutant(base, victims, change):
     """`base` with `change(steps)` applied to the steps of rank `victims` (a rank, a tuple of
     ranks, or None for every rank)."""
+
     def program(rank, n):
         p = base(rank, n)
         if victims is None or rank == victims or (isinstance(victims, tuple) and rank in victims):
             change(p.steps)
         return p
+
     program.__name__ = base.__name__
     return program
 
@@ -103,13 +114,16 @@ def move(i, j):
 def swap(i, j):
     def change(steps):
         steps[i], steps[j] = steps[j], steps[i]
+
     return change
 
 
 def receives_first(k):
     """The first k steps moved after the next k."""
+
     def change(steps):
-        steps[:2 * k] = steps[k:2 * k] + steps[:k]
+        steps[: 2 * k] = steps[k : 2 * k] + steps[:k]
+
     return change
 
 
@@ -120,6 +134,7 @@ def set_field(i, field, value):
         step = list(steps[i])
         step[fields.index(field)] = PRIM[value] if field == "prim" else value
         steps[i] = tuple(step)
+
     return change
 
 
@@ -128,6 +143,7 @@ def flip_order(i):
         step = list(steps[i])
         step[4] = not step[4]
         steps[i] = tuple(step)
+
     return change
 
 
@@ -184,13 +200,22 @@ MUTANTS = [
 def test_the_mutant_set_covers_every_kind():
     kinds = {kind for kind, *_ in MUTANTS}
     assert len(MUTANTS) >= 30 and len({base for _, base, *_ in MUTANTS}) >= 3
-    assert kinds == {"dropped send", "swapped peer", "duplicated reduce", "missing receive",
-                     "reorder that deadlocks", "order differing across ranks"}
+    assert kinds == {
+        "dropped send",
+        "swapped peer",
+        "duplicated reduce",
+        "missing receive",
+        "reorder that deadlocks",
+        "order differing across ranks",
+    }
 
 
 @pytest.mark.transport_fixed
-@pytest.mark.parametrize("kind,base,n,victim,change", MUTANTS,
-                         ids=[f"{m[0]}-{m[1].__name__}{m[2]}-{i}" for i, m in enumerate(MUTANTS)])
+@pytest.mark.parametrize(
+    "kind,base,n,victim,change",
+    MUTANTS,
+    ids=[f"{m[0]}-{m[1].__name__}{m[2]}-{i}" for i, m in enumerate(MUTANTS)],
+)
 def test_mutants_are_refused_naming_rank_and_step(kind, base, n, victim, change):
     algorithms.check(base, [n])  # sound before the change
     with pytest.raises(ValueError) as refused:
@@ -206,44 +231,90 @@ def test_mutants_are_refused_naming_rank_and_step(kind, base, n, victim, change)
 
 def program_of(steps, blocks=1, **kwargs):
     """An algorithm whose rank r runs steps[r] (lists of (method, args...))."""
+
     def program(rank, n):
         p = Program(blocks=blocks, **kwargs)
         for method, *args in steps[rank]:
             getattr(p, method)(*args)
         return p
+
     return program
 
 
 @pytest.mark.transport_fixed
-@pytest.mark.parametrize("steps,blocks,kwargs,message", [
-    ([[("send", 0, 1)], [("recv", 0, 0)]], 1, {},
-     r"rank 0 ends with block 0 missing the contribution of rank 1 \(nothing received into "
-     r"it: 0\)"),
-    ([[("recv", 0, 1), ("send", 0, 1)], [("recv", 0, 0), ("send", 0, 0)]], 1, {},
-     r"rank 0 step 0 \(recv b0 <1\): waits forever for a message from rank 1, which at step 0 "
-     r"\(recv b0 <0\) waits for a message from rank 0: a deadlock"),
-    ([[("send", 2, 1)], [("recv", 0, 0)]], 2, {},
-     r"rank 0 step 0 \(send b2 >1\): names block 2; the buffer has 2 \(0 \.\. 1\)"),
-    ([[("send", 0, 0)], []], 1, {}, r"rank 0 step 0 \(send b0 >0\): sends to its own rank"),
-    ([[("send", 0, 1)], [("recv_reduce", 1, 0)]], 2, {},
-     r"rank 1 step 0 \(recv-reduce b1 <0\): receives block 0 from rank 0 \(its step 0 \(send "
-     r"b0 >1\)\), not block 1"),
-    ([[("send", 0, 1), ("recv", 0, 1)], [("recv_reduce", 0, 0), ("send", 0, 0), ("send", 0, 0)]],
-     1, {}, r"rank 1 step 2 \(send b0 >0\): sends block 0 to rank 0, which never receives it"),
-    # Rank 0 combines rank 2's block into its own while rank 1 may still be reading its send of
-    # it (by single copy, out of rank 0's memory): rank 2 sent without hearing from rank 1.
-    ([[("send", 0, 1), ("recv_reduce", 0, 2), ("recv", 0, 1)],
-      [("recv_reduce", 0, 0), ("recv_reduce", 0, 2), ("send", 0, 0), ("send", 0, 2)],
-      [("send", 0, 0), ("send", 0, 1), ("recv", 0, 1)]], 1, {},
-     r"rank 0 step 1 \(recv-reduce b0 <2\): writes block 0 while rank 1 may still be reading it "
-     r"from step 0 \(send b0 >1\)"),
-    ([[("send", 0, 1)], [("recv_reduce", 0, 0)]], 2, {"collective": "all_gather"},
-     r"rank 1 step 0 \(recv-reduce b0 <0\): reduces, but all_gather only moves blocks"),
-    ([[("send", 0, 1, 1)], [("recv_reduce", 0, 0)]], 1, {},
-     r"lag 1 in lists pipelined by step"),
-    ([[("send", 0, 1)], [("recv", 0, 0)]], 3, {"collective": "reduce_scatter"},
-     r"its 3 blocks are not the same number per rank's share"),
-])
+@pytest.mark.parametrize(
+    "steps,blocks,kwargs,message",
+    [
+        (
+            [[("send", 0, 1)], [("recv", 0, 0)]],
+            1,
+            {},
+            r"rank 0 ends with block 0 missing the contribution of rank 1 \(nothing received into "
+            r"it: 0\)",
+        ),
+        (
+            [[("recv", 0, 1), ("send", 0, 1)], [("recv", 0, 0), ("send", 0, 0)]],
+            1,
+            {},
+            r"rank 0 step 0 \(recv b0 <1\): waits forever for a message from rank 1, which at step 0 "
+            r"\(recv b0 <0\) waits for a message from rank 0: a deadlock",
+        ),
+        (
+            [[("send", 2, 1)], [("recv", 0, 0)]],
+            2,
+            {},
+            r"rank 0 step 0 \(send b2 >1\): names block 2; the buffer has 2 \(0 \.\. 1\)",
+        ),
+        ([[("send", 0, 0)], []], 1, {}, r"rank 0 step 0 \(send b0 >0\): sends to its own rank"),
+        (
+            [[("send", 0, 1)], [("recv_reduce", 1, 0)]],
+            2,
+            {},
+            r"rank 1 step 0 \(recv-reduce b1 <0\): receives block 0 from rank 0 \(its step 0 \(send "
+            r"b0 >1\)\), not block 1",
+        ),
+        (
+            [
+                [("send", 0, 1), ("recv", 0, 1)],
+                [("recv_reduce", 0, 0), ("send", 0, 0), ("send", 0, 0)],
+            ],
+            1,
+            {},
+            r"rank 1 step 2 \(send b0 >0\): sends block 0 to rank 0, which never receives it",
+        ),
+        # Rank 0 combines rank 2's block into its own while rank 1 may still be reading its send of
+        # it (by single copy, out of rank 0's memory): rank 2 sent without hearing from rank 1.
+        (
+            [
+                [("send", 0, 1), ("recv_reduce", 0, 2), ("recv", 0, 1)],
+                [("recv_reduce", 0, 0), ("recv_reduce", 0, 2), ("send", 0, 0), ("send", 0, 2)],
+                [("send", 0, 0), ("send", 0, 1), ("recv", 0, 1)],
+            ],
+            1,
+            {},
+            r"rank 0 step 1 \(recv-reduce b0 <2\): writes block 0 while rank 1 may still be reading it "
+            r"from step 0 \(send b0 >1\)",
+        ),
+        (
+            [[("send", 0, 1)], [("recv_reduce", 0, 0)]],
+            2,
+            {"collective": "all_gather"},
+            r"rank 1 step 0 \(recv-reduce b0 <0\): reduces, but all_gather only moves blocks",
+        ),
+        (
+            [[("send", 0, 1, 1)], [("recv_reduce", 0, 0)]],
+            1,
+            {},
+            r"lag 1 in lists pipelined by step",
+        ),
+        (
+            [[("send", 0, 1)], [("recv", 0, 0)]],
+            3,
+            {"collective": "reduce_scatter"},
+            r"its 3 blocks are not the same number per rank's share",
+        ),
+    ],
+)
 def test_refusals_say_what_is_wrong(steps, blocks, kwargs, message):
     with pytest.raises(ValueError, match=message):
         algorithms.check(program_of(steps, blocks, **kwargs), [len(steps)])
@@ -253,6 +324,7 @@ def test_refusals_say_what_is_wrong(steps, blocks, kwargs, message):
 def test_programs_of_ranks_must_agree():
     def uneven(rank, n):
         return Program(blocks=n + rank)
+
     with pytest.raises(ValueError, match="rank 1's program has blocks 3 where rank 0's has 2"):
         algorithms.check(uneven, [2])
     with pytest.raises(ValueError, match="is a list, not a ringcomm.algorithms.Program"):
@@ -269,15 +341,18 @@ def test_registration_checks_its_world_sizes():
         algorithms.register("ring", RING)
     algorithms.register("ring_again", RING, world_sizes=[2, 3])
     assert algorithms.lists("ring_again", "all_reduce", 3)["steps"][0] == _C.schedule(
-        ALGORITHMS["ring"], 3, 0)
-    with pytest.raises(ValueError, match="algorithm 'ring_again' is all_reduce's, not "
-                                         "reduce_scatter's"):
+        ALGORITHMS["ring"], 3, 0
+    )
+    with pytest.raises(
+        ValueError, match="algorithm 'ring_again' is all_reduce's, not reduce_scatter's"
+    ):
         algorithms.lists("ring_again", "reduce_scatter", 3)
     algorithms.unregister("ring_again")
     assert algorithms.lists("ring_again", "all_reduce", 3) is None
 
 
 # -- registered algorithms run -----------------------------------------------------------------
+
 
 def bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
@@ -294,16 +369,28 @@ def ring_against_built_in(comm, sizes):
             comm.all_reduce(built_in, op=op, algorithm="ring")
             work = comm.all_reduce(python, op=op, algorithm="py_ring", async_op=True)
             work.wait()
-            out.append((n, str(dtype), op, torch.equal(bits(built_in), bits(python)),
-                        work.stats()["algorithm"]))
+            out.append(
+                (
+                    n,
+                    str(dtype),
+                    op,
+                    torch.equal(bits(built_in), bits(python)),
+                    work.stats()["algorithm"],
+                )
+            )
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_python_ring_gives_the_built_in_rings_bits(world):
     # Slices of 4 KiB: the larger sizes travel in many slices per segment.
-    results = run_ranks(world, ring_against_built_in, [1, 7, 1000, 4099, 100003],
-                        env={"RINGCOMM_RING_SLICE_BYTES": "4096"}, timeout=120)
+    results = run_ranks(
+        world,
+        ring_against_built_in,
+        [1, 7, 1000, 4099, 100003],
+        env={"RINGCOMM_RING_SLICE_BYTES": "4096"},
+        timeout=120,
+    )
     for rank_results in results:
         for n, dtype, op, equal, ran in rank_results:
             assert equal, (world, n, dtype, op)
@@ -315,9 +402,11 @@ def examples_against_built_ins(comm, count):
         example(name)
     x = torch.randn(count, generator=torch.Generator().manual_seed(comm.rank))
     out = {}
-    for python, built_in in (("py_double_tree", "tree"),
-                             ("py_recursive_doubling", "recursive_doubling"),
-                             ("torus", "ring")):
+    for python, built_in in (
+        ("py_double_tree", "tree"),
+        ("py_recursive_doubling", "recursive_doubling"),
+        ("torus", "ring"),
+    ):
         a, b = x.clone(), x.clone()
         comm.all_reduce(a, algorithm=built_in)
         comm.all_reduce(b, algorithm=python)
@@ -355,8 +444,10 @@ def _reverse(base, rank, n):
     """`base` on a ring numbered the other way round."""
     p = base((n - rank) % n, n)
     flip = lambda r: (n - r) % n if r >= 0 else r  # noqa: E731
-    p.steps = [(prim, block, flip(src), flip(dst), first, lag)
-               for prim, block, src, dst, first, lag in p.steps]
+    p.steps = [
+        (prim, block, flip(src), flip(dst), first, lag)
+        for prim, block, src, dst, first, lag in p.steps
+    ]
     return p
 
 
@@ -407,6 +498,7 @@ def test_a_list_refused_at_first_use_sends_nothing():
 def forced_by_environment(store, rank, world, file, out):
     import ringcomm
     from ringcomm import trace
+
     os.environ["RINGCOMM_ALGORITHM_FILE"] = file
     os.environ["RINGCOMM_ALGO"] = "py_ring"
     lines = []
@@ -428,8 +520,15 @@ def forced_by_environment(store, rank, world, file, out):
 
 
 def test_ringcomm_algo_and_algorithm_file(tmp_path):
-    results = run_ranks(2, forced_by_environment, os.path.join(EXAMPLES, "ring.py"),
-                        str(tmp_path), make_comm=False, env={"RINGCOMM_DEBUG": "1"}, timeout=60)
+    results = run_ranks(
+        2,
+        forced_by_environment,
+        os.path.join(EXAMPLES, "ring.py"),
+        str(tmp_path),
+        make_comm=False,
+        env={"RINGCOMM_DEBUG": "1"},
+        timeout=60,
+    )
     for ran, events, coalesced, lines in results:
         assert ran == "py_ring"
         assert any("py_ring" in str(args) for args in events), events
@@ -439,6 +538,7 @@ def test_ringcomm_algo_and_algorithm_file(tmp_path):
 
 def unknown_forced(store, rank, world):
     import ringcomm
+
     os.environ["RINGCOMM_ALGO"] = "nowhere"
     try:
         ringcomm.Communicator(store, rank, world)
@@ -459,12 +559,14 @@ def test_a_broken_algorithm_file_says_so(tmp_path, monkeypatch):
     path = tmp_path / "broken.py"
     path.write_text("raise RuntimeError('no such luck')\n")
     monkeypatch.setenv("RINGCOMM_ALGORITHM_FILE", str(path))
-    with pytest.raises(ValueError, match=f"RINGCOMM_ALGORITHM_FILE={path}: RuntimeError: no such "
-                                         "luck"):
+    with pytest.raises(
+        ValueError, match=f"RINGCOMM_ALGORITHM_FILE={path}: RuntimeError: no such luck"
+    ):
         algorithms.registered()
 
 
 # -- the other collectives -----------------------------------------------------------------------
+
 
 def ring_reduce_scatter(rank, n):
     """ring.cc's reduce-scatter: segment k ends complete at rank k."""
@@ -484,6 +586,7 @@ def ring_all_gather(rank, n):
 
     def blocks(share):
         return (2 * (share % n), 2 * (share % n) + 1)
+
     for b in blocks(rank):
         p.send(b, dst=nxt)
     for s in range(n - 2):
@@ -560,24 +663,36 @@ def other_collectives(comm, count):
 @pytest.mark.parametrize("world", [3, 4])
 def test_other_collectives_by_registered_lists(world):
     # Tree slices of 4 KiB: the chains run pipelined.
-    for out in run_ranks(world, other_collectives, 10001, env={"RINGCOMM_TREE_CHUNK_BYTES": "4096"},
-                         timeout=120):
-        assert out == {"reduce_scatter sum": True, "reduce_scatter avg": True, "all_gather": True,
-                       "all_gather algorithm": "ag", "broadcast": True, "reduce": True}
+    for out in run_ranks(
+        world, other_collectives, 10001, env={"RINGCOMM_TREE_CHUNK_BYTES": "4096"}, timeout=120
+    ):
+        assert out == {
+            "reduce_scatter sum": True,
+            "reduce_scatter avg": True,
+            "all_gather": True,
+            "all_gather algorithm": "ag",
+            "broadcast": True,
+            "reduce": True,
+        }
 
 
 @pytest.mark.transport_fixed
 def test_the_other_collectives_check():
     reports = algorithms.check(ring_reduce_scatter, [2, 3, 5])
-    assert reports[3]["steps"][0] == "send b2 >1; recv-reduce-send b1 <2 >1; recv-reduce b0 <2 " \
-                                     "(complete)"
+    assert (
+        reports[3]["steps"][0] == "send b2 >1; recv-reduce-send b1 <2 >1; recv-reduce b0 <2 "
+        "(complete)"
+    )
     assert reports[3]["orders"] == ["(0 (2 1))", "(1 (0 2))", "(2 (1 0))"]
     algorithms.check(ring_all_gather, [2, 3, 5])
     algorithms.check(chain_broadcast, [2, 3, 5])
     assert algorithms.check(chain_reduce, [4])[4]["orders"] == ["(0 (1 (2 3)))"]
     # A broadcast that leaves rank 2 without the root's block.
-    with pytest.raises(ValueError, match=r"rank 2 ends with block 0 holding nothing where rank "
-                                         r"0's belongs \(nothing received into it\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 2 ends with block 0 holding nothing where rank "
+        r"0's belongs \(nothing received into it\)",
+    ):
         algorithms.check(mutant(chain_broadcast, (1, 2), lambda steps: steps.pop()), [3])
 
 
@@ -585,6 +700,7 @@ def backend_forced(store, rank, world, file, out):
     import torch.distributed as dist
     import ringcomm
     from ringcomm import trace
+
     os.environ["RINGCOMM_ALGORITHM_FILE"] = file
     os.environ["RINGCOMM_ALGO"] = "py_ring"
     dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
@@ -594,25 +710,54 @@ def backend_forced(store, rank, world, file, out):
     dist.all_reduce(t)  # the c10d backend's auto all_reduce: RINGCOMM_ALGO
     ringcomm.communicator_of().all_reduce(reference, algorithm="ring")
     with open(trace.stop()) as f:
-        ran = [e["args"].get("algorithm") for e in json.load(f)["traceEvents"]
-               if e.get("name") == "all_reduce"]
+        ran = [
+            e["args"].get("algorithm")
+            for e in json.load(f)["traceEvents"]
+            if e.get("name") == "all_reduce"
+        ]
     dist.destroy_process_group()
     return ran, torch.equal(t, reference)
 
 
 def test_the_torch_backend_runs_ringcomm_algo(tmp_path):
-    for ran, equal in run_ranks(2, backend_forced, os.path.join(EXAMPLES, "ring.py"),
-                                str(tmp_path), make_comm=False, timeout=600):
+    for ran, equal in run_ranks(
+        2,
+        backend_forced,
+        os.path.join(EXAMPLES, "ring.py"),
+        str(tmp_path),
+        make_comm=False,
+        timeout=600,
+    ):
         assert ran == ["py_ring", "ring"] and equal
 
 
 @pytest.mark.transport_fixed
 def test_the_bench_runs_a_registered_algorithm_beside_the_built_ins(tmp_path):
     out_file = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "4", "--sizes", "8,64K",
-           "-n", "2", "-w", "1", "--repeats", "1", "--algorithm", "torus", "--algorithm-file",
-           os.path.join(EXAMPLES, "torus.py"), "--compare", "ring", "--floor",
-           "--json", str(out_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm.bench",
+        "--ranks",
+        "4",
+        "--sizes",
+        "8,64K",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--repeats",
+        "1",
+        "--algorithm",
+        "torus",
+        "--algorithm-file",
+        os.path.join(EXAMPLES, "torus.py"),
+        "--compare",
+        "ring",
+        "--floor",
+        "--json",
+        str(out_file),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "algorithm torus" in run.stdout and "ring time ratio" in run.stdout
@@ -660,6 +805,7 @@ def test_a_size_class_is_named_where_refused():
         if nbytes >= 1024 and rank == 0:
             del p.steps[0]
         return p
+
     algorithms.check(broken_above_1k, [3], sizes=[0, 512])
     with pytest.raises(ValueError, match=r"over 3 ranks, messages of 1024\.\.2047 bytes\): rank "):
         algorithms.check(broken_above_1k, [3], sizes=[1500])

@@ -2,6 +2,7 @@
 reason, says so at INFO, and falls back to host staging together; the extension's raw CUDA IPC
 entry point refuses the same way through its exchange. The transports' GPU runs are
 tests/gpu/test_cuda_ipc.py."""
+
 import logging
 
 import pytest
@@ -11,10 +12,13 @@ import ringcomm.cuda
 from ranks import run_ranks
 
 pytestmark = [
-    pytest.mark.skipif(not ringcomm.cuda.built(),
-                       reason="ringcomm was built without its CUDA extension"),
-    pytest.mark.skipif(ringcomm.cuda.status()[0],
-                       reason="this machine has a GPU: tests/gpu/test_cuda_ipc.py runs instead"),
+    pytest.mark.skipif(
+        not ringcomm.cuda.built(), reason="ringcomm was built without its CUDA extension"
+    ),
+    pytest.mark.skipif(
+        ringcomm.cuda.status()[0],
+        reason="this machine has a GPU: tests/gpu/test_cuda_ipc.py runs instead",
+    ),
 ]
 
 
@@ -74,16 +78,23 @@ def test_unknown_transport_is_refused():
     from ringcomm.device import DeviceCommunicator
 
     with pytest.raises(ValueError, match="transports must be some of"):
-        DeviceCommunicator(torch.distributed.HashStore(), 0, 1, device="cuda:0",
-                           transports=("carrier_pigeon",))
+        DeviceCommunicator(
+            torch.distributed.HashStore(), 0, 1, device="cuda:0", transports=("carrier_pigeon",)
+        )
 
 
 def test_device_algorithms_are_named_by_the_core():
     from ringcomm import _C_cuda
 
-    assert {"auto", "one_shot", "shared_buffer", "ring", "tree", "recursive_doubling",
-            "nccl"} == set(_C_cuda.DEVICE_ALGORITHM_CODES)
-
+    assert {
+        "auto",
+        "one_shot",
+        "shared_buffer",
+        "ring",
+        "tree",
+        "recursive_doubling",
+        "nccl",
+    } == set(_C_cuda.DEVICE_ALGORITHM_CODES)
 
 
 def route(store, rank, world, device_transports):
@@ -98,8 +109,9 @@ def route(store, rank, world, device_transports):
     log = logging.getLogger("ringcomm")
     log.setLevel(logging.INFO)
     log.addHandler(Keep())
-    comm = ringcomm.Communicator(store, rank, world, timeout=30,
-                                 device_transports=device_transports)
+    comm = ringcomm.Communicator(
+        store, rank, world, timeout=30, device_transports=device_transports
+    )
     cuda0 = torch.device("cuda", 0)
     # Where a rank's first CUDA all_reduce goes (the collective that makes the device path),
     # then its next ones.
@@ -115,8 +127,10 @@ def test_a_communicator_stages_cuda_tensors_where_no_device_transport_serves_eve
         assert paths == [None, None]
         assert device == {"cuda:0": "host"}
         assert len(lines) == 1, lines  # once, at the first
-        assert "stages CUDA tensors on cuda:0 through host memory: no transport serves these " \
-               "ranks: cuda_ipc: rank 0: no CUDA device" in lines[0], lines
+        assert (
+            "stages CUDA tensors on cuda:0 through host memory: no transport serves these "
+            "ranks: cuda_ipc: rank 0: no CUDA device" in lines[0]
+        ), lines
 
 
 def test_a_communicator_without_device_transports_stages_at_once():

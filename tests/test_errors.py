@@ -1,4 +1,5 @@
 """Bad input, mismatched collectives, dead peers, strangers and timeouts: clear errors, no hangs."""
+
 import os
 import threading
 import time
@@ -19,17 +20,24 @@ pytestmark = pytest.mark.every_transport  # once per transport (conftest.py)
 
 # ---- mismatched collectives ---------------------------------------------------------------
 
+
 def mismatched(comm, kind, count):
     r = comm.rank
     odd = r == 1
     if kind == "count":
         call = lambda: comm.all_reduce(torch.ones(count + (3 if odd else 0)))
     elif kind == "dtype":
-        call = lambda: comm.all_reduce(torch.ones(count, dtype=torch.float64 if odd else torch.float32))
+        call = lambda: comm.all_reduce(
+            torch.ones(count, dtype=torch.float64 if odd else torch.float32)
+        )
     elif kind == "op":
         call = lambda: comm.all_reduce(torch.ones(count), op="max" if odd else "sum")
     elif kind == "collective":
-        call = (lambda: comm.broadcast(torch.ones(count), 0)) if odd else (lambda: comm.all_reduce(torch.ones(count)))
+        call = (
+            (lambda: comm.broadcast(torch.ones(count), 0))
+            if odd
+            else (lambda: comm.all_reduce(torch.ones(count)))
+        )
     elif kind == "root":
         # Both think they are the root, so both only send: the broadcast itself can complete,
         # and the mismatch surfaces on the next call, when a stray message is read. With 4
@@ -40,6 +48,7 @@ def mismatched(comm, kind, count):
             comm.broadcast(torch.ones(count), 1 if odd else 0)
             comm.all_reduce(torch.ones(5))
             comm.all_reduce(torch.ones(5))
+
     def good_then_bad():
         # A matching call first, so sequence numbers agree. A rank still in it may already hear
         # another rank's abort for the mismatch that follows, and raise there: that is intended.
@@ -54,8 +63,17 @@ def mismatched(comm, kind, count):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind,count", [("count", 10), ("count", 1 << 20), ("dtype", 100),
-                                        ("op", 1 << 20), ("collective", 1000), ("root", 100)])
+@pytest.mark.parametrize(
+    "kind,count",
+    [
+        ("count", 10),
+        ("count", 1 << 20),
+        ("dtype", 100),
+        ("op", 1 << 20),
+        ("collective", 1000),
+        ("root", 100),
+    ],
+)
 def test_mismatch_raises_on_every_rank(world, kind, count):
     results = run_ranks(world, mismatched, kind, count, timeout=60, comm_timeout=30)
     for rank, (message, elapsed, broken) in enumerate(results):
@@ -82,9 +100,11 @@ def gather_vs_send(comm):
     if comm.rank == 0:
         call = lambda: comm.gather(torch.ones(6), [torch.empty(6), torch.empty(6)], dst=0)
     else:
+
         def call():
             comm.send(torch.ones(6), 0)
             comm.all_reduce(torch.ones(2))  # the send may complete before rank 0 reads it
+
     return expect_error(call)[0]
 
 
@@ -92,9 +112,11 @@ def any_source_wrong_size(comm):
     if comm.rank == 0:
         call = lambda: comm.recv_any(torch.empty(4))
     else:
+
         def call():
             comm.send(torch.ones(5), 0)
             comm.all_reduce(torch.ones(2))  # the send may complete before rank 0 reads it
+
     return expect_error(call)[0]
 
 
@@ -149,6 +171,7 @@ def test_asynchronous_errors_keep_their_kind():
 
 # ---- dead peers ---------------------------------------------------------------------------
 
+
 def peer_dies(comm):
     big = torch.ones(4 << 20)
     if comm.rank == 2:
@@ -157,8 +180,9 @@ def peer_dies(comm):
             comm.all_reduce(big)
     died_at = time.monotonic() + 0.5
     # Its ring neighbours see the closed connection; the others hear of it in their aborts.
-    message, _ = expect_error(lambda: [comm.all_reduce(big) for _ in range(10_000)],
-                              ringcomm.PeerLostError)
+    message, _ = expect_error(
+        lambda: [comm.all_reduce(big) for _ in range(10_000)], ringcomm.PeerLostError
+    )
     return message, time.monotonic() - died_at
 
 
@@ -216,12 +240,14 @@ def receiver_of_a_blocked_rank(comm):
         return None
     if comm.rank == 1:
         comm.gather(torch.ones(3), None, dst=0)
-        return expect_error(lambda: comm.recv(torch.empty(3), 0),
-                            ringcomm.CollectiveTimeoutError)[0]
+        return expect_error(lambda: comm.recv(torch.empty(3), 0), ringcomm.CollectiveTimeoutError)[
+            0
+        ]
     time.sleep(0.5)
     outputs = [torch.empty(3) for _ in range(3)]
-    return expect_error(lambda: comm.gather(torch.ones(3), outputs, dst=0),
-                        ringcomm.CollectiveTimeoutError)[0]
+    return expect_error(
+        lambda: comm.gather(torch.ones(3), outputs, dst=0), ringcomm.CollectiveTimeoutError
+    )[0]
 
 
 def test_a_receive_that_times_out_names_the_rank_that_holds_everything_up():
@@ -243,8 +269,9 @@ def root_in_a_receive(comm):
     if comm.rank == 1:
         time.sleep(0.5)
         return expect_error(lambda: comm.recv(torch.empty(3), 2))[0]
-    return expect_error(lambda: comm.broadcast(torch.ones(3), 1),
-                        ringcomm.CollectiveTimeoutError)[0]
+    return expect_error(lambda: comm.broadcast(torch.ones(3), 1), ringcomm.CollectiveTimeoutError)[
+        0
+    ]
 
 
 def test_a_rank_blocked_in_a_receive_says_on_whom_it_waits():
@@ -270,11 +297,17 @@ def abort_while_a_receive_times_out(comm):
 
 @pytest.mark.transport_fixed
 def test_an_abort_read_while_a_receive_times_out_is_the_error():
-    _, message = run_ranks(2, abort_while_a_receive_times_out, comm_timeout=6.0, timeout=60,
-                           env={"RINGCOMM_TRANSPORT": "tcp"})
+    _, message = run_ranks(
+        2,
+        abort_while_a_receive_times_out,
+        comm_timeout=6.0,
+        timeout=60,
+        env={"RINGCOMM_TRANSPORT": "tcp"},
+    )
     # the abort, read inside the wait for notices; or, had it come later, rank 1's own timeout
-    assert ("rank 0 aborted: aborted: gave up" in message
-            or "Timed out waiting for" in message), message
+    assert "rank 0 aborted: aborted: gave up" in message or "Timed out waiting for" in message, (
+        message
+    )
 
 
 def leaf_leaves_early(comm):
@@ -298,22 +331,31 @@ def test_a_rank_that_finishes_and_exits_while_others_wait_is_no_error():
 
 # ---- limits (strangers, wrong tokens and other versions: test_handshake.py) ----------------
 
+
 def too_few_descriptors(store, rank, world):
     import resource
+
     resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
-    return expect_error(lambda: ringcomm.Communicator(store, rank, world,
-                                                      timeout=timedelta(seconds=20), name="fds"))[0]
+    return expect_error(
+        lambda: ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=20), name="fds")
+    )[0]
 
 
 @pytest.mark.transport_fixed
 def test_a_descriptor_limit_too_low_for_the_mesh_is_a_clear_error():
-    messages = run_ranks(2, too_few_descriptors, make_comm=False, timeout=60,
-                         env={"RINGCOMM_SOCKETS_PER_PEER": "64", "RINGCOMM_TRANSPORT": "tcp"})
+    messages = run_ranks(
+        2,
+        too_few_descriptors,
+        make_comm=False,
+        timeout=60,
+        env={"RINGCOMM_SOCKETS_PER_PEER": "64", "RINGCOMM_TRANSPORT": "tcp"},
+    )
     for message in messages:
         assert "the mesh needs 64 sockets" in message and "ulimit -n" in message, message
 
 
 # ---- bad arguments ------------------------------------------------------------------------
+
 
 def coalesced_bad_arguments(comm):
     """(call, error, message) for the coalesced collectives, the core's list arguments too."""
@@ -321,45 +363,86 @@ def coalesced_bad_arguments(comm):
     f32 = TORCH_DTYPES[torch.float32]
 
     def core_call(ptrs, counts, dtypes):  # the core's list arguments: buffers of uint64
-        return lambda: _C.all_reduce_coalesced(comm._core, ptrs, counts, dtypes, 0, 1 << 20, f32,
-                                               1.0, False)
+        return lambda: _C.all_reduce_coalesced(
+            comm._core, ptrs, counts, dtypes, 0, 1 << 20, f32, 1.0, False
+        )
 
     return [
         (core_call([t.data_ptr()], [8], [f32]), TypeError, "incompatible function arguments"),
-        (core_call(array("Q", [t.data_ptr()]), array("i", [8]), array("Q", [f32])), ValueError,
-         r"counts must be a contiguous buffer of uint64 \(format Q\), got format 'i'"),
-        (core_call(array("Q", [t.data_ptr()] * 2), array("Q", [4, 4]), array("Q", [f32])),
-         ValueError, "differ in length"),
-        (core_call(array("Q", [t.data_ptr()]), array("Q", [8]), array("Q", [1 << 40])),
-         ValueError, "dtype"),
+        (
+            core_call(array("Q", [t.data_ptr()]), array("i", [8]), array("Q", [f32])),
+            ValueError,
+            r"counts must be a contiguous buffer of uint64 \(format Q\), got format 'i'",
+        ),
+        (
+            core_call(array("Q", [t.data_ptr()] * 2), array("Q", [4, 4]), array("Q", [f32])),
+            ValueError,
+            "differ in length",
+        ),
+        (
+            core_call(array("Q", [t.data_ptr()]), array("Q", [8]), array("Q", [1 << 40])),
+            ValueError,
+            "dtype",
+        ),
         (lambda: comm.all_reduce_coalesced(t), TypeError, "list or tuple"),
-        (lambda: comm.all_reduce_coalesced([t, 3]), TypeError,
-         r"tensors\[1\] must be a torch.Tensor"),
+        (
+            lambda: comm.all_reduce_coalesced([t, 3]),
+            TypeError,
+            r"tensors\[1\] must be a torch.Tensor",
+        ),
         # the C++ reader looks at items ahead of the one it checks: odd ones behind the bad one
-        (lambda: comm.all_reduce_coalesced(
-            [torch.ones(2) for _ in range(40)] + [3] +
-            [None, torch.ones(3).to_sparse(), np.ones(2), torch.nn.Parameter(torch.ones(1))] * 8),
-         TypeError, r"tensors\[40\] must be a torch.Tensor"),
-        (lambda: comm.all_reduce_coalesced([t, torch.ones(4, 4).t()]), ValueError,
-         r"tensors\[1\] must be contiguous"),
+        (
+            lambda: comm.all_reduce_coalesced(
+                [torch.ones(2) for _ in range(40)]
+                + [3]
+                + [None, torch.ones(3).to_sparse(), np.ones(2), torch.nn.Parameter(torch.ones(1))]
+                * 8
+            ),
+            TypeError,
+            r"tensors\[40\] must be a torch.Tensor",
+        ),
+        (
+            lambda: comm.all_reduce_coalesced([t, torch.ones(4, 4).t()]),
+            ValueError,
+            r"tensors\[1\] must be contiguous",
+        ),
         (lambda: comm.all_reduce_coalesced([t, t]), ValueError, "overlap"),
         (lambda: comm.all_reduce_coalesced([t[:5], t[4:]]), ValueError, "overlap"),
-        (lambda: comm.all_reduce_coalesced([t, torch.ones(2, dtype=torch.int32)], op="avg"),
-         TypeError, r"op avg needs floating dtypes, but tensors\[1\]"),
+        (
+            lambda: comm.all_reduce_coalesced([t, torch.ones(2, dtype=torch.int32)], op="avg"),
+            TypeError,
+            r"op avg needs floating dtypes, but tensors\[1\]",
+        ),
         (lambda: comm.all_reduce_coalesced([t], op="xor"), ValueError, "unsupported reduce op"),
-        (lambda: comm.all_reduce_coalesced([t], bucket_bytes=0), ValueError,
-         "bucket_bytes must be positive"),
-        (lambda: comm.all_reduce_coalesced([t], bucket_bytes=1.5), TypeError,
-         "bucket_bytes must be an int"),
+        (
+            lambda: comm.all_reduce_coalesced([t], bucket_bytes=0),
+            ValueError,
+            "bucket_bytes must be positive",
+        ),
+        (
+            lambda: comm.all_reduce_coalesced([t], bucket_bytes=1.5),
+            TypeError,
+            "bucket_bytes must be an int",
+        ),
         (lambda: comm.broadcast_coalesced([t], src=7), ValueError, "src 7 out of range"),
         (lambda: comm.broadcast_coalesced([t, t[2:3]], src=0), ValueError, "overlap"),
-        (lambda: comm.all_gather_coalesced([[t]], [torch.ones(8)]), ValueError,
-         "output_lists must be a list of world_size"),
-        (lambda: comm.all_gather_coalesced([[torch.ones(8)], [torch.ones(7)]], [torch.ones(8)]),
-         ValueError, r"output_lists\[1\]\[0\] has 7 elements"),
-        (lambda: comm.all_gather_coalesced([[torch.ones(8, dtype=torch.float64)], [torch.ones(8)]],
-                                           [torch.ones(8)]),
-         TypeError, r"output_lists\[0\]\[0\] has dtype torch.float64"),
+        (
+            lambda: comm.all_gather_coalesced([[t]], [torch.ones(8)]),
+            ValueError,
+            "output_lists must be a list of world_size",
+        ),
+        (
+            lambda: comm.all_gather_coalesced([[torch.ones(8)], [torch.ones(7)]], [torch.ones(8)]),
+            ValueError,
+            r"output_lists\[1\]\[0\] has 7 elements",
+        ),
+        (
+            lambda: comm.all_gather_coalesced(
+                [[torch.ones(8, dtype=torch.float64)], [torch.ones(8)]], [torch.ones(8)]
+            ),
+            TypeError,
+            r"output_lists\[0\]\[0\] has dtype torch.float64",
+        ),
         (lambda: comm.all_gather_coalesced([[t], [t]], [torch.ones(8)]), ValueError, "overlap"),
     ]
 
@@ -378,7 +461,11 @@ def bad_arguments(comm):
         (lambda: comm.reduce(torch.ones(4), dst=-1), ValueError, "out of range"),
         (lambda: comm.send(torch.ones(4), comm.rank), ValueError, "self"),
         (lambda: comm.reduce_scatter(torch.ones(3), torch.ones(5)), ValueError, "elements"),
-        (lambda: comm.all_gather(torch.ones(8), torch.ones(4, dtype=torch.float64)), TypeError, "dtype"),
+        (
+            lambda: comm.all_gather(torch.ones(8), torch.ones(4, dtype=torch.float64)),
+            TypeError,
+            "dtype",
+        ),
         (lambda: comm.all_gatherv(torch.ones(8), torch.ones(4), [4]), ValueError, "counts"),
     ] + coalesced_bad_arguments(comm)
     for call, error, text in cases:
@@ -398,6 +485,7 @@ def test_bad_arguments_raise_before_sending():
 
 
 # ---- abort and signals --------------------------------------------------------------------
+
 
 def abort_pending(comm, store):
     """Rank 1 joins the first all_reduce late. Rank 0 aborts while it waits: its operation, and
@@ -427,8 +515,9 @@ def abort_pending(comm, store):
 
 
 def test_abort_fails_pending_operations_at_once_and_tells_peers():
-    (first, second, after, elapsed, closed), peer = run_ranks(2, abort_pending, timeout=60,
-                                                               comm_timeout=30, with_store=True)
+    (first, second, after, elapsed, closed), peer = run_ranks(
+        2, abort_pending, timeout=60, comm_timeout=30, with_store=True
+    )
     assert "aborted: preempted" in first and "aborted: preempted" in second, (first, second)
     assert "broken" in after
     assert elapsed < 2 and closed < 1, (elapsed, closed)  # not the 30 s timeout
@@ -456,8 +545,9 @@ def abort_from_completion_callback(comm, store):
 
 
 def test_abort_from_a_completion_callback_tells_the_peers_before_returning():
-    (message, elapsed), broken = run_ranks(2, abort_from_completion_callback, timeout=60,
-                                           comm_timeout=30, with_store=True)
+    (message, elapsed), broken = run_ranks(
+        2, abort_from_completion_callback, timeout=60, comm_timeout=30, with_store=True
+    )
     # Broken as abort() returns, not once the progress thread comes round to it: a process
     # exiting right after the callback must not leave its peers reading a bare close.
     assert broken and "aborted: stopped in a callback" in broken, broken
@@ -483,8 +573,9 @@ def test_abort_then_exit_at_once_leaves_the_peer_the_reason():
     # told the peers: 8 pairs in 50 read "Connection closed by peer (rank 1 ...)" or "(reason not
     # received)" (the flaky PowerSGD test's [prepare] case). A few pairs, so that it shows.
     for _ in range(8):
-        (message, elapsed), _ = run_ranks(2, abort_then_exit, timeout=60, comm_timeout=30,
-                                          with_store=True, allow_errors=True)
+        (message, elapsed), _ = run_ranks(
+            2, abort_then_exit, timeout=60, comm_timeout=30, with_store=True, allow_errors=True
+        )
         assert "gone on purpose" in message and elapsed < 2, (message, elapsed)
 
 
@@ -507,8 +598,9 @@ def send_then_abort(comm, store):
 
 
 def test_what_a_peer_sent_before_aborting_still_arrives():
-    (t, message, elapsed), _ = run_ranks(2, send_then_abort, timeout=60, comm_timeout=30,
-                                         with_store=True)
+    (t, message, elapsed), _ = run_ranks(
+        2, send_then_abort, timeout=60, comm_timeout=30, with_store=True
+    )
     assert torch.equal(t, torch.arange(100.0))
     assert "stopped after sending" in message and elapsed < 2, (message, elapsed)
 
@@ -528,8 +620,9 @@ def abort_blocking_call(comm, store):
 
 
 def test_abort_interrupts_a_blocking_call_on_another_thread():
-    (message, elapsed), _ = run_ranks(2, abort_blocking_call, timeout=60, comm_timeout=30,
-                                      with_store=True)
+    (message, elapsed), _ = run_ranks(
+        2, abort_blocking_call, timeout=60, comm_timeout=30, with_store=True
+    )
     assert "aborted: stop" in message and elapsed < 2, (message, elapsed)
 
 

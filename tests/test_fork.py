@@ -1,5 +1,6 @@
 """A process forked after init (a DataLoader worker) neither uses nor closes the parent's
 connections, and exits without hanging."""
+
 import atexit
 import os
 import select

@@ -3,6 +3,7 @@
 "Equal" below is bitwise: floats are compared through their integer bit patterns, so -0.0 vs 0.0
 and the last bit of a rounding count. Inputs are finite.
 """
+
 import json
 import os
 import statistics
@@ -19,8 +20,12 @@ from ranks import run_ranks
 
 pytestmark = pytest.mark.every_transport  # once per transport (conftest.py)
 
-BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
-        torch.bfloat16: torch.int16}
+BITS = {
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 SCALE_NONE, SCALE_MULTIPLY, SCALE_DIVIDE = 0, 1, 2
 
 
@@ -34,6 +39,7 @@ def same(a, b):
 
 # ---- kernels ------------------------------------------------------------------------------
 
+
 def ptrs_counts(tensors):
     return [t.data_ptr() for t in tensors], [t.numel() for t in tensors]
 
@@ -43,7 +49,9 @@ def random_list(dtype, sizes, seed):
     if dtype == torch.bool:
         return [torch.randint(0, 2, (n,), generator=gen).bool() for n in sizes]
     if dtype.is_floating_point:
-        return [(torch.randn(n, generator=gen, dtype=torch.float64) * 1000).to(dtype) for n in sizes]
+        return [
+            (torch.randn(n, generator=gen, dtype=torch.float64) * 1000).to(dtype) for n in sizes
+        ]
     return [torch.randint(-1000, 1000, (n,), generator=gen).to(dtype) for n in sizes]
 
 
@@ -57,16 +65,23 @@ def torch_convert(x, dst, kind, factor):
     return v.to(dst)
 
 
-FLOAT_CONVERSIONS = [(torch.float32, torch.float32), (torch.float32, torch.float16),
-                     (torch.float32, torch.bfloat16), (torch.float16, torch.float32),
-                     (torch.bfloat16, torch.float32), (torch.float64, torch.float64),
-                     (torch.float16, torch.float16)]
+FLOAT_CONVERSIONS = [
+    (torch.float32, torch.float32),
+    (torch.float32, torch.float16),
+    (torch.float32, torch.bfloat16),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.float64, torch.float64),
+    (torch.float16, torch.float16),
+]
 SCALINGS = [(SCALE_NONE, 1.0), (SCALE_MULTIPLY, 0.37), (SCALE_DIVIDE, 3.0)]
 
 
-@pytest.mark.parametrize("src,dst,kind,factor",
-                         [c + s for c in FLOAT_CONVERSIONS for s in SCALINGS]
-                         + [(t, t, SCALE_NONE, 1.0) for t in (torch.int32, torch.bool, torch.uint8)])
+@pytest.mark.parametrize(
+    "src,dst,kind,factor",
+    [c + s for c in FLOAT_CONVERSIONS for s in SCALINGS]
+    + [(t, t, SCALE_NONE, 1.0) for t in (torch.int32, torch.bool, torch.uint8)],
+)
 @pytest.mark.transport_fixed
 def test_pack_and_unpack_match_torch(src, dst, kind, factor):
     sizes = [5, 0, 1, 1000, 0, 37, 4099]
@@ -75,14 +90,31 @@ def test_pack_and_unpack_match_torch(src, dst, kind, factor):
     ptrs, counts = ptrs_counts(tensors)
     for begin, end in [(0, flat.numel()), (3, 1040), (1006, 1006), (1005, 1007), (1043, 5142)]:
         packed = torch.empty(end - begin, dtype=dst)
-        _C.pack_kernel(TORCH_DTYPES[src], ptrs, counts, begin, end, packed.data_ptr(),
-                       TORCH_DTYPES[dst], kind, factor)
+        _C.pack_kernel(
+            TORCH_DTYPES[src],
+            ptrs,
+            counts,
+            begin,
+            end,
+            packed.data_ptr(),
+            TORCH_DTYPES[dst],
+            kind,
+            factor,
+        )
         assert same(packed, torch_convert(flat[begin:end], dst, kind, factor)), (begin, end)
         # unpack the other way into a copy of the list: only [begin, end) changes
         targets = [t.clone() for t in tensors]
         source = random_list(dst, [end - begin], seed=begin)[0]
-        _C.unpack_kernel(source.data_ptr(), TORCH_DTYPES[dst], TORCH_DTYPES[src], *ptrs_counts(targets),
-                         begin, end, kind, factor)
+        _C.unpack_kernel(
+            source.data_ptr(),
+            TORCH_DTYPES[dst],
+            TORCH_DTYPES[src],
+            *ptrs_counts(targets),
+            begin,
+            end,
+            kind,
+            factor,
+        )
         expect = flat.clone()
         expect[begin:end] = torch_convert(source, src, kind, factor)
         assert same(torch.cat(targets), expect), (begin, end)
@@ -97,18 +129,28 @@ def test_plain_copies_at_every_alignment_of_source_and_destination(nbytes):
     src = torch.randint(0, 256, (nbytes + 64,), generator=gen).to(torch.uint8)
     u8 = TORCH_DTYPES[torch.uint8]
     for s in range(0, 64, 3):
-        piece = src[s:s + nbytes]
+        piece = src[s : s + nbytes]
         for d in range(0, 64, 5):
             out = torch.full((nbytes + 128,), 0xAB, dtype=torch.uint8)
-            _C.pack_kernel(u8, [piece.data_ptr()], [nbytes], 0, nbytes, out.data_ptr() + d, u8,
-                           SCALE_NONE, 1.0)
-            assert torch.equal(out[d:d + nbytes], piece), (s, d)
-            assert bool((out[:d] == 0xAB).all()) and bool((out[d + nbytes:] == 0xAB).all()), (s, d)
+            _C.pack_kernel(
+                u8, [piece.data_ptr()], [nbytes], 0, nbytes, out.data_ptr() + d, u8, SCALE_NONE, 1.0
+            )
+            assert torch.equal(out[d : d + nbytes], piece), (s, d)
+            assert bool((out[:d] == 0xAB).all()) and bool((out[d + nbytes :] == 0xAB).all()), (s, d)
             back = torch.full((nbytes + 128,), 0xCD, dtype=torch.uint8)
-            _C.unpack_kernel(out.data_ptr() + d, u8, u8, [back.data_ptr() + s], [nbytes], 0, nbytes,
-                             SCALE_NONE, 1.0)
-            assert torch.equal(back[s:s + nbytes], piece), (s, d)
-            assert bool((back[:s] == 0xCD).all()) and bool((back[s + nbytes:] == 0xCD).all())
+            _C.unpack_kernel(
+                out.data_ptr() + d,
+                u8,
+                u8,
+                [back.data_ptr() + s],
+                [nbytes],
+                0,
+                nbytes,
+                SCALE_NONE,
+                1.0,
+            )
+            assert torch.equal(back[s : s + nbytes], piece), (s, d)
+            assert bool((back[:s] == 0xCD).all()) and bool((back[s + nbytes :] == 0xCD).all())
 
 
 @pytest.mark.transport_fixed
@@ -118,8 +160,17 @@ def test_fp16_packing_rounds_once_over_all_values():
     h = h[~h.isnan()]
     src = h.float()
     out = torch.empty_like(h)
-    _C.pack_kernel(TORCH_DTYPES[torch.float32], [src.data_ptr()], [src.numel()], 0, src.numel(),
-                   out.data_ptr(), TORCH_DTYPES[torch.float16], SCALE_MULTIPLY, 1 / 3)
+    _C.pack_kernel(
+        TORCH_DTYPES[torch.float32],
+        [src.data_ptr()],
+        [src.numel()],
+        0,
+        src.numel(),
+        out.data_ptr(),
+        TORCH_DTYPES[torch.float16],
+        SCALE_MULTIPLY,
+        1 / 3,
+    )
     assert same(out, (src * (1 / 3)).half())
 
 
@@ -128,18 +179,46 @@ def test_kernel_argument_errors():
     a = torch.zeros(4, dtype=torch.float64)
     out = torch.empty(4, dtype=torch.float16)
     with pytest.raises(ValueError, match="cannot convert float64 to float16"):
-        _C.pack_kernel(TORCH_DTYPES[torch.float64], [a.data_ptr()], [4], 0, 4, out.data_ptr(),
-                       TORCH_DTYPES[torch.float16], SCALE_NONE, 1.0)
+        _C.pack_kernel(
+            TORCH_DTYPES[torch.float64],
+            [a.data_ptr()],
+            [4],
+            0,
+            4,
+            out.data_ptr(),
+            TORCH_DTYPES[torch.float16],
+            SCALE_NONE,
+            1.0,
+        )
     i = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="scaling needs floating"):
-        _C.pack_kernel(TORCH_DTYPES[torch.int32], [i.data_ptr()], [4], 0, 4, i.data_ptr(),
-                       TORCH_DTYPES[torch.int32], SCALE_MULTIPLY, 2.0)
+        _C.pack_kernel(
+            TORCH_DTYPES[torch.int32],
+            [i.data_ptr()],
+            [4],
+            0,
+            4,
+            i.data_ptr(),
+            TORCH_DTYPES[torch.int32],
+            SCALE_MULTIPLY,
+            2.0,
+        )
     with pytest.raises(ValueError, match="outside a list of 4"):
-        _C.pack_kernel(TORCH_DTYPES[torch.int32], [i.data_ptr()], [4], 0, 5, i.data_ptr(),
-                       TORCH_DTYPES[torch.int32], SCALE_NONE, 1.0)
+        _C.pack_kernel(
+            TORCH_DTYPES[torch.int32],
+            [i.data_ptr()],
+            [4],
+            0,
+            5,
+            i.data_ptr(),
+            TORCH_DTYPES[torch.int32],
+            SCALE_NONE,
+            1.0,
+        )
 
 
 # ---- all_reduce_coalesced = per-tensor all_reduce ------------------------------------------
+
 
 def mixed_tensors(rank, seed):
     """Mixed dtypes, shapes and sizes (zero-size and 0-d included), with magnitudes spread so that
@@ -148,15 +227,24 @@ def mixed_tensors(rank, seed):
 
     def floats(shape, dtype, spread=4.0):
         x = torch.randn(shape, generator=gen, dtype=torch.float64)
-        return (x * torch.exp(torch.randn(shape, generator=gen, dtype=torch.float64) * spread)).to(dtype)
+        return (x * torch.exp(torch.randn(shape, generator=gen, dtype=torch.float64) * spread)).to(
+            dtype
+        )
 
     return [
-        floats((3,), torch.float32), floats((0,), torch.float32), floats((17, 5), torch.float64),
+        floats((3,), torch.float32),
+        floats((0,), torch.float32),
+        floats((17, 5), torch.float64),
         floats((9000,), torch.float32),  # 36 KB: ring under the link model used below
-        floats((4, 0, 3), torch.float16), floats((), torch.float32),
-        floats((2000,), torch.bfloat16, 1.0), floats((301,), torch.float16, 1.0),
-        torch.randint(-2 ** 31, 2 ** 31 - 1, (1500,), generator=gen, dtype=torch.int64).to(torch.int32),
-        torch.randint(0, 2, (77,), generator=gen).bool(), floats((64, 64), torch.float32),
+        floats((4, 0, 3), torch.float16),
+        floats((), torch.float32),
+        floats((2000,), torch.bfloat16, 1.0),
+        floats((301,), torch.float16, 1.0),
+        torch.randint(-(2**31), 2**31 - 1, (1500,), generator=gen, dtype=torch.int64).to(
+            torch.int32
+        ),
+        torch.randint(0, 2, (77,), generator=gen).bool(),
+        floats((64, 64), torch.float32),
         torch.randint(-100, 100, (50,), generator=gen).to(torch.int8),
     ]
 
@@ -166,13 +254,17 @@ def coalesced_equals_per_tensor(comm, ops, bucket_sizes):
     checked = 0
     for seed, op in enumerate(ops):
         for bucket_bytes in bucket_sizes:
-            tensors = [t for t in mixed_tensors(r, seed) if op != "avg" or t.dtype.is_floating_point]
+            tensors = [
+                t for t in mixed_tensors(r, seed) if op != "avg" or t.dtype.is_floating_point
+            ]
             expect = [t.clone() for t in tensors]
             for t in expect:
                 comm.all_reduce(t, op=op)
             assert comm.all_reduce_coalesced(tensors, op=op, bucket_bytes=bucket_bytes) is None
             for i, (got, want) in enumerate(zip(tensors, expect)):
-                assert same(got, want), f"op {op}, bucket_bytes {bucket_bytes}, tensor {i} {got.dtype}"
+                assert same(got, want), (
+                    f"op {op}, bucket_bytes {bucket_bytes}, tensor {i} {got.dtype}"
+                )
                 checked += 1
     # Not vacuous: a fused bucket reduced by one ring all-reduce (not in each tensor's own order)
     # gives other bits than one all_reduce per tensor.
@@ -189,26 +281,45 @@ def coalesced_equals_per_tensor(comm, ops, bucket_sizes):
 # doubling and larger ones by halving-doubling at 4 ranks (up to 307 bytes at 3, then by ring);
 # tiny slices (256 B) give many slices per bucket and slices that cross bucket edges. No boards:
 # the shared buffer's two rounds would take every size up to a board-full under this model.
-SMALL = {"RINGCOMM_TUNING": os.path.join(os.path.dirname(__file__), "small_messages.tuning"),
-         "RINGCOMM_FUSION_SLICE_BYTES": "256", "RINGCOMM_SHM_BOARD_BYTES": "0"}
+SMALL = {
+    "RINGCOMM_TUNING": os.path.join(os.path.dirname(__file__), "small_messages.tuning"),
+    "RINGCOMM_FUSION_SLICE_BYTES": "256",
+    "RINGCOMM_SHM_BOARD_BYTES": "0",
+}
 
 
 # auto at 3 ranks: recursive doubling with a fold, ring; at 4: recursive doubling and
 # halving-doubling without a fold. Forced trees at 3 and 5 ranks: heaps with one and two levels
 # below the root; halving-doubling at 6: with a fold; the shared buffer at 3 and 4, over many
 # rounds of a 64 KiB board.
-@pytest.mark.parametrize("world,algo", [(2, "auto"), (3, "auto"), (4, "auto"), (3, "tree"),
-                                        (5, "tree"), (6, "recursive_doubling"),
-                                        (6, "halving_doubling"), (3, "shared_buffer"),
-                                        (4, "shared_buffer")])
+@pytest.mark.parametrize(
+    "world,algo",
+    [
+        (2, "auto"),
+        (3, "auto"),
+        (4, "auto"),
+        (3, "tree"),
+        (5, "tree"),
+        (6, "recursive_doubling"),
+        (6, "halving_doubling"),
+        (3, "shared_buffer"),
+        (4, "shared_buffer"),
+    ],
+)
 def test_all_reduce_coalesced_is_bitwise_per_tensor_all_reduce(world, algo, transport):
     env = dict(SMALL, RINGCOMM_ALGO=algo)
     if algo == "shared_buffer":
         if transport != "shm":
             pytest.skip("the shared buffer runs only where every rank is in shared memory")
         env["RINGCOMM_SHM_BOARD_BYTES"] = "65536"
-    results = run_ranks(world, coalesced_equals_per_tensor, ["sum", "avg", "prod", "max"],
-                        [25 << 20, 1000], env=env, timeout=120)
+    results = run_ranks(
+        world,
+        coalesced_equals_per_tensor,
+        ["sum", "avg", "prod", "max"],
+        [25 << 20, 1000],
+        env=env,
+        timeout=120,
+    )
     for checked, naive_fusion_equal in results:
         assert checked == 4 * 2 * 12 - 2 * 3  # avg skips the three integer tensors
         # with two ranks every order is one addition, so only from three ranks on does it show
@@ -225,12 +336,17 @@ def orders_grow_under_a_running_call(comm):
     expect = [t.clone() for t in first + second]
     for t in expect:
         comm.all_reduce(t)
-    works = [comm.all_reduce_coalesced(first, async_op=True),
-             comm.all_reduce_coalesced(second, async_op=True)]
+    works = [
+        comm.all_reduce_coalesced(first, async_op=True),
+        comm.all_reduce_coalesced(second, async_op=True),
+    ]
     for w in works:
         w.wait()
-    return (comm.algorithm_for(50 * 4), comm.algorithm_for(5000 * 4),
-            all(same(a, b) for a, b in zip(first + second, expect)))
+    return (
+        comm.algorithm_for(50 * 4),
+        comm.algorithm_for(5000 * 4),
+        all(same(a, b) for a, b in zip(first + second, expect)),
+    )
 
 
 def test_reduction_orders_grow_under_a_running_call():
@@ -270,6 +386,7 @@ def boards_from_256k(path):
 
 def coalesced_through_boards(comm, path):
     from ringcomm import trace
+
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(comm.rank)
 
@@ -280,13 +397,23 @@ def coalesced_through_boards(comm, path):
     ran, equal = [], []
     # 60 KB buckets: a flat all-reduce of one would go by the ring under this model, and the
     # call still takes the boards
-    calls = [("sum", 25 << 20), ("prod", 25 << 20), ("max", 25 << 20), ("sum", 270_000),
-             ("sum", 60_000), ("avg", 25 << 20)]
+    calls = [
+        ("sum", 25 << 20),
+        ("prod", 25 << 20),
+        ("max", 25 << 20),
+        ("sum", 270_000),
+        ("sum", 60_000),
+        ("avg", 25 << 20),
+    ]
     for i, (op, bucket_bytes) in enumerate(calls):
         # 100 tensors of 2.8 KB (the ring's each), spaced apart, and others of three dtypes
-        tensors = [spread(700) for _ in range(100)] + [spread(3), torch.zeros(0), spread(5000),
-                                                       spread(300, torch.float64),
-                                                       torch.randint(-9, 9, (40,), generator=gen)]
+        tensors = [spread(700) for _ in range(100)] + [
+            spread(3),
+            torch.zeros(0),
+            spread(5000),
+            spread(300, torch.float64),
+            torch.randint(-9, 9, (40,), generator=gen),
+        ]
         if op == "avg":
             tensors = tensors[:-1]
         expect = [t.clone() for t in tensors]
@@ -311,21 +438,32 @@ def coalesced_through_boards(comm, path):
     # message, on the boards as in the pipeline.
     odd = comm.rank % 2
     try:
-        comm.all_reduce_coalesced([spread(70000 if odd else 30000), spread(30000 if odd else 70000)])
+        comm.all_reduce_coalesced(
+            [spread(70000 if odd else 30000), spread(30000 if odd else 70000)]
+        )
         mismatch = "no error"
     except ringcomm.RingcommError as e:
         mismatch = str(e)
-    return (ran, equal, same(fused, torch.cat(expect)), comm.algorithm_for(2800),
-            comm.algorithm_for(60_000), mismatch)
+    return (
+        ran,
+        equal,
+        same(fused, torch.cat(expect)),
+        comm.algorithm_for(2800),
+        comm.algorithm_for(60_000),
+        mismatch,
+    )
 
 
 def test_coalesced_buckets_through_the_boards_keep_each_tensors_order(tmp_path, transport):
     if transport != "shm":
         pytest.skip("the boards are shared memory's")
-    env = {"RINGCOMM_TUNING": boards_from_256k(tmp_path / "model"),
-           "RINGCOMM_SHM_BOARD_BYTES": "65536"}  # 10.9 KB slots: 30 rounds and more a bucket
+    env = {
+        "RINGCOMM_TUNING": boards_from_256k(tmp_path / "model"),
+        "RINGCOMM_SHM_BOARD_BYTES": "65536",
+    }  # 10.9 KB slots: 30 rounds and more a bucket
     for ran, equal, fused_equal, small, bucket, mismatch in run_ranks(
-            3, coalesced_through_boards, str(tmp_path / "t"), env=env, timeout=120):
+        3, coalesced_through_boards, str(tmp_path / "t"), env=env, timeout=120
+    ):
         assert small == bucket == "ring"
         # sum, prod and max through the boards, in one bucket, two, or buckets a flat all-reduce
         # would send by the ring; avg is scaled on the way out, so it goes through the pipeline
@@ -397,18 +535,31 @@ def replanned_when_anything_changes(comm, change):
     bufs = [a, b]
     for wire, prescale in ((f32, 1.0), (f32, 0.5), (f16, 0.5)):  # the core call's options
         fill()
-        _C.all_reduce_coalesced(comm._core, array("Q", [t.data_ptr() for t in bufs]),
-                                array("Q", [t.numel() for t in bufs]), array("Q", [f32, f32]),
-                                0, 1 << 20, wire, prescale, False)
+        _C.all_reduce_coalesced(
+            comm._core,
+            array("Q", [t.data_ptr() for t in bufs]),
+            array("Q", [t.numel() for t in bufs]),
+            array("Q", [f32, f32]),
+            0,
+            1 << 20,
+            wire,
+            prescale,
+            False,
+        )
         exact = base[:3000] * total * prescale
         if wire == f32:
             assert torch.equal(a, exact)
         else:  # float16 keeps 11 bits: the larger sums are rounded
-            assert not torch.equal(a, exact) and torch.allclose(a, exact, rtol=2 ** -10)
+            assert not torch.equal(a, exact) and torch.allclose(a, exact, rtol=2**-10)
     # More lists than the plans kept, in turn: (the list, a tensor of it, its values)
-    calls = [([a, b], a, base[:3000]), ([c, d], c, base[:1000]),
-             ([a[:500], b], a[:500], base[:500]), ([a[1000:], d], a[1000:], base[1000:3000]),
-             ([b], b, base[3000:]), ([c], c, base[:1000])]
+    calls = [
+        ([a, b], a, base[:3000]),
+        ([c, d], c, base[:1000]),
+        ([a[:500], b], a[:500], base[:500]),
+        ([a[1000:], d], a[1000:], base[1000:3000]),
+        ([b], b, base[3000:]),
+        ([c], c, base[:1000]),
+    ]
     for i in (0, 1, 0, 1, 2, 3, 4, 5, 0, 2, 1, 3):
         for t, v in zip((a, b, c, d), (base[:3000], base[3000:], base[:1000], base[3000:])):
             t.copy_(v * (r + 1))
@@ -429,12 +580,14 @@ def replanned_when_anything_changes(comm, change):
 
 @pytest.mark.parametrize("change", ["count", "bucket_bytes"])
 def test_a_repeated_list_reuses_its_plan_and_any_change_is_replanned(change):
-    for rank, message in enumerate(run_ranks(2, replanned_when_anything_changes, change,
-                                             timeout=60, comm_timeout=20)):
+    for rank, message in enumerate(
+        run_ranks(2, replanned_when_anything_changes, change, timeout=60, comm_timeout=20)
+    ):
         assert "mismatched operations" in message, f"rank {rank}: {message}"
 
 
 # ---- empty lists, async, broadcast, all_gather -------------------------------------------------
+
 
 def edge_cases(comm):
     r, n = comm.rank, comm.world_size
@@ -454,9 +607,11 @@ def edge_cases(comm):
     # several async calls of different kinds, queued back to back, finish in order
     a = [torch.full((10,), float(r))]
     b = [torch.full((100_000,), float(r + 1))]
-    works = [comm.all_reduce_coalesced(a, op="avg", async_op=True),
-             comm.broadcast_coalesced(b, src=0, async_op=True),
-             comm.all_reduce_coalesced(b, bucket_bytes=1 << 16, async_op=True)]
+    works = [
+        comm.all_reduce_coalesced(a, op="avg", async_op=True),
+        comm.broadcast_coalesced(b, src=0, async_op=True),
+        comm.all_reduce_coalesced(b, bucket_bytes=1 << 16, async_op=True),
+    ]
     for w in works:
         w.wait()
     assert (a[0] == (n - 1) / 2).all() and (b[0] == n).all()
@@ -474,7 +629,10 @@ def rooted_and_gathered(comm):
         for bucket_bytes in (25 << 20, 300):
             mine = mixed_tensors(r, 7)
             comm.broadcast_coalesced(mine, src=root, bucket_bytes=bucket_bytes)
-            assert all(same(a, b) for a, b in zip(mine, mixed_tensors(root, 7))), (root, bucket_bytes)
+            assert all(same(a, b) for a, b in zip(mine, mixed_tensors(root, 7))), (
+                root,
+                bucket_bytes,
+            )
     big = [torch.full((300_000,), float(r)), torch.arange(70_000) + r]  # chain-shaped broadcast
     comm.broadcast_coalesced(big, src=n - 1)
     assert (big[0] == n - 1).all() and torch.equal(big[1], torch.arange(70_000) + n - 1)
@@ -493,17 +651,23 @@ def test_broadcast_and_all_gather_coalesced(world):
 
 # ---- mismatches are detected, not hung on ---------------------------------------------------
 
+
 def mismatched(comm, kind):
     odd = comm.rank == 1
     if kind == "sizes":  # same total, different split: the layout hash differs
-        call = lambda: comm.all_reduce_coalesced([torch.ones(3 if odd else 5),
-                                                  torch.ones(5 if odd else 3)])
+        call = lambda: comm.all_reduce_coalesced(
+            [torch.ones(3 if odd else 5), torch.ones(5 if odd else 3)]
+        )
     elif kind == "more_tensors":  # the first bucket alike, one more bucket on rank 1
         call = lambda: comm.all_reduce_coalesced(
-            [torch.ones(10)] + ([torch.ones(10, dtype=torch.float64)] if odd else []))
+            [torch.ones(10)] + ([torch.ones(10, dtype=torch.float64)] if odd else [])
+        )
     elif kind == "plain":
-        call = (lambda: comm.all_reduce(torch.ones(8))) if odd else \
-            (lambda: comm.all_reduce_coalesced([torch.ones(8)]))
+        call = (
+            (lambda: comm.all_reduce(torch.ones(8)))
+            if odd
+            else (lambda: comm.all_reduce_coalesced([torch.ones(8)]))
+        )
     else:  # bucket_bytes differ
         call = lambda: comm.all_reduce_coalesced([torch.ones(100)], bucket_bytes=40 if odd else 400)
     comm.all_reduce_coalesced([torch.ones(5)])
@@ -523,6 +687,7 @@ def test_mismatched_coalesced_calls_raise_on_every_rank(kind):
 
 # ---- GradientAverager vs DDP on scikit-learn's digits ---------------------------------------
 
+
 def averager_vs_ddp(store, rank, world, compression, bucket_bytes):
     from datetime import timedelta
 
@@ -531,8 +696,13 @@ def averager_vs_ddp(store, rank, world, compression, bucket_bytes):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("gloo", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=30),
+    )
     comm = ringcomm.Communicator(dist.PrefixStore("ringcomm", store), rank, world, timeout=30)
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16
@@ -540,22 +710,27 @@ def averager_vs_ddp(store, rank, world, compression, bucket_bytes):
     torch.manual_seed(0)
 
     def model():
-        return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
-                                   torch.nn.ReLU(), torch.nn.Linear(32, 10))
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 10),
+        )
 
     ours = model()
     theirs = DDP(model(), bucket_cap_mb=1)
     local = model()  # this rank's own gradients, for the rounding bound below
     theirs.module.load_state_dict(ours.state_dict())
     local.load_state_dict(ours.state_dict())
-    averager = ringcomm.GradientAverager(ours.parameters(), comm, bucket_bytes=bucket_bytes,
-                                         compression=compression)
+    averager = ringcomm.GradientAverager(
+        ours.parameters(), comm, bucket_bytes=bucket_bytes, compression=compression
+    )
     optimizer = torch.optim.SGD(ours.parameters(), lr=0.5)
     # Rounding bound of a compressed average: each g_r / n is rounded once when packed, each sum
     # once, so |error| <= 2 u mean_r |g_r| (u: the format's unit roundoff), plus the spacing of
     # float16's subnormals.
-    u, tiny = {None: (0.0, 0.0), "fp16": (2.0 ** -11, 2.0 ** -24),
-               "bf16": (2.0 ** -8, 0.0)}[compression]
+    u, tiny = {None: (0.0, 0.0), "fp16": (2.0**-11, 2.0**-24), "bf16": (2.0**-8, 0.0)}[compression]
     worst, launched_in_backward = 0.0, []
     for step in range(6):
         batch = slice(step * 128 + rank * 64, step * 128 + rank * 64 + 64)  # each rank its own
@@ -594,8 +769,9 @@ def test_gradient_averager_matches_ddp_on_digits(compression):
 def averager_details(comm):
     lin = torch.nn.Linear(4, 3)
     extra = torch.nn.Parameter(torch.ones(5))
-    averager = ringcomm.GradientAverager([lin.weight, lin.bias, lin.weight, extra], comm,
-                                         bucket_bytes=16)
+    averager = ringcomm.GradientAverager(
+        [lin.weight, lin.bias, lin.weight, extra], comm, bucket_bytes=16
+    )
     assert [len(b) for b in averager.buckets] == [1, 1, 1]  # weight listed twice counts once
     lin(torch.full((2, 4), float(comm.rank))).sum().backward()  # extra gets no gradient
     averager.step()
@@ -627,8 +803,10 @@ def test_gradient_averager_details():
 @pytest.mark.transport_fixed
 def test_gradient_averager_arguments():
     lin = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="compression must be None, 'fp16', 'bf16' or a "
-                                         "ringcomm.compress.Compressor"):
+    with pytest.raises(
+        ValueError,
+        match="compression must be None, 'fp16', 'bf16' or a ringcomm.compress.Compressor",
+    ):
         ringcomm.GradientAverager(lin.parameters(), None, compression="topk")
     with pytest.raises(ValueError, match="leaf tensor that requires grad"):
         ringcomm.GradientAverager([lin.weight * 2], None)
@@ -638,6 +816,7 @@ def test_gradient_averager_arguments():
 
 # ---- the benchmark's coalesced mode -----------------------------------------------------------
 
+
 @pytest.mark.transport_fixed
 def test_bench_coalesced_mode_checks_results(tmp_path):
     import json
@@ -645,16 +824,42 @@ def test_bench_coalesced_mode_checks_results(tmp_path):
     import sys
 
     out_file = tmp_path / "coalesced.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "--ranks", "2", "--coll", "all_reduce_coalesced",
-           "--tensors", "50", "--tensor-bytes", "4-2K", "-n", "2", "-w", "1", "--repeats", "3",
-           "--compare", "gloo,backend", "--floor", "--json", str(out_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm.bench",
+        "--ranks",
+        "2",
+        "--coll",
+        "all_reduce_coalesced",
+        "--tensors",
+        "50",
+        "--tensor-bytes",
+        "4-2K",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--repeats",
+        "3",
+        "--compare",
+        "gloo,backend",
+        "--floor",
+        "--json",
+        str(out_file),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     (row,) = json.loads(out_file.read_text())["rows"]
-    variants = ["ringcomm all_reduce_coalesced", "ringcomm coalesced, views of one buffer",
-                "ringcomm all_reduce per tensor",
-                "gloo all_reduce_coalesced", "backend all_reduce_coalesced",
-                "backend all_reduce, one flat tensor", "ringcomm all_reduce, one flat tensor"]
+    variants = [
+        "ringcomm all_reduce_coalesced",
+        "ringcomm coalesced, views of one buffer",
+        "ringcomm all_reduce per tensor",
+        "gloo all_reduce_coalesced",
+        "backend all_reduce_coalesced",
+        "backend all_reduce, one flat tensor",
+        "ringcomm all_reduce, one flat tensor",
+    ]
     for name in variants:
         assert name in run.stdout
         assert row[name]["wrong"] == 0 and len(row[name]["samples_us"]) == 3
@@ -669,13 +874,21 @@ def test_bench_coalesced_mode_checks_results(tmp_path):
     assert len(flat_then_list) == 3
     flat_alone = row["ringcomm all_reduce, one flat tensor"]["samples_us"]
     assert limit["list_read_us"] == pytest.approx(  # repeat by repeat
-        statistics.median(then - alone for then, alone in zip(flat_then_list, flat_alone)))
-    assert limit["time_us"] == pytest.approx(flat + limit["list_read_us"]
-                                             + passes["pack + unpack of the tensors, no exchange"]
-                                             - passes["pack + unpack of the views, no exchange"])
-    assert limit["coalesced_over_limit"] == pytest.approx(row[variants[0]]["time_us"] / limit["time_us"])
-    assert ("# layout limit = flat all_reduce + the list + tensors' passes - views' passes"
-            in run.stdout)
+        statistics.median(then - alone for then, alone in zip(flat_then_list, flat_alone))
+    )
+    assert limit["time_us"] == pytest.approx(
+        flat
+        + limit["list_read_us"]
+        + passes["pack + unpack of the tensors, no exchange"]
+        - passes["pack + unpack of the views, no exchange"]
+    )
+    assert limit["coalesced_over_limit"] == pytest.approx(
+        row[variants[0]]["time_us"] / limit["time_us"]
+    )
+    assert (
+        "# layout limit = flat all_reduce + the list + tensors' passes - views' passes"
+        in run.stdout
+    )
 
 
 @pytest.mark.transport_fixed
@@ -720,8 +933,11 @@ def test_scratch_memory_follows_what_calls_need():
 
 
 def bitwise_coalesced(comm):
-    ts = [torch.tensor([5, 3 + comm.rank], dtype=torch.int32), torch.tensor([True, comm.rank == 0]),
-          torch.arange(4, dtype=torch.uint8) * (comm.rank + 1)]
+    ts = [
+        torch.tensor([5, 3 + comm.rank], dtype=torch.int32),
+        torch.tensor([True, comm.rank == 0]),
+        torch.arange(4, dtype=torch.uint8) * (comm.rank + 1),
+    ]
     comm.all_reduce_coalesced(ts, op="bxor")
     try:
         comm.all_reduce_coalesced([torch.ones(2, dtype=torch.int64), torch.ones(2)], op="bor")

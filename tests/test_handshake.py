@@ -1,6 +1,7 @@
 """The TCP handshake (csrc/transport/tcp/handshake.h, docs/security.md), spoken here from Python
 against real ranks: strangers, wrong tokens, impostors, other protocol versions, token files, and
 a peer that knows the token but then sends bytes that do not add up."""
+
 import hashlib
 import hmac
 import os
@@ -18,7 +19,9 @@ from ranks import expect_error, run_ranks
 MAGIC = 0x524D4348
 BYTE_ORDER = 0x01020304
 PROTOCOL_VERSION = 4
-HELLO = struct.Struct("<IIIIiiii32s")  # magic, byte order, version, reserved, world, rank, socket, sockets, nonce
+HELLO = struct.Struct(
+    "<IIIIiiii32s"
+)  # magic, byte order, version, reserved, world, rank, socket, sockets, nonce
 REPLY = struct.Struct("<IiI")  # magic, accepted, the acceptor's protocol version
 CHALLENGE = struct.Struct("<IiIi32s32s")  # a Reply, the acceptor's rank, its nonce, its MAC
 PROOF = struct.Struct("<II32s")  # magic, reserved, MAC
@@ -72,8 +75,12 @@ def python_rank1(prefixed, token, version=PROTOCOL_VERSION, before_dialling=lamb
     reply = REPLY.unpack(read_exactly(conn, REPLY.size))
     if not reply[1]:
         return conn, reply
-    rank, nonce, acceptor_mac = struct.unpack("<i32s32s", read_exactly(conn, CHALLENGE.size - REPLY.size))
-    assert rank == 0 and acceptor_mac == mac(token, b"ringcomm acceptor", hello, nonce, struct.pack("<i", rank))
+    rank, nonce, acceptor_mac = struct.unpack(
+        "<i32s32s", read_exactly(conn, CHALLENGE.size - REPLY.size)
+    )
+    assert rank == 0 and acceptor_mac == mac(
+        token, b"ringcomm acceptor", hello, nonce, struct.pack("<i", rank)
+    )
     conn.sendall(PROOF.pack(MAGIC, 0, mac(token, b"ringcomm connector", hello, nonce)))
     return conn, REPLY.unpack(read_exactly(conn, REPLY.size))
 
@@ -82,7 +89,10 @@ def test_hmac_matches_python():
     for key_bytes in (1, 32, 64, 65, 200):
         for size in (0, 1, 55, 56, 63, 64, 65, 1000):
             key, message = os.urandom(key_bytes), os.urandom(size)
-            assert ringcomm._C._hmac_sha256(key, message) == hmac.new(key, message, hashlib.sha256).digest()
+            assert (
+                ringcomm._C._hmac_sha256(key, message)
+                == hmac.new(key, message, hashlib.sha256).digest()
+            )
 
 
 def python_peer_knowing_the_token(store, rank, world):
@@ -93,7 +103,7 @@ def python_peer_knowing_the_token(store, rank, world):
         conn.sendall(header() + struct.pack("<4f", 1, 2, 3, 4))  # an all_reduce's one message
         answer = read_exactly(conn, HEADER.size + 16)
         conn.close()
-        return reply, struct.unpack("<4f", answer[HEADER.size:])
+        return reply, struct.unpack("<4f", answer[HEADER.size :])
     comm = ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=20), name="python")
     t = torch.tensor([10.0, 20.0, 30.0, 40.0])
     comm.all_reduce(t, algorithm="recursive_doubling")
@@ -103,8 +113,13 @@ def python_peer_knowing_the_token(store, rank, world):
 
 def test_a_python_peer_that_knows_the_token_joins():
     """The handshake as documented, spoken by Python's hmac: rank 0 accepts it and all-reduces."""
-    reduced, (reply, received) = run_ranks(2, python_peer_knowing_the_token, make_comm=False,
-                                           timeout=60, env={"RINGCOMM_TRANSPORT": "tcp"})
+    reduced, (reply, received) = run_ranks(
+        2,
+        python_peer_knowing_the_token,
+        make_comm=False,
+        timeout=60,
+        env={"RINGCOMM_TRANSPORT": "tcp"},
+    )
     assert reply == (MAGIC, 1, PROTOCOL_VERSION)
     assert reduced == [11.0, 22.0, 33.0, 44.0]
     assert received == (10.0, 20.0, 30.0, 40.0)
@@ -122,8 +137,9 @@ def stranger_and_two_ranks(store, rank, world):
         garbage = socket.create_connection((host, port), timeout=20)
         garbage.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 200)
         challenge = CHALLENGE.unpack(read_exactly(wrong_token, CHALLENGE.size))
-        wrong_token.sendall(PROOF.pack(MAGIC, 0, mac(b"not-the-token", b"ringcomm connector",
-                                                      hello, challenge[4])))
+        wrong_token.sendall(
+            PROOF.pack(MAGIC, 0, mac(b"not-the-token", b"ringcomm connector", hello, challenge[4]))
+        )
         verdict = read_exactly(wrong_token, REPLY.size + 1)  # a refusal, then end of stream
         answer = read_exactly(garbage, REPLY.size + 1)
         store.set("stranger_done", "1")
@@ -132,8 +148,9 @@ def stranger_and_two_ranks(store, rank, world):
         return challenge[1], verdict, answer
     if rank == 1:
         prefixed.wait(["token"], timedelta(seconds=20))
-        conn, reply = python_rank1(prefixed, prefixed.get("token"),
-                                   before_dialling=lambda: store.wait(["stranger_done"]))
+        conn, reply = python_rank1(
+            prefixed, prefixed.get("token"), before_dialling=lambda: store.wait(["stranger_done"])
+        )
         conn.close()
         return reply
     comm = ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=20), name="stranger")
@@ -142,8 +159,9 @@ def stranger_and_two_ranks(store, rank, world):
 
 
 def test_strangers_and_wrong_tokens_are_refused():
-    ok, reply, (challenged, verdict, answer) = run_ranks(3, stranger_and_two_ranks,
-                                                         make_comm=False, timeout=60)
+    ok, reply, (challenged, verdict, answer) = run_ranks(
+        3, stranger_and_two_ranks, make_comm=False, timeout=60
+    )
     assert ok and reply == (MAGIC, 1, PROTOCOL_VERSION)  # the job formed after the strangers
     refusal = REPLY.pack(MAGIC, 0, PROTOCOL_VERSION)
     assert challenged == 1  # a well-formed Hello is challenged, whoever sends it
@@ -162,15 +180,25 @@ def impostor_at_rank0(store, rank, world):
         conn, _ = listener.accept()
         hello = read_exactly(conn, HELLO.size)
         nonce = os.urandom(32)
-        conn.sendall(CHALLENGE.pack(MAGIC, 1, PROTOCOL_VERSION, 0, nonce,
-                                    mac(b"another job's token", b"ringcomm acceptor", hello, nonce,
-                                        struct.pack("<i", 0))))
+        conn.sendall(
+            CHALLENGE.pack(
+                MAGIC,
+                1,
+                PROTOCOL_VERSION,
+                0,
+                nonce,
+                mac(
+                    b"another job's token", b"ringcomm acceptor", hello, nonce, struct.pack("<i", 0)
+                ),
+            )
+        )
         proof = read_exactly(conn, PROOF.size)
         conn.close()
         return proof
     prefixed.set("token", "the job's token")
-    return expect_error(lambda: ringcomm.Communicator(store, 1, 2, timeout=timedelta(seconds=20),
-                                                      name="impostor"))
+    return expect_error(
+        lambda: ringcomm.Communicator(store, 1, 2, timeout=timedelta(seconds=20), name="impostor")
+    )
 
 
 def test_an_impostor_at_a_rank_address_is_named():
@@ -192,8 +220,11 @@ def older_acceptor(store, rank, world):
         conn.sendall(REPLY.pack(MAGIC, 0, PROTOCOL_VERSION - 1))
         conn.close()
         return None
-    return expect_error(lambda: ringcomm.Communicator(store, 1, 2, timeout=timedelta(seconds=20),
-                                                      name="older_acceptor"))
+    return expect_error(
+        lambda: ringcomm.Communicator(
+            store, 1, 2, timeout=timedelta(seconds=20), name="older_acceptor"
+        )
+    )
 
 
 def older_connector(store, rank, world):
@@ -202,8 +233,11 @@ def older_connector(store, rank, world):
         conn, reply = python_rank1(prefixed, b"", version=PROTOCOL_VERSION - 1)
         conn.close()
         return reply
-    return expect_error(lambda: ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=3),
-                                                      name="older_connector"))
+    return expect_error(
+        lambda: ringcomm.Communicator(
+            store, 0, 2, timeout=timedelta(seconds=3), name="older_connector"
+        )
+    )
 
 
 def test_mixed_protocol_versions_fail_clearly():
@@ -224,7 +258,9 @@ def with_token_file(store, rank, world, tokens):
     with open(path, "w") as f:
         f.write(tokens[rank] + "\n")
     os.environ["RINGCOMM_TOKEN_FILE"] = path
-    make = lambda: ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=4), name="file")
+    make = lambda: ringcomm.Communicator(
+        store, rank, world, timeout=timedelta(seconds=4), name="file"
+    )
     if tokens[0] != tokens[1]:
         return expect_error(make)[0]
     comm = make()
@@ -238,8 +274,9 @@ def with_token_file(store, rank, world, tokens):
 @pytest.mark.parametrize("same", [True, False])
 def test_token_file(tmp_path, same):
     tokens = ["a secret shared out of band"] * 2 if same else ["one secret", "another secret"]
-    results = run_ranks(2, with_token_file, tokens, make_comm=False, timeout=60,
-                        env={"TOKEN_DIR": str(tmp_path)})
+    results = run_ranks(
+        2, with_token_file, tokens, make_comm=False, timeout=60, env={"TOKEN_DIR": str(tmp_path)}
+    )
     if same:
         for reduced, in_store in results:
             assert reduced == [2.0] * 10
@@ -280,16 +317,19 @@ def peer_sending(store, rank, world, case):
         return None
     comm = ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=10), name="bad")
     t = torch.ones(4)
-    message, elapsed = expect_error(lambda: comm.all_reduce(t, algorithm="recursive_doubling"),
-                                    getattr(ringcomm, BAD_BYTES[case][2]))
+    message, elapsed = expect_error(
+        lambda: comm.all_reduce(t, algorithm="recursive_doubling"),
+        getattr(ringcomm, BAD_BYTES[case][2]),
+    )
     comm.close()
     return message, elapsed
 
 
 @pytest.mark.parametrize("case", sorted(BAD_BYTES))
 def test_bytes_from_a_peer_that_do_not_add_up(case):
-    (message, elapsed), _ = run_ranks(2, peer_sending, case, make_comm=False, timeout=60,
-                                      env={"RINGCOMM_TRANSPORT": "tcp"})
+    (message, elapsed), _ = run_ranks(
+        2, peer_sending, case, make_comm=False, timeout=60, env={"RINGCOMM_TRANSPORT": "tcp"}
+    )
     assert BAD_BYTES[case][1] in message and "rank 1" in message, message
     assert elapsed < 5, elapsed
 
@@ -315,8 +355,9 @@ def silent_crowd(store, rank, world):
                 dropped += 1
             conn.close()
         return dropped
-    return expect_error(lambda: ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=3),
-                                                      name="crowd"))[0]
+    return expect_error(
+        lambda: ringcomm.Communicator(store, 0, 2, timeout=timedelta(seconds=3), name="crowd")
+    )[0]
 
 
 def test_connections_without_a_handshake_are_capped():

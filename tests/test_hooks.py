@@ -1,4 +1,5 @@
 """ringcomm's DDP comm hooks: same parameters as gloo's DDP, overlap, compiled-DDP tuples, errors."""
+
 import os
 import subprocess
 import sys
@@ -20,8 +21,13 @@ STEPS = 4
 
 def make_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-                               torch.nn.ReLU(), torch.nn.Linear(64, 5))
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 5),
+    )
 
 
 def portable(x):
@@ -44,7 +50,9 @@ def tensors(x):
     return tuple(tensors(v) for v in x)
 
 
-def train(rank, hook=None, state=None, process_group=None, no_sync=False, autocast=False, **ddp_args):
+def train(
+    rank, hook=None, state=None, process_group=None, no_sync=False, autocast=False, **ddp_args
+):
     """A few SGD steps of DDP on rank-dependent data; returns the parameters, flattened."""
     # 10 KB buckets: the 23 KB of gradients travel in several buckets
     ddp = DDP(make_model(), process_group=process_group, bucket_cap_mb=0.01, **ddp_args)
@@ -70,8 +78,10 @@ def train(rank, hook=None, state=None, process_group=None, no_sync=False, autoca
 
 def renamed(hook):
     """torch's own hook under another name: DDP refuses the name bf16_compress_hook without NCCL."""
+
     def reference_hook(state, bucket):
         return hook(state, bucket)
+
     return reference_hook
 
 
@@ -91,11 +101,14 @@ def hooks_on_gloo(store, rank, world):
         "torch fp16 on gloo": train(rank, renamed(torch_hooks.fp16_compress_hook)),
         "torch bf16 on gloo": train(rank, renamed(torch_hooks.bf16_compress_hook)),
         # the wrapper around a foreign hook: torch's all-reduce hook on the gloo group
-        "fp16 wrapper of torch's": train(rank, hooks.fp16_compress_wrapper(torch_hooks.allreduce_hook),
-                                         state=dist.group.WORLD),
+        "fp16 wrapper of torch's": train(
+            rank, hooks.fp16_compress_wrapper(torch_hooks.allreduce_hook), state=dist.group.WORLD
+        ),
     }
     # the same ringcomm communicator given explicitly as state
-    runs["allreduce, communicator state"] = train(rank, hooks.allreduce_hook, hooks.default_communicator())
+    runs["allreduce, communicator state"] = train(
+        rank, hooks.allreduce_hook, hooks.default_communicator()
+    )
     # a process group with the ringcomm backend as state: its own core communicator
     ringcomm_group = dist.new_group(backend="ringcomm")
     runs["allreduce, ringcomm group state"] = train(rank, hooks.allreduce_hook, ringcomm_group)
@@ -107,8 +120,10 @@ def hooks_on_gloo(store, rank, world):
     }
     for name, args in variants.items():
         runs[name] = (train(rank, **args), train(rank, hooks.allreduce_hook, **args))
-        runs[name + ", fp16"] = (train(rank, renamed(torch_hooks.fp16_compress_hook), **args),
-                                 train(rank, hooks.fp16_compress_hook, **args))
+        runs[name + ", fp16"] = (
+            train(rank, renamed(torch_hooks.fp16_compress_hook), **args),
+            train(rank, hooks.fp16_compress_hook, **args),
+        )
     dist.destroy_process_group()
     return portable((gloo_default, runs))
 
@@ -128,9 +143,15 @@ def test_hooks_match_gloo_default(world):
         # DDP keeps replicas identical, bit for bit
         assert torch.equal(other_default, gloo_default)
         for name, run in other_runs.items():
-            same = all(map(torch.equal, run, runs[name])) if isinstance(run, tuple) else torch.equal(run, runs[name])
+            same = (
+                all(map(torch.equal, run, runs[name]))
+                if isinstance(run, tuple)
+                else torch.equal(run, runs[name])
+            )
             assert same, f"rank {rank} differs from rank 0: {name}"
-    assert max_difference(gloo_default, make_model_parameters()) > 0.01, "training moved the parameters"
+    assert max_difference(gloo_default, make_model_parameters()) > 0.01, (
+        "training moved the parameters"
+    )
 
     def differs(name, reference, limit):
         d = max_difference(runs[name], reference)
@@ -144,7 +165,9 @@ def test_hooks_match_gloo_default(world):
     differs("fp16 wrapper of torch's", runs["fp16"], FP16_FROM_TORCH_FP16)
     differs("bf16", gloo_default, BF16_FROM_FP32)
     differs("bf16", runs["torch bf16 on gloo"], BF16_FROM_TORCH_BF16)
-    assert torch.equal(runs["fp16 wrapper"], runs["fp16"]) and torch.equal(runs["bf16 wrapper"], runs["bf16"])
+    assert torch.equal(runs["fp16 wrapper"], runs["fp16"]) and torch.equal(
+        runs["bf16 wrapper"], runs["bf16"]
+    )
     for name, run in runs.items():
         if isinstance(run, tuple):  # (gloo's, ringcomm's) under a DDP option
             limit = FP16_FROM_TORCH_FP16 if name.endswith("fp16") else FP32
@@ -163,11 +186,15 @@ def on_ringcomm_backend(store, rank, world):
         "gloo default": train(rank, process_group=gloo),
         "ringcomm default": train(rank),
         "ringcomm + allreduce_hook, state None": train(rank, hooks.allreduce_hook),
-        "ringcomm + allreduce_hook, state group": train(rank, hooks.allreduce_hook, dist.group.WORLD),
+        "ringcomm + allreduce_hook, state group": train(
+            rank, hooks.allreduce_hook, dist.group.WORLD
+        ),
         "ringcomm + torch's allreduce_hook": train(rank, torch_hooks.allreduce_hook),
         "gloo, no_sync": train(rank, process_group=gloo, no_sync=True),
         "ringcomm, no_sync": train(rank, no_sync=True),
-        "ringcomm, static graph, bucket view": train(rank, static_graph=True, gradient_as_bucket_view=True),
+        "ringcomm, static graph, bucket view": train(
+            rank, static_graph=True, gradient_as_bucket_view=True
+        ),
     }
     dist.destroy_process_group()
     return portable(runs)
@@ -175,7 +202,9 @@ def on_ringcomm_backend(store, rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_on_ringcomm_backend_matches_gloo(world):
-    results = [tensors(r) for r in run_ranks(world, on_ringcomm_backend, make_comm=False, timeout=120)]
+    results = [
+        tensors(r) for r in run_ranks(world, on_ringcomm_backend, make_comm=False, timeout=120)
+    ]
     runs = results[0]
     for other in results[1:]:
         assert all(torch.equal(other[name], runs[name]) for name in runs)
@@ -221,9 +250,12 @@ def compiled_ddp_tuples(store, rank, world):
     param = torch.nn.Parameter(torch.zeros(1000))
     mean = sum(torch.arange(1000.0) * (r + 1) for r in range(world)) / world
     checked = []
-    for name, hook in [("allreduce", hooks.allreduce_hook), ("fp16", hooks.fp16_compress_hook),
-                       ("bf16", hooks.bf16_compress_hook),
-                       ("bf16 wrapper", hooks.bf16_compress_wrapper(hooks.allreduce_hook))]:
+    for name, hook in [
+        ("allreduce", hooks.allreduce_hook),
+        ("fp16", hooks.fp16_compress_hook),
+        ("bf16", hooks.bf16_compress_hook),
+        ("bf16 wrapper", hooks.bf16_compress_wrapper(hooks.allreduce_hook)),
+    ]:
         grad = torch.arange(1000.0) * (rank + 1)
         fut = hook(None, (grad, param))
         assert fut.done() and fut.value() is grad, name
@@ -282,8 +314,9 @@ def test_compiled_ddp_calls_hooks_with_tuples():
 
 
 def peer_dies(store, rank, world):
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
     ddp = DDP(make_model())
     ddp.register_comm_hook(None, hooks.allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -324,8 +357,9 @@ def test_bad_state_is_a_clear_error():
 def default_communicator_follows_default_group(store, rank, world):
     first = []
     for attempt in range(2):
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
-                                world_size=world)
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world
+        )
         first.append(train(rank, hooks.allreduce_hook))
         comm = hooks.default_communicator()
         dist.destroy_process_group()
@@ -340,8 +374,21 @@ def train_ddp(*args):
     """examples/train_ddp.py on 2 ranks under torchrun, width 64, 2 epochs: (its output, the
     result rows by run name, the step breakdown's text)."""
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_ddp.py")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port()), example, "--width", "64", "--epochs", "2", *args]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        example,
+        "--width",
+        "64",
+        "--epochs",
+        "2",
+        *args,
+    ]
     out = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     results, _, breakdown = out.stdout.partition("step time on rank 0")
@@ -353,7 +400,9 @@ def test_train_ddp_example(tmp_path):
     out, rows, breakdown = train_ddp("--backend", "ringcomm", "--hook", "fp16", "--compare-gloo")
     ours, gloo = rows["ringcomm, ringcomm fp16 hook"], rows["gloo, DDP's all-reduce"]
     # the step split into forward, backward compute, waiting, optimizer; the waiting share
-    phases = {line[:34].strip(): line[34:].split() for line in breakdown.splitlines() if "%" in line}
+    phases = {
+        line[:34].strip(): line[34:].split() for line in breakdown.splitlines() if "%" in line
+    }
     for name in rows:
         ms, share = [float(v) for v in phases[name][:4]], float(phases[name][4].rstrip("%"))
         assert all(v >= 0 for v in ms) and 0 <= share < 100, out.stdout
@@ -367,8 +416,12 @@ def test_train_ddp_example_measures_the_limits_of_a_topk_step():
     """--compare-floor with --hook topk: beside the floor and the averaged step's limit, top-k's
     own work with no network, which sends nothing."""
     out, rows, _ = train_ddp("--warmup", "1", "--hook", "topk", "--compare-floor")
-    assert set(rows) == {"gloo, ringcomm topk hook", "no communication (floor)",
-                         "wait only (sync limit)", "wait + local a+b (limit)",
-                         "top-k, no network (limit)"}, out.stdout
+    assert set(rows) == {
+        "gloo, ringcomm topk hook",
+        "no communication (floor)",
+        "wait only (sync limit)",
+        "wait + local a+b (limit)",
+        "top-k, no network (limit)",
+    }, out.stdout
     assert float(rows["top-k, no network (limit)"][3]) == 0.0, out.stdout  # MB sent per step
     assert "over top-k, no network (limit)" in out.stdout, out.stdout

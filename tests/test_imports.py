@@ -1,6 +1,7 @@
 """How ringcomm's modules import one another (read from their source): no cycle, and none of
 ringcomm's own modules imported inside a function, where such an import would hide one; and
 `import ringcomm` loads no CUDA library."""
+
 import ast
 import subprocess
 import sys
@@ -35,7 +36,7 @@ def imports(name: str):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
@@ -56,7 +57,7 @@ def find_cycle(graph: dict):
         stack.append(module)
         for imported in sorted(graph[module]):
             if state.get(imported) == "open":
-                return stack[stack.index(imported):]
+                return stack[stack.index(imported) :]
             if imported not in state:
                 cycle = visit(imported)
                 if cycle:
@@ -84,16 +85,22 @@ def test_the_modules_import_one_another_without_a_cycle():
 def test_ringcomm_modules_are_imported_at_the_top():
     # Inside a function, an import is for an optional or heavy dependency (torch's parts,
     # matplotlib, mpi4py, the CUDA extension), never for one of these modules.
-    hidden = [f"{MODULES[name].relative_to(PACKAGE.parent)}:{line} imports {target}"
-              for name in MODULES for target, line, inside in imports(name) if inside]
+    hidden = [
+        f"{MODULES[name].relative_to(PACKAGE.parent)}:{line} imports {target}"
+        for name in MODULES
+        for target, line, inside in imports(name)
+        if inside
+    ]
     assert not hidden, hidden
 
 
 def test_import_ringcomm_loads_no_cuda_library():
-    code = ("import ringcomm, ringcomm.compress, ringcomm.hooks, torch\n"
-            "ringcomm.compress.topk(torch.randn(1000), 10)\n"
-            "maps = open('/proc/self/maps').read()\n"
-            "print([line.split()[-1] for line in maps.splitlines() if 'cuda' in line.lower()])\n")
+    code = (
+        "import ringcomm, ringcomm.compress, ringcomm.hooks, torch\n"
+        "ringcomm.compress.topk(torch.randn(1000), 10)\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print([line.split()[-1] for line in maps.splitlines() if 'cuda' in line.lower()])\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

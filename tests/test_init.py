@@ -1,4 +1,5 @@
 """ringcomm.init(): env:// variables, an initialised torch.distributed, and torchrun."""
+
 import os
 import textwrap
 from datetime import timedelta
@@ -12,8 +13,9 @@ from ranks import free_port, run_ranks, run_torchrun
 
 
 def from_env(store, rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     comm = ringcomm.init(timeout=timedelta(seconds=30))
     t = torch.tensor([float(rank)])
     comm.all_reduce(t)

@@ -3,6 +3,7 @@ ipc_protocol.h, csrc/algorithms/window_plan.h), on the host: real processes over
 run the one-shot, shared-buffer and ring all-reduces action by action, for 1 to 8 ranks, and the
 bounded waits meet a peer that never arrives, an abort word set by another process, and counts
 left from the last operation (tests/native/ipc_protocol.cc). No GPU needed."""
+
 import subprocess
 
 import pytest

@@ -1,4 +1,5 @@
 """CPU reduction kernels (the arithmetic the CUDA kernels share) against torch."""
+
 import pytest
 import torch
 
@@ -50,10 +51,12 @@ def test_reduce_matches_torch(dtype, op, n):
 def test_half_rounding_is_nearest_even_over_all_fp16_values():
     # Every fp16 bit pattern plus a fixed addend: exercises subnormals, overflow and ties.
     a = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
-    for addend in (0.0, 1e-4, 0.5, 3.0, -65504.0, 2.0 ** -24):
+    for addend in (0.0, 1e-4, 0.5, 3.0, -65504.0, 2.0**-24):
         b = torch.full_like(a, addend)
         out = torch.empty_like(a)
-        _C.reduce_kernel(TORCH_DTYPES[torch.float16], 0, out.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel())
+        _C.reduce_kernel(
+            TORCH_DTYPES[torch.float16], 0, out.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel()
+        )
         expect = (a.float() + b.float()).half()
         same = (out.view(torch.int16) == expect.view(torch.int16)) | (out.isnan() & expect.isnan())
         assert bool(same.all()), f"addend {addend}: {int((~same).sum())} mismatches"
@@ -64,7 +67,9 @@ def test_bf16_rounding_matches_torch():
     a = (torch.randn(100000, generator=gen) * 1e3).bfloat16()
     b = (torch.randn(100000, generator=gen) * 1e-1).bfloat16()
     out = torch.empty_like(a)
-    _C.reduce_kernel(TORCH_DTYPES[torch.bfloat16], 0, out.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel())
+    _C.reduce_kernel(
+        TORCH_DTYPES[torch.bfloat16], 0, out.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel()
+    )
     assert torch.equal(out, (a.float() + b.float()).bfloat16())
 
 
@@ -88,17 +93,40 @@ def test_divide_by_powers_of_two_gives_the_quotients_bits(dtype, divisor):
     else:
         info = torch.finfo(dtype)
         # results that are subnormal: random mantissas just above the smallest normal
-        near_tiny = (1 + torch.rand(10_000, generator=gen, dtype=torch.float64)) * info.tiny * \
-            2.0 ** torch.randint(0, 21, (10_000,), generator=gen)
-        x = torch.cat([near_tiny.to(dtype), -near_tiny.to(dtype),
-                       torch.randn(100_000, generator=gen, dtype=torch.float64).to(dtype) *
-                       torch.tensor(10.0, dtype=dtype) ** torch.randint(-40, 40, (100_000,), generator=gen).to(dtype),
-                       torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 3, info.max,
-                                     -info.max, float("inf"), float("-inf"), float("nan")],
-                                    dtype=dtype)])
+        near_tiny = (
+            (1 + torch.rand(10_000, generator=gen, dtype=torch.float64))
+            * info.tiny
+            * 2.0 ** torch.randint(0, 21, (10_000,), generator=gen)
+        )
+        x = torch.cat(
+            [
+                near_tiny.to(dtype),
+                -near_tiny.to(dtype),
+                torch.randn(100_000, generator=gen, dtype=torch.float64).to(dtype)
+                * torch.tensor(10.0, dtype=dtype)
+                ** torch.randint(-40, 40, (100_000,), generator=gen).to(dtype),
+                torch.tensor(
+                    [
+                        0.0,
+                        -0.0,
+                        info.tiny,
+                        -info.tiny,
+                        info.tiny / 3,
+                        info.max,
+                        -info.max,
+                        float("inf"),
+                        float("-inf"),
+                        float("nan"),
+                    ],
+                    dtype=dtype,
+                ),
+            ]
+        )
     out = x.clone()
     _C.divide_kernel(TORCH_DTYPES[dtype], out.data_ptr(), out.numel(), divisor)
-    expect = x / divisor if dtype in (torch.float32, torch.float64) else (x.float() / divisor).to(dtype)
+    expect = (
+        x / divisor if dtype in (torch.float32, torch.float64) else (x.float() / divisor).to(dtype)
+    )
     nan = expect.isnan()
     assert torch.equal(out.isnan(), nan)
     assert torch.equal(out[~nan].view(bits), expect[~nan].view(bits))
@@ -113,8 +141,10 @@ def test_divide_truncates_integers_and_rejects_bool():
         _C.divide_kernel(TORCH_DTYPES[torch.bool], b.data_ptr(), 4, 2)
 
 
-@pytest.mark.parametrize("op,fn", [(0, lambda x, y: x + y), (2, lambda x, y: x * y),
-                                   (3, torch.minimum), (4, torch.maximum)])
+@pytest.mark.parametrize(
+    "op,fn",
+    [(0, lambda x, y: x + y), (2, lambda x, y: x * y), (3, torch.minimum), (4, torch.maximum)],
+)
 def test_bf16_over_all_bit_patterns(op, fn):
     # Every bfloat16 pattern (NaNs, infinities, subnormals) against a few operands, vector and
     # scalar tail alike (65536 is a multiple of 8, so the odd-length slice covers the tail).
@@ -123,10 +153,18 @@ def test_bf16_over_all_bit_patterns(op, fn):
         for x in (a, a[3:]):
             y = torch.full_like(x, operand)
             out = torch.empty_like(x)
-            _C.reduce_kernel(TORCH_DTYPES[torch.bfloat16], op, out.data_ptr(), x.data_ptr(),
-                             y.data_ptr(), x.numel())
+            _C.reduce_kernel(
+                TORCH_DTYPES[torch.bfloat16],
+                op,
+                out.data_ptr(),
+                x.data_ptr(),
+                y.data_ptr(),
+                x.numel(),
+            )
             expect = fn(x.float(), y.float()).bfloat16()
-            same = (out.view(torch.int16) == expect.view(torch.int16)) | (out.isnan() & expect.isnan())
+            same = (out.view(torch.int16) == expect.view(torch.int16)) | (
+                out.isnan() & expect.isnan()
+            )
             if op in (3, 4):  # min(-0, +0): ringcomm keeps the left operand, torch picks a zero
                 same |= (out == 0) & (expect == 0)
             assert bool(same.all()), f"operand {operand}: {int((~same).sum())} mismatches"
@@ -138,6 +176,7 @@ def test_pack_list_joins_buffers_that_lie_back_to_back(tmp_path):
     the joined list move the same elements."""
     import subprocess
     from ranks import build_native
+
     binary = build_native("pack_list", str(tmp_path))
     run = subprocess.run([binary], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr

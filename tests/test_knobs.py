@@ -1,5 +1,6 @@
 """The table of knobs (csrc/common/knobs.cc): every variable the sources name is in it, the
 documentation is generated from it, and each type parses as the core's readers parse it."""
+
 import os
 import re
 
@@ -38,8 +39,11 @@ def test_every_variable_the_sources_name_is_in_the_table():
 
 
 def test_every_row_is_read_somewhere():
-    texts = [text for path, text in source_texts("csrc", "ringcomm", "examples", "bench")
-             if not path.endswith(os.path.join("common", "knobs.cc"))]
+    texts = [
+        text
+        for path, text in source_texts("csrc", "ringcomm", "examples", "bench")
+        if not path.endswith(os.path.join("common", "knobs.cc"))
+    ]
     with open(os.path.join(ROOT, "setup.py")) as f:
         texts.append(f.read())
     unread = [row["name"] for row in _C.knobs() if not any(row["name"] in t for t in texts)]
@@ -49,8 +53,9 @@ def test_every_row_is_read_somewhere():
 def test_the_page_holds_the_generated_section():
     with open(PAGE) as f:
         page = f.read()
-    assert _knobs.splice(page, _knobs.markdown()) == page, \
+    assert _knobs.splice(page, _knobs.markdown()) == page, (
         "docs/configuration.md differs from the table: make docs"
+    )
 
 
 def test_no_line_of_the_page_is_over_160_characters():
@@ -73,8 +78,9 @@ def test_a_name_not_in_the_table_fails():
         _env.env_int("RINGCOMM_DEBUG")
 
 
-@pytest.mark.parametrize("value,expected", [(None, 8), ("", 8), ("12", 12), (" 12", 12),
-                                            ("+3", 3), ("-4", -4)])
+@pytest.mark.parametrize(
+    "value,expected", [(None, 8), ("", 8), ("12", 12), (" 12", 12), ("+3", 3), ("-4", -4)]
+)
 def test_an_int_reads_as_strtoll_reads_it(monkeypatch, value, expected):
     if value is not None:
         monkeypatch.setenv("RINGCOMM_SHM_SLOTS", value)
@@ -86,8 +92,9 @@ def test_an_int_reads_as_strtoll_reads_it(monkeypatch, value, expected):
 @pytest.mark.parametrize("value", ["12 ", "1.5", "0x10", "lots"])
 def test_anything_else_is_not_an_integer(monkeypatch, value):
     monkeypatch.setenv("RINGCOMM_TIMELINE_MAX_EVENTS", value)
-    with pytest.raises(ValueError, match=f"RINGCOMM_TIMELINE_MAX_EVENTS={re.escape(value)} is "
-                                         "not an integer"):
+    with pytest.raises(
+        ValueError, match=f"RINGCOMM_TIMELINE_MAX_EVENTS={re.escape(value)} is not an integer"
+    ):
         _env.env_int("RINGCOMM_TIMELINE_MAX_EVENTS")
 
 
@@ -104,8 +111,9 @@ def test_a_size_is_not_negative_and_auto_is_worked_out(monkeypatch):
         _env.env_int("RINGCOMM_TREE_CHUNK_BYTES")
 
 
-@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True),
-                                      ("INFO", True)])
+@pytest.mark.parametrize(
+    "value,on", [(None, False), ("", False), ("0", False), ("1", True), ("INFO", True)]
+)
 def test_a_flag_is_on_when_set_to_anything_but_0(monkeypatch, value, on):
     if value is not None:
         monkeypatch.setenv("RINGCOMM_DEBUG", value)
@@ -130,7 +138,9 @@ def test_an_enum_takes_its_values_alone(monkeypatch):
     monkeypatch.setenv("RINGCOMM_TRANSPORT", "tcp")
     assert _env.env_string("RINGCOMM_TRANSPORT") == "tcp"
     monkeypatch.setenv("RINGCOMM_TRANSPORT", "udp")
-    with pytest.raises(ValueError, match="RINGCOMM_TRANSPORT=udp: expected one of auto, shm, or tcp"):
+    with pytest.raises(
+        ValueError, match="RINGCOMM_TRANSPORT=udp: expected one of auto, shm, or tcp"
+    ):
         _env.env_string("RINGCOMM_TRANSPORT")
     names = [row for row in _C.knobs() if row["name"] == "RINGCOMM_ALGO"][0]["values"]
     assert sorted(names) == sorted(_C.ALGORITHM_CODES)

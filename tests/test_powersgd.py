@@ -2,6 +2,7 @@
 trains with it, its state round-trips, full rank equals dense averaging, error feedback loses
 nothing, GradientAverager takes it, a rank that fails mid-step fails the others, and torch's own
 hook's failure on gloo is not ours."""
+
 import io
 import os
 import threading
@@ -27,13 +28,14 @@ def make_model(seed=0):
 
 def digits_batches(rank, world, steps, batch=32, start=0):
     from sklearn.datasets import load_digits
+
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x, dtype=torch.float32) / 16.0
     y = torch.tensor(y)
     gen = torch.Generator().manual_seed(1)
     order = torch.randperm(len(x), generator=gen)
     for s in range(start, start + steps):
-        idx = order[(s * world + rank) * batch % (len(x) - batch):][:batch]
+        idx = order[(s * world + rank) * batch % (len(x) - batch) :][:batch]
         yield x[idx], y[idx]
 
 
@@ -56,8 +58,9 @@ def ddp_training(store, rank, world, backend, hook_kind, comm_kind):
     """30 steps of DDP with powersgd_hook; then, from a checkpoint taken at step 20, the last 10
     again with a fresh state loaded from state_dict() (and once with a fresh state that only knows
     the step, to show the memory matters)."""
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
     model = DDP(make_model(), bucket_cap_mb=0.05)  # several buckets
     comm = dist.group.WORLD if comm_kind == "group" else None
     state = PowerSGDState(matrix_approximation_rank=2, start_iter=3, comm=comm)
@@ -70,8 +73,7 @@ def ddp_training(store, rank, world, backend, hook_kind, comm_kind):
     model.register_comm_hook(holder, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = train_steps(model, opt, rank, world, 20)
-    checkpoint = ({k: v.clone() for k, v in model.module.state_dict().items()},
-                  state.state_dict())
+    checkpoint = ({k: v.clone() for k, v in model.module.state_dict().items()}, state.state_dict())
     losses += train_steps(model, opt, rank, world, 10, start=20)
     uninterrupted = flat_params(model)
     stats = state.stats
@@ -92,18 +94,32 @@ def ddp_training(store, rank, world, backend, hook_kind, comm_kind):
         train_steps(model, opt, rank, world, 10, start=20)
         resumed[kind] = flat_params(model)
     dist.destroy_process_group()
-    return dict(losses=losses, params=uninterrupted, resumed=resumed["loaded"],
-                step_only=resumed["step only"], steps=stats.steps,
-                ratio=stats.compression_ratio, compressed=stats.compressed_tensors,
-                dense=stats.dense_tensors, memory_slots=sorted(state.factors))
+    return dict(
+        losses=losses,
+        params=uninterrupted,
+        resumed=resumed["loaded"],
+        step_only=resumed["step only"],
+        steps=stats.steps,
+        ratio=stats.compression_ratio,
+        compressed=stats.compressed_tensors,
+        dense=stats.dense_tensors,
+        memory_slots=sorted(state.factors),
+    )
 
 
-@pytest.mark.parametrize("backend,hook_kind,comm_kind", [
-    ("gloo", "fp32", "default"), ("gloo", "fp16", "default"),
-    ("ringcomm", "fp32", "default"), ("ringcomm", "fp32", "group")])
+@pytest.mark.parametrize(
+    "backend,hook_kind,comm_kind",
+    [
+        ("gloo", "fp32", "default"),
+        ("gloo", "fp16", "default"),
+        ("ringcomm", "fp32", "default"),
+        ("ringcomm", "fp32", "group"),
+    ],
+)
 def test_ddp_trains_with_powersgd_hook(backend, hook_kind, comm_kind):
-    results = run_ranks(2, ddp_training, backend, hook_kind, comm_kind, make_comm=False,
-                        timeout=120)
+    results = run_ranks(
+        2, ddp_training, backend, hook_kind, comm_kind, make_comm=False, timeout=120
+    )
     for r in results:
         assert r["steps"] == 30 and r["compressed"] == 2 * 27, r  # two weight matrices a step
         assert r["memory_slots"], r  # error and Q kept per bucket
@@ -131,7 +147,7 @@ class Bucket:
         out, offset = [], 0
         for shape in self.shapes:
             n = torch.Size(shape).numel()
-            out.append(self.flat[offset:offset + n].view(shape))
+            out.append(self.flat[offset : offset + n].view(shape))
             offset += n
         return out
 
@@ -153,15 +169,18 @@ def full_rank_matches_dense(comm, rank_r, steps):
     rank >= min(n, m) every step's result is the dense average. At any rank, error feedback
     loses nothing: the results summed over the steps, plus the ranks' mean error left over, are
     the dense averages summed."""
-    state = PowerSGDState(matrix_approximation_rank=rank_r, start_iter=2, min_compression_rate=0,
-                          comm=comm)
+    state = PowerSGDState(
+        matrix_approximation_rank=rank_r, start_iter=2, min_compression_rate=0, comm=comm
+    )
     gen = torch.Generator().manual_seed(comm.rank)
     worst = 0.0
     sums = [[0, 0] for _ in BUCKETS]  # per bucket: results, dense averages
     for _ in range(steps):
         grads = [[torch.randn(s, generator=gen) for s in shapes] for shapes in BUCKETS]
-        futures = [powersgd_hook(state, Bucket(shapes, g, i, i == len(BUCKETS) - 1))
-                   for i, (shapes, g) in enumerate(zip(BUCKETS, grads))]
+        futures = [
+            powersgd_hook(state, Bucket(shapes, g, i, i == len(BUCKETS) - 1))
+            for i, (shapes, g) in enumerate(zip(BUCKETS, grads))
+        ]
         outs = [f.wait() for f in futures]
         for out, g, total in zip(outs, grads, sums):
             dense = torch.cat([t.reshape(-1) for t in g])
@@ -177,15 +196,16 @@ def full_rank_matches_dense(comm, rank_r, steps):
         memory = state.factors[i].error
         e = 0
         for t, n, m, _ in powersgd_module._plan(tuple(shapes), rank_r, 0.0, True).matrices:
-            error[offsets[t]:offsets[t] + n * m] = memory[e:e + n * m]
+            error[offsets[t] : offsets[t] + n * m] = memory[e : e + n * m]
             e += n * m
         comm.all_reduce(error, op="avg")
         lost = max(lost, float((results + error - averages).abs().max()))
     hook_steps, compressed = state.step, state.stats.compressed_tensors
 
     # compiled DDP: one (grad, param) per call, written in place
-    state = PowerSGDState(matrix_approximation_rank=rank_r, start_iter=0, min_compression_rate=0,
-                          comm=comm)
+    state = PowerSGDState(
+        matrix_approximation_rank=rank_r, start_iter=0, min_compression_rate=0, comm=comm
+    )
     params = [nn.Parameter(torch.zeros(s)) for shapes in BUCKETS for s in shapes]
     tuple_worst = 0.0
     for _ in range(steps):
@@ -202,7 +222,8 @@ def full_rank_matches_dense(comm, rank_r, steps):
 @pytest.mark.parametrize("world", [2, 3])
 def test_full_rank_is_dense_averaging_and_error_feedback_loses_nothing(world):
     for worst, lost, steps, compressed, tuple_worst, tuple_steps in run_ranks(
-            world, full_rank_matches_dense, 50, 5):
+        world, full_rank_matches_dense, 50, 5
+    ):
         assert steps == 5 and compressed == 3 * 4  # 4 matrices in each of the 3 compressed steps
         assert worst < 1e-5 and tuple_worst < 1e-5 and lost < 1e-5, (worst, tuple_worst, lost)
         assert tuple_steps == 4  # the 5th step ends when its first parameter comes round again
@@ -241,8 +262,14 @@ def compiled_ddp(store, rank, world):
         backward(xb, yb)
         opt.step()
     in_ringcomm = sum(os.path.join("ringcomm", "hooks", "") in trace for trace in traced)
-    return (state.step, state.stats.compressed_tensors, sorted(state.factors), flat_params(model),
-            len(traced), in_ringcomm)
+    return (
+        state.step,
+        state.stats.compressed_tensors,
+        sorted(state.factors),
+        flat_params(model),
+        len(traced),
+        in_ringcomm,
+    )
 
 
 def test_compiled_ddp_tuples():
@@ -281,7 +308,7 @@ def averager_with_powersgd(comm, rank_r):
 
 def test_gradient_averager_with_powersgd_state():
     results = run_ranks(2, averager_with_powersgd, 1000)  # full rank: the plain average again
-    for seen, steps, compressed, n_buckets in results:
+    for _seen, steps, compressed, n_buckets in results:
         assert steps == 4 and n_buckets > 1 and compressed == 3 * 3  # 3 weights, 3 steps
     for step in range(4):
         expect = [(a + b) / 2 for a, b in zip(results[0][0][step][1], results[1][0][step][1])]
@@ -326,7 +353,8 @@ def failing_rank(store, rank, world, where):
 def test_a_rank_failing_mid_step_fails_the_others_at_once(where):
     # the hook's communicator has a 10 minute timeout: only the abort can end rank 0's wait soon
     (step0, message0, elapsed0), (step1, message1, _) = run_ranks(
-        2, failing_rank, where, make_comm=False, timeout=60)
+        2, failing_rank, where, make_comm=False, timeout=60
+    )
     assert step0 == step1 == 4
     assert "injected failure" in message1, message1
     assert "PowerSGD failed on rank 1" in message0 and "injected failure" in message0, message0
@@ -372,16 +400,19 @@ def torch_hook_then_ours(store, rank, world, which, steps):
     """DDP on gloo with two buckets, start_powerSGD_iter=2 (the earliest torch allows)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=5))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=5)
+    )
     model = DDP(make_model(), bucket_cap_mb=0.001)
     if which == "torch":
-        state = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                         start_powerSGD_iter=2)
+        state = torch_psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
         model.register_comm_hook(state, torch_psgd.powerSGD_hook)
     else:
-        model.register_comm_hook(PowerSGDState(matrix_approximation_rank=1, start_iter=2),
-                                 powersgd_hook)
+        model.register_comm_hook(
+            PowerSGDState(matrix_approximation_rank=1, start_iter=2), powersgd_hook
+        )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # torch's hook may also deadlock (its callbacks wait inside gloo's worker threads, with no
     # timeout): a rank still training after 10 s exits, and run_ranks reports it
@@ -402,8 +433,9 @@ def test_torch_powersgd_hook_fails_on_gloo_where_ours_trains():
     a bucket's first all-reduce only after the previous bucket issued its last, so the order is
     the same everywhere (without that chain it fails the same way here: "mismatched
     operations", checked by hand)."""
-    results = run_ranks(2, torch_hook_then_ours, "torch", 10, make_comm=False,
-                        allow_errors=True, timeout=40)
+    results = run_ranks(
+        2, torch_hook_then_ours, "torch", 10, make_comm=False, allow_errors=True, timeout=40
+    )
     failures = [r[1] for r in results if isinstance(r, tuple) and r[0] == "error"]
     assert failures, "torch's powerSGD_hook trained on gloo: has torch fixed its ordering?"
     ours = run_ranks(2, torch_hook_then_ours, "ours", 10, make_comm=False, timeout=60)

@@ -1,6 +1,7 @@
 """8-bit quantization with an agreed scale: the shared arithmetic (kernels/quantize_math.h) through
 the CPU kernels against its formulas, and QuantizeState over real ranks (DDP and GradientAverager):
 the same bits on every rank whatever the all-reduce algorithm, error feedback losing nothing."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,11 +92,12 @@ def test_stochastic_rounding_is_seeded_and_unbiased():
     nearest = compress.quantize(x, ranges, chunk, levels)
     assert not torch.equal(a, nearest)
     lo, step, _ = (per_element(v, chunk, numel) for v in scales(ranges, levels))
-    draws = torch.stack([lo + compress.quantize(x, ranges, chunk, levels, key=k).float() * step
-                         for k in range(400)])
+    draws = torch.stack(
+        [lo + compress.quantize(x, ranges, chunk, levels, key=k).float() * step for k in range(400)]
+    )
     assert bool(((draws - x).abs() < step * (1 + 1e-5)).all())  # one of the two nearest codes
     # the mean of the draws is x: 400 draws of a spread of at most one step, 4 sigmas
-    assert float((draws.mean(0) - x).abs().max()) < 4 * float(step.max()) / 2 / 400 ** 0.5
+    assert float((draws.mean(0) - x).abs().max()) < 4 * float(step.max()) / 2 / 400**0.5
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 255])
@@ -115,8 +117,9 @@ def test_every_ranks_codes_sum_within_a_byte_to_the_mean(world):
     true = torch.stack(grads).mean(0)
     assert bool(((mean - true).abs() <= step / 2 * (1 + 1e-4)).all())
     for dtype in (torch.float16, torch.bfloat16):
-        out = compress.dequantize_mean(sums, ranges, chunk, levels, world,
-                                       out=torch.empty(numel, dtype=dtype))
+        out = compress.dequantize_mean(
+            sums, ranges, chunk, levels, world, out=torch.empty(numel, dtype=dtype)
+        )
         assert torch.equal(out, mean.to(dtype))
 
 
@@ -152,6 +155,7 @@ def test_bad_arguments():
 
 # -- over real ranks ------------------------------------------------------------------------------
 
+
 def train_ddp(store, rank, world, rounding, steps):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     model = DDP(make_model(), bucket_cap_mb=0.05)  # several buckets
@@ -168,13 +172,22 @@ def train_ddp(store, rank, world, rounding, steps):
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     restored = QuantizeState()
     restored.load_state_dict(state.state_dict())
-    round_trip = restored.step == state.step and restored.rounding == rounding and all(
-        torch.equal(restored.residuals[i], t) for i, t in state.residuals.items())
+    round_trip = (
+        restored.step == state.step
+        and restored.rounding == rounding
+        and all(torch.equal(restored.residuals[i], t) for i, t in state.residuals.items())
+    )
     stats = state.stats
     dist.destroy_process_group()
-    return dict(losses=losses, params=params, steps=stats.steps, round_trip=round_trip,
-                compressed=stats.compressed_buckets, dense=stats.dense_buckets,
-                ratio=stats.compression_ratio)
+    return dict(
+        losses=losses,
+        params=params,
+        steps=stats.steps,
+        round_trip=round_trip,
+        compressed=stats.compressed_buckets,
+        dense=stats.dense_buckets,
+        ratio=stats.compression_ratio,
+    )
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -237,13 +250,16 @@ def test_averager_result_does_not_depend_on_the_algorithm():
 
 # -- the CUDA kernels' build (tests/gpu/test_cuda_quantize.py runs them) --------------------------------
 
+
 def test_cuda_kernels_are_built_for_sm80_and_sm90_and_check_their_arguments():
     import subprocess
     from test_cuda_build import cuobjdump, extension_path, needs_build
+
     if needs_build.args[0]:
         pytest.skip(needs_build.kwargs["reason"])
-    out = subprocess.run([cuobjdump(), "-symbols", str(extension_path())], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [cuobjdump(), "-symbols", str(extension_path())], capture_output=True, text=True, check=True
+    ).stdout
     entries, arch = {}, None
     for line in out.splitlines():
         if line.startswith("arch = "):
@@ -252,9 +268,12 @@ def test_cuda_kernels_are_built_for_sm80_and_sm90_and_check_their_arguments():
             entries.setdefault(arch, set()).add(line.split()[-1])
     for arch in ("sm_80", "sm_90"):
         for kernel in ("ranges_kernel", "quantize_kernel", "mean_kernel"):
-            assert any("quantize_cu" in e and kernel in e for e in entries.get(arch, ())), \
-                (arch, kernel)
+            assert any("quantize_cu" in e and kernel in e for e in entries.get(arch, ())), (
+                arch,
+                kernel,
+            )
     from ringcomm import _C_cuda
+
     with pytest.raises(ValueError, match="8-bit quantization does not support"):
         _C_cuda.quantize_ranges(6, 0, 0, 10, 4, 0, 0)
     with pytest.raises(ValueError, match="levels"):

@@ -1,5 +1,6 @@
 """auto retuned as it runs (csrc/algorithms/retune.h): all-reduces of 4 KiB and more time their
 candidates in blocks, every rank agrees on the fastest, and the calls after the trials run it."""
+
 import itertools
 import json
 
@@ -15,13 +16,18 @@ COUNT = MIB4 // 4
 # slice of 1 KiB makes the ring several times slower than the shared buffer (which the model does
 # not know), far enough apart that noise cannot hide the winner from the trials (a 4 KiB slice
 # leaves them too close to tell reliably).
-SLOW_RING = {"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_TUNING": "off",
-             "RINGCOMM_RING_SLICE_BYTES": "1024", "RINGCOMM_RETUNE_CALLS": "24"}
+SLOW_RING = {
+    "RINGCOMM_TRANSPORT": "shm",
+    "RINGCOMM_TUNING": "off",
+    "RINGCOMM_RING_SLICE_BYTES": "1024",
+    "RINGCOMM_RETUNE_CALLS": "24",
+}
 
 
 def auto_calls(comm, calls, path):
     """`calls` auto all-reduces of 4 MiB, each checked; the algorithm each ran (the timeline)."""
     from ringcomm import trace
+
     torch.set_num_threads(1)
     n = comm.world_size
     trace.start(path)
@@ -33,8 +39,11 @@ def auto_calls(comm, calls, path):
     trace.stop()
     with open(f"{path}.rank{comm.rank}.json") as f:
         events = json.load(f)["traceEvents"]
-    ran = [e["args"]["algorithm"] for e in sorted(events, key=lambda e: e["args"].get("seq", 0))
-           if e["ph"] == "X" and e["name"] == "all_reduce"]
+    ran = [
+        e["args"]["algorithm"]
+        for e in sorted(events, key=lambda e: e["args"].get("seq", 0))
+        if e["ph"] == "X" and e["name"] == "all_reduce"
+    ]
     return comm.auto_trials(), comm.algorithm_for(MIB4), ran, wrong
 
 
@@ -44,8 +53,7 @@ def auto_calls(comm, calls, path):
 @pytest.mark.serial
 def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
     calls = 24 + 48 + 48
-    results = run_ranks(3, auto_calls, calls, str(tmp_path / "t.json"), env=SLOW_RING,
-                        timeout=120)
+    results = run_ranks(3, auto_calls, calls, str(tmp_path / "t.json"), env=SLOW_RING, timeout=120)
     trials, now, ran, wrong = results[0]
     assert all(r[:3] == results[0][:3] for r in results), "the ranks disagree"
     assert all(r[3] == 0 for r in results)
@@ -61,8 +69,11 @@ def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
     # blocks, then the winner; it kept the winner, so it runs 48 calls. The ring lost by more than
     # 1.5x in both, so it sits out the trials of the next four rounds: the third is the shared
     # buffer's alone (no agreement), and the ring sits out the fourth too.
-    first, second, third = ["ring"] * 8 + ["shared_buffer"] * 16, \
-        ["ring"] * 4 + ["shared_buffer"] * 44, ["shared_buffer"] * 48
+    first, second, third = (
+        ["ring"] * 8 + ["shared_buffer"] * 16,
+        ["ring"] * 4 + ["shared_buffer"] * 44,
+        ["shared_buffer"] * 48,
+    )
     assert ran == first + second + third, runs
 
 
@@ -70,8 +81,9 @@ def test_a_pinned_model_keeps_its_choice(tmp_path):
     """RINGCOMM_TUNING set (here "off"): no trials, unless RINGCOMM_RETUNE_CALLS asks for them."""
     env = dict(SLOW_RING)
     del env["RINGCOMM_RETUNE_CALLS"]
-    for trials, now, ran, wrong in run_ranks(3, auto_calls, 12, str(tmp_path / "t.json"), env=env,
-                                             timeout=120):
+    for trials, now, ran, wrong in run_ranks(
+        3, auto_calls, 12, str(tmp_path / "t.json"), env=env, timeout=120
+    ):
         assert trials == [] and now == "ring" and ran == ["ring"] * 12 and wrong == 0
 
 
@@ -81,13 +93,15 @@ def retune_setting(comm):
 
 @pytest.mark.parametrize("value", ["20", "-1", "often"])
 def test_a_bad_retune_calls_value_is_refused(value):
-    for status, message in run_ranks(2, retune_setting, env={"RINGCOMM_RETUNE_CALLS": value},
-                                     allow_errors=True):
+    for status, message in run_ranks(
+        2, retune_setting, env={"RINGCOMM_RETUNE_CALLS": value}, allow_errors=True
+    ):
         assert status == "error" and "RINGCOMM_RETUNE_CALLS" in message, message
 
 
 def retune_against(comm):
     from ringcomm import MismatchError
+
     t = torch.ones(COUNT)
     for _ in range(8):  # the prelude and the first block: the model's choice on every rank
         comm.all_reduce(t)
@@ -98,9 +112,13 @@ def retune_against(comm):
 def test_ranks_that_retune_differently_fail_with_a_mismatch_not_a_hang():
     """Rank 0 tries the shared buffer at its 9th call, where the others run the ring."""
     env = dict(SLOW_RING)
-    for message in run_ranks(3, retune_against, env=env, timeout=60,
-                             per_rank_env={1: {"RINGCOMM_RETUNE_CALLS": "0"},
-                                           2: {"RINGCOMM_RETUNE_CALLS": "0"}}):
+    for message in run_ranks(
+        3,
+        retune_against,
+        env=env,
+        timeout=60,
+        per_rank_env={1: {"RINGCOMM_RETUNE_CALLS": "0"}, 2: {"RINGCOMM_RETUNE_CALLS": "0"}},
+    ):
         assert "mismatch" in message.lower(), message
 
 
@@ -109,6 +127,7 @@ def test_a_winner_gives_way_only_when_beaten_twice_in_a_row(tmp_path):
     the winner once is checked by trials at once, and takes over only if it wins those too."""
     import subprocess
     from ranks import build_native
+
     binary = build_native("retune_judge", str(tmp_path))
     run = subprocess.run([binary], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
@@ -120,6 +139,7 @@ def test_the_probe_times_what_a_fixed_cost_made_look_slow(tmp_path):
     size, and one that lost on its bytes stays out."""
     import subprocess
     from ranks import build_native
+
     binary = build_native("probe_plan", str(tmp_path))
     run = subprocess.run([binary], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr

@@ -2,6 +2,7 @@
 them by running every rank's list symbolically. The expected orders are written out here from
 each algorithm's description, independently of the step lists; tests/test_fusion.py checks
 that the derived orders are the ones the algorithms execute, bit for bit."""
+
 import pytest
 
 from ringcomm import _C
@@ -120,17 +121,20 @@ def test_ring_step_list_reads_as_documented():
     # ring.cc's header, rank 0 of 4: reduce-scatter then all-gather.
     assert _C.schedule(ALGORITHMS["ring"], 4, 0) == (
         "send b3 >1; recv-reduce-send b2 <3 >1; recv-reduce-send b1 <3 >1; "
-        "recv-reduce-send b0 <3 >1 (complete); recv-send b3 <3 >1; recv-send b2 <3 >1; recv b1 <3")
+        "recv-reduce-send b0 <3 >1 (complete); recv-send b3 <3 >1; recv-send b2 <3 >1; recv b1 <3"
+    )
 
 
 def test_tree_and_recursive_doubling_step_lists():
     # Rank 1 of 4: in the heap tree the parent of 3 and child of 0, a leaf of the mirror (under 3).
     assert _C.schedule(ALGORITHMS["tree"], 4, 1) == (
         "recv-reduce-send b0 <3 >0; send b1 >3; recv b0 <0 (lag 1); send b0 >3 (lag 1); "
-        "recv b1 <3 (lag 1)")
+        "recv b1 <3 (lag 1)"
+    )
     # Rank 4 of 6 (p = 4, rem = 2: ranks 0-3 fold into 1 and 3; 4 is butterfly index 2).
     assert _C.schedule(ALGORITHMS["recursive_doubling"], 6, 4) == (
-        "exchange-reduce b0 <>5; exchange-reduce b0 <>1 (incoming first) (complete)")
+        "exchange-reduce b0 <>5; exchange-reduce b0 <>1 (incoming first) (complete)"
+    )
     assert _C.schedule(ALGORITHMS["recursive_doubling"], 6, 0) == "send b0 >1; recv b0 <1"
 
 
@@ -140,7 +144,8 @@ def test_halving_doubling_step_lists():
     assert _C.schedule(ALGORITHMS["halving_doubling"], 4, 0) == (
         "send b2 >2; send b3 >2; recv-reduce b0 <2; recv-reduce b1 <2; send b1 >1; "
         "recv-reduce b0 <1 (complete); send b0 >1; recv b1 <1; send b0 >2; send b1 >2; "
-        "recv b2 <2; recv b3 <2")
+        "recv b2 <2; recv b3 <2"
+    )
     # Rank 3 of 6 (p = 4, rem = 2: ranks 0-3 fold into 1 and 3; 3 is butterfly index 1).
     assert _C.schedule(ALGORITHMS["halving_doubling"], 6, 3) == (
         "recv-reduce b0 <2 (incoming first); recv-reduce b1 <2 (incoming first); "
@@ -148,10 +153,12 @@ def test_halving_doubling_step_lists():
         "send b2 >5; send b3 >5; recv-reduce b0 <5; recv-reduce b1 <5; "
         "send b0 >1; recv-reduce b1 <1 (incoming first) (complete); "
         "send b1 >1; recv b0 <1; send b0 >5; send b1 >5; recv b2 <5; recv b3 <5; "
-        "send b0 >2; send b1 >2; send b2 >2; send b3 >2")
+        "send b0 >2; send b1 >2; send b2 >2; send b3 >2"
+    )
     assert _C.schedule(ALGORITHMS["halving_doubling"], 6, 2) == (
         "send b0 >3; send b1 >3; send b2 >3; send b3 >3; recv b0 <3; recv b1 <3; recv b2 <3; "
-        "recv b3 <3")
+        "recv b3 <3"
+    )
 
 
 def test_no_step_list_for_other_algorithms():
@@ -188,7 +195,8 @@ def run_stream_groups(groups_of_rank):
         progress = False
         for r in range(n):
             while current[r] < len(groups_of_rank[r]) and all(
-                    current[peer] >= g for peer, g in needs[r][current[r]]):
+                current[peer] >= g for peer, g in needs[r][current[r]]
+            ):
                 current[r] += 1
                 progress = True
     stuck = [r for r in range(n) if current[r] < len(groups_of_rank[r])]
@@ -222,7 +230,6 @@ def test_halving_doubling_has_no_stream_groups():
         run_stream_groups([_C.stream_groups(code, 4, r, 4, 1) for r in range(4)])
 
 
-
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
 @pytest.mark.parametrize("count,slice", [(0, 1), (100, 7), (37, 3)])
 def test_all_gather_stream_groups_complete(n, count, slice):
@@ -230,9 +237,14 @@ def test_all_gather_stream_groups_complete(n, count, slice):
     assert run_stream_groups(groups) > 0
     blocks = [count // n + (1 if r < count % n else 0) for r in range(n)]
     for r in range(n):
-        own = range(sum(blocks[:r]), sum(blocks[:r + 1]))
-        received = {i for messages, reduce in groups[r] for kind, _, first, cnt in messages
-                    if kind == "recv" for i in range(first, first + cnt)}
+        own = range(sum(blocks[:r]), sum(blocks[: r + 1]))
+        received = {
+            i
+            for messages, reduce in groups[r]
+            for kind, _, first, cnt in messages
+            if kind == "recv"
+            for i in range(first, first + cnt)
+        }
         assert not any(reduce for _, reduce in groups[r])
         assert received == set(range(count)) - set(own)
 
@@ -241,7 +253,9 @@ def test_stream_groups_catch_a_deadlock():
     # The check above can fail: a ring whose ranks post their sends alone, each in its own group
     # before the receive, would block every stream on a send.
     n = 3
-    groups = [[([("send", (r + 1) % n, 0, 1)], False), ([("recv", (r - 1) % n, 0, 1)], True)]
-              for r in range(n)]
+    groups = [
+        [([("send", (r + 1) % n, 0, 1)], False), ([("recv", (r - 1) % n, 0, 1)], True)]
+        for r in range(n)
+    ]
     with pytest.raises(AssertionError, match="deadlock"):
         run_stream_groups(groups)

@@ -1,5 +1,6 @@
 """The cost model: links probed when a communicator connects (or RINGCOMM_TUNING), agreed by
 every rank, and the algorithms "auto" picks from it."""
+
 import os
 import re
 
@@ -37,16 +38,17 @@ def model_and_choices(comm, sizes=SIZES):
 def test_probe_agrees_on_every_rank(transport, world, tmp_path):
     saved = tmp_path / "tuning"  # not there yet: probed, then saved (docs/configuration.md)
     hosts = {r: TRANSPORTS[transport](r) for r in range(world)}
-    results = run_ranks(world, model_and_choices, env={"RINGCOMM_TUNING": str(saved)},
-                        per_rank_env=hosts)
+    results = run_ranks(
+        world, model_and_choices, env={"RINGCOMM_TUNING": str(saved)}, per_rank_env=hosts
+    )
     model, choices = results[0]
     assert all(r == results[0] for r in results)  # the slowest rank's figures, everywhere
     assert 0 < model["alpha_s"] < 0.1 and 1e6 < model["bytes_per_s"] < 1e12
     assert model["reduce_bytes_per_s"] > 1e6
     # The choices are the model's alone: loaded back from the file, it chooses the same.
-    (loaded, loaded_choices), *_ = run_ranks(world, model_and_choices,
-                                             env={"RINGCOMM_TUNING": str(saved)},
-                                             per_rank_env=hosts)
+    (loaded, loaded_choices), *_ = run_ranks(
+        world, model_and_choices, env={"RINGCOMM_TUNING": str(saved)}, per_rank_env=hosts
+    )
     assert_same_model(loaded, model, rel=1e-8)
     assert loaded_choices == choices, (model, loaded)
     # 64 MiB is bandwidth-bound. On 2 ranks the ring sends the fewest bytes. Where 3 or more
@@ -57,9 +59,11 @@ def test_probe_agrees_on_every_rank(transport, world, tmp_path):
     # the hierarchical all-reduce moves half of them inside the hosts, and which wins depends on
     # how fast this run measured shared memory against loopback TCP (on a busy machine they come
     # close); test_hierarchical_is_chosen_by_its_cost fixes the links.
-    expect = {"mixed": {"halving_doubling", "hierarchical"},
-              "shm": {"ring", "halving_doubling", "tree", "shared_buffer"},
-              "tcp": {"ring", "halving_doubling", "tree"}}[transport]
+    expect = {
+        "mixed": {"halving_doubling", "hierarchical"},
+        "shm": {"ring", "halving_doubling", "tree", "shared_buffer"},
+        "tcp": {"ring", "halving_doubling", "tree"},
+    }[transport]
     if transport == "shm" and world == 2:
         expect = {"ring"}
     assert choices[-1] in expect, model
@@ -75,11 +79,15 @@ def test_probe_agrees_on_every_rank(transport, world, tmp_path):
             assert all(0 < f < 1e3 for f in row.values()), row
     if transport == "mixed":  # the links inside a host (shared memory) were probed on their own
         assert 0 < model["local_alpha_s"] < 0.1 and 1e6 < model["local_bytes_per_s"] < 1e12
-        assert (model["local_alpha_s"], model["local_bytes_per_s"]) != \
-            (model["alpha_s"], model["bytes_per_s"])
+        assert (model["local_alpha_s"], model["local_bytes_per_s"]) != (
+            model["alpha_s"],
+            model["bytes_per_s"],
+        )
     else:
-        assert (model["local_alpha_s"], model["local_bytes_per_s"]) == \
-            (model["alpha_s"], model["bytes_per_s"])
+        assert (model["local_alpha_s"], model["local_bytes_per_s"]) == (
+            model["alpha_s"],
+            model["bytes_per_s"],
+        )
 
 
 def probe_log_and_choices(store, rank, world):
@@ -110,15 +118,23 @@ def test_at_each_size_timed_auto_takes_the_fastest_measured(transport, world, tm
     """Where the probe timed the algorithms at a size, auto runs the one that was fastest there,
     never one left untimed (its guess was 1.5x the cheapest one's or more)."""
     hosts = {r: TRANSPORTS[transport](r) for r in range(world)}
-    lines, choices = run_ranks(world, probe_log_and_choices, make_comm=False,
-                               env={"RINGCOMM_TUNING": str(tmp_path / "t"),
-                                    "RINGCOMM_DEBUG": "INFO"}, per_rank_env=hosts)[0]
+    lines, choices = run_ranks(
+        world,
+        probe_log_and_choices,
+        make_comm=False,
+        env={"RINGCOMM_TUNING": str(tmp_path / "t"), "RINGCOMM_DEBUG": "INFO"},
+        per_rank_env=hosts,
+    )[0]
     timed = {}
     for line in lines:
-        found = re.search(r"algorithm probe, \d+ ranks, all-reduce of (\d+) bytes, [^:]*:(.*)", line)
+        found = re.search(
+            r"algorithm probe, \d+ ranks, all-reduce of (\d+) bytes, [^:]*:(.*)", line
+        )
         if found:
-            timed[int(found[1])] = {name: float(us) for name, us in
-                                    re.findall(r" (\w+) ([\d.e+-]+) us \(estimate", found[2])}
+            timed[int(found[1])] = {
+                name: float(us)
+                for name, us in re.findall(r" (\w+) ([\d.e+-]+) us \(estimate", found[2])
+            }
     assert timed and set(timed) <= set(MEASURED_BYTES), lines
     assert 4096 in timed and 65536 in timed, lines  # cheap: never left to the budget
     for size, times in timed.items():
@@ -126,7 +142,9 @@ def test_at_each_size_timed_auto_takes_the_fastest_measured(transport, world, tm
 
 
 def write_model(path, alpha_us, bytes_per_s, reduce_bytes_per_s, local=None):
-    text = f"alpha_us {alpha_us}\nbytes_per_s {bytes_per_s}\nreduce_bytes_per_s {reduce_bytes_per_s}\n"
+    text = (
+        f"alpha_us {alpha_us}\nbytes_per_s {bytes_per_s}\nreduce_bytes_per_s {reduce_bytes_per_s}\n"
+    )
     if local:
         text += f"local_alpha_us {local[0]}\nlocal_bytes_per_s {local[1]}\n"
     path.write_text(text)
@@ -149,8 +167,12 @@ def test_auto_follows_the_model(tmp_path):
     (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": slow, **no_boards})
     assert choices == ["recursive_doubling"] * 4 + ["halving_doubling"]
     # The communicator keeps its last choice for the next call of the same size, and only that.
-    (_, choices), *_ = run_ranks(4, model_and_choices, (8, 8, 64 << 20, 64 << 20, 8),
-                                 env={"RINGCOMM_TUNING": slow, **no_boards})
+    (_, choices), *_ = run_ranks(
+        4,
+        model_and_choices,
+        (8, 8, 64 << 20, 64 << 20, 8),
+        env={"RINGCOMM_TUNING": slow, **no_boards},
+    )
     assert choices == ["recursive_doubling"] * 2 + ["halving_doubling"] * 2 + ["recursive_doubling"]
     (_, choices), *_ = run_ranks(3, model_and_choices, env={"RINGCOMM_TUNING": slow, **no_boards})
     assert choices == ["recursive_doubling"] * 3 + ["ring"] * 2
@@ -165,8 +187,9 @@ def test_auto_follows_the_model(tmp_path):
     (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": free})
     assert choices == ["ring"] * len(SIZES)
     # RINGCOMM_ALGO still forces
-    (_, choices), *_ = run_ranks(4, model_and_choices,
-                                 env={"RINGCOMM_TUNING": slow, "RINGCOMM_ALGO": "tree"})
+    (_, choices), *_ = run_ranks(
+        4, model_and_choices, env={"RINGCOMM_TUNING": slow, "RINGCOMM_ALGO": "tree"}
+    )
     assert choices == ["tree"] * len(SIZES)
 
 
@@ -175,11 +198,16 @@ def test_ringcomm_algo_names_every_all_reduce_algorithm():
     is in shared memory) and refuses another, naming them all."""
     (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_ALGO": "shared_buffer"})
     assert choices == ["shared_buffer"] * len(SIZES)
-    for status, message in run_ranks(2, model_and_choices, env={"RINGCOMM_ALGO": "bogus"},
-                                     allow_errors=True):
-        assert status == "error" and "RINGCOMM_ALGO=bogus: expected one of ring, tree, " \
-            "recursive_doubling, halving_doubling, shared_buffer, hierarchical, auto, or an " \
-            "algorithm registered by ringcomm.algorithms" in message
+    for status, message in run_ranks(
+        2, model_and_choices, env={"RINGCOMM_ALGO": "bogus"}, allow_errors=True
+    ):
+        assert (
+            status == "error"
+            and "RINGCOMM_ALGO=bogus: expected one of ring, tree, "
+            "recursive_doubling, halving_doubling, shared_buffer, hierarchical, auto, or an "
+            "algorithm registered by ringcomm.algorithms"
+            in message
+        )
 
 
 def write_factors(path, factors):
@@ -199,43 +227,53 @@ def test_measured_factors_scale_the_estimates(tmp_path):
     # Links where 4 ranks take recursive doubling up to 320 KB, then halving-doubling (sizes 8 B,
     # 4 KiB, 64 KiB, 128 KiB, 1 MiB, 64 MiB).
     for name, factors in {
-            "ones": lambda algo, size: 1.0,
-            # halving-doubling 1.5x slower than estimated from 1 MiB: the ring, which the
-            # estimates put 2 rounds behind it, takes 1 MiB and 64 MiB
-            "slow_hd": lambda algo, size: 1.5 if algo == "halving_doubling" and size >= 1 << 20
-            else 1.0,
-            # the tree 10x faster than estimated at 64 KiB only: it takes 64 KiB and 128 KiB
-            # (halfway to 256 KiB in log2: factor 0.55), but not 1 MiB or 4 KiB
-            "fast_tree": lambda algo, size: 0.1 if algo == "tree" and size == 65536 else 1.0,
+        "ones": lambda algo, size: 1.0,
+        # halving-doubling 1.5x slower than estimated from 1 MiB: the ring, which the
+        # estimates put 2 rounds behind it, takes 1 MiB and 64 MiB
+        "slow_hd": lambda algo, size: (
+            1.5 if algo == "halving_doubling" and size >= 1 << 20 else 1.0
+        ),
+        # the tree 10x faster than estimated at 64 KiB only: it takes 64 KiB and 128 KiB
+        # (halfway to 256 KiB in log2: factor 0.55), but not 1 MiB or 4 KiB
+        "fast_tree": lambda algo, size: 0.1 if algo == "tree" and size == 65536 else 1.0,
     }.items():
         # the shared buffer measured 100x its estimate everywhere: out of the way
-        path = write_factors(write_model(tmp_path / name, 100, 1e9, 1e10),
-                             lambda algo, size, f=factors: 100.0 if algo == "shared_buffer"
-                             else f(algo, size))
-        (model, choices), *_ = run_ranks(4, model_and_choices,
-                                         (8, 4096, 65536, 131072, 1 << 20, 64 << 20),
-                                         env={"RINGCOMM_TUNING": path})
+        path = write_factors(
+            write_model(tmp_path / name, 100, 1e9, 1e10),
+            lambda algo, size, f=factors: 100.0 if algo == "shared_buffer" else f(algo, size),
+        )
+        (model, choices), *_ = run_ranks(
+            4,
+            model_and_choices,
+            (8, 4096, 65536, 131072, 1 << 20, 64 << 20),
+            env={"RINGCOMM_TUNING": path},
+        )
         assert model["factors"][65536]["tree"] == factors("tree", 65536)
         seen[name] = choices
     assert seen["ones"] == ["recursive_doubling"] * 4 + ["halving_doubling"] * 2, seen
     assert seen["slow_hd"] == ["recursive_doubling"] * 4 + ["ring"] * 2, seen
-    assert seen["fast_tree"] == ["recursive_doubling"] * 2 + ["tree"] * 2 + ["halving_doubling"] * 2, \
-        seen
+    assert (
+        seen["fast_tree"] == ["recursive_doubling"] * 2 + ["tree"] * 2 + ["halving_doubling"] * 2
+    ), seen
 
 
-@pytest.mark.parametrize("line,message", [
-    ("factor ring 65536 0", "expected 'factor <algorithm> <bytes> <positive value>'"),
-    ("factor ring 65536 inf", "expected 'factor <algorithm> <bytes> <positive value>'"),
-    ("factor ring 65536", "expected 'factor <algorithm> <bytes> <positive value>'"),
-    ("factor ring 1000 1.0", "holds a factor for ring at 1000 bytes"),
-    ("factor chain 65536 1.0", "holds a factor for chain at 65536 bytes"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("factor ring 65536 0", "expected 'factor <algorithm> <bytes> <positive value>'"),
+        ("factor ring 65536 inf", "expected 'factor <algorithm> <bytes> <positive value>'"),
+        ("factor ring 65536", "expected 'factor <algorithm> <bytes> <positive value>'"),
+        ("factor ring 1000 1.0", "holds a factor for ring at 1000 bytes"),
+        ("factor chain 65536 1.0", "holds a factor for chain at 65536 bytes"),
+    ],
+)
 def test_a_bad_factor_line_is_a_clear_error(tmp_path, line, message):
     path = write_model(tmp_path / "bad", 100, 1e9, 1e10)
     with open(path, "a") as f:
         f.write(line + "\n")
-    for status, text in run_ranks(2, model_and_choices, env={"RINGCOMM_TUNING": path},
-                                  allow_errors=True):
+    for status, text in run_ranks(
+        2, model_and_choices, env={"RINGCOMM_TUNING": path}, allow_errors=True
+    ):
         assert status == "error" and message in text, text
 
 
@@ -243,8 +281,9 @@ def test_some_factors_but_not_all_are_a_clear_error(tmp_path):
     path = write_factors(write_model(tmp_path / "some", 100, 1e9, 1e10), lambda a, s: 1.0)
     text = open(path).read().replace("factor tree 4096 1.0\n", "")
     open(path, "w").write(text)
-    for status, message in run_ranks(2, model_and_choices, env={"RINGCOMM_TUNING": path},
-                                     allow_errors=True):
+    for status, message in run_ranks(
+        2, model_and_choices, env={"RINGCOMM_TUNING": path}, allow_errors=True
+    ):
         assert status == "error" and "holds some factors but not all" in message, message
 
 
@@ -255,22 +294,30 @@ def test_hierarchical_is_chosen_by_its_cost(tmp_path):
     mixed = {r: TRANSPORTS["mixed"](r) for r in range(4)}
     # Slow rounds between hosts, free ones inside: hierarchical at every size.
     far = write_model(tmp_path / "far", 1000, 1e9, 1e12, local=(0, 1e9))
-    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": far},
-                                 per_rank_env=mixed)
+    (_, choices), *_ = run_ranks(
+        4, model_and_choices, env={"RINGCOMM_TUNING": far}, per_rank_env=mixed
+    )
     assert choices == ["hierarchical"] * len(SIZES)
     # Slow rounds inside the hosts and free ones between them: the flat ring, which crosses the
     # host links only.
     near = write_model(tmp_path / "near", 0, 1e9, 1e12, local=(1000, 1e9))
-    (_, choices), *_ = run_ranks(4, model_and_choices, env={"RINGCOMM_TUNING": near},
-                                 per_rank_env=mixed)
+    (_, choices), *_ = run_ranks(
+        4, model_and_choices, env={"RINGCOMM_TUNING": near}, per_rank_env=mixed
+    )
     assert choices == ["ring"] * len(SIZES)
 
 
 def test_off_is_the_default_model_and_exchanges_nothing():
     (model, choices), *_ = run_ranks(2, model_and_choices, env={"RINGCOMM_TUNING": "off"})
-    assert model == {"alpha_s": 16e-6, "bytes_per_s": 4e9, "reduce_bytes_per_s": 4e9,
-                     "local_alpha_s": 16e-6, "local_bytes_per_s": 4e9, "single_copy": True,
-                     "factors": {}}
+    assert model == {
+        "alpha_s": 16e-6,
+        "bytes_per_s": 4e9,
+        "reduce_bytes_per_s": 4e9,
+        "local_alpha_s": 16e-6,
+        "local_bytes_per_s": 4e9,
+        "single_copy": True,
+        "factors": {},
+    }
 
 
 def test_a_probed_model_is_saved_and_loaded(tmp_path):
@@ -290,8 +337,12 @@ def test_ranks_without_a_saved_model_make_all_probe(tmp_path):
     saved = write_model(tmp_path / "saved", 1e6, 1e9, 1e12)
     missing = str(tmp_path / "missing")
     # rank 0 has a saved model, rank 1 none (its RINGCOMM_TUNING names a missing file)
-    results = run_ranks(2, model_and_choices, env={"RINGCOMM_TUNING": saved},
-                        per_rank_env={1: {"RINGCOMM_TUNING": missing}})
+    results = run_ranks(
+        2,
+        model_and_choices,
+        env={"RINGCOMM_TUNING": saved},
+        per_rank_env={1: {"RINGCOMM_TUNING": missing}},
+    )
     assert results[0] == results[1]
     assert results[0][0]["alpha_s"] < 0.1  # probed, not the saved second
     assert os.path.exists(missing)  # rank 1 saved what they agreed on

@@ -3,6 +3,7 @@
 Needs root and network namespaces; skipped otherwise. Every call has a deadline, and a run that
 misses it gets SIGTERM (so that it still tears its cluster down) before it is killed.
 """
+
 import os
 import re
 import shutil
@@ -26,8 +27,7 @@ def _unusable():
         return "needs ip and tc (iproute2)"
     # Not rcsim<N>: a name of the cluster's own would be removed by a concurrent down.
     name = f"rcsimtest{os.getpid()}"
-    added = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True,
-                           timeout=10)
+    added = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, timeout=10)
     if added.returncode != 0:
         return f"ip netns add fails: {added.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
@@ -77,8 +77,14 @@ else:
 
 
 def simcluster(*args, env=None, deadline=DEADLINE):
-    proc = subprocess.Popen([SIMCLUSTER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [SIMCLUSTER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=deadline)
     except subprocess.TimeoutExpired:
@@ -98,10 +104,16 @@ def sh(*cmd):
 
 def leftovers():
     """What of a simcluster exists now: namespaces, links, the state file."""
-    found = [line.split()[0] for line in sh("ip", "netns", "list").stdout.splitlines()
-             if re.fullmatch(r"rcsim\d+", line.split()[0])]
-    found += [line.split()[0] for line in sh("ip", "-br", "link").stdout.splitlines()
-              if re.match(r"rcsim(v\d+|br)(@|$)", line.split()[0])]
+    found = [
+        line.split()[0]
+        for line in sh("ip", "netns", "list").stdout.splitlines()
+        if re.fullmatch(r"rcsim\d+", line.split()[0])
+    ]
+    found += [
+        line.split()[0]
+        for line in sh("ip", "-br", "link").stdout.splitlines()
+        if re.match(r"rcsim(v\d+|br)(@|$)", line.split()[0])
+    ]
     return found + ([STATE] if os.path.exists(STATE) else [])
 
 
@@ -128,15 +140,20 @@ def logs(out, world):
 def test_two_hosts_env_logs_and_tcp_between_hosts(tmp_path, probe):
     out = tmp_path / "logs"
     # 4 MB at 100 Mbit/s: about 0.3 s past tbf's 256 KiB burst; unshaped, milliseconds.
-    run = simcluster("run", "2", "100mbit", "--port", "29123", "--out", str(out), "--",
-                     *probe, str(4 << 20))
+    run = simcluster(
+        "run", "2", "100mbit", "--port", "29123", "--out", str(out), "--", *probe, str(4 << 20)
+    )
     assert run.returncode == 0, run.stderr
     rank0, rank1 = logs(out, 2)
-    assert ("RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 "
-            "RINGCOMM_HOST_ID=simhost0 MASTER_ADDR=198.18.0.1 MASTER_PORT=29123 "
-            "GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1") in rank0
-    assert ("RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=1 "
-            "RINGCOMM_HOST_ID=simhost1 MASTER_ADDR=198.18.0.1") in rank1
+    assert (
+        "RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 "
+        "RINGCOMM_HOST_ID=simhost0 MASTER_ADDR=198.18.0.1 MASTER_PORT=29123 "
+        "GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1"
+    ) in rank0
+    assert (
+        "RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=1 "
+        "RINGCOMM_HOST_ID=simhost1 MASTER_ADDR=198.18.0.1"
+    ) in rank1
     seconds = re.search(r"from 198\.18\.0\.2: hello from rank 1 \(([\d.]+) s\)", rank0)
     assert seconds, rank0
     assert 0.2 < float(seconds.group(1)) < 4, "the link is not shaped to 100 Mbit/s"
@@ -148,14 +165,17 @@ def test_two_hosts_env_logs_and_tcp_between_hosts(tmp_path, probe):
 
 def test_ranks_per_host(tmp_path, probe):
     out = tmp_path / "logs"
-    run = simcluster("run", "2", "100mbit", "--ranks-per-host", "2", "--out", str(out), "--",
-                     *probe, "0")
+    run = simcluster(
+        "run", "2", "100mbit", "--ranks-per-host", "2", "--out", str(out), "--", *probe, "0"
+    )
     assert run.returncode == 0, run.stderr
     texts = logs(out, 4)
     for r, text in enumerate(texts):
         host, local = divmod(r, 2)
-        assert (f"RANK={r} WORLD_SIZE=4 LOCAL_RANK={local} LOCAL_WORLD_SIZE=2 GROUP_RANK={host} "
-                f"RINGCOMM_HOST_ID=simhost{host} MASTER_ADDR=198.18.0.1") in text, text
+        assert (
+            f"RANK={r} WORLD_SIZE=4 LOCAL_RANK={local} LOCAL_WORLD_SIZE=2 GROUP_RANK={host} "
+            f"RINGCOMM_HOST_ID=simhost{host} MASTER_ADDR=198.18.0.1"
+        ) in text, text
     peers = sorted(re.findall(r"from ([\d.]+): hello from rank (\d)", texts[0]))
     assert peers == [("198.18.0.1", "1"), ("198.18.0.2", "2"), ("198.18.0.2", "3")]
     assert leftovers() == []
@@ -165,9 +185,18 @@ def test_failing_rank_names_it_and_stops_the_others(tmp_path):
     out = tmp_path / "logs"
     env = dict(os.environ, SIMCLUSTER_GRACE_S="1")
     start = time.monotonic()
-    run = simcluster("run", "3", "100mbit", "--out", str(out), "--", "sh", "-c",
-                     'echo "rank $RANK up"; [ "$RANK" != 2 ] || { echo boom >&2; exit 3; }; '
-                     "exec sleep 97.5", env=env)
+    run = simcluster(
+        "run",
+        "3",
+        "100mbit",
+        "--out",
+        str(out),
+        "--",
+        "sh",
+        "-c",
+        'echo "rank $RANK up"; [ "$RANK" != 2 ] || { echo boom >&2; exit 3; }; exec sleep 97.5',
+        env=env,
+    )
     assert run.returncode == 3
     assert "rank 2 exited with status 3" in run.stderr
     assert "boom" in run.stderr  # the failing rank's last lines
@@ -186,10 +215,27 @@ def _default_sigint():
 
 def start_sleeping_run(out):
     """A run of 4 ranks on 2 hosts that sleep, once every rank has started."""
-    proc = subprocess.Popen([SIMCLUSTER, "run", "2", "100mbit", "--ranks-per-host", "2",
-                             "--out", str(out), "--", "sh", "-c", "echo up; exec sleep 100"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=_default_sigint)
+    proc = subprocess.Popen(
+        [
+            SIMCLUSTER,
+            "run",
+            "2",
+            "100mbit",
+            "--ranks-per-host",
+            "2",
+            "--out",
+            str(out),
+            "--",
+            "sh",
+            "-c",
+            "echo up; exec sleep 100",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
     deadline = time.monotonic() + DEADLINE
     logs = [out / f"rank{r}.log" for r in range(4)]
     while not all(log.exists() and "up" in log.read_text() for log in logs):
@@ -238,8 +284,9 @@ def test_up_status_down_and_no_way_out():
     assert "hosts=2\nrate=100mbit\nranks_per_host=3\n" in state
     status = simcluster("status").stdout
     assert "hosts 2, links 100mbit, 3 rank(s) per host" in status
-    assert re.search(r"rcsim1 198\.18\.0\.2/24 +out: tbf rate 100Mbit .* in: tbf rate 100Mbit",
-                     status), status
+    assert re.search(
+        r"rcsim1 198\.18\.0\.2/24 +out: tbf rate 100Mbit .* in: tbf rate 100Mbit", status
+    ), status
     for ns in ("rcsim0", "rcsim1"):
         assert sh("ip", "-n", ns, "route").stdout.split()[0] == "198.18.0.0/24"
         for family in ("-4", "-6"):
@@ -249,8 +296,15 @@ def test_up_status_down_and_no_way_out():
     ports = sh("ip", "-br", "link", "show", "master", "rcsimbr").stdout.split("\n")
     assert sorted(p.split()[0].split("@")[0] for p in ports if p) == ["rcsimv0", "rcsimv1"]
     assert sh("ip", "-br", "addr", "show", "dev", "rcsimbr").stdout.split()[2:] == []
-    escape = sh("ip", "netns", "exec", "rcsim0", sys.executable, "-c",
-                "import socket; socket.create_connection(('192.0.2.1', 9), timeout=5)")
+    escape = sh(
+        "ip",
+        "netns",
+        "exec",
+        "rcsim0",
+        sys.executable,
+        "-c",
+        "import socket; socket.create_connection(('192.0.2.1', 9), timeout=5)",
+    )
     assert "Network is unreachable" in escape.stderr
     # up replaces the cluster it finds.
     again = simcluster("up", "1", "1gbit")
@@ -264,8 +318,12 @@ def test_up_status_down_and_no_way_out():
 
 
 def test_delay_needs_netem():
-    netem = sh("unshare", "--net", "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay",
-               "1ms").returncode == 0
+    netem = (
+        sh(
+            "unshare", "--net", "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"
+        ).returncode
+        == 0
+    )
     up = simcluster("up", "2", "100mbit", "--delay", "5")
     if netem:
         assert up.returncode == 0, up.stderr
@@ -278,10 +336,20 @@ def test_delay_needs_netem():
     assert leftovers() == []
 
 
-@pytest.mark.parametrize("args", [[], ["up"], ["up", "2"], ["up", "0", "1gbit"],
-                                  ["up", "2", "1000"], ["run", "2", "1gbit"],
-                                  ["run", "2", "1gbit", "--bogus", "--", "true"],
-                                  ["up", "2", "1gbit", "--", "true"], ["down", "now"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["up"],
+        ["up", "2"],
+        ["up", "0", "1gbit"],
+        ["up", "2", "1000"],
+        ["run", "2", "1gbit"],
+        ["run", "2", "1gbit", "--bogus", "--", "true"],
+        ["up", "2", "1gbit", "--", "true"],
+        ["down", "now"],
+    ],
+)
 def test_bad_arguments(args):
     run = simcluster(*args)
     assert run.returncode == 2

@@ -1,4 +1,5 @@
 """sparse_all_reduce on 1-5 ranks against a dense reference, for every algorithm."""
+
 import pytest
 import torch
 
@@ -11,7 +12,11 @@ ALGOS = ["sparse_gather", "sparse_ranges", "ring", "auto"]
 
 def pairs(rank, numel, k, value_dtype, seed):
     gen = torch.Generator().manual_seed(seed * 100 + rank)
-    idx = torch.randint(0, numel, (k,), generator=gen, dtype=torch.int32) if numel else torch.zeros(0, dtype=torch.int32)
+    idx = (
+        torch.randint(0, numel, (k,), generator=gen, dtype=torch.int32)
+        if numel
+        else torch.zeros(0, dtype=torch.int32)
+    )
     # small integers: every sum is exact, so all algorithms must agree with the reference exactly
     val = torch.randint(-8, 9, (k,), generator=gen).to(value_dtype)
     return idx, val
@@ -28,8 +33,14 @@ def dense_reference(world, numel, ks, value_dtype, seed):
 def sparse_cases(comm):
     n = comm.world_size
     digests = []
-    cases = [(1000, [10] * n), (1000, [0] * n), (50_000, [500 * (r + 1) for r in range(n)]),
-             (7, [20] * n), (200_000, [2000] * n), (3, [0] + [5] * (n - 1))]
+    cases = [
+        (1000, [10] * n),
+        (1000, [0] * n),
+        (50_000, [500 * (r + 1) for r in range(n)]),
+        (7, [20] * n),
+        (200_000, [2000] * n),
+        (3, [0] + [5] * (n - 1)),
+    ]
     for seed, (numel, ks) in enumerate(cases):
         for value_dtype in (torch.float32, torch.float16, torch.bfloat16):
             idx, val = pairs(comm.rank, numel, ks[comm.rank], value_dtype, seed)
@@ -38,14 +49,24 @@ def sparse_cases(comm):
                 out = comm.sparse_all_reduce(idx, val, numel, algorithm=algo)
                 assert out.dtype == torch.float32 and out.numel() == numel
                 assert torch.equal(out.double(), ref), (numel, ks, value_dtype, algo)
-                avg = comm.sparse_all_reduce(idx, val, numel, op="avg", algorithm=algo,
-                                             out=torch.empty(numel, dtype=torch.bfloat16))
-                assert torch.allclose(avg.double(), (ref / n).bfloat16().double(), rtol=1e-2, atol=1e-2)
+                avg = comm.sparse_all_reduce(
+                    idx,
+                    val,
+                    numel,
+                    op="avg",
+                    algorithm=algo,
+                    out=torch.empty(numel, dtype=torch.bfloat16),
+                )
+                assert torch.allclose(
+                    avg.double(), (ref / n).bfloat16().double(), rtol=1e-2, atol=1e-2
+                )
                 digests.append(out.sum().item())
     # async form
     idx, val = pairs(comm.rank, 1000, 10, torch.float32, 99)
     work = comm.sparse_all_reduce(idx, val, 1000, async_op=True)
-    assert torch.equal(work.get_future().wait().double(), dense_reference(n, 1000, [10] * n, torch.float32, 99))
+    assert torch.equal(
+        work.get_future().wait().double(), dense_reference(n, 1000, [10] * n, torch.float32, 99)
+    )
     return digests
 
 
@@ -59,9 +80,11 @@ def estimates_that_disagree(comm):
     """Each rank sends its pairs with its sizes where its own estimate (every rank's sizes taken
     to be its own) picks gather; the choice made with every rank's sizes may differ."""
     n = comm.world_size
-    cases = [(200_000, [200_000, 100, 100, 100]),     # ranks 1-3 sent theirs; the choice is not gather
-             (200_000, [60_000, 60_000, 100, 100]),   # ranks 0-1 did not; the choice is gather
-             (200_000, [100_000, 2000, 2000, 2000])]  # rank 0 did not; the choice is gather
+    cases = [
+        (200_000, [200_000, 100, 100, 100]),  # ranks 1-3 sent theirs; the choice is not gather
+        (200_000, [60_000, 60_000, 100, 100]),  # ranks 0-1 did not; the choice is gather
+        (200_000, [100_000, 2000, 2000, 2000]),
+    ]  # rank 0 did not; the choice is gather
     for seed, (numel, ks) in enumerate(cases):
         idx, val = pairs(comm.rank, numel, ks[comm.rank], torch.float32, seed)
         out = comm.sparse_all_reduce(idx, val, numel)
@@ -80,7 +103,10 @@ def float_sums_identical(comm):
     gen = torch.Generator().manual_seed(comm.rank)
     idx = torch.randint(0, 100_000, (3000,), generator=gen, dtype=torch.int32)
     val = torch.randn(3000, generator=gen)
-    outs = [comm.sparse_all_reduce(idx, val, 100_000, algorithm=a) for a in ("sparse_gather", "sparse_ranges")]
+    outs = [
+        comm.sparse_all_reduce(idx, val, 100_000, algorithm=a)
+        for a in ("sparse_gather", "sparse_ranges")
+    ]
     return [o.numpy().tobytes() for o in outs]
 
 
@@ -92,6 +118,7 @@ def test_gather_and_ranges_give_identical_bits_on_every_rank():
 
 def bad_sparse_input(comm):
     import pytest as pt
+
     with pt.raises(ValueError, match="outside"):
         comm.sparse_all_reduce(torch.tensor([5], dtype=torch.int32), torch.ones(1), 5)
     with pt.raises(TypeError, match="int32"):
@@ -99,9 +126,13 @@ def bad_sparse_input(comm):
     with pt.raises(ValueError, match="values"):
         comm.sparse_all_reduce(torch.tensor([1], dtype=torch.int32), torch.ones(2), 5)
     with pt.raises(ValueError, match="float32, float16 and bfloat16"):
-        comm.sparse_all_reduce(torch.tensor([1], dtype=torch.int32), torch.ones(1, dtype=torch.float64), 5)
+        comm.sparse_all_reduce(
+            torch.tensor([1], dtype=torch.int32), torch.ones(1, dtype=torch.float64), 5
+        )
     with pt.raises(ValueError, match="algorithm"):
-        comm.sparse_all_reduce(torch.tensor([1], dtype=torch.int32), torch.ones(1), 5, algorithm="tree")
+        comm.sparse_all_reduce(
+            torch.tensor([1], dtype=torch.int32), torch.ones(1), 5, algorithm="tree"
+        )
     out = comm.sparse_all_reduce(torch.tensor([1], dtype=torch.int32), torch.ones(1), 5)
     return out.tolist()
 
@@ -124,13 +155,24 @@ def ordered_and_shuffled_pairs(comm):
         shuffle = torch.randperm(k, generator=gen)
         for out_dtype in (torch.float32, torch.bfloat16):
             got = {}
-            for order, (i, v) in (("ascending", (idx, val)), ("shuffled", (idx[shuffle], val[shuffle]))):
+            for order, (i, v) in (
+                ("ascending", (idx, val)),
+                ("shuffled", (idx[shuffle], val[shuffle])),
+            ):
                 for op in ("sum", "avg"):
                     out = torch.full((numel,), float("nan"), dtype=out_dtype)
                     comm.sparse_all_reduce(i, v, numel, out=out, op=op, algorithm="sparse_gather")
                     got[order, op] = out
-            assert torch.equal(got["ascending", "sum"], got["shuffled", "sum"]), (numel, k, out_dtype)
-            assert torch.equal(got["ascending", "avg"], got["shuffled", "avg"]), (numel, k, out_dtype)
+            assert torch.equal(got["ascending", "sum"], got["shuffled", "sum"]), (
+                numel,
+                k,
+                out_dtype,
+            )
+            assert torch.equal(got["ascending", "avg"], got["shuffled", "avg"]), (
+                numel,
+                k,
+                out_dtype,
+            )
             if out_dtype == torch.float32:  # AVG is the sum, divided (a true division)
                 assert torch.equal(got["ascending", "avg"], got["ascending", "sum"] / n)
             results.append(got["ascending", "avg"].float().numpy().tobytes())

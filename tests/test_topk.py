@@ -1,4 +1,5 @@
 """Top-k kernels: exact against torch.topk, deterministic ties, error-feedback invariant."""
+
 import random
 
 import pytest
@@ -23,8 +24,10 @@ def check_exact(x, k, values, indices):
     idx = indices.long()
     assert torch.equal(idx, torch.sort(idx).values), "indices ascending"
     assert len(set(idx.tolist())) == k, "no duplicates"
-    assert torch.equal(values.view(torch.int16 if x.element_size() == 2 else torch.int32),
-                       x[idx].view(torch.int16 if x.element_size() == 2 else torch.int32)), "values with sign"
+    assert torch.equal(
+        values.view(torch.int16 if x.element_size() == 2 else torch.int32),
+        x[idx].view(torch.int16 if x.element_size() == 2 else torch.int32),
+    ), "values with sign"
     keys = magnitude_key(x)
     if k == 0:
         return
@@ -68,7 +71,9 @@ def test_topk_matches_torch_over_many_sizes(dtype):
     rng = random.Random(5)
     sizes = [0, 1, 2, 17, 1000, 4097, 131_071, 131_072, 300_001, 2_000_003]
     for n in sizes:
-        for k in sorted({0, 1, n // 100, n // 7, n // 2, n} & set(range(n + 1))) + [rng.randint(0, n)]:
+        for k in sorted({0, 1, n // 100, n // 7, n // 2, n} & set(range(n + 1))) + [
+            rng.randint(0, n)
+        ]:
             x = random_input(n, dtype, gen, special=(n % 2 == 1))
             values, indices = compress.topk(x, k)
             check_exact(x, k, values, indices)
@@ -111,7 +116,9 @@ def test_fewer_nonzeros_than_k_takes_the_first_zeros(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(0, 0), (1, 1), (1000, 0), (1000, 10), (1000, 1000), (777_777, 7777)])
+@pytest.mark.parametrize(
+    "n,k", [(0, 0), (1, 1), (1000, 0), (1000, 10), (1000, 1000), (777_777, 7777)]
+)
 def test_error_feedback_invariant_is_exact(dtype, n, k):
     gen = torch.Generator().manual_seed(n + k)
     grad = random_input(n, dtype, gen)
@@ -130,7 +137,7 @@ def test_a_threshold_set_too_high_is_lowered_and_scanned_again(dtype):
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(n, generator=gen) * 1e-3
         for start in torch.randint(0, n - size, (blocks,), generator=gen).tolist():
-            x[start:start + size] = torch.randn(size, generator=gen) * 10
+            x[start : start + size] = torch.randn(size, generator=gen) * 10
         x = x.to(dtype)
         values, indices = compress.topk(x, k)
         check_exact(x, k, values, indices)
@@ -151,8 +158,10 @@ def test_values_in_another_type_leave_their_rounding_in_the_residual(dtype, valu
     after a threshold set too high, the direct selection of small inputs, and the zeros that
     complete a sparse gradient; infinities and values that round up to infinity included."""
     gen = torch.Generator().manual_seed(7)
-    cases = [(random_input(1_000_003, dtype, gen, special=True), 20_000, 1e-2),
-             (random_input(5_003, dtype, gen), 700, 1e-2)]
+    cases = [
+        (random_input(1_000_003, dtype, gen, special=True), 20_000, 1e-2),
+        (random_input(5_003, dtype, gen), 700, 1e-2),
+    ]
     blocks = torch.randn(1_000_000, generator=gen) * 1e-3
     blocks[:16384] = torch.randn(16384, generator=gen) * 10
     blocks[600_000:616_384] = torch.randn(16384, generator=gen) * 10
@@ -169,10 +178,15 @@ def test_values_in_another_type_leave_their_rounding_in_the_residual(dtype, valu
     # Values that round up to infinity as bfloat16 (float32's largest), or as float16 in a
     # float16 residual (float16's largest values, as bfloat16, exceed float16's range).
     top = 3.0e38 if dtype == torch.float32 else torch.finfo(dtype).max
-    cases.append(((top * (0.99 + 0.01 * torch.rand(200_000, generator=gen))).to(dtype), 4_000, 1e-2))
+    cases.append(
+        ((top * (0.99 + 0.01 * torch.rand(200_000, generator=gen))).to(dtype), 4_000, 1e-2)
+    )
     for grad, k, scale in cases:  # the residual: random values of that scale, or all that zero
-        residual = (torch.randn(grad.numel(), generator=gen) * scale if scale else
-                    torch.full((grad.numel(),), scale)).to(dtype)
+        residual = (
+            torch.randn(grad.numel(), generator=gen) * scale
+            if scale
+            else torch.full((grad.numel(),), scale)
+        ).to(dtype)
         expected_residual = residual.clone()
         full, expected_indices = compress.topk_with_residual(grad, expected_residual, k)
         wire = full.to(value_dtype)
@@ -196,14 +210,24 @@ def test_a_wire_type_outside_top_k_is_refused():
     values, indices = torch.empty(1, dtype=torch.float64), torch.empty(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="top-k does not support float64"):
         compress._C.topk_with_residual_kernel(
-            TORCH_DTYPES[torch.float32], grad.data_ptr(), residual.data_ptr(), 4, 1,
-            indices.data_ptr(), values.data_ptr(), TORCH_DTYPES[torch.float64])
+            TORCH_DTYPES[torch.float32],
+            grad.data_ptr(),
+            residual.data_ptr(),
+            4,
+            1,
+            indices.data_ptr(),
+            values.data_ptr(),
+            TORCH_DTYPES[torch.float64],
+        )
 
 
 def test_error_feedback_accumulates_over_steps():
     gen = torch.Generator().manual_seed(0)
     residual = torch.zeros(200_000)
-    total_grad, total_sent = torch.zeros(200_000, dtype=torch.float64), torch.zeros(200_000, dtype=torch.float64)
+    total_grad, total_sent = (
+        torch.zeros(200_000, dtype=torch.float64),
+        torch.zeros(200_000, dtype=torch.float64),
+    )
     for _ in range(20):
         grad = torch.randn(200_000, generator=gen)
         values, indices = compress.topk_with_residual(grad, residual, 2000)

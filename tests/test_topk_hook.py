@@ -1,4 +1,5 @@
 """topk_hook: DDP trains with it, its state round-trips, and ratio 1 equals dense averaging."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,13 +17,14 @@ def make_model(seed=0):
 
 def digits_batches(rank, world, steps, batch=32):
     from sklearn.datasets import load_digits
+
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x, dtype=torch.float32) / 16.0
     y = torch.tensor(y)
     gen = torch.Generator().manual_seed(1)
     order = torch.randperm(len(x), generator=gen)
     for s in range(steps):
-        idx = order[(s * world + rank) * batch % (len(x) - batch):][:batch]
+        idx = order[(s * world + rank) * batch % (len(x) - batch) :][:batch]
         yield x[idx], y[idx]
 
 
@@ -43,8 +45,10 @@ def train(store, rank, world, hook_kind, steps):
         opt.step()
         losses.append(loss.item())
         if state.step == state.dense_steps:  # the last dense step ended: its prepared blocks
-            prepared = {block.untyped_storage().data_ptr(): block.numel()
-                        for block, *_ in state.memory._prepared}
+            prepared = {
+                block.untyped_storage().data_ptr(): block.numel()
+                for block, *_ in state.memory._prepared
+            }
         elif state.step == state.dense_steps + 1:  # the first compressed step took them
             carved = {t.untyped_storage().data_ptr() for t in state.residuals.values()}
             assert not state.memory._prepared, "let go after the first compressed step"
@@ -52,14 +56,22 @@ def train(store, rank, world, hook_kind, steps):
     saved = state.state_dict()
     restored = TopKState()
     restored.load_state_dict(saved)
-    round_trip = (restored.step == state.step and
-                  all(torch.equal(restored.residuals[i], t) for i, t in state.residuals.items()))
+    round_trip = restored.step == state.step and all(
+        torch.equal(restored.residuals[i], t) for i, t in state.residuals.items()
+    )
     stats = state.stats
     dist.destroy_process_group()
-    return dict(losses=losses, params=params, round_trip=round_trip, steps=stats.steps,
-                prepared=sum(prepared.values()), carved_from_prepared=carved <= set(prepared),
-                ratio=stats.compression_ratio, compressed=stats.compressed_buckets,
-                residual_keys=sorted(state.residuals))
+    return dict(
+        losses=losses,
+        params=params,
+        round_trip=round_trip,
+        steps=stats.steps,
+        prepared=sum(prepared.values()),
+        carved_from_prepared=carved <= set(prepared),
+        ratio=stats.compression_ratio,
+        compressed=stats.compressed_buckets,
+        residual_keys=sorted(state.residuals),
+    )
 
 
 @pytest.mark.parametrize("hook_kind", ["topk", "fp16_topk"])
@@ -155,10 +167,24 @@ def test_state_validates_its_arguments():
 def test_sparsity_warmup_divides_the_density_by_four_per_stage():
     # Deep Gradient Compression's schedule: 75%, 93.75%, 98.4%, 99.6%, then the target
     state = TopKState(ratio=0.001, dense_steps=1, warmup_steps=8, warmup_density=0.25)
-    assert [state.density(s) for s in range(11)] == \
-        [1.0, 0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.00390625, 0.00390625, 0.001, 0.001]
-    assert [TopKState(ratio=0.3, dense_steps=0, warmup_steps=5).density(s) for s in (0, 4, 5)] == \
-        [0.3, 0.3, 0.3]  # a target above the first stage: no ramp
+    assert [state.density(s) for s in range(11)] == [
+        1.0,
+        0.25,
+        0.25,
+        0.0625,
+        0.0625,
+        0.015625,
+        0.015625,
+        0.00390625,
+        0.00390625,
+        0.001,
+        0.001,
+    ]
+    assert [TopKState(ratio=0.3, dense_steps=0, warmup_steps=5).density(s) for s in (0, 4, 5)] == [
+        0.3,
+        0.3,
+        0.3,
+    ]  # a target above the first stage: no ramp
     assert TopKState(warmup_steps=0, dense_steps=0).density(0) == 0.01
 
 
@@ -169,23 +195,36 @@ def test_take_momentum_moves_sgd_momentum_into_the_state():
     state.take_momentum(opt)
     assert state.momentum_correction and state.momentum == 0.8
     assert opt.param_groups[0]["momentum"] == 0
-    for bad in (dict(momentum=0.9, nesterov=True), dict(momentum=0.9, weight_decay=1e-4),
-                dict(momentum=0)):
+    for bad in (
+        dict(momentum=0.9, nesterov=True),
+        dict(momentum=0.9, weight_decay=1e-4),
+        dict(momentum=0),
+    ):
         with pytest.raises(ValueError, match="momentum"):
             TopKState().take_momentum(torch.optim.SGD(params, lr=0.1, **bad))
 
 
 def costs_on_every_rank(comm):
-    sizes = [(100, 1), (16_000, 160), (4_000_000, 40_000), (4_000_000, 1_000_000),
-             (4_000_000, 4_000_000)]
+    sizes = [
+        (100, 1),
+        (16_000, 160),
+        (4_000_000, 40_000),
+        (4_000_000, 1_000_000),
+        (4_000_000, 4_000_000),
+    ]
     return [comm.compression_costs(n, k, torch.bfloat16) for n, k in sizes]
 
 
 def test_compression_costs_choose_dense_for_small_or_dense_buckets():
     results = run_ranks(4, costs_on_every_rank)
     assert all(r == results[0] for r in results)  # every rank makes the same choice
-    (tiny_sparse, tiny_dense), (small_sparse, small_dense), (big_sparse, big_dense), \
-        (quarter_sparse, quarter_dense), (all_sparse, all_dense) = results[0]
+    (
+        (tiny_sparse, tiny_dense),
+        (small_sparse, small_dense),
+        (big_sparse, big_dense),
+        (quarter_sparse, quarter_dense),
+        (all_sparse, all_dense),
+    ) = results[0]
     assert tiny_dense < tiny_sparse  # one recursive-doubling all-reduce beats two exchanges
     assert small_dense < small_sparse  # 64 KB: recursive doubling, latency-bound either way
     assert big_sparse < big_dense / 20  # 1%: a small fraction of the ring's bytes
@@ -195,14 +234,22 @@ def test_compression_costs_choose_dense_for_small_or_dense_buckets():
 
 def averager_with_topk(comm, ratio):
     import ringcomm
+
     torch.manual_seed(0)
     model = make_model()
-    state = TopKState(ratio=ratio, dense_steps=1, warmup_steps=0, adaptive=False,
-                      value_dtype=torch.float32, schedule="fixed")
-    averager = ringcomm.GradientAverager(model.parameters(), comm, bucket_bytes=40_000,
-                                         compression=state)
+    state = TopKState(
+        ratio=ratio,
+        dense_steps=1,
+        warmup_steps=0,
+        adaptive=False,
+        value_dtype=torch.float32,
+        schedule="fixed",
+    )
+    averager = ringcomm.GradientAverager(
+        model.parameters(), comm, bucket_bytes=40_000, compression=state
+    )
     grads_seen = []
-    for step, (xb, yb) in enumerate(digits_batches(comm.rank, comm.world_size, 3)):
+    for xb, yb in digits_batches(comm.rank, comm.world_size, 3):
         model.zero_grad()
         nn.functional.cross_entropy(model(xb), yb).backward()
         local = [p.grad.clone() for p in model.parameters()]
@@ -215,7 +262,7 @@ def averager_with_topk(comm, ratio):
 def test_gradient_averager_with_topk_state():
     # ratio 1: after the dense warm-up step, top-k sends everything: the plain average again
     results = run_ranks(2, averager_with_topk, 1.0)
-    for grads_seen, steps, compressed, n_buckets in results:
+    for _grads_seen, steps, compressed, n_buckets in results:
         assert steps == 3 and n_buckets > 1 and compressed == 2 * n_buckets
     for step in range(3):
         locals_ = [r[0][step][1] for r in results]
@@ -233,8 +280,9 @@ def test_gradient_averager_with_topk_state():
 def clipped_average(store, rank, world):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     grad = torch.full((1000,), 10.0 * (rank + 1))
-    state = TopKState(ratio=1.0, dense_steps=0, adaptive=False, value_dtype=torch.float32,
-                      clip_norm=2.0)
+    state = TopKState(
+        ratio=1.0, dense_steps=0, adaptive=False, value_dtype=torch.float32, clip_norm=2.0
+    )
     out = topk_hook(state, Bucket(grad, 0, True)).wait()
     dist.destroy_process_group()
     return out
@@ -243,7 +291,7 @@ def clipped_average(store, rank, world):
 def test_clip_norm_scales_each_ranks_gradient_before_averaging():
     # each rank's gradient is scaled to norm 2 / sqrt(2) before the average
     for out in run_ranks(2, clipped_average, make_comm=False):
-        assert torch.allclose(out, torch.full((1000,), 2.0 / 2 ** 0.5 / 1000 ** 0.5), atol=1e-6)
+        assert torch.allclose(out, torch.full((1000,), 2.0 / 2**0.5 / 1000**0.5), atol=1e-6)
 
 
 def momentum_in_hook_or_optimizer(store, rank, world, taken):
@@ -277,6 +325,7 @@ def make_model_params():
 
 # -- the signal schedule --------------------------------------------------------------------------
 
+
 class Done:  # a finished Work, as the energies' all-reduce is by the next step
     def wait(self):
         return True
@@ -303,13 +352,13 @@ def test_signal_schedule_sparsifies_as_training_and_error_feedback_settle():
 def test_signal_schedule_goes_denser_while_the_gradient_changes_or_is_held_back():
     state = TopKState(ratio=0.01)
     # the gradient's energy growing 8% a step: critical, whole throughout
-    assert {feed(state, 0, 0.1, 1.08 ** t) for t in range(60)} == {1.0}
+    assert {feed(state, 0, 0.1, 1.08**t) for t in range(60)} == {1.0}
     # then steady: sparser once calm for WINDOW steps
-    densities = [feed(state, 0, 0.1, 1.08 ** 60) for _ in range(40)]
+    densities = [feed(state, 0, 0.1, 1.08**60) for _ in range(40)]
     assert densities[-1] == 0.0625
     # the energy falls to a third (a learning rate decay): the smoothed energy takes 15 steps to
     # move by critical_change (meanwhile 6.25% has settled), then the bucket goes a level denser
-    densities = [feed(state, 0, 0.1, 1.08 ** 60 / 3) for _ in range(18)]
+    densities = [feed(state, 0, 0.1, 1.08**60 / 3) for _ in range(18)]
     assert densities == [0.0625] * 13 + [0.015625] * 4 + [0.0625]
     # a residual holding gradient back (signal 5 > residual_limit 1) keeps it denser too
     state = TopKState(ratio=0.01, critical_change=1e9)
@@ -352,6 +401,7 @@ def test_signal_schedule_decides_alike_on_every_rank():
 
 # -- the same weights whatever the load at start ------------------------------------------------
 
+
 def topk_training(store, rank, world, steps):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     model = DDP(make_model(), bucket_cap_mb=0.02)  # buckets from 2.6K to 16K elements
@@ -363,6 +413,7 @@ def topk_training(store, rank, world, steps):
         nn.functional.cross_entropy(model(xb), yb).backward()
         opt.step()
     from ringcomm.hooks import default_communicator
+
     link = default_communicator().link_model()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     stats = state.stats
@@ -373,6 +424,7 @@ def topk_training(store, rank, world, steps):
 def test_topk_training_started_under_a_cpu_hog_ends_with_the_same_weights():
     import subprocess
     import sys
+
     env = {"RINGCOMM_TUNING": ""}  # the default: the link model probed at connect
     quiet = run_ranks(3, topk_training, 12, make_comm=False, timeout=240, env=env)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
@@ -392,6 +444,7 @@ def test_topk_training_started_under_a_cpu_hog_ends_with_the_same_weights():
 
 def dense_bucket_logged(store, rank, world):
     import logging
+
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     lines = []
     handler = logging.Handler()
@@ -408,6 +461,7 @@ def dense_bucket_logged(store, rank, world):
     topk_hook(signal, Bucket(grads[1].clone(), 1, True)).wait()
     lines.append(signal.stats.dense_reasons)
     from ringcomm.hooks import default_communicator
+
     buckets = default_communicator().stats()["buckets"]
     dist.destroy_process_group()
     return lines, state.stats, buckets
@@ -428,4 +482,5 @@ def test_a_bucket_sent_whole_says_so_in_stats_and_at_info():
         "TopKState: bucket 1 (200,000 float32 elements) is compressed from step 1",
         "TopKState: bucket 1 (200,000 float32 elements) goes whole (whole as bfloat16: critical "
         "regime) from step 0",
-        {"whole as bfloat16: critical regime": 1}], lines
+        {"whole as bfloat16: critical regime": 1},
+    ], lines

@@ -1,5 +1,6 @@
 """The timeline (ringcomm.trace), statistics (Communicator.stats, Work.stats, per DDP bucket) and
 the core's log lines through Python's logging."""
+
 import json
 import os
 import subprocess
@@ -16,8 +17,11 @@ TIMELINE = os.path.join(os.path.dirname(__file__), "..", "bench", "timeline.py")
 
 
 def spans(events, name, pid=None):
-    return [e for e in events if e["ph"] == "X" and e["name"] == name
-            and (pid is None or e["pid"] == pid)]
+    return [
+        e
+        for e in events
+        if e["ph"] == "X" and e["name"] == name and (pid is None or e["pid"] == pid)
+    ]
 
 
 # Timestamps are wall-clock microseconds (ranks on other hosts have other monotonic clocks): about
@@ -27,9 +31,12 @@ RESOLUTION_US = 0.5
 
 
 def inside(child, parent):
-    return (child["pid"] == parent["pid"] and child["tid"] == parent["tid"]
-            and parent["ts"] <= child["ts"] + RESOLUTION_US
-            and child["ts"] + child["dur"] <= parent["ts"] + parent["dur"] + RESOLUTION_US)
+    return (
+        child["pid"] == parent["pid"]
+        and child["tid"] == parent["tid"]
+        and parent["ts"] <= child["ts"] + RESOLUTION_US
+        and child["ts"] + child["dur"] <= parent["ts"] + parent["dur"] + RESOLUTION_US
+    )
 
 
 def _traced_ops(comm, path):
@@ -55,8 +62,9 @@ def test_timeline_has_each_collective_its_phases_and_every_rank(tmp_path):
         (ring,) = spans(events, "all_reduce", rank)
         assert ring["args"]["algorithm"] == "ring" and ring["args"]["bytes"] == 1 << 20
         assert ring["args"]["seq"] == 0
-        messages = [e for e in spans(events, "send", rank) + spans(events, "recv", rank)
-                    if inside(e, ring)]
+        messages = [
+            e for e in spans(events, "send", rank) + spans(events, "recv", rank) if inside(e, ring)
+        ]
         assert messages and all(e["args"]["peer"] == 1 - rank for e in messages)
         # every byte of the ring's two phases: (n-1)/n of the buffer each way, per phase
         assert sum(e["args"]["bytes"] for e in messages if e["name"] == "send") == 1 << 20
@@ -72,8 +80,11 @@ def test_timeline_has_each_collective_its_phases_and_every_rank(tmp_path):
         assert sparse["args"]["algorithm"] == "sparse_gather"
         assert any(inside(e, sparse) for e in spans(events, "encode", rank))
         assert any(inside(e, sparse) for e in spans(events, "decode", rank))
-        names = {e["tid"]: e["args"]["name"] for e in events
-                 if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == rank}
+        names = {
+            e["tid"]: e["args"]["name"]
+            for e in events
+            if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == rank
+        }
         assert ring["tid"] in names
     # the parts stay beside the merged file
     assert os.path.exists(path + ".rank0.json") and os.path.exists(path + ".rank1.json")
@@ -96,12 +107,15 @@ def _bounded(comm, path):
     trace.stop()
     with open(path + f".rank{comm.rank}.json") as f:
         data = json.load(f)
-    return len(spans(data["traceEvents"], "all_reduce")), data["otherData"]["ringcomm_dropped_events"]
+    return len(spans(data["traceEvents"], "all_reduce")), data["otherData"][
+        "ringcomm_dropped_events"
+    ]
 
 
 def test_a_full_timeline_counts_what_it_dropped(tmp_path):
-    results = run_ranks(2, _bounded, str(tmp_path / "t.json"),
-                        env={"WORLD_SIZE": "2", "MASTER_PORT": "2"})
+    results = run_ranks(
+        2, _bounded, str(tmp_path / "t.json"), env={"WORLD_SIZE": "2", "MASTER_PORT": "2"}
+    )
     for kept, dropped in results:
         assert kept <= 3 and dropped > 0
 
@@ -141,8 +155,11 @@ def _through_boards(comm, count):
         before = ringcomm.shm_bytes_sent()
         work = comm.all_reduce(torch.ones(count), algorithm=algorithm, async_op=True)
         work.wait()
-        sent[algorithm] = (work.stats()["bytes_sent"], work.stats()["bytes_received"],
-                           ringcomm.shm_bytes_sent() - before)
+        sent[algorithm] = (
+            work.stats()["bytes_sent"],
+            work.stats()["bytes_received"],
+            ringcomm.shm_bytes_sent() - before,
+        )
     return sent
 
 
@@ -191,8 +208,11 @@ dist.destroy_process_group()
 def test_ddp_buckets_on_the_timeline_in_stats_and_in_torch_profiler(tmp_path, monkeypatch, hook):
     path = tmp_path / "ddp.json"
     monkeypatch.setenv("RINGCOMM_TIMELINE", str(path))
-    state = "None" if hook == "allreduce_hook" else \
-        "hooks.TopKState(dense_steps=0, warmup_steps=0, adaptive=False, schedule='fixed')"
+    state = (
+        "None"
+        if hook == "allreduce_hook"
+        else "hooks.TopKState(dense_steps=0, warmup_steps=0, adaptive=False, schedule='fixed')"
+    )
     script = DDP_JOB.format(hook=hook, state=state)
     out = run_torchrun(tmp_path, script, nproc=2)
     result = json.loads(out.strip().splitlines()[-1])
@@ -210,15 +230,20 @@ def test_ddp_buckets_on_the_timeline_in_stats_and_in_torch_profiler(tmp_path, mo
         assert result["state_buckets"] == buckets  # the hook state reports the same
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-              if e["ph"] == "M" and e["name"] == "thread_name"}
+    tracks = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
     for rank in (0, 1):
         bucket_spans = [e for e in spans(events, "bucket", rank)]
-        assert {tracks[(rank, e["tid"])] for e in bucket_spans} == \
-            {f"DDP bucket {i}" for i in buckets}
+        assert {tracks[(rank, e["tid"])] for e in bucket_spans} == {
+            f"DDP bucket {i}" for i in buckets
+        }
         assert len(bucket_spans) == sum(b["calls"] for b in buckets.values())
-        assert all(e["args"]["bucket"] == int(tracks[(rank, e["tid"])].split()[-1])
-                   for e in bucket_spans)
+        assert all(
+            e["args"]["bucket"] == int(tracks[(rank, e["tid"])].split()[-1]) for e in bucket_spans
+        )
         if hook == "topk_hook":
             assert spans(events, "compress", rank) and spans(events, "sparse_all_reduce", rank)
         else:
@@ -238,13 +263,26 @@ def test_core_log_lines_go_to_the_ringcomm_logger(tmp_path):
         "comm = ringcomm.init()\n"
         "comm.all_reduce(torch.ones(4))\n"
         "comm.close()\n"
-        "print(any('transports by peer' in r for r in records))\n")
+        "print(any('transports by peer' in r for r in records))\n"
+    )
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, RINGCOMM_DEBUG="INFO", RANK=str(r),
-                                       WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(
+                os.environ,
+                RINGCOMM_DEBUG="INFO",
+                RANK=str(r),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            ),
+        )
+        for r in range(2)
+    ]
     for p in procs:
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
@@ -252,8 +290,7 @@ def test_core_log_lines_go_to_the_ringcomm_logger(tmp_path):
         assert "transports by peer" not in err  # the logger had a handler: not on stderr
 
 
-def test_merge_cuts_the_events_out_of_parts_it_wrote_and_loads_the_others(tmp_path,
-                                                                          monkeypatch):
+def test_merge_cuts_the_events_out_of_parts_it_wrote_and_loads_the_others(tmp_path, monkeypatch):
     """Parts in the writer's layout are merged as text (their events never parsed), others
     loaded: the merged events are every part's, in order, whatever their strings hold, and the
     merged file is itself a part that merges again."""
@@ -267,15 +304,30 @@ def test_merge_cuts_the_events_out_of_parts_it_wrote_and_loads_the_others(tmp_pa
     for rank, names in enumerate([tricky, [], ["all_reduce"]]):
         events = [event(name, rank) for name in names]
         part = tmp_path / f"p{rank}.json"
-        trace._write_json(str(part), {
-            "otherData": {"ringcomm_rank": rank, "ringcomm_dropped_events": 0,
-                          "ringcomm_events": len(events)},
-            "traceEvents": events, "displayTimeUnit": "ms"})
+        trace._write_json(
+            str(part),
+            {
+                "otherData": {
+                    "ringcomm_rank": rank,
+                    "ringcomm_dropped_events": 0,
+                    "ringcomm_events": len(events),
+                },
+                "traceEvents": events,
+                "displayTimeUnit": "ms",
+            },
+        )
         written.append((part, events))
     # the writer's layout without the count: loaded, not cut
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({"otherData": {"ringcomm_rank": 3, "ringcomm_dropped_events": 2},
-                                 "traceEvents": [event("x", 3)], "displayTimeUnit": "ms"}))
+    other.write_text(
+        json.dumps(
+            {
+                "otherData": {"ringcomm_rank": 3, "ringcomm_dropped_events": 2},
+                "traceEvents": [event("x", 3)],
+                "displayTimeUnit": "ms",
+            }
+        )
+    )
     parts = [str(p) for p, _ in written] + [str(other)]
     loads, loaded = json.loads, []
     monkeypatch.setattr(json, "loads", lambda text, **kw: loaded.append(text) or loads(text, **kw))
@@ -285,8 +337,11 @@ def test_merge_cuts_the_events_out_of_parts_it_wrote_and_loads_the_others(tmp_pa
     merged = loads(out.read_text())
     expected = [e for _, events in written for e in events] + [event("x", 3)]
     assert count == len(expected) == 6 and merged["traceEvents"] == expected
-    assert merged["otherData"] == {"ringcomm_ranks": [0, 1, 2, 3], "ringcomm_dropped_events": 2,
-                                   "ringcomm_events": 6}
+    assert merged["otherData"] == {
+        "ringcomm_ranks": [0, 1, 2, 3],
+        "ringcomm_dropped_events": 2,
+        "ringcomm_events": 6,
+    }
     again = tmp_path / "again.json"
     assert trace.merge([str(out), str(written[2][0])], str(again)) == 7
     assert len(loaded) == 1
@@ -297,20 +352,58 @@ def test_timeline_script_merges_parts_and_draws_a_window(tmp_path):
     parts = []
     for rank in (0, 1):
         part = tmp_path / f"p{rank}.json"
-        part.write_text(json.dumps({"traceEvents": [
-            {"name": "all_reduce", "ph": "X", "ts": 10.0 * rank, "dur": 5.0, "pid": rank, "tid": 1,
-             "args": {}}], "otherData": {"ringcomm_rank": rank, "ringcomm_dropped_events": rank}}))
+        part.write_text(
+            json.dumps(
+                {
+                    "traceEvents": [
+                        {
+                            "name": "all_reduce",
+                            "ph": "X",
+                            "ts": 10.0 * rank,
+                            "dur": 5.0,
+                            "pid": rank,
+                            "tid": 1,
+                            "args": {},
+                        }
+                    ],
+                    "otherData": {"ringcomm_rank": rank, "ringcomm_dropped_events": rank},
+                }
+            )
+        )
         parts.append(str(part))
     out = tmp_path / "merged.json"
-    subprocess.run([sys.executable, TIMELINE, "merge", str(out), *parts], check=True,
-                   timeout=60, capture_output=True)
+    subprocess.run(
+        [sys.executable, TIMELINE, "merge", str(out), *parts],
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
     merged = json.loads(out.read_text())
     assert len(merged["traceEvents"]) == 2
-    assert merged["otherData"] == {"ringcomm_ranks": [0, 1], "ringcomm_dropped_events": 1,
-                                   "ringcomm_events": 2}
+    assert merged["otherData"] == {
+        "ringcomm_ranks": [0, 1],
+        "ringcomm_dropped_events": 1,
+        "ringcomm_events": 2,
+    }
     png = tmp_path / "t.png"
-    subprocess.run([sys.executable, TIMELINE, "plot", str(out), str(png), "--ranks", "1",
-                    "--from", "0", "--to", "12"], check=True, timeout=60, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            TIMELINE,
+            "plot",
+            str(out),
+            str(png),
+            "--ranks",
+            "1",
+            "--from",
+            "0",
+            "--to",
+            "12",
+        ],
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 

@@ -1,4 +1,5 @@
 """Transport settings: several sockets per peer (striping), bind address / interface choice."""
+
 import os
 
 import pytest
@@ -25,8 +26,11 @@ def striped_collectives(comm):
 
 @pytest.mark.parametrize("sockets", ["1", "3"])
 def test_sockets_per_peer(sockets):
-    env = {"RINGCOMM_SOCKETS_PER_PEER": sockets, "RINGCOMM_STRIPE_MIN_BYTES": "65536",
-           "RINGCOMM_TRANSPORT": "tcp"}  # striping is TCP's; local ranks would share memory
+    env = {
+        "RINGCOMM_SOCKETS_PER_PEER": sockets,
+        "RINGCOMM_STRIPE_MIN_BYTES": "65536",
+        "RINGCOMM_TRANSPORT": "tcp",
+    }  # striping is TCP's; local ranks would share memory
     assert all(run_ranks(3, striped_collectives, env=env))
 
 
@@ -37,9 +41,14 @@ def bound_address(comm):
     return fields["tcp"]
 
 
-@pytest.mark.parametrize("env,host", [({"RINGCOMM_SOCKET_ADDR": "127.0.0.1"}, "127.0.0.1"),
-                                      ({"RINGCOMM_SOCKET_IFNAME": "lo"}, "127.0.0.1"),
-                                      ({"MASTER_ADDR": "127.0.0.1"}, "127.0.0.1")])
+@pytest.mark.parametrize(
+    "env,host",
+    [
+        ({"RINGCOMM_SOCKET_ADDR": "127.0.0.1"}, "127.0.0.1"),
+        ({"RINGCOMM_SOCKET_IFNAME": "lo"}, "127.0.0.1"),
+        ({"MASTER_ADDR": "127.0.0.1"}, "127.0.0.1"),
+    ],
+)
 def test_bind_address_choice(env, host):
     for address in run_ranks(2, bound_address, env=env):
         assert address.rsplit(":", 1)[0] == host
@@ -47,6 +56,7 @@ def test_bind_address_choice(env, host):
 
 def bad_interface(store, rank, world):
     import ringcomm
+
     try:
         ringcomm.Communicator(store, rank, world)
     except ValueError as e:
@@ -55,8 +65,9 @@ def bad_interface(store, rank, world):
 
 
 def test_unknown_interface_is_a_clear_error():
-    messages = run_ranks(2, bad_interface, make_comm=False, env={"RINGCOMM_SOCKET_IFNAME": "nosuch0"},
-                         timeout=30)
+    messages = run_ranks(
+        2, bad_interface, make_comm=False, env={"RINGCOMM_SOCKET_IFNAME": "nosuch0"}, timeout=30
+    )
     assert all("nosuch0" in m for m in messages), messages
 
 
@@ -82,9 +93,13 @@ def test_a_rank_yields_its_cpu_only_to_ranks_of_its_host(same_host):
     # the CPU being otherwise idle, burns most of the wait); one on another host blocks at once.
     hold = 0.4
     hosts = {0: {"RINGCOMM_HOST_ID": "a"}, 1: {"RINGCOMM_HOST_ID": "a" if same_host else "b"}}
-    spent = run_ranks(2, cpu_while_waiting, hold, env={"RINGCOMM_YIELD_US": "5000000",
-                                                        "RINGCOMM_TRANSPORT": "tcp"},
-                      per_rank_env=hosts)[0]
+    spent = run_ranks(
+        2,
+        cpu_while_waiting,
+        hold,
+        env={"RINGCOMM_YIELD_US": "5000000", "RINGCOMM_TRANSPORT": "tcp"},
+        per_rank_env=hosts,
+    )[0]
     if same_host:
         assert spent > 0.25 * hold, spent
     else:
@@ -115,9 +130,12 @@ def test_a_rank_does_not_spin_while_a_peer_waits_on_its_cpu():
     # Both ranks on one CPU, with 200 us of spinning before a rank yields: spinning while the peer
     # waits for the CPU, each handoff would take the whole spin (400 us a call or more).
     spin_s = 200e-6
-    medians = run_ranks(2, stacked_calls, 101, env={"RINGCOMM_TRANSPORT": "shm",
-                                                     "RINGCOMM_SPIN_US": "200",
-                                                     "RINGCOMM_TUNING": "off"})
+    medians = run_ranks(
+        2,
+        stacked_calls,
+        101,
+        env={"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_SPIN_US": "200", "RINGCOMM_TUNING": "off"},
+    )
     assert all(m < spin_s / 2 for m in medians), medians
 
 
@@ -145,9 +163,16 @@ def stack_until_moved(comm, seconds):
 def test_the_higher_rank_moves_off_a_cpu_its_peer_waits_on(unstack):
     # Two ranks, two CPUs, both put on CPU 0: rank 1 moves its thread to CPU 1 and gives it its
     # CPU set back; rank 0 stays. RINGCOMM_SHM_UNSTACK=0: neither moves.
-    got = run_ranks(2, stack_until_moved, 3.0 if unstack == "1" else 0.3,
-                    env={"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_TUNING": "off",
-                         "RINGCOMM_SHM_UNSTACK": unstack})
+    got = run_ranks(
+        2,
+        stack_until_moved,
+        3.0 if unstack == "1" else 0.3,
+        env={
+            "RINGCOMM_TRANSPORT": "shm",
+            "RINGCOMM_TUNING": "off",
+            "RINGCOMM_SHM_UNSTACK": unstack,
+        },
+    )
     assert [cpus for _, cpus in got] == [[0, 1], [0, 1]]
     moves = [m for m, _ in got]
     assert moves[0] == 0 and (moves[1] >= 1 if unstack == "1" else moves[1] == 0), moves

@@ -29,6 +29,7 @@ new /dev/shm entry may remain.
 Exit status: 1 on a hang, or when detection p99 of the kill/close kinds exceeds --max-p99
 (1.5 s); --strict also fails on wrong/unclear errors and leftovers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,24 +59,44 @@ KIND_WEIGHTS = (0.35, 0.2, 0.2, 0.25)
 TRANSPORTS = ("shm", "tcp", "mixed")  # harness.rank_env's
 DETECT_KINDS = ("kill", "close_all", "close_one")  # the p99 bound applies to these
 # What a survivor must raise for each kind (ringcomm._C's classes, docs/reliability.md).
-ERROR_CLASS = {"kill": "PeerLostError", "close_all": "PeerLostError",
-               "close_one": "PeerLostError", "stall": "CollectiveTimeoutError"}
-GRACE_S = 5.0          # a process alive timeout + GRACE_S after the fault is a hang
+ERROR_CLASS = {
+    "kill": "PeerLostError",
+    "close_all": "PeerLostError",
+    "close_one": "PeerLostError",
+    "stall": "CollectiveTimeoutError",
+}
+GRACE_S = 5.0  # a process alive timeout + GRACE_S after the fault is a hang
 SETUP_TIMEOUT_S = 60.0  # all ranks up and connected
 STATUS_BYTES = 256
 
 # Element counts (float32) an op's main buffer may have: 4 B .. 8 MiB.
 SIZES = (1, 37, 1000, 16384, 65536, 262144, 1 << 20, 2 << 20)
 SIZE_WEIGHTS = (1, 1, 1, 1, 1, 2, 2, 1)
-OPS = ("all_reduce", "all_reduce_async", "broadcast", "reduce", "all_gather", "all_gatherv",
-       "reduce_scatter", "barrier", "gather", "scatter", "all_to_all", "sparse_all_reduce",
-       "all_reduce_coalesced", "broadcast_coalesced", "all_gather_coalesced", "send_recv")
+OPS = (
+    "all_reduce",
+    "all_reduce_async",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gatherv",
+    "reduce_scatter",
+    "barrier",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "sparse_all_reduce",
+    "all_reduce_coalesced",
+    "broadcast_coalesced",
+    "all_gather_coalesced",
+    "send_recv",
+)
 OP_WEIGHTS = (6, 2, 2, 1, 2, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1)
 ALGORITHMS = ("auto", "ring", "tree", "recursive_doubling", "shared_buffer")
 SPARSE_ALGORITHMS = ("auto", "ring", "sparse_gather", "sparse_ranges")
 
 
 # ---- /proc helpers ---------------------------------------------------------------------------
+
 
 def tcp_table() -> dict:
     """inode -> (state hex, local "ADDR:PORT" hex, remote) of every TCP socket in this netns."""
@@ -114,8 +135,11 @@ def socket_fds(pid="self") -> dict:
 
 
 def listening_ports() -> set:
-    return {int(local.rsplit(":", 1)[1], 16) for state, local, _ in tcp_table().values()
-            if state == "0A"}
+    return {
+        int(local.rsplit(":", 1)[1], 16)
+        for state, local, _ in tcp_table().values()
+        if state == "0A"
+    }
 
 
 def shm_entries() -> set:
@@ -161,6 +185,7 @@ def process_alive(pid: int) -> bool:
 
 
 # ---- the rank ------------------------------------------------------------------------------
+
 
 def shutdown_tcp_sockets(inodes=None) -> int:
     """Shuts down (both directions) every TCP socket this process holds, or those of `inodes`:
@@ -240,8 +265,9 @@ def make_op(rng: random.Random, world: int):
         desc = f"all_gatherv(counts={counts})"
 
         def run(comm, rank):
-            comm.all_gatherv(torch.empty(sum(counts), dtype=f32),
-                             torch.empty(counts[rank], dtype=f32), counts)
+            comm.all_gatherv(
+                torch.empty(sum(counts), dtype=f32), torch.empty(counts[rank], dtype=f32), counts
+            )
     elif name == "reduce_scatter":
         desc = f"reduce_scatter(n={per}x{world})"
 
@@ -268,8 +294,10 @@ def make_op(rng: random.Random, world: int):
         desc = f"all_to_all(n={per}x{world})"
 
         def run(comm, rank):
-            comm.all_to_all([torch.empty(per, dtype=f32) for _ in range(world)],
-                            [torch.empty(per, dtype=f32) for _ in range(world)])
+            comm.all_to_all(
+                [torch.empty(per, dtype=f32) for _ in range(world)],
+                [torch.empty(per, dtype=f32) for _ in range(world)],
+            )
     elif name == "sparse_all_reduce":
         algo = rng.choice(SPARSE_ALGORITHMS)
         numel = max(n, 16)
@@ -305,6 +333,7 @@ def make_op(rng: random.Random, world: int):
             w = comm.isend(torch.empty(n, dtype=f32), (rank + 1) % world)
             comm.recv(torch.empty(n, dtype=f32), (rank - 1) % world)
             w.wait()
+
     return desc, run
 
 
@@ -365,8 +394,16 @@ def rank_main(spec: dict, rank: int, path: str, status_path: str, conn):
             i += 1
     except BaseException as e:  # noqa: BLE001
         t = time.time()
-        report("error", rank, t, f"{type(e).__module__}.{type(e).__qualname__}",
-               isinstance(e, ringcomm.RingcommError), str(e), i, desc)
+        report(
+            "error",
+            rank,
+            t,
+            f"{type(e).__module__}.{type(e).__qualname__}",
+            isinstance(e, ringcomm.RingcommError),
+            str(e),
+            i,
+            desc,
+        )
     set_status(f"closing after op {i}: {desc}")
     start = time.monotonic()
     try:
@@ -382,6 +419,7 @@ def rank_main(spec: dict, rank: int, path: str, status_path: str, conn):
 
 
 # ---- the trial -----------------------------------------------------------------------------
+
 
 def peer_sockets(pids: dict, victim: int) -> dict:
     """peer rank -> inodes of the victim's TCP sockets connected to that peer."""
@@ -413,8 +451,12 @@ def run_trial(spec: dict) -> dict:
     shm_before, listen_before = shm_entries(), listening_ports()
     status_paths = [os.path.join(tmp, f"status.{r}") for r in range(world)]
     pipes = [CTX.Pipe() for _ in range(world)]
-    procs = [CTX.Process(target=rank_main, args=(spec, r, tmp, status_paths[r], pipes[r][1]),
-                         daemon=True) for r in range(world)]
+    procs = [
+        CTX.Process(
+            target=rank_main, args=(spec, r, tmp, status_paths[r], pipes[r][1]), daemon=True
+        )
+        for r in range(world)
+    ]
     rec = dict(spec, survivors=[], hangs=[], leftovers={}, victim_report=None, notes=[])
     started = time.monotonic()
     for p in procs:
@@ -464,24 +506,33 @@ def run_trial(spec: dict) -> dict:
     t_fault = None
     shm_used = set()
     try:
-        ok = pump(time.monotonic() + SETUP_TIMEOUT_S,
-                  lambda: len(ready) == world or setup_errors or
-                  any(p.exitcode is not None for p in procs))
+        ok = pump(
+            time.monotonic() + SETUP_TIMEOUT_S,
+            lambda: (
+                len(ready) == world or setup_errors or any(p.exitcode is not None for p in procs)
+            ),
+        )
         rec["setup_s"] = round(time.monotonic() - started, 3)
         if len(ready) < world:
-            rec["setup_failed"] = (f"{len(ready)}/{world} ranks ready; errors: {setup_errors}; "
-                                   f"exit codes {[p.exitcode for p in procs]}"
-                                   + ("" if ok else " (setup timed out)"))
+            rec["setup_failed"] = (
+                f"{len(ready)}/{world} ranks ready; errors: {setup_errors}; "
+                f"exit codes {[p.exitcode for p in procs]}" + ("" if ok else " (setup timed out)")
+            )
             return rec
         pids = {r: ready[r][0] for r in range(world)}
         rec["transports"] = ready[0][2]
-        ports = sorted({int(ready[r][1].split("tcp=", 1)[1].split(";")[0].rsplit(":", 1)[1])
-                        for r in range(world)})
+        ports = sorted(
+            {
+                int(ready[r][1].split("tcp=", 1)[1].split(";")[0].rsplit(":", 1)[1])
+                for r in range(world)
+            }
+        )
         rec["ports"] = ports
         still_listening = sorted(set(ports) & listening_ports())
         if still_listening:
-            rec["notes"].append(f"listening ports {still_listening} still open after the mesh "
-                                "was complete")
+            rec["notes"].append(
+                f"listening ports {still_listening} still open after the mesh was complete"
+            )
 
         pump(time.monotonic() + spec["delay"], lambda: bool(errors))
         if errors:  # before any fault: a bug in the library or the harness
@@ -492,8 +543,10 @@ def run_trial(spec: dict) -> dict:
         if kind == "close_one":
             by_peer = peer_sockets(pids, victim)
             if spec["peer"] not in by_peer:
-                rec["notes"].append(f"no socket found from rank {victim} to rank {spec['peer']}: "
-                                    f"{ {p: len(v) for p, v in by_peer.items()} }")
+                rec["notes"].append(
+                    f"no socket found from rank {victim} to rank {spec['peer']}: "
+                    f"{ {p: len(v) for p, v in by_peer.items()} }"
+                )
             socks = by_peer.get(spec["peer"], [])
             target = [random.Random(spec["op_seed"]).choice(socks)] if socks else []
             rec["sockets_to_peer"] = len(socks)
@@ -528,18 +581,35 @@ def run_trial(spec: dict) -> dict:
         for r in range(world):
             alive = procs[r].exitcode is None and process_alive(procs[r].pid)
             if alive and not (r == victim and kind == "stall"):
-                state = ("closing" if r in errors and r not in closed else
-                         "exiting" if r in closed else "running")
-                rec["hangs"].append({"rank": r, "state": state, "last_op": status_of(r),
-                                     "raised": errors[r][3] if r in errors else None})
+                state = (
+                    "closing"
+                    if r in errors and r not in closed
+                    else "exiting"
+                    if r in closed
+                    else "running"
+                )
+                rec["hangs"].append(
+                    {
+                        "rank": r,
+                        "state": state,
+                        "last_op": status_of(r),
+                        "raised": errors[r][3] if r in errors else None,
+                    }
+                )
         for r in survivors:
             s = {"rank": r, "exitcode": procs[r].exitcode, "last_op": status_of(r)}
             if r in errors:
                 t, etype, is_rc, text, op_index, op = errors[r]
-                s.update(error_type=etype, ringcomm_error=is_rc, text=text, op=op,
-                         detect_s=round(t - t_fault, 4),
-                         named=(etype == f"ringcomm._C.{ERROR_CLASS[kind]}"
-                                and names_rank(text, victim)))
+                s.update(
+                    error_type=etype,
+                    ringcomm_error=is_rc,
+                    text=text,
+                    op=op,
+                    detect_s=round(t - t_fault, 4),
+                    named=(
+                        etype == f"ringcomm._C.{ERROR_CLASS[kind]}" and names_rank(text, victim)
+                    ),
+                )
                 if t < t_fault:
                     s["outcome"] = "early"
                 elif s["named"]:
@@ -557,12 +627,18 @@ def run_trial(spec: dict) -> dict:
             rec["survivors"].append(s)
         if victim in errors:
             t, etype, is_rc, text, op_index, op = errors[victim]
-            rec["victim_report"] = {"error_type": etype, "text": text, "op": op,
-                                    "after_s": round(t - t_fault, 4)}
+            rec["victim_report"] = {
+                "error_type": etype,
+                "text": text,
+                "op": op,
+                "after_s": round(t - t_fault, 4),
+            }
         if shutdown_done:
-            rec["shutdown"] = {"after_s": round(shutdown_done[0] - t_fault, 4),
-                               "took_s": round(shutdown_done[1] - shutdown_done[0], 4),
-                               "sockets": shutdown_done[2]}
+            rec["shutdown"] = {
+                "after_s": round(shutdown_done[0] - t_fault, 4),
+                "took_s": round(shutdown_done[1] - shutdown_done[0], 4),
+                "sockets": shutdown_done[2],
+            }
     finally:
         for p in procs:
             if p.exitcode is None:
@@ -595,22 +671,42 @@ def run_trial(spec: dict) -> dict:
 
 # ---- plans ---------------------------------------------------------------------------------
 
-def make_spec(index: int, rng: random.Random, kind: str, transport: str, world: int,
-              timeout: float, stall_timeout: float, max_delay: float) -> dict:
+
+def make_spec(
+    index: int,
+    rng: random.Random,
+    kind: str,
+    transport: str,
+    world: int,
+    timeout: float,
+    stall_timeout: float,
+    max_delay: float,
+) -> dict:
     victim = rng.randrange(world)
     peer = rng.choice([r for r in range(world) if r != victim])
     sockets = rng.choice((1, 1, 2)) if transport != "shm" else 1
-    env = [dict(rank_env(transport, r, world), RINGCOMM_SOCKETS_PER_PEER=str(sockets))
-           for r in range(world)]
-    return {"index": index, "kind": kind, "transport": transport, "world": world,
-            "victim": victim, "peer": peer if kind == "close_one" else None,
-            "delay": round(rng.uniform(0.05, max_delay), 3),
-            "timeout": stall_timeout if kind == "stall" else timeout,
-            "sockets_per_peer": sockets, "op_seed": rng.getrandbits(32), "env": env}
+    env = [
+        dict(rank_env(transport, r, world), RINGCOMM_SOCKETS_PER_PEER=str(sockets))
+        for r in range(world)
+    ]
+    return {
+        "index": index,
+        "kind": kind,
+        "transport": transport,
+        "world": world,
+        "victim": victim,
+        "peer": peer if kind == "close_one" else None,
+        "delay": round(rng.uniform(0.05, max_delay), 3),
+        "timeout": stall_timeout if kind == "stall" else timeout,
+        "sockets_per_peer": sockets,
+        "op_seed": rng.getrandbits(32),
+        "env": env,
+    }
 
 
-def random_plan(trials: int, seed: int, kinds, transports, worlds, timeout, stall_timeout,
-                max_delay) -> list:
+def random_plan(
+    trials: int, seed: int, kinds, transports, worlds, timeout, stall_timeout, max_delay
+) -> list:
     rng = random.Random(seed)
     weights = [KIND_WEIGHTS[KINDS.index(k)] for k in kinds]
     plan = []
@@ -624,19 +720,32 @@ def random_plan(trials: int, seed: int, kinds, transports, worlds, timeout, stal
 
 
 # The short fixed selection tests/faults runs: each kind x transport once, world sizes 2-4.
-CI_PLAN = [("kill", "shm", 2), ("kill", "tcp", 3), ("kill", "mixed", 4),
-           ("close_all", "shm", 3), ("close_all", "tcp", 2), ("close_all", "mixed", 3),
-           ("close_one", "shm", 4), ("close_one", "tcp", 3), ("close_one", "mixed", 4),
-           ("stall", "shm", 2), ("stall", "tcp", 3), ("stall", "mixed", 3)]
+CI_PLAN = [
+    ("kill", "shm", 2),
+    ("kill", "tcp", 3),
+    ("kill", "mixed", 4),
+    ("close_all", "shm", 3),
+    ("close_all", "tcp", 2),
+    ("close_all", "mixed", 3),
+    ("close_one", "shm", 4),
+    ("close_one", "tcp", 3),
+    ("close_one", "mixed", 4),
+    ("stall", "shm", 2),
+    ("stall", "tcp", 3),
+    ("stall", "mixed", 3),
+]
 
 
 def ci_plan(seed: int, timeout: float, stall_timeout: float) -> list:
     rng = random.Random(seed)
-    return [make_spec(i, rng, k, t, w, timeout, stall_timeout, 0.5)
-            for i, (k, t, w) in enumerate(CI_PLAN)]
+    return [
+        make_spec(i, rng, k, t, w, timeout, stall_timeout, 0.5)
+        for i, (k, t, w) in enumerate(CI_PLAN)
+    ]
 
 
 # ---- report --------------------------------------------------------------------------------
+
 
 def percentile(values, q):
     """Nearest-rank percentile; None for no values."""
@@ -652,13 +761,20 @@ def summarize(trials: list) -> dict:
         for key in ((t["kind"], t["transport"]), (t["kind"], "all")):
             groups.setdefault(key, []).append(t)
     out = {}
-    for (kind, transport), ts in sorted(groups.items(), key=lambda kv: (KINDS.index(kv[0][0]),
-                                                                        kv[0][1] == "all", kv[0][1])):
+    for (kind, transport), ts in sorted(
+        groups.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1] == "all", kv[0][1])
+    ):
         surv = [s for t in ts for s in t["survivors"]]
-        det = [s["detect_s"] - (t["timeout"] if kind == "stall" else 0)
-               for t in ts for s in t["survivors"] if s.get("outcome") in ("named", "wrong")]
+        det = [
+            s["detect_s"] - (t["timeout"] if kind == "stall" else 0)
+            for t in ts
+            for s in t["survivors"]
+            if s.get("outcome") in ("named", "wrong")
+        ]
         out[f"{kind}/{transport}"] = {
-            "kind": kind, "transport": transport, "trials": len(ts),
+            "kind": kind,
+            "transport": transport,
+            "trials": len(ts),
             "setup_failed": sum("setup_failed" in t for t in ts),
             "survivors": len(surv),
             "named": sum(s["outcome"] == "named" for s in surv),
@@ -666,7 +782,8 @@ def summarize(trials: list) -> dict:
             "hangs": sum(len(t["hangs"]) for t in ts),
             "hung_trials": sum(bool(t["hangs"]) for t in ts),
             "leftovers": sum(bool(t["leftovers"]) for t in ts),
-            "p50_s": percentile(det, 50), "p99_s": percentile(det, 99),
+            "p50_s": percentile(det, 50),
+            "p99_s": percentile(det, 99),
             "max_s": max(det) if det else None,
         }
     return out
@@ -677,28 +794,40 @@ def fmt_s(v):
 
 
 def print_table(summary: dict, file=sys.stdout):
-    head = (f"{'kind':<10} {'transport':<9} {'trials':>6} {'surv':>5} {'named':>5} {'wrong':>5} "
-            f"{'hangs':>5} {'left':>4} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}")
+    head = (
+        f"{'kind':<10} {'transport':<9} {'trials':>6} {'surv':>5} {'named':>5} {'wrong':>5} "
+        f"{'hangs':>5} {'left':>4} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}"
+    )
     print(head, file=file)
     print("-" * len(head), file=file)
     for g in summary.values():
-        print(f"{g['kind']:<10} {g['transport']:<9} {g['trials']:>6} {g['survivors']:>5} "
-              f"{g['named']:>5} {g['wrong']:>5} {g['hangs']:>5} {g['leftovers']:>4} "
-              f"{fmt_s(g['p50_s']):>7} {fmt_s(g['p99_s']):>7} {fmt_s(g['max_s']):>7}", file=file)
-    print("(stall: times are past the communicator timeout; surv = ranks other than the victim; "
-          "wrong = raised without naming the victim, or not the fault's RingcommError class, or "
-          "crashed)", file=file)
+        print(
+            f"{g['kind']:<10} {g['transport']:<9} {g['trials']:>6} {g['survivors']:>5} "
+            f"{g['named']:>5} {g['wrong']:>5} {g['hangs']:>5} {g['leftovers']:>4} "
+            f"{fmt_s(g['p50_s']):>7} {fmt_s(g['p99_s']):>7} {fmt_s(g['max_s']):>7}",
+            file=file,
+        )
+    print(
+        "(stall: times are past the communicator timeout; surv = ranks other than the victim; "
+        "wrong = raised without naming the victim, or not the fault's RingcommError class, or "
+        "crashed)",
+        file=file,
+    )
 
 
 def trial_line(t: dict) -> str:
-    head = (f"#{t['index']:<3} {t['kind']:<9} {t['transport']:<5} n={t['world']} "
-            f"victim={t['victim']}" + (f" peer={t['peer']}" if t["peer"] is not None else ""))
+    head = (
+        f"#{t['index']:<3} {t['kind']:<9} {t['transport']:<5} n={t['world']} "
+        f"victim={t['victim']}" + (f" peer={t['peer']}" if t["peer"] is not None else "")
+    )
     if "setup_failed" in t:
         return f"{head}  SETUP FAILED: {t['setup_failed'][:300]}"
     det = [s.get("detect_s") for s in t["survivors"]]
     outs = ",".join(s["outcome"] for s in t["survivors"])
-    line = (f"{head}  {outs}  detect={[None if d is None else round(d, 3) for d in det]}  "
-            f"({t['duration_s']:.1f}s)  at: {t.get('op_at_fault', '?')[:70]}")
+    line = (
+        f"{head}  {outs}  detect={[None if d is None else round(d, 3) for d in det]}  "
+        f"({t['duration_s']:.1f}s)  at: {t.get('op_at_fault', '?')[:70]}"
+    )
     if t["hangs"]:
         line += f"  HANG {t['hangs']}"
     if t["leftovers"]:
@@ -709,8 +838,9 @@ def trial_line(t: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every trial and the summary here")
@@ -722,19 +852,32 @@ def main(argv=None) -> int:
     ap.add_argument("--stall-timeout", type=float, default=2.0, help="communicator timeout, stall")
     ap.add_argument("--max-delay", type=float, default=1.2, help="latest fault, s after setup")
     ap.add_argument("--max-p99", type=float, default=1.5, help="detection bound, kill/close (s)")
-    ap.add_argument("--strict", action="store_true",
-                    help="also fail on wrong/unclear errors, crashes and leftovers")
-    ap.add_argument("--only", help="run only these trials of the plan (indices, comma-separated): "
-                    "to reproduce one, give the same plan options and --seed")
+    ap.add_argument(
+        "--strict",
+        action="store_true",
+        help="also fail on wrong/unclear errors, crashes and leftovers",
+    )
+    ap.add_argument(
+        "--only",
+        help="run only these trials of the plan (indices, comma-separated): "
+        "to reproduce one, give the same plan options and --seed",
+    )
     ap.add_argument("-q", "--quiet", action="store_true", help="no line per trial")
     args = ap.parse_args(argv)
 
     if args.ci:
         plan = ci_plan(args.seed, args.timeout, args.stall_timeout)
     else:
-        plan = random_plan(args.trials, args.seed, args.kinds.split(","),
-                           args.transports.split(","), [int(w) for w in args.worlds.split(",")],
-                           args.timeout, args.stall_timeout, args.max_delay)
+        plan = random_plan(
+            args.trials,
+            args.seed,
+            args.kinds.split(","),
+            args.transports.split(","),
+            [int(w) for w in args.worlds.split(",")],
+            args.timeout,
+            args.stall_timeout,
+            args.max_delay,
+        )
     if args.only:
         keep = {int(i) for i in args.only.split(",")}
         plan = [spec for spec in plan if spec["index"] in keep]
@@ -751,25 +894,37 @@ def main(argv=None) -> int:
     print()
     print_table(summary)
     hangs = sum(len(t["hangs"]) for t in trials)
-    det = [s["detect_s"] for t in trials if t["kind"] in DETECT_KINDS
-           for s in t["survivors"] if s.get("outcome") in ("named", "wrong")]
+    det = [
+        s["detect_s"]
+        for t in trials
+        if t["kind"] in DETECT_KINDS
+        for s in t["survivors"]
+        if s.get("outcome") in ("named", "wrong")
+    ]
     p99 = percentile(det, 99)
     wrong = sum(s["outcome"] != "named" for t in trials for s in t["survivors"])
     leftovers = sum(bool(t["leftovers"]) for t in trials)
     setup_failed = sum("setup_failed" in t for t in trials)
-    print(f"\n{len(trials)} trials in {wall:.0f} s; hangs {hangs}; kill/close detection "
-          f"p50 {fmt_s(percentile(det, 50))} ms, p99 {fmt_s(p99)} ms over {len(det)} survivors; "
-          f"wrong/unclear {wrong}; trials with leftovers {leftovers}; setup failures {setup_failed}")
+    print(
+        f"\n{len(trials)} trials in {wall:.0f} s; hangs {hangs}; kill/close detection "
+        f"p50 {fmt_s(percentile(det, 50))} ms, p99 {fmt_s(p99)} ms over {len(det)} survivors; "
+        f"wrong/unclear {wrong}; trials with leftovers {leftovers}; setup failures {setup_failed}"
+    )
     unclear = [(t, s) for t in trials for s in t["survivors"] if s["outcome"] != "named"]
     if unclear:
         print(f"\nsurvivors whose error does not name the victim ({len(unclear)}; first 5):")
         for t, s in unclear[:5]:
-            print(f"  #{t['index']} {t['kind']} {t['transport']} n={t['world']} victim={t['victim']} "
-                  f"rank {s['rank']} ({s['outcome']}): {s.get('text', s.get('last_op', ''))[:200]}")
+            print(
+                f"  #{t['index']} {t['kind']} {t['transport']} n={t['world']} victim={t['victim']} "
+                f"rank {s['rank']} ({s['outcome']}): {s.get('text', s.get('last_op', ''))[:200]}"
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "wall_s": wall, "summary": summary, "trials": trials},
-                      f, indent=1)
+            json.dump(
+                {"args": vars(args), "wall_s": wall, "summary": summary, "trials": trials},
+                f,
+                indent=1,
+            )
     failed = hangs > 0 or (p99 is not None and p99 > args.max_p99) or setup_failed > 0
     if args.strict:
         failed = failed or wrong > 0 or leftovers > 0

@@ -5,6 +5,7 @@ temporary directory.
 The checks' own processes never import ringcomm: only their ranks load the extension, so that a
 check outlives a rank that crashes and reports the crash.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,6 +37,7 @@ def connect(path: str, rank: int, world: int, timeout_s: float, name: str):
 
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(path, "store"), world)
-    comm = ringcomm.Communicator(store, rank, world, timeout=timedelta(seconds=timeout_s),
-                                 name=name)
+    comm = ringcomm.Communicator(
+        store, rank, world, timeout=timedelta(seconds=timeout_s), name=name
+    )
     return store, comm

@@ -23,6 +23,7 @@ Exit status: 0 if every result was right, no rank's RSS grew by --max-rss-growth
 no rank's fd count changed by more than --max-fd-growth; 1 otherwise; 2 if a rank failed or hung
 (past --deadline).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,25 +45,55 @@ import torch
 
 from harness import TRANSPORTS, connect, rank_env
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
-          torch.int8, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 FLOAT_OPS = ["sum", "sum", "avg", "prod", "min", "max"]  # sum twice: the op that matters most
 INT_OPS = FLOAT_OPS + ["band", "bor", "bxor"]
 BOOL_OPS = [op for op in INT_OPS if op != "avg"]  # avg is undefined on bool
 BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
-EXACT = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum,
-         "min": torch.minimum}
+EXACT = {
+    "sum": torch.add,
+    "avg": torch.add,
+    "prod": torch.mul,
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
 ALGORITHMS = ["auto", "ring", "tree", "recursive_doubling"]
 BUCKET_BYTES = [4 << 10, 64 << 10, 1 << 20, 25 << 20]
 # Collective -> weight in the mix.
-KINDS = {"all_reduce": 6, "reduce_scatter": 2, "all_gather": 2, "all_gatherv": 1, "broadcast": 2,
-         "reduce": 2, "gather": 1, "scatter": 1, "all_to_all": 1, "barrier": 1,
-         "all_reduce_coalesced": 1, "broadcast_coalesced": 1, "all_gather_coalesced": 1}
+KINDS = {
+    "all_reduce": 6,
+    "reduce_scatter": 2,
+    "all_gather": 2,
+    "all_gatherv": 1,
+    "broadcast": 2,
+    "reduce": 2,
+    "gather": 1,
+    "scatter": 1,
+    "all_to_all": 1,
+    "barrier": 1,
+    "all_reduce_coalesced": 1,
+    "broadcast_coalesced": 1,
+    "all_gather_coalesced": 1,
+}
 ASYNC_SHARE = 0.25
 MAX_IN_FLIGHT = 8
 # Same-size integer views: torch.equal on floats would call -0.0 and 0.0 equal.
-BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
-        torch.bfloat16: torch.int16}
+BITS = {
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 LIBC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 MAX_RANKS = 15  # float16 products of up to 15 twos are exact; sums (<= 4 per rank) are too
 
@@ -71,7 +102,7 @@ def raw(rank, n, salt, op, start=0):
     """Rank `rank`'s input values (int32) at positions start..start+n: below 5 (below 3 for prod:
     products of 0, 1 and 2 are 0 or powers of two), so results are exact in every dtype."""
     mod = 3 if op == "prod" else 5
-    return ((torch.arange(start, start + n, dtype=torch.int32) * 7 + rank * 3 + salt) % mod)
+    return (torch.arange(start, start + n, dtype=torch.int32) * 7 + rank * 3 + salt) % mod
 
 
 def fill(rank, n, dtype, salt, op="sum", start=0):
@@ -140,46 +171,65 @@ class Soak:
         count, algo = self.count(dtype), self.rng.choice(ALGORITHMS)
         t = fill(self.r, count, dtype, salt, op)
         work = self.comm.all_reduce(t, op=op, algorithm=algo, async_op=async_op)
-        return work, f"{dtype} x{count} op={op} {algo}", \
-            lambda: same(t, self.expect(op, count, dtype, salt))
+        return (
+            work,
+            f"{dtype} x{count} op={op} {algo}",
+            lambda: same(t, self.expect(op, count, dtype, salt)),
+        )
 
     def reduce_scatter(self, salt, async_op):
         dtype, op = self.dtype_and_op()
         count, as_list = self.count(dtype, self.n), self.rng.random() < 0.3
         inp = fill(self.r, count * self.n, dtype, salt, op)
         out = torch.empty(count, dtype=dtype)
-        work = self.comm.reduce_scatter(out, list(inp.view(self.n, count)) if as_list else inp,
-                                        op=op, async_op=async_op)
-        return work, f"{dtype} x{count} op={op} list={as_list}", \
-            lambda: same(out, self.expect(op, count, dtype, salt, self.r * count))
+        work = self.comm.reduce_scatter(
+            out, list(inp.view(self.n, count)) if as_list else inp, op=op, async_op=async_op
+        )
+        return (
+            work,
+            f"{dtype} x{count} op={op} list={as_list}",
+            lambda: same(out, self.expect(op, count, dtype, salt, self.r * count)),
+        )
 
     def all_gather(self, salt, async_op):
         dtype = self.rng.choice(DTYPES)
         count, as_list = self.count(dtype, self.n), self.rng.random() < 0.3
-        out = ([torch.empty(count, dtype=dtype) for _ in range(self.n)] if as_list
-               else torch.empty(count * self.n, dtype=dtype))
+        out = (
+            [torch.empty(count, dtype=dtype) for _ in range(self.n)]
+            if as_list
+            else torch.empty(count * self.n, dtype=dtype)
+        )
         work = self.comm.all_gather(out, fill(self.r, count, dtype, salt), async_op=async_op)
 
         def check():
             want = [fill(q, count, dtype, salt) for q in range(self.n)]
             return all(map(same, out, want)) if as_list else same(out, torch.cat(want))
+
         return work, f"{dtype} x{count} list={as_list}", check
 
     def all_gatherv(self, salt, async_op):
         dtype = self.rng.choice(DTYPES)
         counts = [self.count(dtype, self.n) for _ in range(self.n)]
         out = torch.empty(sum(counts), dtype=dtype)
-        work = self.comm.all_gatherv(out, fill(self.r, counts[self.r], dtype, salt), counts,
-                                     async_op=async_op)
-        return work, f"{dtype} counts={counts}", \
-            lambda: same(out, torch.cat([fill(q, c, dtype, salt) for q, c in enumerate(counts)]))
+        work = self.comm.all_gatherv(
+            out, fill(self.r, counts[self.r], dtype, salt), counts, async_op=async_op
+        )
+        return (
+            work,
+            f"{dtype} counts={counts}",
+            lambda: same(out, torch.cat([fill(q, c, dtype, salt) for q, c in enumerate(counts)])),
+        )
 
     def broadcast(self, salt, async_op):
         dtype = self.rng.choice(DTYPES)
         count, root = self.count(dtype), self.rng.randrange(self.n)
         t = fill(self.r, count, dtype, salt)
         work = self.comm.broadcast(t, root, async_op=async_op)
-        return work, f"{dtype} x{count} root={root}", lambda: same(t, fill(root, count, dtype, salt))
+        return (
+            work,
+            f"{dtype} x{count} root={root}",
+            lambda: same(t, fill(root, count, dtype, salt)),
+        )
 
     def reduce(self, salt, async_op):
         dtype, op = self.dtype_and_op()
@@ -187,26 +237,44 @@ class Soak:
         t = fill(self.r, count, dtype, salt, op)
         work = self.comm.reduce(t, root, op=op, async_op=async_op)
         # Off the root the input must come back untouched.
-        return work, f"{dtype} x{count} op={op} root={root}", lambda: same(
-            t, self.expect(op, count, dtype, salt) if self.r == root
-            else fill(self.r, count, dtype, salt, op))
+        return (
+            work,
+            f"{dtype} x{count} op={op} root={root}",
+            lambda: same(
+                t,
+                self.expect(op, count, dtype, salt)
+                if self.r == root
+                else fill(self.r, count, dtype, salt, op),
+            ),
+        )
 
     def gather(self, salt, async_op):
         dtype = self.rng.choice(DTYPES)
         count, root = self.count(dtype, self.n), self.rng.randrange(self.n)
         outs = [torch.empty(count, dtype=dtype) for _ in range(self.n)] if self.r == root else None
         work = self.comm.gather(fill(self.r, count, dtype, salt), outs, root, async_op=async_op)
-        return work, f"{dtype} x{count} root={root}", lambda: self.r != root or all(
-            same(t, fill(q, count, dtype, salt)) for q, t in enumerate(outs))
+        return (
+            work,
+            f"{dtype} x{count} root={root}",
+            lambda: (
+                self.r != root
+                or all(same(t, fill(q, count, dtype, salt)) for q, t in enumerate(outs))
+            ),
+        )
 
     def scatter(self, salt, async_op):
         dtype = self.rng.choice(DTYPES)
         count, root = self.count(dtype, self.n), self.rng.randrange(self.n)
-        ins = [fill(root, count, dtype, salt + q) for q in range(self.n)] if self.r == root else None
+        ins = (
+            [fill(root, count, dtype, salt + q) for q in range(self.n)] if self.r == root else None
+        )
         out = torch.empty(count, dtype=dtype)
         work = self.comm.scatter(ins, out, root, async_op=async_op)
-        return work, f"{dtype} x{count} root={root}", \
-            lambda: same(out, fill(root, count, dtype, salt + self.r))
+        return (
+            work,
+            f"{dtype} x{count} root={root}",
+            lambda: same(out, fill(root, count, dtype, salt + self.r)),
+        )
 
     def all_to_all(self, salt, async_op):
         """Uneven blocks: sizes[q][p] elements go from rank q to rank p."""
@@ -216,8 +284,11 @@ class Soak:
         ins = [fill(r, sizes[r][p], dtype, salt + p) for p in range(self.n)]
         outs = [torch.empty(sizes[q][r], dtype=dtype) for q in range(self.n)]
         work = self.comm.all_to_all(outs, ins, async_op=async_op)
-        return work, f"{dtype} sizes={sizes}", lambda: all(
-            same(t, fill(q, sizes[q][r], dtype, salt + r)) for q, t in enumerate(outs))
+        return (
+            work,
+            f"{dtype} sizes={sizes}",
+            lambda: all(same(t, fill(q, sizes[q][r], dtype, salt + r)) for q, t in enumerate(outs)),
+        )
 
     def barrier(self, salt, async_op):
         return self.comm.barrier(async_op=async_op), "", lambda: True
@@ -230,24 +301,39 @@ class Soak:
 
     def all_reduce_coalesced(self, salt, async_op):
         op = self.rng.choice(INT_OPS)
-        allowed = (DTYPES[:4] if op == "avg" else [d for d in DTYPES if not d.is_floating_point]
-                   if op in BITWISE else DTYPES)
+        allowed = (
+            DTYPES[:4]
+            if op == "avg"
+            else [d for d in DTYPES if not d.is_floating_point]
+            if op in BITWISE
+            else DTYPES
+        )
         dtypes, counts = self.tensor_list(allowed)
         bucket = self.rng.choice(BUCKET_BYTES)
         ts = [fill(self.r, c, d, salt + i, op) for i, (d, c) in enumerate(zip(dtypes, counts))]
         work = self.comm.all_reduce_coalesced(ts, op=op, bucket_bytes=bucket, async_op=async_op)
-        return work, f"op={op} bucket={bucket} {list(zip(dtypes, counts))}", lambda: all(
-            same(t, self.expect(op, c, d, salt + i))
-            for i, (t, d, c) in enumerate(zip(ts, dtypes, counts)))
+        return (
+            work,
+            f"op={op} bucket={bucket} {list(zip(dtypes, counts))}",
+            lambda: all(
+                same(t, self.expect(op, c, d, salt + i))
+                for i, (t, d, c) in enumerate(zip(ts, dtypes, counts))
+            ),
+        )
 
     def broadcast_coalesced(self, salt, async_op):
         dtypes, counts = self.tensor_list(DTYPES)
         root, bucket = self.rng.randrange(self.n), self.rng.choice(BUCKET_BYTES)
         ts = [fill(self.r, c, d, salt + i) for i, (d, c) in enumerate(zip(dtypes, counts))]
         work = self.comm.broadcast_coalesced(ts, root, bucket_bytes=bucket, async_op=async_op)
-        return work, f"root={root} bucket={bucket} {list(zip(dtypes, counts))}", lambda: all(
-            same(t, fill(root, c, d, salt + i))
-            for i, (t, d, c) in enumerate(zip(ts, dtypes, counts)))
+        return (
+            work,
+            f"root={root} bucket={bucket} {list(zip(dtypes, counts))}",
+            lambda: all(
+                same(t, fill(root, c, d, salt + i))
+                for i, (t, d, c) in enumerate(zip(ts, dtypes, counts))
+            ),
+        )
 
     def all_gather_coalesced(self, salt, async_op):
         dtypes, counts = self.tensor_list(DTYPES)
@@ -255,9 +341,15 @@ class Soak:
         ins = [fill(self.r, c, d, salt + i) for i, (d, c) in enumerate(zip(dtypes, counts))]
         outs = [[torch.empty(c, dtype=d) for d, c in zip(dtypes, counts)] for _ in range(self.n)]
         work = self.comm.all_gather_coalesced(outs, ins, bucket_bytes=bucket, async_op=async_op)
-        return work, f"bucket={bucket} {list(zip(dtypes, counts))}", lambda: all(
-            same(t, fill(q, c, d, salt + i)) for q in range(self.n)
-            for i, (t, d, c) in enumerate(zip(outs[q], dtypes, counts)))
+        return (
+            work,
+            f"bucket={bucket} {list(zip(dtypes, counts))}",
+            lambda: all(
+                same(t, fill(q, c, d, salt + i))
+                for q in range(self.n)
+                for i, (t, d, c) in enumerate(zip(outs[q], dtypes, counts))
+            ),
+        )
 
 
 def rank_main(args) -> None:
@@ -268,8 +360,10 @@ def rank_main(args) -> None:
     kinds, weights = list(KINDS), list(KINDS.values())
     warmup = max(1, round(args.steps * args.warmup))
     sample_at = {0, warmup, *range(args.sample_every, args.steps, args.sample_every)}
-    ops = {kind: {"calls": 0, "async": 0, "blocking_s": 0.0, "max_ms": 0.0, "slowest": ""}
-           for kind in KINDS}
+    ops = {
+        kind: {"calls": 0, "async": 0, "blocking_s": 0.0, "max_ms": 0.0, "slowest": ""}
+        for kind in KINDS
+    }
     wrong, errors, samples, pending = 0, [], [], []
 
     def verify(step, kind, desc, check):
@@ -319,8 +413,18 @@ def rank_main(args) -> None:
     transports = comm.transports
     comm.close()
     with open(os.path.join(args.workdir, f"rank{r}.json"), "w") as f:
-        json.dump({"rank": r, "wrong": wrong, "errors": errors, "ops": ops, "samples": samples,
-                   "warmup_step": warmup, "transports": transports}, f)
+        json.dump(
+            {
+                "rank": r,
+                "wrong": wrong,
+                "errors": errors,
+                "ops": ops,
+                "samples": samples,
+                "warmup_step": warmup,
+                "transports": transports,
+            },
+            f,
+        )
 
 
 def soak_env(args, r) -> dict:
@@ -335,8 +439,12 @@ def soak_env(args, r) -> dict:
 
 
 def exits(procs) -> str:
-    return ", ".join(f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0
-                     else f"exit code {p.returncode}, traceback above" for p in procs)
+    return ", ".join(
+        f"killed by {signal.Signals(-p.returncode).name}"
+        if p.returncode < 0
+        else f"exit code {p.returncode}, traceback above"
+        for p in procs
+    )
 
 
 def launch(args, argv) -> int:
@@ -344,20 +452,38 @@ def launch(args, argv) -> int:
     prints the summary. Returns the exit status."""
     workdir = tempfile.mkdtemp(prefix="ringcomm-soak-")
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--rank", str(r),
-                               "--workdir", workdir], env=soak_env(args, r))
-             for r in range(args.ranks)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                *argv,
+                "--rank",
+                str(r),
+                "--workdir",
+                workdir,
+            ],
+            env=soak_env(args, r),
+        )
+        for r in range(args.ranks)
+    ]
     try:
         while any(p.poll() is None for p in procs):
             failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
             if failed:
-                print(f"soak: rank(s) {failed} failed ({exits(procs[r] for r in failed)}): "
-                      "stopping the rest", file=sys.stderr)
+                print(
+                    f"soak: rank(s) {failed} failed ({exits(procs[r] for r in failed)}): "
+                    "stopping the rest",
+                    file=sys.stderr,
+                )
                 return 2
             if time.monotonic() - start > args.deadline:
                 hung = [r for r, p in enumerate(procs) if p.poll() is None]
-                print(f"soak: rank(s) {hung} still running after --deadline {args.deadline:.0f} s "
-                      "(a hang?): killed", file=sys.stderr)
+                print(
+                    f"soak: rank(s) {hung} still running after --deadline {args.deadline:.0f} s "
+                    "(a hang?): killed",
+                    file=sys.stderr,
+                )
                 return 2
             time.sleep(0.2)
         wall = time.monotonic() - start
@@ -383,9 +509,19 @@ def summarize(args, results, wall) -> int:
         by_step = {s[0]: s for s in res["samples"]}
         _, rss0, fds0 = by_step[res["warmup_step"]]
         _, rss1, fds1 = by_step[args.steps]
-        per_rank.append({"rank": res["rank"], "wrong": res["wrong"], "rss_warm_mb": rss0,
-                         "rss_end_mb": rss1, "rss_growth_mb": rss1 - rss0, "fds_warm": fds0,
-                         "fds_end": fds1, "fd_growth": fds1 - fds0, "samples": res["samples"]})
+        per_rank.append(
+            {
+                "rank": res["rank"],
+                "wrong": res["wrong"],
+                "rss_warm_mb": rss0,
+                "rss_end_mb": rss1,
+                "rss_growth_mb": rss1 - rss0,
+                "fds_warm": fds0,
+                "fds_end": fds1,
+                "fd_growth": fds1 - fds0,
+                "samples": res["samples"],
+            }
+        )
     wrong = sum(p["wrong"] for p in per_rank)
     rss_growth = max(p["rss_growth_mb"] for p in per_rank)
     fd_growth = max((p["fd_growth"] for p in per_rank), key=abs)
@@ -399,39 +535,66 @@ def summarize(args, results, wall) -> int:
     ops = results[0]["ops"]  # every rank issues the same calls; times are rank 0's
     warm = results[0]["warmup_step"]
 
-    print(f"# soak: {args.ranks} ranks, {args.steps} steps, seed {args.seed}, transport "
-          f"{args.transport}{f', {args.hosts} hosts' if args.hosts else ''}, buffers up to "
-          f"{args.max_mib:g} MiB; wall {wall:.1f} s")
+    print(
+        f"# soak: {args.ranks} ranks, {args.steps} steps, seed {args.seed}, transport "
+        f"{args.transport}{f', {args.hosts} hosts' if args.hosts else ''}, buffers up to "
+        f"{args.max_mib:g} MiB; wall {wall:.1f} s"
+    )
     for res in results:  # what --transport and --hosts gave: each rank's transport to each peer
         print(f"# rank {res['rank']} to ranks 0..{args.ranks - 1}: {' '.join(res['transports'])}")
-    print(f"# {'collective':<22} {'calls':>6} {'async':>6} {'mean ms':>8} {'max ms':>8}  "
-          "slowest (blocking calls)")
+    print(
+        f"# {'collective':<22} {'calls':>6} {'async':>6} {'mean ms':>8} {'max ms':>8}  "
+        "slowest (blocking calls)"
+    )
     for kind, o in ops.items():
         blocking = o["calls"] - o["async"]
         mean = o["blocking_s"] * 1e3 / blocking if blocking else 0.0
-        print(f"  {kind:<22} {o['calls']:>6} {o['async']:>6} {mean:>8.2f} {o['max_ms']:>8.1f}  "
-              f"{o['slowest'][:70]}")
-    print(f"# {'rank':>4} {'wrong':>6} {f'RSS@{warm} MB':>12} {'RSS@end MB':>11} {'growth':>7} "
-          f"{f'fds@{warm}':>9} {'fds@end':>8} {'growth':>7}")
+        print(
+            f"  {kind:<22} {o['calls']:>6} {o['async']:>6} {mean:>8.2f} {o['max_ms']:>8.1f}  "
+            f"{o['slowest'][:70]}"
+        )
+    print(
+        f"# {'rank':>4} {'wrong':>6} {f'RSS@{warm} MB':>12} {'RSS@end MB':>11} {'growth':>7} "
+        f"{f'fds@{warm}':>9} {'fds@end':>8} {'growth':>7}"
+    )
     for p in per_rank:
-        print(f"  {p['rank']:>4} {p['wrong']:>6} {p['rss_warm_mb']:>12.1f} {p['rss_end_mb']:>11.1f} "
-              f"{p['rss_growth_mb']:>7.1f} {p['fds_warm']:>9} {p['fds_end']:>8} {p['fd_growth']:>7}")
+        print(
+            f"  {p['rank']:>4} {p['wrong']:>6} {p['rss_warm_mb']:>12.1f} {p['rss_end_mb']:>11.1f} "
+            f"{p['rss_growth_mb']:>7.1f} {p['fds_warm']:>9} {p['fds_end']:>8} {p['fd_growth']:>7}"
+        )
     errors = [e for res in results for e in res["errors"]]
     for line in errors[:10]:
         print(f"  wrong: {line[:200]}")
-    print(f"steps {args.steps}  wrong {wrong}  RSS growth {rss_growth:.1f} MB  fd growth "
-          f"{fd_growth}  wall {wall:.1f} s  "
-          f"{'FAIL: ' + '; '.join(failures) if failures else 'PASS'}")
+    print(
+        f"steps {args.steps}  wrong {wrong}  RSS growth {rss_growth:.1f} MB  fd growth "
+        f"{fd_growth}  wall {wall:.1f} s  "
+        f"{'FAIL: ' + '; '.join(failures) if failures else 'PASS'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": args.ranks, "steps": args.steps, "seed": args.seed,
-                       "transport": args.transport, "hosts": args.hosts,
-                       "max_mib": args.max_mib, "warmup_step": warm, "wrong": wrong,
-                       "errors": errors,
-                       "rss_growth_mb": rss_growth, "fd_growth": fd_growth, "wall_s": wall,
-                       "passed": not failures, "failures": failures, "ops": ops,
-                       "transports": [res["transports"] for res in results],
-                       "per_rank": per_rank}, f, indent=1)
+            json.dump(
+                {
+                    "ranks": args.ranks,
+                    "steps": args.steps,
+                    "seed": args.seed,
+                    "transport": args.transport,
+                    "hosts": args.hosts,
+                    "max_mib": args.max_mib,
+                    "warmup_step": warm,
+                    "wrong": wrong,
+                    "errors": errors,
+                    "rss_growth_mb": rss_growth,
+                    "fd_growth": fd_growth,
+                    "wall_s": wall,
+                    "passed": not failures,
+                    "failures": failures,
+                    "ops": ops,
+                    "transports": [res["transports"] for res in results],
+                    "per_rank": per_rank,
+                },
+                f,
+                indent=1,
+            )
     return 1 if failures else 0
 
 
@@ -440,24 +603,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--max-mib", type=float, default=4,
-                   help="largest buffer of one call, MiB; sizes are log-uniform below it")
-    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
-                   help="sets RINGCOMM_TRANSPORT in every rank (mixed: auto, two ranks per fake "
-                        "host)")
-    p.add_argument("--hosts", type=int, default=0,
-                   help="fake this many hosts (RINGCOMM_HOST_ID): shm inside one, tcp between")
+    p.add_argument(
+        "--max-mib",
+        type=float,
+        default=4,
+        help="largest buffer of one call, MiB; sizes are log-uniform below it",
+    )
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="auto",
+        help="sets RINGCOMM_TRANSPORT in every rank (mixed: auto, two ranks per fake host)",
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="fake this many hosts (RINGCOMM_HOST_ID): shm inside one, tcp between",
+    )
     p.add_argument("--sample-every", type=int, default=500, help="steps between RSS/fd samples")
-    p.add_argument("--warmup", type=float, default=0.05,
-                   help="fraction of the steps after which RSS and fd growth count")
-    p.add_argument("--max-rss-growth", type=float, default=10.0,
-                   help="fail if a rank's RSS grows by this many MB or more after warm-up")
-    p.add_argument("--max-fd-growth", type=int, default=0,
-                   help="fail if a rank's open fd count changes by more after warm-up")
-    p.add_argument("--timeout", type=float, default=120,
-                   help="the communicators' timeout (s): a stuck collective fails its rank")
-    p.add_argument("--deadline", type=float, default=1800,
-                   help="seconds before the whole run is killed as hung")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=0.05,
+        help="fraction of the steps after which RSS and fd growth count",
+    )
+    p.add_argument(
+        "--max-rss-growth",
+        type=float,
+        default=10.0,
+        help="fail if a rank's RSS grows by this many MB or more after warm-up",
+    )
+    p.add_argument(
+        "--max-fd-growth",
+        type=int,
+        default=0,
+        help="fail if a rank's open fd count changes by more after warm-up",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120,
+        help="the communicators' timeout (s): a stuck collective fails its rank",
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=1800,
+        help="seconds before the whole run is killed as hung",
+    )
     p.add_argument("--json", help="write the summary, with every sample, to this file")
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # set by launch() in each rank
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -468,8 +662,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if not 2 <= args.ranks <= MAX_RANKS:
-        raise SystemExit(f"--ranks must be 2..{MAX_RANKS}: beyond, float16 references stop "
-                         "being exact")
+        raise SystemExit(
+            f"--ranks must be 2..{MAX_RANKS}: beyond, float16 references stop being exact"
+        )
     if not 0 <= args.hosts <= args.ranks:
         raise SystemExit("--hosts must be 0 (not faked) up to --ranks")
     if args.rank is not None:

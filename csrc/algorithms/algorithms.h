@@ -16,9 +16,9 @@ namespace ringcomm {
 
 // Tunables read once from RINGCOMM_* (docs/configuration.md).
 struct AlgorithmTuning {
-  size_t ring_slice_bytes;       // RINGCOMM_RING_SLICE_BYTES
-  size_t tree_chunk_bytes;       // RINGCOMM_TREE_CHUNK_BYTES
-  size_t fusion_slice_bytes;     // RINGCOMM_FUSION_SLICE_BYTES: message size of coalesced collectives
+  size_t ring_slice_bytes;    // RINGCOMM_RING_SLICE_BYTES
+  size_t tree_chunk_bytes;    // RINGCOMM_TREE_CHUNK_BYTES
+  size_t fusion_slice_bytes;  // RINGCOMM_FUSION_SLICE_BYTES: message size of coalesced collectives
   static const AlgorithmTuning& get();
 };
 
@@ -166,8 +166,8 @@ void pairwise_all_to_all(Context& ctx, const std::vector<const void*>& inputs,
 // Dense sum (or average) into `out` (numel elements of out_dtype, float types) of every rank's k
 // (index, value) pairs (sparse.cc). `algo`: kSparseGather, kSparseRanges, kRing (dense) or kAuto
 // (cheapest estimate, the same on every rank). Returns the algorithm used.
-Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const void* values, size_t k,
-                            DType value_dtype, void* out, size_t numel, DType out_dtype,
-                            ReduceOp op, Algorithm algo);
+Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const void* values,
+                                  size_t k, DType value_dtype, void* out, size_t numel,
+                                  DType out_dtype, ReduceOp op, Algorithm algo);
 
 }  // namespace ringcomm

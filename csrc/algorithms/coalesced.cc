@@ -52,8 +52,8 @@ struct Slice {
 // Elements of bucket `b` in one message: at most RINGCOMM_FUSION_SLICE_BYTES, and no more than
 // `pieces` messages need to carry the whole bucket (so small buckets reserve small buffers).
 size_t message_elems(const FusedBucket& b, size_t pieces) {
-  const size_t per_slice = std::max<size_t>(1, AlgorithmTuning::get().fusion_slice_bytes /
-                                                   dtype_size(b.sig.dtype));
+  const size_t per_slice =
+      std::max<size_t>(1, AlgorithmTuning::get().fusion_slice_bytes / dtype_size(b.sig.dtype));
   return std::max<size_t>(1, std::min(per_slice, (b.buffers.count() + pieces - 1) / pieces));
 }
 
@@ -340,8 +340,8 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan, bool boa
           const size_t first = slice.begin + parts.offset(me);
           slot.contributions[size_t(q)] = ctx.recv_apply(
               q, incoming_of(slot, q), parts.count(me) * e, sig,
-              [p, bucket, first, mine, me, from_buffers, in_place](
-                  size_t offset, const char* data, size_t bytes) {
+              [p, bucket, first, mine, me, from_buffers, in_place](size_t offset, const char* data,
+                                                                   size_t bytes) {
                 trace::Span span("reduce", bytes, 1 - me);
                 const size_t esize = dtype_size(bucket->sig.dtype), begin = first + offset / esize;
                 const char* inputs[2];
@@ -352,8 +352,8 @@ void coalesced_all_reduce(Context& ctx, const CoalescedAllReduce& plan, bool boa
                   reduce_from_buffers(*p, *bucket, begin, bytes / esize, me, inputs,
                                       in_place ? nullptr : mine + offset, nullptr, 2);
                 else
-                  reduce_in_order(*p, *bucket, begin, bytes / esize, inputs, mine + offset,
-                                  nullptr, 2);
+                  reduce_in_order(*p, *bucket, begin, bytes / esize, inputs, mine + offset, nullptr,
+                                  2);
               });
         } else {
           slot.contributions[size_t(q)] =
@@ -440,8 +440,7 @@ void coalesced_broadcast(Context& ctx, const std::vector<FusedBucket>& buckets, 
   constexpr size_t depth = 2;
   char* buffers[depth];
   Request from_parent[depth];
-  for (size_t s = 0; s < std::min(depth, slices.size()); ++s)
-    buffers[s] = ctx.scratch(bytes);
+  for (size_t s = 0; s < std::min(depth, slices.size()); ++s) buffers[s] = ctx.scratch(bytes);
 
   run_pipeline(ctx, slices, sigs, depth, [&](size_t stage, size_t c) {
     const Slice& slice = slices[c];

@@ -128,8 +128,14 @@ class Context {
  public:
   Context(Mesh& mesh, const Signature& sig, Clock::time_point deadline, Scratch& scratch,
           const Selector& selector)
-      : mesh_(mesh), sig_(sig), ran_(sig.algo), deadline_(deadline), scratch_(scratch),
-        selector_(selector), sends_(scratch.sends), staged_(scratch.staged) {
+      : mesh_(mesh),
+        sig_(sig),
+        ran_(sig.algo),
+        deadline_(deadline),
+        scratch_(scratch),
+        selector_(selector),
+        sends_(scratch.sends),
+        staged_(scratch.staged) {
     sends_.clear();  // what a failed operation left
     staged_.clear();
   }
@@ -205,7 +211,8 @@ class Context {
   }
   // Receives into `ranges`: where the bytes lie, or into `staging` and scattered by wait().
   Request recv_ranges(int peer, Ranges ranges, char* staging, const Signature& sig) {
-    if (mesh_.takes_ranges(global(peer))) return mesh_.post_ranges(false, global(peer), ranges, sig);
+    if (mesh_.takes_ranges(global(peer)))
+      return mesh_.post_ranges(false, global(peer), ranges, sig);
     return recv_apply(peer, staging, ranges.bytes(), sig,
                       [ranges](size_t offset, const char* data, size_t bytes) {
                         RangeCursor into(ranges);
@@ -302,8 +309,8 @@ class Context {
   const Selector& selector_;
   std::vector<Request>& sends_;
   std::vector<StagedApply>& staged_;  // recv_apply's receives to apply once waited for
-  std::vector<int> members_;  // a view's ranks (empty: all, rank r at index r)
-  int index_ = -1;            // this rank's index in members_
+  std::vector<int> members_;          // a view's ranks (empty: all, rank r at index r)
+  int index_ = -1;                    // this rank's index in members_
 };
 
 // Scratch taken while a frame is open is given back when it closes: an algorithm that runs as

@@ -86,7 +86,8 @@ std::vector<double> shifts(Context& ctx, char* out, char* in, size_t bytes, int 
     ctx.send(right, out, bytes);
     ctx.wait(r);
     ctx.finish();
-    if (i >= untimed) seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    if (i >= untimed)
+      seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
   }
   return seconds;
 }
@@ -108,7 +109,8 @@ double round_seconds(Context& ctx) {
       scheduled_all_reduce(ctx, algos[a], &value, 1, DType::kFloat64, ReduceOp::kMax);
       if (i >= 3) seconds[a].push_back(std::chrono::duration<double>(Clock::now() - start).count());
     }
-  return std::max(kLeast, (median(seconds[1]) - median(seconds[0])) / (ring_rounds - butterfly_rounds));
+  return std::max(kLeast,
+                  (median(seconds[1]) - median(seconds[0])) / (ring_rounds - butterfly_rounds));
 }
 
 // Steps 1 and 2 among `ctx`'s ranks: alpha by the all-reduces' difference (`by_difference`) or by
@@ -152,8 +154,7 @@ std::vector<double> timed_ways(Context& ctx, int ways, int warm, int timed,
     }
     slowest[size_t(way)] = std::min(slowest[size_t(way)], median(seconds));
   }
-  recursive_doubling_all_reduce(ctx, slowest.data(), size_t(ways), DType::kFloat64,
-                                ReduceOp::kMax);
+  recursive_doubling_all_reduce(ctx, slowest.data(), size_t(ways), DType::kFloat64, ReduceOp::kMax);
   return slowest;
 }
 
@@ -248,8 +249,8 @@ std::vector<ProbeRow> probe_algorithms(Context& ctx, const LinkModel& links) {
     }
     for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a)
       if (row[a] == 0)  // an algorithm the ranks cannot run (an infinite estimate) keeps 1
-        row[a] = std::isfinite(estimate[a]) ? std::max(guess[a], kWorth * slowest) / estimate[a]
-                                            : 1.0;
+        row[a] =
+            std::isfinite(estimate[a]) ? std::max(guess[a], kWorth * slowest) / estimate[a] : 1.0;
     factors.push_back(row);
     if (ctx.rank() == 0)
       RC_LOG("algorithm probe, ", ctx.size(), " ranks, all-reduce of ", bytes,
@@ -286,8 +287,8 @@ bool probe_single_copy(Context& local, size_t message,
   });
   if (local.rank() == 0)
     RC_LOG("single copy probe, ", n, " local ranks, ", count * sizeof(float) >> 20,
-           " MiB ring all-reduce, slowest rank's better block: through the slots ", slowest[0] * 1e3,
-           " ms, by single copy ", slowest[1] * 1e3, " ms");
+           " MiB ring all-reduce, slowest rank's better block: through the slots ",
+           slowest[0] * 1e3, " ms, by single copy ", slowest[1] * 1e3, " ms");
   return slowest[1] < slowest[0];
 }
 

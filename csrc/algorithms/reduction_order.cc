@@ -77,7 +77,9 @@ void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
         append(blocks.offset(b), blocks.count(b), program_id(algo, b));
       return;
     }
-    case Algorithm::kSharedBuffer: append(0, count, program_id(algo, 0)); return;
+    case Algorithm::kSharedBuffer:
+      append(0, count, program_id(algo, 0));
+      return;
     case Algorithm::kHierarchical: {
       const int k = int(layout_.hosts.at(0).size()), h = int(layout_.hosts.size());
       Segments local(count, k);
@@ -88,7 +90,8 @@ void ReductionOrders::ranges(Algorithm algo, size_t count, size_t base,
       }
       return;
     }
-    default: RC_INVALID("no reduction order for algorithm ", algorithm_name(algo));
+    default:
+      RC_INVALID("no reduction order for algorithm ", algorithm_name(algo));
   }
 }
 
@@ -142,8 +145,12 @@ void ReductionOrders::require(Algorithm algo) {
     case Algorithm::kRecursiveDoubling:
       pieces = run_all(recursive_doubling_schedule, 1, ranks, expr);
       break;
-    case Algorithm::kRing: pieces = run_all(ring_all_reduce_schedule, n, ranks, expr); break;
-    case Algorithm::kTree: pieces = run_all(double_tree_all_reduce_schedule, 2, ranks, expr); break;
+    case Algorithm::kRing:
+      pieces = run_all(ring_all_reduce_schedule, n, ranks, expr);
+      break;
+    case Algorithm::kTree:
+      pieces = run_all(double_tree_all_reduce_schedule, 2, ranks, expr);
+      break;
     case Algorithm::kHalvingDoubling:
       pieces = run_all(halving_doubling_schedule, butterfly_size(n), ranks, expr);
       break;
@@ -171,7 +178,8 @@ void ReductionOrders::require(Algorithm algo) {
       }
       break;
     }
-    default: RC_INVALID("no reduction order for algorithm ", algorithm_name(algo));
+    default:
+      RC_INVALID("no reduction order for algorithm ", algorithm_name(algo));
   }
   for (size_t p = 0; p < pieces.size(); ++p) {
     ReductionProgram prog(n);

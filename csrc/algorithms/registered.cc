@@ -69,8 +69,7 @@ class ListsCheck {
     lists_.id = hash();
     std::vector<std::string> orders;
     if (!moves_only(lists_.coll))
-      for (int b = 0; b < blocks_; ++b)
-        orders.push_back(text(whole[size_t(owner(b))][size_t(b)]));
+      for (int b = 0; b < blocks_; ++b) orders.push_back(text(whole[size_t(owner(b))][size_t(b)]));
     return orders;
   }
 
@@ -92,9 +91,7 @@ class ListsCheck {
 
   // The rank that owns block b's result: its share's (reduce_scatter, all_gather), the root's
   // (reduce, broadcast), rank 0's where every rank ends with it (all_reduce).
-  int owner(int b) const {
-    return in_shares(lists_.coll) ? b / (blocks_ / n_) : 0;
-  }
+  int owner(int b) const { return in_shares(lists_.coll) ? b / (blocks_ / n_) : 0; }
   // Whether rank r must end with block b's result.
   bool ends_at(int r, int b) const {
     return lists_.coll == Collective::kAllReduce || moves_only(lists_.coll) ||
@@ -121,7 +118,8 @@ class ListsCheck {
           fault(str_cat("reduces, but ", collective_name(lists_.coll), " only moves blocks"));
         if (s.lag < 0) fault(str_cat("lag ", s.lag, " is negative"));
         if (s.lag > 0 && lists_.pipeline == Pipeline::kByStep)
-          fault(str_cat("lag ", s.lag, " in lists pipelined by step: lags order the rounds of "
+          fault(str_cat("lag ", s.lag,
+                        " in lists pipelined by step: lags order the rounds of "
                         "lists pipelined by slice"));
       }
   }
@@ -135,10 +133,10 @@ class ListsCheck {
   // of every unit, once the collective's contract holds for all of them.
   std::vector<std::vector<int>> pattern_run(const std::vector<size_t>& slices) {
     most_slices_ = *std::max_element(slices.begin(), slices.end());
-    legend_ = most_slices_ == 1 ? std::string()
-                                : str_cat(", its blocks cut into ", describe_slices(slices),
-                                          " slices; slice j of block b as block ", most_slices_,
-                                          "b+j");
+    legend_ = most_slices_ == 1
+                  ? std::string()
+                  : str_cat(", its blocks cut into ", describe_slices(slices),
+                            " slices; slice j of block b as block ", most_slices_, "b+j");
     const int units = blocks_ * int(most_slices_);
     std::vector<Schedule> walked(static_cast<size_t>(n_));
     origin_.assign(size_t(n_), {});
@@ -158,9 +156,9 @@ class ListsCheck {
     for (int r = 0; r < n_; ++r)
       for (int u = 0; u < units; ++u) {
         const int b = u / int(most_slices_);
-        const bool has = lists_.coll == Collective::kAllGather ? owner(b) == r
+        const bool has = lists_.coll == Collective::kAllGather   ? owner(b) == r
                          : lists_.coll == Collective::kBroadcast ? r == 0
-                                                                  : true;
+                                                                 : true;
         initial[size_t(r)][size_t(u)] = has ? leaf_of(r) : nothing_of(r);
       }
     SymbolicRun run = run_symbolically(walked, units, initial, expr_, true,
@@ -291,16 +289,16 @@ class ListsCheck {
 
   void check_end(const std::vector<Schedule>& walked, const SymbolicRun& run, int b, size_t j) {
     const size_t u = unit(b, j);
-    const std::string block = most_slices_ == 1 ? str_cat("block ", b)
-                                                : str_cat("slice ", j, " of block ", b);
+    const std::string block =
+        most_slices_ == 1 ? str_cat("block ", b) : str_cat("slice ", j, " of block ", b);
     if (moves_only(lists_.coll)) {
       const int want = lists_.coll == Collective::kBroadcast ? 0 : owner(b);
       for (int r = 0; r < n_; ++r) {
         const int v = run.value[size_t(r)][u];
         if (v == leaf_of(want)) continue;
         const int got = expr_.nodes[size_t(v)].leaf;
-        refuse(str_cat("rank ", r, " ends with ", block, got >= n_ ? " holding nothing" :
-                       str_cat(" holding rank ", got, "'s"),
+        refuse(str_cat("rank ", r, " ends with ", block,
+                       got >= n_ ? " holding nothing" : str_cat(" holding rank ", got, "'s"),
                        " where rank ", want, "'s belongs (", since(run, r, u), ")"));
       }
       return;
@@ -374,7 +372,7 @@ class ListsCheck {
   // By rank, by walked step: the step of the rank's list it walks, and the slice.
   std::vector<std::vector<std::pair<size_t, size_t>>> origin_;
   std::vector<std::vector<int>> after_;
-  std::vector<int> twice_;   // by node: twice()'s answer, -2 before it is asked
+  std::vector<int> twice_;                       // by node: twice()'s answer, -2 before it is asked
   std::vector<std::pair<int, uint64_t>> tally_;  // by node: tally()'s answer, -1 before asked
   std::vector<uint64_t> marked_;  // by contribution: the stamp of the last mark() that found it
   uint64_t stamp_ = 0;
@@ -491,11 +489,10 @@ std::shared_ptr<const AlgorithmLists> registered_lists(const std::string& name, 
     }
     if (source) made = source(name, world_size, size_class);
     if (!made) return nullptr;
-    RC_CHECK_ARG(int(made->schedules.size()) == world_size, "algorithm '", name,
-                 "': lists for ", made->schedules.size(), " ranks where ", world_size,
-                 " were asked for");
-    RC_CHECK_ARG(made->coll == coll, "algorithm '", name, "' is ",
-                 collective_name(made->coll), "'s, not ", collective_name(coll), "'s");
+    RC_CHECK_ARG(int(made->schedules.size()) == world_size, "algorithm '", name, "': lists for ",
+                 made->schedules.size(), " ranks where ", world_size, " were asked for");
+    RC_CHECK_ARG(made->coll == coll, "algorithm '", name, "' is ", collective_name(made->coll),
+                 "'s, not ", collective_name(coll), "'s");
     made->name = name;
     made->size_class = made->sized ? size_class : 0;
     check_lists(*made);
@@ -538,8 +535,8 @@ void registered_all_reduce(Context& ctx, const AlgorithmLists& lists, void* buf,
   ctx.finish();
 }
 
-void registered_reduce_scatter(Context& ctx, const AlgorithmLists& lists, const void* in,
-                               void* out, size_t count, DType dtype, ReduceOp op) {
+void registered_reduce_scatter(Context& ctx, const AlgorithmLists& lists, const void* in, void* out,
+                               size_t count, DType dtype, ReduceOp op) {
   const Schedule& mine = own(ctx, lists);
   const int n = ctx.size();
   const size_t e = dtype_size(dtype);

@@ -62,8 +62,8 @@ std::vector<std::string> check_lists(AlgorithmLists& lists);
 // the size class `size_class` (a power of two, or 0), unchecked, or nullopt where it knows no
 // such name; `world_size` 0 asks only whether it knows the name (ringcomm.algorithms, through
 // the bindings).
-using ListsSource = std::function<std::optional<AlgorithmLists>(
-    const std::string& name, int world_size, size_t size_class)>;
+using ListsSource = std::function<std::optional<AlgorithmLists>(const std::string& name,
+                                                                int world_size, size_t size_class)>;
 void set_lists_source(ListsSource source);
 // The size class of a message of `bytes`: the largest power of two <= bytes, or 0.
 size_t size_class_of(size_t bytes);
@@ -86,8 +86,8 @@ void forget_lists(const std::string& name);
 // every rank's share with this rank's in place.
 void registered_all_reduce(Context& ctx, const AlgorithmLists& lists, void* buf, size_t count,
                            DType dtype, ReduceOp op);
-void registered_reduce_scatter(Context& ctx, const AlgorithmLists& lists, const void* in,
-                               void* out, size_t count, DType dtype, ReduceOp op);
+void registered_reduce_scatter(Context& ctx, const AlgorithmLists& lists, const void* in, void* out,
+                               size_t count, DType dtype, ReduceOp op);
 void registered_all_gather(Context& ctx, const AlgorithmLists& lists, void* out, size_t count,
                            DType dtype);
 void registered_broadcast(Context& ctx, const AlgorithmLists& lists, void* buf, size_t bytes,

@@ -111,19 +111,18 @@ std::vector<Retuner::Rest> Retuner::sit_out(const std::vector<double>& medians, 
 
 void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
   std::vector<double> trials = c.trials;
-  recursive_doubling_all_reduce(ctx, trials.data(), trials.size(), DType::kFloat64,
-                                ReduceOp::kAvg);
+  recursive_doubling_all_reduce(ctx, trials.data(), trials.size(), DType::kFloat64, ReduceOp::kAvg);
   // Those that sat the round out count as unmeasured: infinite here, never faster in judge().
   std::vector<double> medians(c.candidates.size(), kUnmeasured);
   for (size_t i = 0; i < c.contenders.size(); ++i)
-    medians[c.contenders[i]] = median({trials.begin() + long(i * kBlock + kWarm),
-                                       trials.begin() + long((i + 1) * kBlock)});
+    medians[c.contenders[i]] = median(
+        {trials.begin() + long(i * kBlock + kWarm), trials.begin() + long((i + 1) * kBlock)});
   const Verdict v = judge(medians, c.winner, c.challenger, c.rounds);
   const bool recheck = v.challenger != kNone;
   const size_t beaten_by = recheck ? v.challenger : v.winner;
   if (beaten_by != c.winner && ctx.rank() == 0)
-    RC_LOG("all_reduce of ", size_t(1) << size_log2, " bytes and more: ",
-           algorithm_name(c.candidates[beaten_by]),
+    RC_LOG("all_reduce of ", size_t(1) << size_log2,
+           " bytes and more: ", algorithm_name(c.candidates[beaten_by]),
            recheck ? " beat " : " from now on, not ", algorithm_name(c.candidates[c.winner]),
            " (trials: ", medians[beaten_by] * 1e6, " us against ", medians[c.winner] * 1e6,
            recheck ? "): trials again" : ")");
@@ -131,9 +130,9 @@ void Retuner::agree(Context& ctx, int size_log2, SizeClass& c) {
   if (ctx.rank() == 0 && debug_enabled())
     for (size_t a = 0; a < rests.size(); ++a)
       if (rests[a].rounds == kSitOutRounds)
-        RC_LOG("all_reduce of ", size_t(1) << size_log2, " bytes and more: ",
-               algorithm_name(c.candidates[a]), " sits out the next ", kSitOutRounds,
-               " rounds of trials (", medians[a] * 1e6, " us against ",
+        RC_LOG("all_reduce of ", size_t(1) << size_log2,
+               " bytes and more: ", algorithm_name(c.candidates[a]), " sits out the next ",
+               kSitOutRounds, " rounds of trials (", medians[a] * 1e6, " us against ",
                algorithm_name(c.candidates[v.winner]), "'s ", medians[v.winner] * 1e6, ")");
   std::lock_guard<std::mutex> lk(mu_);
   if (!recheck)

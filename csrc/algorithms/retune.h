@@ -75,12 +75,12 @@ class Retuner {
   // A block per candidate, not calls of each in turn: the first call after a switch pays for the
   // other's traces in the caches, which calls in turn would charge to every candidate.
   static constexpr size_t kWarm = 1, kRepeats = 3, kBlock = kWarm + kRepeats;
-  static constexpr size_t kMost = 4;           // candidates
-  static constexpr double kWorth = 1.25;       // times the least estimate
+  static constexpr size_t kMost = 4;      // candidates
+  static constexpr double kWorth = 1.25;  // times the least estimate
   static constexpr double kMargin = 0.05;
-  static constexpr double kSitOut = 1.5;       // times the winner's median
+  static constexpr double kSitOut = 1.5;  // times the winner's median
   static constexpr uint64_t kSitOutRounds = 4;
-  static constexpr uint64_t kLongest = 16;     // rounds grow to 16x `period`
+  static constexpr uint64_t kLongest = 16;  // rounds grow to 16x `period`
   static constexpr uint64_t kLeastPeriod = (kMost + 1) * kBlock + 1;
 
   // `period`: the calls of a round at first; 0: never retune (auto keeps the model's choice).
@@ -117,11 +117,11 @@ class Retuner {
 
   // What the trials found, for reports and tests: one entry per size class retuned so far.
   struct Report {
-    size_t bytes;                      // the class: bytes .. 2 x bytes - 1
+    size_t bytes;  // the class: bytes .. 2 x bytes - 1
     std::vector<Algorithm> candidates;
-    std::vector<double> seconds;       // each candidate's median in the last trials it ran in
-    Algorithm winner;                  // what the calls outside trials run
-    uint64_t rounds;                   // rounds of trials agreed
+    std::vector<double> seconds;         // each candidate's median in the last trials it ran in
+    Algorithm winner;                    // what the calls outside trials run
+    uint64_t rounds;                     // rounds of trials agreed
     std::vector<Algorithm> sitting_out;  // candidates left out of this round's trials
   };
   std::vector<Report> report() const;
@@ -132,24 +132,24 @@ class Retuner {
  private:
   struct SizeClass {
     std::vector<Algorithm> candidates;
-    size_t winner = 0;                 // index into candidates
-    uint64_t call = 0;                 // in this round
-    uint64_t start = 0;                // the round's first trial: kBlock (a prelude) in the first
-    uint64_t period = 0;               // this round's calls
-    std::vector<size_t> contenders;    // this round's trials, a block each: indices into candidates
-    std::vector<double> trials;        // this round's seconds on this rank
-    std::vector<double> medians;       // per candidate, from the last trials it ran in
-    std::vector<Rest> rests;           // per candidate
+    size_t winner = 0;               // index into candidates
+    uint64_t call = 0;               // in this round
+    uint64_t start = 0;              // the round's first trial: kBlock (a prelude) in the first
+    uint64_t period = 0;             // this round's calls
+    std::vector<size_t> contenders;  // this round's trials, a block each: indices into candidates
+    std::vector<double> trials;      // this round's seconds on this rank
+    std::vector<double> medians;     // per candidate, from the last trials it ran in
+    std::vector<Rest> rests;         // per candidate
     uint64_t rounds = 0;
-    size_t challenger = kNone;         // beat the winner in the last trials
+    size_t challenger = kNone;  // beat the winner in the last trials
   };
   SizeClass& size_class(const Selector& select, size_t bytes);
-  static void start_round(SizeClass& c);  // call 0 of a round: who runs its trials
+  static void start_round(SizeClass& c);     // call 0 of a round: who runs its trials
   static long trial_of(const SizeClass& c);  // this call's index in c.trials, or -1
   void agree(Context& ctx, int size_log2, SizeClass& c);
 
   const uint64_t period_;
-  mutable std::mutex mu_;  // report() and current() may run on any thread
+  mutable std::mutex mu_;             // report() and current() may run on any thread
   std::map<int, SizeClass> classes_;  // by floor(log2(bytes))
 };
 

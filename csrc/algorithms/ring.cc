@@ -36,7 +36,8 @@ void append_reduce_scatter(std::vector<Step>& steps, int n, int r, bool then_gat
   steps.push_back({Prim::kSend, mod(r - 1, n), -1, next});
   for (int s = 0; s <= n - 3; ++s)
     steps.push_back({Prim::kRecvReduceSend, mod(r - s - 2, n), prev, next});
-  Step last{then_gather ? Prim::kRecvReduceSend : Prim::kRecvReduce, r, prev, then_gather ? next : -1};
+  Step last{then_gather ? Prim::kRecvReduceSend : Prim::kRecvReduce, r, prev,
+            then_gather ? next : -1};
   last.completes = true;
   steps.push_back(last);
 }
@@ -46,7 +47,8 @@ void append_reduce_scatter(std::vector<Step>& steps, int n, int r, bool then_gat
 void append_all_gather(std::vector<Step>& steps, int n, int r, bool own_sent) {
   const int next = mod(r + 1, n), prev = mod(r - 1, n);
   if (!own_sent) steps.push_back({Prim::kSend, r, -1, next});
-  for (int s = 0; s <= n - 3; ++s) steps.push_back({Prim::kRecvSend, mod(r - s - 1, n), prev, next});
+  for (int s = 0; s <= n - 3; ++s)
+    steps.push_back({Prim::kRecvSend, mod(r - s - 1, n), prev, next});
   steps.push_back({Prim::kRecv, mod(r + 1, n), prev, -1});
 }
 
@@ -84,8 +86,7 @@ void ring_all_reduce(Context& ctx, void* buf, size_t count, DType dtype, ReduceO
   scheduled_all_reduce(ctx, Algorithm::kRing, buf, count, dtype, op);
 }
 
-void ring_reduce_scatter_in_place(Context& ctx, void* buf, size_t count, DType dtype,
-                                  ReduceOp op) {
+void ring_reduce_scatter_in_place(Context& ctx, void* buf, size_t count, DType dtype, ReduceOp op) {
   if (ctx.size() == 1) return;
   char* data = static_cast<char*>(buf);
   run_schedule(ctx, ring_reduce_scatter_schedule(ctx.size(), ctx.rank()),
@@ -113,8 +114,7 @@ void ring_all_gather(Context& ctx, void* out, const std::vector<size_t>& counts,
   if (ctx.size() == 1) return;
   char* data = static_cast<char*>(out);
   run_schedule(ctx, ring_all_gather_schedule(ctx.size(), ctx.rank()), Segments(counts),
-               {data, data}, dtype, ReduceOp::kSum,
-               ring_slice(dtype_size(dtype), ctx.size()));
+               {data, data}, dtype, ReduceOp::kSum, ring_slice(dtype_size(dtype), ctx.size()));
   ctx.finish();
 }
 

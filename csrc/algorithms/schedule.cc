@@ -12,12 +12,18 @@ namespace {
 
 const char* prim_name(Prim p) {
   switch (p) {
-    case Prim::kSend: return "send";
-    case Prim::kRecv: return "recv";
-    case Prim::kRecvSend: return "recv-send";
-    case Prim::kRecvReduce: return "recv-reduce";
-    case Prim::kRecvReduceSend: return "recv-reduce-send";
-    case Prim::kExchangeReduce: return "exchange-reduce";
+    case Prim::kSend:
+      return "send";
+    case Prim::kRecv:
+      return "recv";
+    case Prim::kRecvSend:
+      return "recv-send";
+    case Prim::kRecvReduce:
+      return "recv-reduce";
+    case Prim::kRecvReduceSend:
+      return "recv-reduce-send";
+    case Prim::kExchangeReduce:
+      return "exchange-reduce";
   }
   return "?";
 }
@@ -33,8 +39,14 @@ class Executor {
  public:
   Executor(Context& ctx, const Schedule& schedule, const Segments& blocks,
            const ScheduleBuffers& buffers, DType dtype, ReduceOp op, size_t slice)
-      : ctx_(ctx), steps_(schedule.steps), blocks_(blocks), buffers_(buffers), dtype_(dtype),
-        op_(op), elem_(dtype_size(dtype)), slice_(std::max<size_t>(1, slice)) {
+      : ctx_(ctx),
+        steps_(schedule.steps),
+        blocks_(blocks),
+        buffers_(buffers),
+        dtype_(dtype),
+        op_(op),
+        elem_(dtype_size(dtype)),
+        slice_(std::max<size_t>(1, slice)) {
     // Known from the order of the steps alone: a slice-pipelined schedule runs them on
     // different slices at different times.
     source_ = reinterpret_cast<Place*>(ctx.scratch(steps_.size()));
@@ -68,7 +80,8 @@ class Executor {
         return;
       case Prim::kRecv:
       case Prim::kRecvSend:
-        for (size_t j = first; j < last; ++j) req[j] = ctx_.recv(s.from, dst(j), count_of(j) * elem_);
+        for (size_t j = first; j < last; ++j)
+          req[j] = ctx_.recv(s.from, dst(j), count_of(j) * elem_);
         break;
       case Prim::kRecvReduce:
       case Prim::kRecvReduceSend:
@@ -101,9 +114,12 @@ class Executor {
  private:
   char* at(Place p, int block) const {
     switch (p) {
-      case Place::kIn: return const_cast<char*>(buffers_.in) + blocks_.offset(block) * elem_;
-      case Place::kWork: return buffers_.work + blocks_.offset(block) * elem_;
-      case Place::kResult: return buffers_.result;
+      case Place::kIn:
+        return const_cast<char*>(buffers_.in) + blocks_.offset(block) * elem_;
+      case Place::kWork:
+        return buffers_.work + blocks_.offset(block) * elem_;
+      case Place::kResult:
+        return buffers_.result;
     }
     return nullptr;
   }
@@ -167,19 +183,26 @@ void run_schedule(Context& ctx, const Schedule& schedule, const Segments& blocks
 
 Segments all_reduce_blocks(Algorithm algo, int n, size_t count) {
   switch (algo) {
-    case Algorithm::kRing: return Segments(count, n);
-    case Algorithm::kTree: return tree_halves(count);
-    case Algorithm::kRecursiveDoubling: return Segments(count, 1);
-    case Algorithm::kHalvingDoubling: return Segments(count, butterfly_size(n));
-    default: RC_INVALID("all_reduce by ", algorithm_name(algo), " has no step list");
+    case Algorithm::kRing:
+      return Segments(count, n);
+    case Algorithm::kTree:
+      return tree_halves(count);
+    case Algorithm::kRecursiveDoubling:
+      return Segments(count, 1);
+    case Algorithm::kHalvingDoubling:
+      return Segments(count, butterfly_size(n));
+    default:
+      RC_INVALID("all_reduce by ", algorithm_name(algo), " has no step list");
   }
 }
 
 AllReduceSchedule all_reduce_schedule(Algorithm algo, int n, int rank, size_t count, size_t elem) {
   Segments blocks = all_reduce_blocks(algo, n, count);
   switch (algo) {
-    case Algorithm::kRing: return {ring_all_reduce_schedule(n, rank), blocks, ring_slice(elem, n)};
-    case Algorithm::kTree: return {double_tree_all_reduce_schedule(n, rank), blocks, tree_slice(elem)};
+    case Algorithm::kRing:
+      return {ring_all_reduce_schedule(n, rank), blocks, ring_slice(elem, n)};
+    case Algorithm::kTree:
+      return {double_tree_all_reduce_schedule(n, rank), blocks, tree_slice(elem)};
     case Algorithm::kHalvingDoubling:
       return {halving_doubling_schedule(n, rank), blocks, ring_slice(elem, n)};
     default:
@@ -250,9 +273,17 @@ class SymbolicRunner {
   SymbolicRunner(const std::vector<Schedule>& schedules, int blocks,
                  const std::vector<std::vector<int>>& initial, Expressions& expr, bool check_writes,
                  const StepName& name)
-      : schedules_(schedules), n_(int(schedules.size())), blocks_(blocks), expr_(expr),
-        check_writes_(check_writes), name_(name), wire_(size_t(n_ * n_)), unsettled_(size_t(n_)),
-        pos_(size_t(n_), 0), stage_(size_t(n_), 0), incoming_(size_t(n_), -1) {
+      : schedules_(schedules),
+        n_(int(schedules.size())),
+        blocks_(blocks),
+        expr_(expr),
+        check_writes_(check_writes),
+        name_(name),
+        wire_(size_t(n_ * n_)),
+        unsettled_(size_t(n_)),
+        pos_(size_t(n_), 0),
+        stage_(size_t(n_), 0),
+        incoming_(size_t(n_), -1) {
     run_.value = initial;
     run_.set_by.assign(size_t(n_), std::vector<int>(size_t(blocks), -1));
     for (const Schedule& s : schedules) run_.after.emplace_back(s.steps.size(), -1);
@@ -265,7 +296,8 @@ class SymbolicRunner {
     for (moved_ = true; moved_ && run_.faults.empty();) {
       moved_ = false;
       for (int r = 0; r < n_ && run_.faults.empty(); ++r)
-        while (pos_[size_t(r)] < steps(r).size() && advance(r)) {}
+        while (pos_[size_t(r)] < steps(r).size() && advance(r)) {
+        }
     }
     if (run_.faults.empty()) find_stuck();
     if (run_.faults.empty()) find_unreceived();
@@ -275,8 +307,8 @@ class SymbolicRunner {
  private:
   struct Message {
     int block, node;
-    size_t step;  // the sender's
-    size_t id;    // its index in receipts_
+    size_t step;             // the sender's
+    size_t id;               // its index in receipts_
     std::vector<int> clock;  // the sender's when it sent (check_writes)
   };
   struct Receipt {
@@ -304,16 +336,17 @@ class SymbolicRunner {
     tick(r);
     const size_t id = receipts_.size();
     receipts_.emplace_back();
-    link(r, to).push_back({block, node, i, id,
-                           check_writes_ ? clock_[size_t(r)] : std::vector<int>()});
+    link(r, to).push_back(
+        {block, node, i, id, check_writes_ ? clock_[size_t(r)] : std::vector<int>()});
     unsettled_[size_t(r)].push_back({block, to, i, id});
   }
 
   // Whether the peer's step names a rank of the run other than r.
   bool peer_ok(int r, size_t i, int peer, const char* verb) {
     if (peer >= 0 && peer < n_ && peer != r) return true;
-    fault(r, i, peer == r ? str_cat(verb, " its own rank")
-                          : str_cat(verb, " rank ", peer, ", not one of the ", n_, " ranks"));
+    fault(r, i,
+          peer == r ? str_cat(verb, " its own rank")
+                    : str_cat(verb, " rank ", peer, ", not one of the ", n_, " ranks"));
     return false;
   }
 
@@ -323,8 +356,9 @@ class SymbolicRunner {
     const Step& s = steps(r)[i];
     int& stage = stage_[size_t(r)];  // 0: nothing done, 1: its first send out, 2: received
     if (s.block < 0 || s.block >= blocks_) {
-      fault(r, i, str_cat("names block ", s.block, "; the buffer has ", blocks_, " (0 .. ",
-                          blocks_ - 1, ")"));
+      fault(r, i,
+            str_cat("names block ", s.block, "; the buffer has ", blocks_, " (0 .. ", blocks_ - 1,
+                    ")"));
       return false;
     }
     const bool exchange = s.prim == Prim::kExchangeReduce;
@@ -342,8 +376,9 @@ class SymbolicRunner {
       if (queue.empty()) return false;  // waits for the peer
       if (queue.front().block != s.block) {
         const Message& m = queue.front();
-        fault(r, i, str_cat("receives block ", m.block, " from rank ", from, " (its ",
-                            name_(from, m.step), "), not block ", s.block));
+        fault(r, i,
+              str_cat("receives block ", m.block, " from rank ", from, " (its ",
+                      name_(from, m.step), "), not block ", s.block));
         return false;
       }
       Message m = std::move(queue.front());
@@ -386,15 +421,15 @@ class SymbolicRunner {
     std::vector<Sent>& sent = unsettled_[size_t(r)];
     for (const Sent& out : sent)
       if (out.block == block && !knows(r, out.id)) {
-        fault(r, i, str_cat("writes block ", block, " while rank ", out.to,
-                            " may still be reading it from ", name_(r, out.step),
-                            ": no message rank ", r,
-                            " has received comes after rank ", out.to, " received it"));
+        fault(r, i,
+              str_cat("writes block ", block, " while rank ", out.to,
+                      " may still be reading it from ", name_(r, out.step), ": no message rank ", r,
+                      " has received comes after rank ", out.to, " received it"));
         return false;
       }
-    sent.erase(std::remove_if(sent.begin(), sent.end(),
-                              [&](const Sent& out) { return knows(r, out.id); }),
-               sent.end());
+    sent.erase(
+        std::remove_if(sent.begin(), sent.end(), [&](const Sent& out) { return knows(r, out.id); }),
+        sent.end());
     return true;
   }
 
@@ -443,8 +478,8 @@ class SymbolicRunner {
       for (int to = 0; to < n_; ++to)
         if (!link(from, to).empty()) {
           const Message& m = link(from, to).front();
-          fault(from, m.step, str_cat("sends block ", m.block, " to rank ", to,
-                                      ", which never receives it"));
+          fault(from, m.step,
+                str_cat("sends block ", m.block, " to rank ", to, ", which never receives it"));
           return;
         }
   }
@@ -455,10 +490,10 @@ class SymbolicRunner {
   const bool check_writes_;
   const StepName& name_;
   SymbolicRun run_;
-  std::vector<std::deque<Message>> wire_;  // from * n + to
-  std::vector<Receipt> receipts_;          // by message
+  std::vector<std::deque<Message>> wire_;     // from * n + to
+  std::vector<Receipt> receipts_;             // by message
   std::vector<std::vector<Sent>> unsettled_;  // by rank: sends not yet known received
-  std::vector<std::vector<int>> clock_;    // by rank: events of each rank it has heard of
+  std::vector<std::vector<int>> clock_;       // by rank: events of each rank it has heard of
   std::vector<size_t> pos_;
   std::vector<int> stage_;
   std::vector<int> incoming_;  // by rank: the node its current step received

@@ -9,12 +9,11 @@
 namespace ringcomm {
 
 std::string LinkModel::describe() const {
-  std::string text =
-      str_cat("alpha ", alpha_s * 1e6, " us per round, beta ", bytes_per_s / 1e9,
-              " GB/s per link, reduce ", reduce_bytes_per_s / 1e9, " GB/s (a round = ",
-              size_t(round_bytes()), " bytes); inside a host: alpha ", local_alpha_s * 1e6,
-              " us, beta ", local_bytes_per_s / 1e9, " GB/s, single copy ",
-              single_copy ? "on" : "off");
+  std::string text = str_cat(
+      "alpha ", alpha_s * 1e6, " us per round, beta ", bytes_per_s / 1e9, " GB/s per link, reduce ",
+      reduce_bytes_per_s / 1e9, " GB/s (a round = ", size_t(round_bytes()),
+      " bytes); inside a host: alpha ", local_alpha_s * 1e6, " us, beta ", local_bytes_per_s / 1e9,
+      " GB/s, single copy ", single_copy ? "on" : "off");
   if (factors.empty()) return text + "; times not measured";
   text += "; measured / estimate at";
   for (size_t point = 0; point < kMeasuredBytes.size(); ++point) {
@@ -131,7 +130,7 @@ Algorithm Selector::all_reduce(size_t bytes) const {
 }
 
 std::vector<Algorithm> Selector::all_reduce_candidates(size_t bytes, double within,
-                                                      size_t most) const {
+                                                       size_t most) const {
   const Algorithm chosen = all_reduce(bytes);
   double least = INFINITY;
   for (Algorithm a : kAllReduceOrder) least = std::min(least, estimate(a, double(bytes)));

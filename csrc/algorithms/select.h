@@ -19,14 +19,14 @@ namespace ringcomm {
 
 // The sizes at which the probe times the all-reduce algorithms, where 3 or more ranks share one
 // host, and those algorithms, in the order of LinkModel::factors' columns.
-constexpr std::array<size_t, 6> kMeasuredBytes = {4 << 10,  64 << 10, 256 << 10,
-                                                   1 << 20, 4 << 20,  16 << 20};
+constexpr std::array<size_t, 6> kMeasuredBytes = {4 << 10, 64 << 10, 256 << 10,
+                                                  1 << 20, 4 << 20,  16 << 20};
 constexpr std::array<Algorithm, 5> kMeasuredAlgorithms = {
     Algorithm::kRing, Algorithm::kRecursiveDoubling, Algorithm::kTree, Algorithm::kHalvingDoubling,
     Algorithm::kSharedBuffer};
 
 struct LinkModel {
-  double alpha_s = 16e-6;          // defaults: TCP loopback on a small machine
+  double alpha_s = 16e-6;  // defaults: TCP loopback on a small machine
   double bytes_per_s = 4e9;
   double reduce_bytes_per_s = 4e9;
   // Inside a host; probed apart where the ranks span several hosts with several on each (the

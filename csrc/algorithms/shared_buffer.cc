@@ -49,8 +49,7 @@ constexpr size_t kReducePieceBytes = 64 << 10;
 // A round's message to every peer, and waiting for every peer's: no bytes, only the signature.
 char nothing;
 void notify(Context& ctx, const Signature& sig) {
-  for (int d = 1; d < ctx.size(); ++d)
-    ctx.send((ctx.rank() + d) % ctx.size(), &nothing, 0, sig);
+  for (int d = 1; d < ctx.size(); ++d) ctx.send((ctx.rank() + d) % ctx.size(), &nothing, 0, sig);
 }
 void await_peers(Context& ctx, const Signature& sig) {
   const int n = ctx.size(), me = ctx.rank();
@@ -72,9 +71,14 @@ ReductionProgram rank_order_program(int n) {
 class FlatElements : public BoardElements {
  public:
   FlatElements(Context& ctx, void* buf, DType dtype, ReduceOp op)
-      : buf_(static_cast<char*>(buf)), elem_(dtype_size(dtype)), dtype_(dtype), op_(op),
-        n_(ctx.size()), program_(rank_order_program(n_)),
-        scratch_(ctx.scratch(program_.scratch_bytes(dtype))), inputs_(size_t(n_)) {}
+      : buf_(static_cast<char*>(buf)),
+        elem_(dtype_size(dtype)),
+        dtype_(dtype),
+        op_(op),
+        n_(ctx.size()),
+        program_(rank_order_program(n_)),
+        scratch_(ctx.scratch(program_.scratch_bytes(dtype))),
+        inputs_(size_t(n_)) {}
   void copy_in(Context& ctx, size_t first, size_t count, size_t offset) override {
     ctx.write_board(offset, buf_ + first * elem_, count * elem_, 1);
   }
@@ -106,7 +110,8 @@ class FlatElements : public BoardElements {
 void shared_buffer_rounds(Context& ctx, BoardElements& elements, size_t count, DType dtype,
                           const Signature& sig) {
   const int n = ctx.size(), me = ctx.rank();
-  RC_CHECK_ARG(ctx.has_boards(), "the shared_buffer all_reduce needs every rank on one host, "
+  RC_CHECK_ARG(ctx.has_boards(),
+               "the shared_buffer all_reduce needs every rank on one host, "
                "reaching each other through shared memory with a board (RINGCOMM_SHM_BOARD_BYTES)");
   const size_t elem = dtype_size(dtype);
   const size_t half_bytes = ctx.board_bytes() / 2;

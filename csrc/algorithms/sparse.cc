@@ -195,7 +195,8 @@ void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mi
   for (size_t i = 0; i < mine.count; ++i) {
     int q = s.owner(mine.index_at(i));
     char* block = outgoing + start[q];
-    std::memcpy(block + filled[q] * sizeof(int32_t), mine.index + i * sizeof(int32_t), sizeof(int32_t));
+    std::memcpy(block + filled[q] * sizeof(int32_t), mine.index + i * sizeof(int32_t),
+                sizeof(int32_t));
     std::memcpy(block + to[q] * sizeof(int32_t) + filled[q] * s.value_size,
                 mine.value + i * s.value_size, s.value_size);
     ++filled[q];
@@ -213,7 +214,8 @@ void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mi
   char* incoming = ctx.scratch(in_start[n]);
   std::vector<Request> pair_recvs;
   for (int q = 0; q < n; ++q)
-    if (q != me) pair_recvs.push_back(ctx.recv(q, incoming + in_start[q], in_start[q + 1] - in_start[q]));
+    if (q != me)
+      pair_recvs.push_back(ctx.recv(q, incoming + in_start[q], in_start[q + 1] - in_start[q]));
   for (int q = 0; q < n; ++q)
     if (q != me) ctx.send(q, outgoing + start[q], start[q + 1] - start[q]);
   std::memcpy(incoming + in_start[me], outgoing + start[me], start[me + 1] - start[me]);
@@ -257,9 +259,9 @@ void ranges_all_reduce(Context& ctx, const SparseSizes& s, const SparsePairs& mi
 
 }  // namespace
 
-Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const void* values, size_t k,
-                            DType value_dtype, void* out, size_t numel, DType out_dtype,
-                            ReduceOp op, Algorithm algo) {
+Algorithm sparse_all_reduce_steps(Context& ctx, const int32_t* indices, const void* values,
+                                  size_t k, DType value_dtype, void* out, size_t numel,
+                                  DType out_dtype, ReduceOp op, Algorithm algo) {
   SparseSizes s(ctx.size(), ctx.rank(), numel, value_dtype, out_dtype);
   SparsePairs mine{reinterpret_cast<const char*>(indices), static_cast<const char*>(values), k};
   char* packed = nullptr;

@@ -31,11 +31,15 @@ size_t scatter_add_typed(O* out, const SparsePairs& p, size_t first, int64_t sto
 }
 
 template <typename O>
-size_t scatter_add_out(DType value_dtype, O* out, const SparsePairs& p, size_t first, int64_t stop) {
+size_t scatter_add_out(DType value_dtype, O* out, const SparsePairs& p, size_t first,
+                       int64_t stop) {
   switch (value_dtype) {
-    case DType::kFloat32: return scatter_add_typed<float, O>(out, p, first, stop);
-    case DType::kFloat16: return scatter_add_typed<math::Half, O>(out, p, first, stop);
-    default: return scatter_add_typed<math::BFloat16, O>(out, p, first, stop);
+    case DType::kFloat32:
+      return scatter_add_typed<float, O>(out, p, first, stop);
+    case DType::kFloat16:
+      return scatter_add_typed<math::Half, O>(out, p, first, stop);
+    default:
+      return scatter_add_typed<math::BFloat16, O>(out, p, first, stop);
   }
 }
 
@@ -143,9 +147,12 @@ void reduce_decoded(const SparseSizes& s, const std::vector<SparsePairs>& pairs,
       }
   };
   switch (s.out_dtype) {
-    case DType::kFloat32: return divide_at(static_cast<float*>(out));
-    case DType::kFloat16: return divide_at(static_cast<math::Half*>(out));
-    default: return divide_at(static_cast<math::BFloat16*>(out));
+    case DType::kFloat32:
+      return divide_at(static_cast<float*>(out));
+    case DType::kFloat16:
+      return divide_at(static_cast<math::Half*>(out));
+    default:
+      return divide_at(static_cast<math::BFloat16*>(out));
   }
 }
 
@@ -178,7 +185,8 @@ void check_piece_sizes(const SparseSizes& s, const std::vector<size_t>& piece_si
   for (int q = 0; q < s.n; ++q) {
     size_t dense = s.range_count(q) * s.out_size, pair = packed_bytes(1, s.out_size);
     if (piece_sizes[q] != dense && (piece_sizes[q] >= dense || piece_sizes[q] % pair != 0))
-      bad_size(q, "a piece of", piece_sizes[q], "neither its whole range nor whole pairs within it");
+      bad_size(q, "a piece of", piece_sizes[q],
+               "neither its whole range nor whole pairs within it");
   }
 }
 
@@ -202,7 +210,8 @@ void place_pieces(const SparseSizes& s, const char* pieces, const std::vector<si
     check_indices(p, s.range_begin(q), s.range_begin(q) + qlen, q);
     std::memset(dst, 0, qlen * s.out_size);
     for (size_t i = 0; i < m; ++i)
-      std::memcpy(out_bytes + size_t(p.index_at(i)) * s.out_size, p.value + i * s.out_size, s.out_size);
+      std::memcpy(out_bytes + size_t(p.index_at(i)) * s.out_size, p.value + i * s.out_size,
+                  s.out_size);
   }
 }
 

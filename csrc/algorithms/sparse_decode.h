@@ -30,7 +30,9 @@ struct SparsePairs {
 };
 
 // Packed form of n pairs (ranges' exchanges): n int32 indices, then n values of `value_size`.
-inline size_t packed_bytes(size_t n, size_t value_size) { return n * (sizeof(int32_t) + value_size); }
+inline size_t packed_bytes(size_t n, size_t value_size) {
+  return n * (sizeof(int32_t) + value_size);
+}
 inline SparsePairs unpack_pairs(const char* packed, size_t n) {
   return SparsePairs{packed, packed + n * sizeof(int32_t), n};
 }
@@ -45,8 +47,13 @@ struct SparseSizes {
   std::vector<size_t> packed;  // gather's packed bytes per rank
 
   SparseSizes(int n, int rank, size_t numel, DType value_dtype, DType out_dtype)
-      : n(n), rank(rank), numel(numel), value_dtype(value_dtype), out_dtype(out_dtype),
-        value_size(dtype_size(value_dtype)), out_size(dtype_size(out_dtype)) {}
+      : n(n),
+        rank(rank),
+        numel(numel),
+        value_dtype(value_dtype),
+        out_dtype(out_dtype),
+        value_size(dtype_size(value_dtype)),
+        out_size(dtype_size(out_dtype)) {}
 
   // ranges: rank q owns index range q of n balanced ranges (the first numel % n have one element
   // more), [range_begin(q), range_begin(q) + range_count(q)).

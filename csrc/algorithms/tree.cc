@@ -105,7 +105,9 @@ size_t tree_slice(size_t elem) {
   return std::max<size_t>(1, AlgorithmTuning::get().tree_chunk_bytes / elem);
 }
 
-Segments tree_halves(size_t count) { return Segments(std::vector<size_t>{count / 2, count - count / 2}); }
+Segments tree_halves(size_t count) {
+  return Segments(std::vector<size_t>{count / 2, count - count / 2});
+}
 
 Schedule double_tree_all_reduce_schedule(int n, int rank) {
   Schedule s;

@@ -82,9 +82,9 @@ bool load_link_model(const std::string& path, LinkModel* model) {
   if (!values.count("alpha_us") || !values.count("bytes_per_s") ||
       !values.count("reduce_bytes_per_s"))
     return false;
-  RC_CHECK_ARG(values["alpha_us"] >= 0 && values["bytes_per_s"] > 0 &&
-                   values["reduce_bytes_per_s"] > 0,
-               "RINGCOMM_TUNING: '", path, "' holds a negative or zero figure");
+  RC_CHECK_ARG(
+      values["alpha_us"] >= 0 && values["bytes_per_s"] > 0 && values["reduce_bytes_per_s"] > 0,
+      "RINGCOMM_TUNING: '", path, "' holds a negative or zero figure");
   model->alpha_s = values["alpha_us"] * 1e-6;
   model->bytes_per_s = values["bytes_per_s"];
   model->reduce_bytes_per_s = values["reduce_bytes_per_s"];
@@ -101,8 +101,8 @@ bool load_link_model(const std::string& path, LinkModel* model) {
                " at each size, or none (a file saved before shared_buffer was measured: delete it "
                "to probe again)");
   model->factors = factor_lines ? factors : decltype(factors){};
-  RC_CHECK_ARG(model->local_alpha_s >= 0 && model->local_bytes_per_s > 0,
-               "RINGCOMM_TUNING: '", path, "' holds a negative or zero figure");
+  RC_CHECK_ARG(model->local_alpha_s >= 0 && model->local_bytes_per_s > 0, "RINGCOMM_TUNING: '",
+               path, "' holds a negative or zero figure");
   return true;
 }
 
@@ -117,8 +117,8 @@ bool save_link_model(const std::string& path, const LinkModel& model) {
          << "\nsingle_copy " << int(model.single_copy) << "\n";
     for (size_t point = 0; point < model.factors.size(); ++point)
       for (size_t a = 0; a < kMeasuredAlgorithms.size(); ++a)
-        file << "factor " << algorithm_name(kMeasuredAlgorithms[a]) << " "
-             << kMeasuredBytes[point] << " " << model.factors[point][a] << "\n";
+        file << "factor " << algorithm_name(kMeasuredAlgorithms[a]) << " " << kMeasuredBytes[point]
+             << " " << model.factors[point][a] << "\n";
     if (!file.good()) return false;
   }
   return std::rename(tmp.c_str(), path.c_str()) == 0;

@@ -13,8 +13,7 @@ size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 class Planner {
  public:
   Planner(const WindowLayout& layout, WindowState& state, int rank, size_t elem, bool avg)
-      : layout_(layout), state_(state), rank_(rank), world_(layout.world), elem_(elem),
-        avg_(avg) {}
+      : layout_(layout), state_(state), rank_(rank), world_(layout.world), elem_(elem), avg_(avg) {}
 
   WindowPlan take() { return std::move(plan_); }
 
@@ -169,9 +168,9 @@ WindowState::WindowState(int world, uint32_t base) {
 
 WindowPlan window_all_reduce_plan(Algorithm algo, const WindowLayout& layout, WindowState& state,
                                   int rank, size_t count, size_t elem, bool avg) {
-  RC_CHECK_ARG(algo == Algorithm::kOneShot || algo == Algorithm::kSharedBuffer ||
-                   algo == Algorithm::kRing,
-               "all_reduce by ", algorithm_name(algo), " does not run over windows");
+  RC_CHECK_ARG(
+      algo == Algorithm::kOneShot || algo == Algorithm::kSharedBuffer || algo == Algorithm::kRing,
+      "all_reduce by ", algorithm_name(algo), " does not run over windows");
   Planner planner(layout, state, rank, elem, avg);
   if (layout.world == 1) return planner.take();  // one contribution is its own reduction
   if (algo == Algorithm::kRing)

@@ -26,21 +26,32 @@ constexpr int kNumDTypes = 9;
 // Values follow torch.distributed.ReduceOp (SUM=0, AVG=1, PRODUCT=2, MIN=3, MAX=4, BAND=5,
 // BOR=6, BXOR=7).
 enum class ReduceOp : uint8_t {
-  kSum = 0, kAvg = 1, kProd = 2, kMin = 3, kMax = 4, kBand = 5, kBor = 6, kBxor = 7
+  kSum = 0,
+  kAvg = 1,
+  kProd = 2,
+  kMin = 3,
+  kMax = 4,
+  kBand = 5,
+  kBor = 6,
+  kBxor = 7
 };
 constexpr int kNumReduceOps = 8;
 
 inline size_t dtype_size(DType t) {
   switch (t) {
     case DType::kFloat64:
-    case DType::kInt64: return 8;
+    case DType::kInt64:
+      return 8;
     case DType::kFloat32:
-    case DType::kInt32: return 4;
+    case DType::kInt32:
+      return 4;
     case DType::kFloat16:
-    case DType::kBFloat16: return 2;
+    case DType::kBFloat16:
+      return 2;
     case DType::kInt8:
     case DType::kUInt8:
-    case DType::kBool: return 1;
+    case DType::kBool:
+      return 1;
   }
   RC_INVALID("unknown dtype code ", int(t));
 }

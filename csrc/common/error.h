@@ -48,8 +48,8 @@ std::string str_cat(const Args&... args) {
 #define RC_THROW_AS(kind, ...) \
   throw ::ringcomm::Error(::ringcomm::str_cat(__VA_ARGS__), ::ringcomm::ErrorKind::kind)
 #define RC_INVALID(...) throw std::invalid_argument(::ringcomm::str_cat(__VA_ARGS__))
-#define RC_CHECK_ARG(cond, ...) \
-  do {                          \
+#define RC_CHECK_ARG(cond, ...)           \
+  do {                                    \
     if (!(cond)) RC_INVALID(__VA_ARGS__); \
   } while (0)
 

@@ -19,7 +19,8 @@ class InplaceFunction<R(Args...)> {
 
   InplaceFunction() = default;
   InplaceFunction(std::nullptr_t) {}
-  template <typename F, typename = std::enable_if_t<!std::is_same<std::decay_t<F>, InplaceFunction>::value>>
+  template <typename F,
+            typename = std::enable_if_t<!std::is_same<std::decay_t<F>, InplaceFunction>::value>>
   InplaceFunction(F fn) {
     static_assert(sizeof(F) <= kCapacity && alignof(F) <= alignof(std::max_align_t),
                   "captures too large for an InplaceFunction");

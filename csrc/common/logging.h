@@ -20,10 +20,9 @@ void log_line(const std::string& line);
 // Replaces the sink (nullptr: stderr). The sink may be called from any thread.
 void set_log_sink(std::function<void(const std::string&)> sink);
 
-#define RC_LOG(...)                                                  \
-  do {                                                               \
-    if (::ringcomm::debug_enabled())                                 \
-      ::ringcomm::log_line(::ringcomm::str_cat(__VA_ARGS__));        \
+#define RC_LOG(...)                                                                          \
+  do {                                                                                       \
+    if (::ringcomm::debug_enabled()) ::ringcomm::log_line(::ringcomm::str_cat(__VA_ARGS__)); \
   } while (0)
 
 }  // namespace ringcomm

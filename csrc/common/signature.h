@@ -54,9 +54,12 @@ enum class Algorithm : uint8_t {
 };
 const char* algorithm_name(Algorithm a);
 // The algorithms all_reduce can be asked for by name (algorithm=, RINGCOMM_ALGO), auto aside.
-constexpr Algorithm kAllReduceAlgorithms[] = {
-    Algorithm::kRing,           Algorithm::kTree,         Algorithm::kRecursiveDoubling,
-    Algorithm::kHalvingDoubling, Algorithm::kSharedBuffer, Algorithm::kHierarchical};
+constexpr Algorithm kAllReduceAlgorithms[] = {Algorithm::kRing,
+                                              Algorithm::kTree,
+                                              Algorithm::kRecursiveDoubling,
+                                              Algorithm::kHalvingDoubling,
+                                              Algorithm::kSharedBuffer,
+                                              Algorithm::kHierarchical};
 // The same for sparse_all_reduce (kRing: scatter locally, then the dense ring all-reduce).
 constexpr Algorithm kSparseAllReduceAlgorithms[] = {Algorithm::kRing, Algorithm::kSparseGather,
                                                     Algorithm::kSparseRanges};
@@ -74,11 +77,11 @@ struct Signature {
   DType dtype = DType::kUInt8;
   ReduceOp op = ReduceOp::kSum;
   Algorithm algo = Algorithm::kAuto;
-  bool p2p = false;     // send/recv: sequence numbers count per peer pair, not per communicator
-  int32_t root = -1;    // src/dst of rooted collectives, -1 otherwise
+  bool p2p = false;   // send/recv: sequence numbers count per peer pair, not per communicator
+  int32_t root = -1;  // src/dst of rooted collectives, -1 otherwise
   uint64_t seq = 0;
-  uint64_t count = 0;   // elements
-  uint64_t aux = 0;     // all_gatherv: a hash of the per-rank counts; send/recv: the tag
+  uint64_t count = 0;  // elements
+  uint64_t aux = 0;    // all_gatherv: a hash of the per-rank counts; send/recv: the tag
 
   bool operator==(const Signature& o) const;
   bool operator!=(const Signature& o) const { return !(*this == o); }

@@ -15,14 +15,14 @@ namespace ringcomm {
 namespace trace {
 
 struct Event {
-  const char* name;     // a static string: "all_reduce", "send", "reduce", ...
-  const char* detail;   // a static string or nullptr: the algorithm of a collective
+  const char* name;    // a static string: "all_reduce", "send", "reduce", ...
+  const char* detail;  // a static string or nullptr: the algorithm of a collective
   int64_t begin_ns, end_ns;
-  int32_t thread;       // Linux thread id
-  int32_t peer = -1;    // send/recv: the other rank
-  int64_t seq = -1;     // collective: its sequence number in its communicator
-  uint64_t bytes = 0;   // payload bytes
-  uint64_t comm = 0;    // the communicator (its number in this process)
+  int32_t thread;      // Linux thread id
+  int32_t peer = -1;   // send/recv: the other rank
+  int64_t seq = -1;    // collective: its sequence number in its communicator
+  uint64_t bytes = 0;  // payload bytes
+  uint64_t comm = 0;   // the communicator (its number in this process)
 };
 
 extern std::atomic<bool> active;

@@ -23,14 +23,15 @@ size_t stream_slice(const Schedule& schedule, const Segments& blocks, size_t sli
 }  // namespace
 
 Executor::Executor(DeviceTransport& transport, size_t round_bytes)
-    : transport_(transport), layout_(window_layout(transport.size(), round_bytes)),
+    : transport_(transport),
+      layout_(window_layout(transport.size(), round_bytes)),
       state_(transport.size()) {
   RC_CHECK_ARG(transport.messages() != nullptr || transport.windows() != nullptr, "the ",
                transport.name(), " transport moves no bytes");
   if (Windows* windows = transport.windows())
-    RC_CHECK_ARG(windows->window_bytes() >= layout_.bytes(), "windows of ",
-                 windows->window_bytes(), " bytes cannot hold rounds of ", round_bytes,
-                 " bytes among ", transport.size(), " ranks (", layout_.bytes(), " bytes)");
+    RC_CHECK_ARG(windows->window_bytes() >= layout_.bytes(), "windows of ", windows->window_bytes(),
+                 " bytes cannot hold rounds of ", round_bytes, " bytes among ", transport.size(),
+                 " ranks (", layout_.bytes(), " bytes)");
 }
 
 size_t Executor::window_bytes(int world, size_t round_bytes) {
@@ -51,20 +52,19 @@ void Executor::all_reduce(void* data, size_t count, DType dtype, ReduceOp op, Al
   const int n = transport_.size();
   if (algo == Algorithm::kAuto) algo = choose_all_reduce(count * dtype_size(dtype));
   if (transport_.windows() != nullptr) {
-    const WindowPlan plan = window_all_reduce_plan(algo, layout_, state_, transport_.rank(),
-                                                   count, dtype_size(dtype),
-                                                   op == ReduceOp::kAvg);
+    const WindowPlan plan = window_all_reduce_plan(algo, layout_, state_, transport_.rank(), count,
+                                                   dtype_size(dtype), op == ReduceOp::kAvg);
     run_plan(plan, static_cast<char*>(data), dtype, op, stream);
     return;
   }
   // Halving-doubling receives from one peer over several steps after sending to it over
   // several: stream groups of one receiving step each would wait on each other.
-  RC_CHECK_ARG(algo == Algorithm::kRing || algo == Algorithm::kTree ||
-                   algo == Algorithm::kRecursiveDoubling,
-               "all_reduce by ", algorithm_name(algo), " does not run over ", transport_.name());
+  RC_CHECK_ARG(
+      algo == Algorithm::kRing || algo == Algorithm::kTree || algo == Algorithm::kRecursiveDoubling,
+      "all_reduce by ", algorithm_name(algo), " does not run over ", transport_.name());
   if (n == 1) return;  // every op of one contribution is that contribution
-  const AllReduceSchedule s = all_reduce_schedule(algo, n, transport_.rank(), count,
-                                                  dtype_size(dtype));
+  const AllReduceSchedule s =
+      all_reduce_schedule(algo, n, transport_.rank(), count, dtype_size(dtype));
   run_groups(s.schedule, s.blocks, stream_slice(s.schedule, s.blocks, s.slice),
              static_cast<char*>(data), dtype, op, stream);
 }
@@ -174,8 +174,8 @@ void Executor::run_plan(const WindowPlan& plan, char* data, DType dtype, ReduceO
           flush_syncs();
           flush_pieces();
           cuda::FoldArgs args;
-          RC_CHECK_ARG(a.sources <= cuda::kMostSources && a.dests <= cuda::kMostDests,
-                       "a fold of ", a.sources, " sources into ", a.dests);
+          RC_CHECK_ARG(a.sources <= cuda::kMostSources && a.dests <= cuda::kMostDests, "a fold of ",
+                       a.sources, " sources into ", a.dests);
           for (int s = 0; s < a.sources; ++s) args.sources[s] = address(refs[s]);
           for (int d = 0; d < a.dests; ++d) args.dests[d] = address(refs[a.sources + d]);
           args.source_count = a.sources;

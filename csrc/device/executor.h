@@ -33,8 +33,7 @@ class Executor {
                   cudaStream_t stream);
   // The all-gather into `data`, which holds every rank's block back to back (block q: counts[q]
   // elements, this rank's already in place), by the ring's step list over messages.
-  void all_gather(void* data, const std::vector<size_t>& counts, DType dtype,
-                  cudaStream_t stream);
+  void all_gather(void* data, const std::vector<size_t>& counts, DType dtype, cudaStream_t stream);
 
   // What kAuto runs for `bytes`: up to kSmallBytes recursive doubling over messages and
   // one_shot over windows; above, the ring over messages and shared_buffer over windows (one
@@ -52,8 +51,7 @@ class Executor {
   void run_groups(const Schedule& schedule, const Segments& blocks, size_t slice, char* data,
                   DType dtype, ReduceOp op, cudaStream_t stream);
   // `plan`'s actions in order over the transport's windows; the caller's buffer is `data`.
-  void run_plan(const WindowPlan& plan, char* data, DType dtype, ReduceOp op,
-                cudaStream_t stream);
+  void run_plan(const WindowPlan& plan, char* data, DType dtype, ReduceOp op, cudaStream_t stream);
 
   DeviceTransport& transport_;
   WindowLayout layout_;

@@ -22,15 +22,24 @@ struct Type {
 template <typename F>
 decltype(auto) visit_dtype(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::kFloat32: return f(Type<float>{});
-    case DType::kFloat64: return f(Type<double>{});
-    case DType::kFloat16: return f(Type<math::Half>{});
-    case DType::kBFloat16: return f(Type<math::BFloat16>{});
-    case DType::kInt8: return f(Type<int8_t>{});
-    case DType::kUInt8: return f(Type<uint8_t>{});
-    case DType::kInt32: return f(Type<int32_t>{});
-    case DType::kInt64: return f(Type<int64_t>{});
-    case DType::kBool: return f(Type<math::Bool>{});
+    case DType::kFloat32:
+      return f(Type<float>{});
+    case DType::kFloat64:
+      return f(Type<double>{});
+    case DType::kFloat16:
+      return f(Type<math::Half>{});
+    case DType::kBFloat16:
+      return f(Type<math::BFloat16>{});
+    case DType::kInt8:
+      return f(Type<int8_t>{});
+    case DType::kUInt8:
+      return f(Type<uint8_t>{});
+    case DType::kInt32:
+      return f(Type<int32_t>{});
+    case DType::kInt64:
+      return f(Type<int64_t>{});
+    case DType::kBool:
+      return f(Type<math::Bool>{});
   }
   RC_INVALID("unknown dtype code ", int(dtype));
 }
@@ -45,18 +54,27 @@ void visit_reduce(DType dtype, ReduceOp op, F&& f) {
     using T = typename decltype(type)::type;
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg: return f(type, math::Sum{});
-      case ReduceOp::kProd: return f(type, math::Prod{});
-      case ReduceOp::kMin: return f(type, math::Min{});
-      case ReduceOp::kMax: return f(type, math::Max{});
-      default: break;
+      case ReduceOp::kAvg:
+        return f(type, math::Sum{});
+      case ReduceOp::kProd:
+        return f(type, math::Prod{});
+      case ReduceOp::kMin:
+        return f(type, math::Min{});
+      case ReduceOp::kMax:
+        return f(type, math::Max{});
+      default:
+        break;
     }
     if constexpr (std::is_integral_v<T> || std::is_same_v<T, math::Bool>) {
       switch (op) {
-        case ReduceOp::kBand: return f(type, math::BitAnd{});
-        case ReduceOp::kBor: return f(type, math::BitOr{});
-        case ReduceOp::kBxor: return f(type, math::BitXor{});
-        default: break;
+        case ReduceOp::kBand:
+          return f(type, math::BitAnd{});
+        case ReduceOp::kBor:
+          return f(type, math::BitOr{});
+        case ReduceOp::kBxor:
+          return f(type, math::BitXor{});
+        default:
+          break;
       }
     }
     RC_INVALID("op ", op_name(op), " is not defined on ", dtype_name(dtype));
@@ -77,10 +95,14 @@ void visit_divide(DType dtype, F&& f) {
 template <typename F>
 void visit_topk(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::kFloat32: return f(Type<float>{});
-    case DType::kFloat16: return f(Type<math::Half>{});
-    case DType::kBFloat16: return f(Type<math::BFloat16>{});
-    default: RC_INVALID("top-k does not support ", dtype_name(dtype));
+    case DType::kFloat32:
+      return f(Type<float>{});
+    case DType::kFloat16:
+      return f(Type<math::Half>{});
+    case DType::kBFloat16:
+      return f(Type<math::BFloat16>{});
+    default:
+      RC_INVALID("top-k does not support ", dtype_name(dtype));
   }
 }
 
@@ -90,11 +112,16 @@ template <typename F>
 void visit_conversion(DType from, DType to, F&& f) {
   auto floating = [](DType t, auto&& g) {
     switch (t) {
-      case DType::kFloat32: return g(Type<float>{});
-      case DType::kFloat64: return g(Type<double>{});
-      case DType::kFloat16: return g(Type<math::Half>{});
-      case DType::kBFloat16: return g(Type<math::BFloat16>{});
-      default: RC_INVALID("cannot convert ", dtype_name(t), ": not a floating type");
+      case DType::kFloat32:
+        return g(Type<float>{});
+      case DType::kFloat64:
+        return g(Type<double>{});
+      case DType::kFloat16:
+        return g(Type<math::Half>{});
+      case DType::kBFloat16:
+        return g(Type<math::BFloat16>{});
+      default:
+        RC_INVALID("cannot convert ", dtype_name(t), ": not a floating type");
     }
   };
   floating(from, [&](auto in) { floating(to, [&](auto out) { f(in, out); }); });

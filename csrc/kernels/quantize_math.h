@@ -124,10 +124,14 @@ RC_HOST_DEVICE float offset_of(Rounding rounding, uint64_t key, uint64_t index) 
 template <typename F>
 void visit_dtype(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::kFloat32: return f(kernels::Type<float>{});
-    case DType::kFloat16: return f(kernels::Type<math::Half>{});
-    case DType::kBFloat16: return f(kernels::Type<math::BFloat16>{});
-    default: RC_INVALID("8-bit quantization does not support ", dtype_name(dtype));
+    case DType::kFloat32:
+      return f(kernels::Type<float>{});
+    case DType::kFloat16:
+      return f(kernels::Type<math::Half>{});
+    case DType::kBFloat16:
+      return f(kernels::Type<math::BFloat16>{});
+    default:
+      RC_INVALID("8-bit quantization does not support ", dtype_name(dtype));
   }
 }
 

@@ -34,7 +34,7 @@ RC_HOST_DEVICE float bf16_to_float(uint16_t h) { return bits_float(uint32_t(h) <
 RC_HOST_DEVICE uint16_t float_to_bf16(float f) {
   uint32_t u = float_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                                          // nearest even
+  u += 0x7fffu + ((u >> 16) & 1u);                                         // nearest even
   return uint16_t(u >> 16);
 }
 
@@ -55,7 +55,7 @@ RC_HOST_DEVICE uint16_t float_to_fp16(float f) {
   uint32_t u = float_bits(f);
   uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to inf
   if (abs < 0x38800000u) {
     // Result is subnormal (or zero): round abs * 2^24 to the nearest even integer.
@@ -71,12 +71,16 @@ RC_HOST_DEVICE uint16_t float_to_fp16(float f) {
 // applied with a fixed operand order by every algorithm so every rank gets the same bits.
 struct Sum {
   template <typename T>
-  RC_HOST_DEVICE T operator()(T a, T b) const { return a + b; }
+  RC_HOST_DEVICE T operator()(T a, T b) const {
+    return a + b;
+  }
   RC_HOST_DEVICE bool operator()(bool a, bool b) const { return a || b; }
 };
 struct Prod {
   template <typename T>
-  RC_HOST_DEVICE T operator()(T a, T b) const { return a * b; }
+  RC_HOST_DEVICE T operator()(T a, T b) const {
+    return a * b;
+  }
   RC_HOST_DEVICE bool operator()(bool a, bool b) const { return a && b; }
 };
 struct Min {
@@ -99,15 +103,21 @@ struct Max {
 // Bitwise operators, for integer types and bool (stored as bytes 0/1, which they keep).
 struct BitAnd {
   template <typename T>
-  RC_HOST_DEVICE T operator()(T a, T b) const { return T(a & b); }
+  RC_HOST_DEVICE T operator()(T a, T b) const {
+    return T(a & b);
+  }
 };
 struct BitOr {
   template <typename T>
-  RC_HOST_DEVICE T operator()(T a, T b) const { return T(a | b); }
+  RC_HOST_DEVICE T operator()(T a, T b) const {
+    return T(a | b);
+  }
 };
 struct BitXor {
   template <typename T>
-  RC_HOST_DEVICE T operator()(T a, T b) const { return T(a ^ b); }
+  RC_HOST_DEVICE T operator()(T a, T b) const {
+    return T(a ^ b);
+  }
 };
 
 // Storage type <-> compute type for every element type. Half types compute in float.
@@ -118,10 +128,15 @@ struct Compute {
   RC_HOST_DEVICE static Storage store(type v) { return v; }
 };
 
-struct Half { uint16_t bits; };
-struct BFloat16 { uint16_t bits; };
-struct Bool { uint8_t byte; };  // torch's bool: one byte, 0 or 1
-
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Bool {
+  uint8_t byte;
+};  // torch's bool: one byte, 0 or 1
 
 template <>
 struct Compute<Half> {

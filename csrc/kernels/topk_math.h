@@ -3,8 +3,8 @@
 //
 // An element's key is its bit pattern with the sign cleared. For IEEE floats of one width this
 // orders magnitudes exactly like |x| does, with +0 and -0 equal, +inf above every finite value and
-// NaN above inf (as torch.topk does). Ties between equal keys go to the lower index, so the selected
-// set is a deterministic function of the input.
+// NaN above inf (as torch.topk does). Ties between equal keys go to the lower index, so the
+// selected set is a deterministic function of the input.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +22,9 @@ RC_HOST_DEVICE Key magnitude_key(math::BFloat16 x) { return x.bits & 0x7fffu; }
 
 // Key widths: the sign bit is cleared, so float32 keys use 31 bits and 16-bit keys 15.
 template <typename T>
-constexpr int key_bits() { return sizeof(T) == 4 ? 31 : 15; }
+constexpr int key_bits() {
+  return sizeof(T) == 4 ? 31 : 15;
+}
 
 // True if element (key_a, index_a) ranks before (key_b, index_b) in the selection order.
 RC_HOST_DEVICE bool ranks_before(Key key_a, uint32_t index_a, Key key_b, uint32_t index_b) {
@@ -67,7 +69,9 @@ RC_HOST_DEVICE RadixPass radix_pass(int key_bits, int pass) {
 
 RC_HOST_DEVICE RadixState radix_start(uint32_t k) { return RadixState{0, 0, k}; }
 
-RC_HOST_DEVICE bool radix_matches(Key key, const RadixState& s) { return (key & s.mask) == s.prefix; }
+RC_HOST_DEVICE bool radix_matches(Key key, const RadixState& s) {
+  return (key & s.mask) == s.prefix;
+}
 
 RC_HOST_DEVICE unsigned radix_digit(Key key, RadixPass p) {
   return (key >> p.shift) & ((1u << p.bits) - 1u);

@@ -87,15 +87,18 @@ void bind_algorithms(py::module_& m) {
   // Checks lists (check_lists): {"id", "orders": each block's order of combination, "steps":
   // each rank's list as the executor runs it, its completing steps marked}; ValueError naming the
   // rank, step and block at fault.
-  m.def("check_algorithm", [](const std::string& name, const ListsTuple& t) {
-    AlgorithmLists lists = lists_of(name, t);
-    std::vector<std::string> orders;
-    {
-      py::gil_scoped_release nogil;
-      orders = check_lists(lists);
-    }
-    return checked(lists, orders);
-  }, py::arg("name"), py::arg("lists"));
+  m.def(
+      "check_algorithm",
+      [](const std::string& name, const ListsTuple& t) {
+        AlgorithmLists lists = lists_of(name, t);
+        std::vector<std::string> orders;
+        {
+          py::gil_scoped_release nogil;
+          orders = check_lists(lists);
+        }
+        return checked(lists, orders);
+      },
+      py::arg("name"), py::arg("lists"));
   // Where the core finds registered lists: `source(name, world_size, size_class)` returns their
   // tuple, or None where it knows no such name (world_size 0: any tuple where it knows it).
   // Called with the GIL taken, from any thread; what it raises is raised as ValueError by the call
@@ -125,13 +128,16 @@ void bind_algorithms(py::module_& m) {
   m.def("forget_algorithm", &forget_lists, py::arg("name"));
   // The lists the core runs for `name` among `world_size` ranks for a message of `nbytes`,
   // checked (as check_algorithm returns them, without the orders).
-  m.def("registered_algorithm", [](const std::string& name, const std::string& coll,
-                                   int world_size, size_t nbytes) -> py::object {
-    std::shared_ptr<const AlgorithmLists> lists =
-        registered_lists(name, collective_named(coll), world_size, nbytes);
-    if (!lists) return py::none();
-    return checked(*lists, {});
-  }, py::arg("name"), py::arg("collective"), py::arg("world_size"), py::arg("nbytes") = 0);
+  m.def(
+      "registered_algorithm",
+      [](const std::string& name, const std::string& coll, int world_size,
+         size_t nbytes) -> py::object {
+        std::shared_ptr<const AlgorithmLists> lists =
+            registered_lists(name, collective_named(coll), world_size, nbytes);
+        if (!lists) return py::none();
+        return checked(*lists, {});
+      },
+      py::arg("name"), py::arg("collective"), py::arg("world_size"), py::arg("nbytes") = 0);
 
   // Collectives by a registered algorithm (Communicator::*_registered). all_reduce returns the
   // Work only when async, as the built-ins' binding does.
@@ -148,29 +154,37 @@ void bind_algorithms(py::module_& m) {
           return async ? py::cast(work) : py::none();
         });
   using G = py::call_guard<py::gil_scoped_release>;
-  m.def("reduce_scatter_registered",
-        [](Communicator& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op,
-           const std::string& algorithm, bool async) {
-          DType t = checked_dtype(dt);
-          return c.reduce_scatter_registered(ptr(out), ptr(in), n, t, checked_op(op, t), algorithm,
-                                             async);
-        }, G());
-  m.def("all_gather_registered",
-        [](Communicator& c, uintptr_t out, uintptr_t in, size_t n, int dt,
-           const std::string& algorithm, bool async) {
-          return c.all_gather_registered(ptr(out), ptr(in), n, checked_dtype(dt), algorithm, async);
-        }, G());
-  m.def("broadcast_registered",
-        [](Communicator& c, uintptr_t buf, size_t n, int dt, int root, const std::string& algorithm,
-           bool async) {
-          return c.broadcast_registered(ptr(buf), n, checked_dtype(dt), root, algorithm, async);
-        }, G());
-  m.def("reduce_registered",
-        [](Communicator& c, uintptr_t buf, size_t n, int dt, int op, int root,
-           const std::string& algorithm, bool async) {
-          DType t = checked_dtype(dt);
-          return c.reduce_registered(ptr(buf), n, t, checked_op(op, t), root, algorithm, async);
-        }, G());
+  m.def(
+      "reduce_scatter_registered",
+      [](Communicator& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op,
+         const std::string& algorithm, bool async) {
+        DType t = checked_dtype(dt);
+        return c.reduce_scatter_registered(ptr(out), ptr(in), n, t, checked_op(op, t), algorithm,
+                                           async);
+      },
+      G());
+  m.def(
+      "all_gather_registered",
+      [](Communicator& c, uintptr_t out, uintptr_t in, size_t n, int dt,
+         const std::string& algorithm, bool async) {
+        return c.all_gather_registered(ptr(out), ptr(in), n, checked_dtype(dt), algorithm, async);
+      },
+      G());
+  m.def(
+      "broadcast_registered",
+      [](Communicator& c, uintptr_t buf, size_t n, int dt, int root, const std::string& algorithm,
+         bool async) {
+        return c.broadcast_registered(ptr(buf), n, checked_dtype(dt), root, algorithm, async);
+      },
+      G());
+  m.def(
+      "reduce_registered",
+      [](Communicator& c, uintptr_t buf, size_t n, int dt, int op, int root,
+         const std::string& algorithm, bool async) {
+        DType t = checked_dtype(dt);
+        return c.reduce_registered(ptr(buf), n, t, checked_op(op, t), root, algorithm, async);
+      },
+      G());
 }
 
 }  // namespace ringcomm

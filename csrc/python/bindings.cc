@@ -19,10 +19,10 @@ namespace py = pybind11;
 using namespace ringcomm;
 
 namespace ringcomm {
-void bind_compress(py::module_& m);  // compress_bindings.cc
-void bind_fusion(py::module_& m);    // fusion_bindings.cc
+void bind_compress(py::module_& m);    // compress_bindings.cc
+void bind_fusion(py::module_& m);      // fusion_bindings.cc
 void bind_algorithms(py::module_& m);  // algorithm_bindings.cc
-}
+}  // namespace ringcomm
 
 namespace {
 
@@ -57,7 +57,9 @@ std::function<void(Args...)> gil_safe_callback_of(py::function fn) {
   };
 }
 
-std::function<void()> gil_safe_callback(py::function fn) { return gil_safe_callback_of<>(std::move(fn)); }
+std::function<void()> gil_safe_callback(py::function fn) {
+  return gil_safe_callback_of<>(std::move(fn));
+}
 
 // ringcomm.RingcommError (a RuntimeError) and a subclass per ErrorKind, as `error_types` indexed
 // by kind (kOther: RingcommError itself). They live as long as the interpreter.
@@ -131,27 +133,29 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Work, WorkPtr>(m, "Work")
       // Waits in slices of 100 ms with Python's signal handlers run between them: a SIGINT or a
       // preemption SIGTERM handler runs (and may raise) while an operation is pending.
-      .def("wait",
-           [](Work& w, double timeout_s) {
-             const auto start = std::chrono::steady_clock::now();
-             while (true) {
-               double slice = 0.1;
-               if (timeout_s >= 0) {
-                 double left = timeout_s - std::chrono::duration<double>(
-                                               std::chrono::steady_clock::now() - start).count();
-                 slice = std::max(0.0, std::min(slice, left));
-               }
-               bool done;
-               {
-                 py::gil_scoped_release nogil;
-                 done = w.wait(slice);
-               }
-               if (done) return true;
-               if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-               if (timeout_s >= 0 && slice < 0.1) return false;
-             }
-           },
-           py::arg("timeout_s") = -1.0)
+      .def(
+          "wait",
+          [](Work& w, double timeout_s) {
+            const auto start = std::chrono::steady_clock::now();
+            while (true) {
+              double slice = 0.1;
+              if (timeout_s >= 0) {
+                double left =
+                    timeout_s -
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+                slice = std::max(0.0, std::min(slice, left));
+              }
+              bool done;
+              {
+                py::gil_scoped_release nogil;
+                done = w.wait(slice);
+              }
+              if (done) return true;
+              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+              if (timeout_s >= 0 && slice < 0.1) return false;
+            }
+          },
+          py::arg("timeout_s") = -1.0)
       .def("is_completed", &Work::is_completed)
       .def("error", &Work::error)
       .def("error_kind", [](Work& w) { return int(w.error_kind()); })
@@ -162,31 +166,34 @@ PYBIND11_MODULE(_C, m) {
 
   using G = py::call_guard<py::gil_scoped_release>;
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
-      .def(py::init<int, int, double, const std::string&>(), py::arg("rank"),
-           py::arg("world_size"), py::arg("timeout_s"), py::arg("master_addr") = "")
+      .def(py::init<int, int, double, const std::string&>(), py::arg("rank"), py::arg("world_size"),
+           py::arg("timeout_s"), py::arg("master_addr") = "")
       // The communicator of a torch process group's ringcomm backend (csrc/torch/), handed over
       // as a capsule: the two extensions are built against different pybind11s.
-      .def_static("from_capsule", [](py::capsule c) {
-        RC_CHECK_ARG(std::string(c.name() ? c.name() : "") == kCommunicatorCapsule,
-                     "not a ringcomm communicator capsule");
-        return *static_cast<std::shared_ptr<Communicator>*>(c.get_pointer());
-      })
+      .def_static("from_capsule",
+                  [](py::capsule c) {
+                    RC_CHECK_ARG(std::string(c.name() ? c.name() : "") == kCommunicatorCapsule,
+                                 "not a ringcomm communicator capsule");
+                    return *static_cast<std::shared_ptr<Communicator>*>(c.get_pointer());
+                  })
       // The other way: this communicator for ringcomm._C_torch's all_reduce_tensor.
-      .def("capsule", [](const std::shared_ptr<Communicator>& self) {
-        auto* held = new std::shared_ptr<Communicator>(self);
-        return py::capsule(held, kCommunicatorCapsule, [](void* p) {
-          delete static_cast<std::shared_ptr<Communicator>*>(p);
-        });
-      })
+      .def("capsule",
+           [](const std::shared_ptr<Communicator>& self) {
+             auto* held = new std::shared_ptr<Communicator>(self);
+             return py::capsule(held, kCommunicatorCapsule, [](void* p) {
+               delete static_cast<std::shared_ptr<Communicator>*>(p);
+             });
+           })
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def("address", &Communicator::address)
       .def("transport_of", &Communicator::transport_of, py::arg("peer"))
       .def("connect", &Communicator::connect, G())
-      .def("rendezvous",
-           [](Communicator& c, std::function<void(const std::string&, const std::string&)> set,
-              std::function<std::string(const std::string&)> get) { c.rendezvous({set, get}); },
-           py::arg("set"), py::arg("get"), G())
+      .def(
+          "rendezvous",
+          [](Communicator& c, std::function<void(const std::string&, const std::string&)> set,
+             std::function<std::string(const std::string&)> get) { c.rendezvous({set, get}); },
+          py::arg("set"), py::arg("get"), G())
       .def("algorithm_for",
            [](const Communicator& c, size_t bytes, int algo) {
              if (Algorithm(algo) == Algorithm::kAuto && !c.forced_registered().empty())
@@ -226,83 +233,108 @@ PYBIND11_MODULE(_C, m) {
              }
              return async ? py::cast(work) : py::none();
            })
-      .def("reduce_scatter",
-           [](Communicator& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, bool async) {
-             DType t = checked_dtype(dt);
-             return c.reduce_scatter(ptr(out), ptr(in), n, t, checked_op(op, t), async);
-           }, G())
-      .def("all_gatherv",
-           [](Communicator& c, uintptr_t out, uintptr_t in, const std::vector<size_t>& counts,
-              int dt, bool async) {
-             return c.all_gatherv(ptr(out), ptr(in), counts, checked_dtype(dt), async);
-           }, G())
-      .def("broadcast",
-           [](Communicator& c, uintptr_t buf, size_t n, int dt, int root, bool async) {
-             return c.broadcast(ptr(buf), n, checked_dtype(dt), root, async);
-           }, G())
-      .def("reduce",
-           [](Communicator& c, uintptr_t buf, size_t n, int dt, int op, int root, bool async) {
-             DType t = checked_dtype(dt);
-             return c.reduce(ptr(buf), n, t, checked_op(op, t), root, async);
-           }, G())
+      .def(
+          "reduce_scatter",
+          [](Communicator& c, uintptr_t out, uintptr_t in, size_t n, int dt, int op, bool async) {
+            DType t = checked_dtype(dt);
+            return c.reduce_scatter(ptr(out), ptr(in), n, t, checked_op(op, t), async);
+          },
+          G())
+      .def(
+          "all_gatherv",
+          [](Communicator& c, uintptr_t out, uintptr_t in, const std::vector<size_t>& counts,
+             int dt, bool async) {
+            return c.all_gatherv(ptr(out), ptr(in), counts, checked_dtype(dt), async);
+          },
+          G())
+      .def(
+          "broadcast",
+          [](Communicator& c, uintptr_t buf, size_t n, int dt, int root, bool async) {
+            return c.broadcast(ptr(buf), n, checked_dtype(dt), root, async);
+          },
+          G())
+      .def(
+          "reduce",
+          [](Communicator& c, uintptr_t buf, size_t n, int dt, int op, int root, bool async) {
+            DType t = checked_dtype(dt);
+            return c.reduce(ptr(buf), n, t, checked_op(op, t), root, async);
+          },
+          G())
       .def("barrier", &Communicator::barrier, G())
-      .def("gather",
-           [](Communicator& c, uintptr_t in, const std::vector<uintptr_t>& outs, size_t n, int dt,
-              int root, bool async) {
-             std::vector<void*> outputs;
-             for (uintptr_t o : outs) outputs.push_back(ptr(o));
-             return c.gather(ptr(in), outputs, n, checked_dtype(dt), root, async);
-           }, G())
-      .def("scatter",
-           [](Communicator& c, const std::vector<uintptr_t>& ins, uintptr_t out, size_t n, int dt,
-              int root, bool async) {
-             std::vector<const void*> inputs;
-             for (uintptr_t i : ins) inputs.push_back(ptr(i));
-             return c.scatter(inputs, ptr(out), n, checked_dtype(dt), root, async);
-           }, G())
-      .def("all_to_all",
-           [](Communicator& c, const std::vector<uintptr_t>& ins, const std::vector<size_t>& in_n,
-              const std::vector<uintptr_t>& outs, const std::vector<size_t>& out_n, int dt,
-              bool async) {
-             std::vector<const void*> inputs;
-             std::vector<void*> outputs;
-             for (uintptr_t i : ins) inputs.push_back(ptr(i));
-             for (uintptr_t o : outs) outputs.push_back(ptr(o));
-             return c.all_to_all(inputs, in_n, outputs, out_n, checked_dtype(dt), async);
-           }, G())
-      .def("send",
-           [](Communicator& c, uintptr_t buf, size_t n, int dt, int peer, bool async) {
-             return c.send(ptr(buf), n, checked_dtype(dt), peer, async);
-           }, G())
-      .def("recv",
-           [](Communicator& c, uintptr_t buf, size_t n, int dt, int peer, bool async) {
-             return c.recv(ptr(buf), n, checked_dtype(dt), peer, async);
-           }, G())
-      .def("recv_any",
-           [](Communicator& c, uintptr_t buf, size_t n, int dt, bool async) {
-             return c.recv_any(ptr(buf), n, checked_dtype(dt), async);
-           }, G())
-      .def("sparse_all_reduce",
-           [](Communicator& c, uintptr_t indices, uintptr_t values, size_t k, int value_dt,
-              uintptr_t out, size_t numel, int out_dt, int op, int algo, bool async) {
-             DType vt = checked_dtype(value_dt), ot = checked_dtype(out_dt);
-             return c.sparse_all_reduce(static_cast<const int32_t*>(ptr(indices)), ptr(values), k,
-                                        vt, ptr(out), numel, ot, checked_op(op, ot),
-                                        Algorithm(algo), async);
-           }, G())
+      .def(
+          "gather",
+          [](Communicator& c, uintptr_t in, const std::vector<uintptr_t>& outs, size_t n, int dt,
+             int root, bool async) {
+            std::vector<void*> outputs;
+            for (uintptr_t o : outs) outputs.push_back(ptr(o));
+            return c.gather(ptr(in), outputs, n, checked_dtype(dt), root, async);
+          },
+          G())
+      .def(
+          "scatter",
+          [](Communicator& c, const std::vector<uintptr_t>& ins, uintptr_t out, size_t n, int dt,
+             int root, bool async) {
+            std::vector<const void*> inputs;
+            for (uintptr_t i : ins) inputs.push_back(ptr(i));
+            return c.scatter(inputs, ptr(out), n, checked_dtype(dt), root, async);
+          },
+          G())
+      .def(
+          "all_to_all",
+          [](Communicator& c, const std::vector<uintptr_t>& ins, const std::vector<size_t>& in_n,
+             const std::vector<uintptr_t>& outs, const std::vector<size_t>& out_n, int dt,
+             bool async) {
+            std::vector<const void*> inputs;
+            std::vector<void*> outputs;
+            for (uintptr_t i : ins) inputs.push_back(ptr(i));
+            for (uintptr_t o : outs) outputs.push_back(ptr(o));
+            return c.all_to_all(inputs, in_n, outputs, out_n, checked_dtype(dt), async);
+          },
+          G())
+      .def(
+          "send",
+          [](Communicator& c, uintptr_t buf, size_t n, int dt, int peer, bool async) {
+            return c.send(ptr(buf), n, checked_dtype(dt), peer, async);
+          },
+          G())
+      .def(
+          "recv",
+          [](Communicator& c, uintptr_t buf, size_t n, int dt, int peer, bool async) {
+            return c.recv(ptr(buf), n, checked_dtype(dt), peer, async);
+          },
+          G())
+      .def(
+          "recv_any",
+          [](Communicator& c, uintptr_t buf, size_t n, int dt, bool async) {
+            return c.recv_any(ptr(buf), n, checked_dtype(dt), async);
+          },
+          G())
+      .def(
+          "sparse_all_reduce",
+          [](Communicator& c, uintptr_t indices, uintptr_t values, size_t k, int value_dt,
+             uintptr_t out, size_t numel, int out_dt, int op, int algo, bool async) {
+            DType vt = checked_dtype(value_dt), ot = checked_dtype(out_dt);
+            return c.sparse_all_reduce(static_cast<const int32_t*>(ptr(indices)), ptr(values), k,
+                                       vt, ptr(out), numel, ot, checked_op(op, ot), Algorithm(algo),
+                                       async);
+          },
+          G())
       .def("compression_costs",
            [](const Communicator& c, size_t numel, size_t k, int value_dt, int out_dt) {
              DType vt = checked_dtype(value_dt), ot = checked_dtype(out_dt);
              Algorithm dense = c.choose_all_reduce(numel * dtype_size(ot), Algorithm::kAuto);
-             CompressionCosts costs = compression_costs(c.selector(), numel, k, dtype_size(vt),
-                                                        dtype_size(ot), dense);
+             CompressionCosts costs =
+                 compression_costs(c.selector(), numel, k, dtype_size(vt), dtype_size(ot), dense);
              return std::make_pair(costs.sparse, costs.dense);
            })
       .def_property_readonly("bytes_sent", [](const Communicator& c) { return c.bytes_sent(); })
       .def_property_readonly("scratch_bytes", &Communicator::scratch_bytes)
-      .def("bytes_sent_over", [](const Communicator& c, const std::string& transport) {
-             return c.bytes_sent(transport);
-           }, py::arg("transport"))
+      .def(
+          "bytes_sent_over",
+          [](const Communicator& c, const std::string& transport) {
+            return c.bytes_sent(transport);
+          },
+          py::arg("transport"))
       .def_property_readonly("hosts", [](const Communicator& c) { return c.layout().hosts; })
       .def("link_model",
            [](const Communicator& c) {
@@ -346,7 +378,8 @@ PYBIND11_MODULE(_C, m) {
       set_log_sink(nullptr);
       return;
     }
-    auto callback = gil_safe_callback_of<const std::string&>(py::reinterpret_borrow<py::function>(fn));
+    auto callback =
+        gil_safe_callback_of<const std::string&>(py::reinterpret_borrow<py::function>(fn));
     set_log_sink(callback);
   });
   // The environment's table (common/knobs.h), and its readers: ringcomm/_env.py reads through
@@ -390,16 +423,20 @@ PYBIND11_MODULE(_C, m) {
   });
 
   // Kernels, exposed for tests and benchmarks.
-  m.def("reduce_kernel",
-        [](int dt, int op, uintptr_t out, uintptr_t a, uintptr_t b, size_t n) {
-          DType t = checked_dtype(dt);
-          cpu::reduce(t, checked_op(op, t), ptr(out), ptr(a), ptr(b), n);
-        }, G());
+  m.def(
+      "reduce_kernel",
+      [](int dt, int op, uintptr_t out, uintptr_t a, uintptr_t b, size_t n) {
+        DType t = checked_dtype(dt);
+        cpu::reduce(t, checked_op(op, t), ptr(out), ptr(a), ptr(b), n);
+      },
+      G());
   bind_compress(m);
   bind_fusion(m);
   bind_algorithms(m);
-  m.def("divide_kernel",
-        [](int dt, uintptr_t x, size_t n, int divisor) {
-          cpu::divide(checked_dtype(dt), ptr(x), n, divisor);
-        }, G());
+  m.def(
+      "divide_kernel",
+      [](int dt, uintptr_t x, size_t n, int divisor) {
+        cpu::divide(checked_dtype(dt), ptr(x), n, divisor);
+      },
+      G());
 }

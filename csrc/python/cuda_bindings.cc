@@ -75,7 +75,8 @@ py::tuple device_count() {
     } else {
       return py::make_tuple(0, std::string("no CUDA driver: ") + dlerror());
     }
-    return py::make_tuple(0, std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status));
+    return py::make_tuple(
+        0, std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status));
   }
   return py::make_tuple(count, count ? "" : "no CUDA device");
 }
@@ -98,34 +99,39 @@ PYBIND11_MODULE(_C_cuda, m) {
     }
   });
 
-  m.def("device_count", &device_count,
-        "(number of CUDA devices, reason when there are none)");
+  m.def("device_count", &device_count, "(number of CUDA devices, reason when there are none)");
   m.def("runtime_version", [] {
     int version = 0;
     RC_CUDA_CHECK(cudaRuntimeGetVersion(&version));
     return version;
   });
 
-  m.def("reduce", [](int dtype, int op, uintptr_t out, uintptr_t a, uintptr_t b, size_t n,
-                     uintptr_t stream) {
-    const DType t = checked_dtype(dtype);
-    cuda::reduce(t, checked_op(op, t), address(out), address(a), address(b), n, stream_of(stream));
-  }, G());
-  m.def("divide", [](int dtype, uintptr_t x, size_t n, int divisor, uintptr_t stream) {
-    cuda::divide(checked_dtype(dtype), address(x), n, divisor, stream_of(stream));
-  }, G());
+  m.def(
+      "reduce",
+      [](int dtype, int op, uintptr_t out, uintptr_t a, uintptr_t b, size_t n, uintptr_t stream) {
+        const DType t = checked_dtype(dtype);
+        cuda::reduce(t, checked_op(op, t), address(out), address(a), address(b), n,
+                     stream_of(stream));
+      },
+      G());
+  m.def(
+      "divide",
+      [](int dtype, uintptr_t x, size_t n, int divisor, uintptr_t stream) {
+        cuda::divide(checked_dtype(dtype), address(x), n, divisor, stream_of(stream));
+      },
+      G());
 
   // The lists cross as buffers of uint64 (ringcomm/cuda.py's, read by the torch module's
   // tensor_lists where it is built): read with the GIL held, launched without it.
-  m.def("pack", [](int dtype, const py::buffer& ptrs, const py::buffer& counts, size_t begin,
-                   size_t end, uintptr_t dst, int dst_dtype, int scale_kind, double factor,
-                   uintptr_t stream) {
-    const kernels::PackList list =
-        pack_list(dtype, Words(ptrs, "addresses"), Words(counts, "counts"));
-    py::gil_scoped_release release;
-    cuda::pack(list, begin, end, address(dst), checked_dtype(dst_dtype),
-               scaling(scale_kind, factor), stream_of(stream));
-  });
+  m.def("pack",
+        [](int dtype, const py::buffer& ptrs, const py::buffer& counts, size_t begin, size_t end,
+           uintptr_t dst, int dst_dtype, int scale_kind, double factor, uintptr_t stream) {
+          const kernels::PackList list =
+              pack_list(dtype, Words(ptrs, "addresses"), Words(counts, "counts"));
+          py::gil_scoped_release release;
+          cuda::pack(list, begin, end, address(dst), checked_dtype(dst_dtype),
+                     scaling(scale_kind, factor), stream_of(stream));
+        });
   m.def("unpack", [](uintptr_t src, int src_dtype, int dtype, const py::buffer& ptrs,
                      const py::buffer& counts, size_t begin, size_t end, int scale_kind,
                      double factor, uintptr_t stream) {
@@ -137,26 +143,34 @@ PYBIND11_MODULE(_C_cuda, m) {
   });
 
   m.def("topk_workspace_bytes", &cuda::topk_workspace_bytes);
-  m.def("topk", [](int dtype, uintptr_t data, size_t n, size_t k, uintptr_t indices,
-                   uintptr_t values, uintptr_t workspace, size_t workspace_bytes,
-                   uintptr_t stream) {
-    cuda::topk(checked_dtype(dtype), address(data), n, k, static_cast<int32_t*>(address(indices)),
-               address(values), address(workspace), workspace_bytes, stream_of(stream));
-  }, G());
-  m.def("topk_with_residual", [](int dtype, uintptr_t grad, uintptr_t residual, size_t n, size_t k,
-                                 uintptr_t indices, uintptr_t values, uintptr_t workspace,
-                                 size_t workspace_bytes, uintptr_t stream) {
-    cuda::topk_with_residual(checked_dtype(dtype), address(grad), address(residual), n, k,
-                             static_cast<int32_t*>(address(indices)), address(values),
-                             address(workspace), workspace_bytes, stream_of(stream));
-  }, G());
+  m.def(
+      "topk",
+      [](int dtype, uintptr_t data, size_t n, size_t k, uintptr_t indices, uintptr_t values,
+         uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
+        cuda::topk(checked_dtype(dtype), address(data), n, k,
+                   static_cast<int32_t*>(address(indices)), address(values), address(workspace),
+                   workspace_bytes, stream_of(stream));
+      },
+      G());
+  m.def(
+      "topk_with_residual",
+      [](int dtype, uintptr_t grad, uintptr_t residual, size_t n, size_t k, uintptr_t indices,
+         uintptr_t values, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
+        cuda::topk_with_residual(checked_dtype(dtype), address(grad), address(residual), n, k,
+                                 static_cast<int32_t*>(address(indices)), address(values),
+                                 address(workspace), workspace_bytes, stream_of(stream));
+      },
+      G());
   bind_quantize_cuda(m);
-  m.def("scatter_add", [](int dtype, uintptr_t out, size_t n, uintptr_t indices, uintptr_t values,
-                          size_t k, uintptr_t bad_index, uintptr_t stream) {
-    cuda::scatter_add(checked_dtype(dtype), address(out), n,
-                      static_cast<const int32_t*>(address(indices)), address(values), k,
-                      static_cast<int*>(address(bad_index)), stream_of(stream));
-  }, G());
+  m.def(
+      "scatter_add",
+      [](int dtype, uintptr_t out, size_t n, uintptr_t indices, uintptr_t values, size_t k,
+         uintptr_t bad_index, uintptr_t stream) {
+        cuda::scatter_add(checked_dtype(dtype), address(out), n,
+                          static_cast<const int32_t*>(address(indices)), address(values), k,
+                          static_cast<int*>(address(bad_index)), stream_of(stream));
+      },
+      G());
 
   // NCCL (transport/nccl/), from the library at `library` (ringcomm/nccl.py finds it).
   m.def("nccl_unique_id", [](const std::string& library) {
@@ -168,50 +182,55 @@ PYBIND11_MODULE(_C_cuda, m) {
     }
     return py::bytes(id.internal, sizeof(id.internal));
   });
-  m.def("nccl_communicator", [](const std::string& library, const py::bytes& id, int rank,
-                                int size, int device) {
-    const std::string raw = id;
-    RC_CHECK_ARG(raw.size() == nccl::kUniqueIdBytes, "an NCCL unique id has ",
-                 nccl::kUniqueIdBytes, " bytes, got ", raw.size());
-    nccl::UniqueId uid;
-    std::copy(raw.begin(), raw.end(), uid.internal);
-    const nccl::Library& lib = nccl::Library::load(library);
-    py::gil_scoped_release release;  // joining blocks until every rank has joined
-    // Over messages, windows (and their rounds) play no part.
-    return std::make_unique<DeviceCommunicator>(
-        std::make_unique<nccl::NcclTransport>(lib, uid, rank, size, device), 0);
-  }, py::arg("library"), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
-     py::arg("device"));
+  m.def(
+      "nccl_communicator",
+      [](const std::string& library, const py::bytes& id, int rank, int size, int device) {
+        const std::string raw = id;
+        RC_CHECK_ARG(raw.size() == nccl::kUniqueIdBytes, "an NCCL unique id has ",
+                     nccl::kUniqueIdBytes, " bytes, got ", raw.size());
+        nccl::UniqueId uid;
+        std::copy(raw.begin(), raw.end(), uid.internal);
+        const nccl::Library& lib = nccl::Library::load(library);
+        py::gil_scoped_release release;  // joining blocks until every rank has joined
+        // Over messages, windows (and their rounds) play no part.
+        return std::make_unique<DeviceCommunicator>(
+            std::make_unique<nccl::NcclTransport>(lib, uid, rank, size, device), 0);
+      },
+      py::arg("library"), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
+      py::arg("device"));
 
   // CUDA IPC (transport/cuda_ipc/): (communicator, "") or (None, why every rank refused it).
   // `exchange(bytes) -> list of every rank's bytes` is called with the GIL held.
-  m.def("ipc_communicator", [](int rank, int size, int device, size_t round_bytes,
-                               double timeout_s, const py::function& exchange) -> py::tuple {
-    ipc::Exchange all = [&exchange](const std::string& mine) {
-      py::gil_scoped_acquire acquire;
-      std::vector<std::string> out;
-      for (const py::handle& item : exchange(py::bytes(mine)))
-        out.push_back(std::string(py::reinterpret_borrow<py::bytes>(item)));
-      return out;
-    };
-    std::string refused;
-    std::unique_ptr<ipc::IpcTransport> transport;
-    {
-      py::gil_scoped_release release;
-      transport = ipc::IpcTransport::connect(rank, size, device,
-                                             device::Executor::window_bytes(size, round_bytes),
-                                             timeout_s, all, &refused);
-    }
-    if (!transport) return py::make_tuple(py::none(), refused);
-    return py::make_tuple(std::make_unique<DeviceCommunicator>(std::move(transport), round_bytes),
-                          std::string());
-  }, py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("round_bytes"),
-     py::arg("timeout_s"), py::arg("exchange"));
+  m.def(
+      "ipc_communicator",
+      [](int rank, int size, int device, size_t round_bytes, double timeout_s,
+         const py::function& exchange) -> py::tuple {
+        ipc::Exchange all = [&exchange](const std::string& mine) {
+          py::gil_scoped_acquire acquire;
+          std::vector<std::string> out;
+          for (const py::handle& item : exchange(py::bytes(mine)))
+            out.push_back(std::string(py::reinterpret_borrow<py::bytes>(item)));
+          return out;
+        };
+        std::string refused;
+        std::unique_ptr<ipc::IpcTransport> transport;
+        {
+          py::gil_scoped_release release;
+          transport = ipc::IpcTransport::connect(rank, size, device,
+                                                 device::Executor::window_bytes(size, round_bytes),
+                                                 timeout_s, all, &refused);
+        }
+        if (!transport) return py::make_tuple(py::none(), refused);
+        return py::make_tuple(
+            std::make_unique<DeviceCommunicator>(std::move(transport), round_bytes), std::string());
+      },
+      py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("round_bytes"),
+      py::arg("timeout_s"), py::arg("exchange"));
   m.attr("DEVICE_ALGORITHM_CODES") = [] {
     py::dict codes;
-    for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree,
-                        Algorithm::kRecursiveDoubling, Algorithm::kNccl, Algorithm::kOneShot,
-                        Algorithm::kSharedBuffer})
+    for (Algorithm a :
+         {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree, Algorithm::kRecursiveDoubling,
+          Algorithm::kNccl, Algorithm::kOneShot, Algorithm::kSharedBuffer})
       codes[algorithm_name(a)] = int(a);
     return codes;
   }();
@@ -222,13 +241,16 @@ PYBIND11_MODULE(_C_cuda, m) {
                              [](DeviceCommunicator& c) { return c.transport().name(); })
       .def_property_readonly("rank", [](DeviceCommunicator& c) { return c.transport().rank(); })
       .def_property_readonly("size", [](DeviceCommunicator& c) { return c.transport().size(); })
-      .def_property_readonly("device",
-                             [](DeviceCommunicator& c) { return c.transport().device(); })
+      .def_property_readonly("device", [](DeviceCommunicator& c) { return c.transport().device(); })
       .def("all_reduce", &DeviceCommunicator::all_reduce, G())
       .def("all_gather", &DeviceCommunicator::all_gather, G())
-      .def("synchronize", [](DeviceCommunicator& c, uintptr_t stream, double timeout_s) {
-             c.transport().synchronize(stream_of(stream), timeout_s);
-           }, G())
-      .def("close", [](DeviceCommunicator& c) { c.transport().close(); }, G())
+      .def(
+          "synchronize",
+          [](DeviceCommunicator& c, uintptr_t stream, double timeout_s) {
+            c.transport().synchronize(stream_of(stream), timeout_s);
+          },
+          G())
+      .def(
+          "close", [](DeviceCommunicator& c) { c.transport().close(); }, G())
       .def("abort", [](DeviceCommunicator& c) { c.transport().abort(); }, G());
 }

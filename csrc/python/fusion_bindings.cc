@@ -22,8 +22,8 @@ namespace {
 
 using BufferRef = Communicator::BufferRef;
 using python::pack_list;
-using python::Words;
 using python::scaling;
+using python::Words;
 
 std::vector<BufferRef> buffer_refs(const py::buffer& ptrs_buffer, const py::buffer& counts_buffer,
                                    const py::buffer& dtypes_buffer) {
@@ -55,46 +55,52 @@ void bind_fusion(py::module_& m) {
   // (stream_plan.h) for `count` elements in slices of `slice`: per group, its messages as
   // ("send" or "recv", peer, first element, elements), and whether a reduction follows. Of
   // all_reduce by `algo`, or with `all_gather` of the ring all-gather over Segments(count, n).
-  m.def("stream_groups", [](int algo, int n, int rank, size_t count, size_t slice,
-                            bool all_gather) {
-    RC_CHECK_ARG(n >= 1 && rank >= 0 && rank < n && slice > 0, "rank ", rank, " of ", n);
-    const AllReduceSchedule s =
-        all_gather ? AllReduceSchedule{ring_all_gather_schedule(n, rank), Segments(count, n), slice}
-                   : all_reduce_schedule(Algorithm(algo), n, rank, count, 1);
-    py::list out;
-    for (const StreamGroup& g : stream_groups(s.schedule, s.blocks, slice)) {
-      py::list messages;
-      for (const StreamMessage& m : g.messages) {
-        const Step& step = s.schedule.steps[size_t(m.step)];
-        const size_t block = s.blocks.count(step.block), begin = std::min(block, m.slice * slice);
-        messages.append(py::make_tuple(m.send ? "send" : "recv", m.peer,
-                                       s.blocks.offset(step.block) + begin,
-                                       std::min(slice, block - begin)));
-      }
-      out.append(py::make_tuple(messages, g.reduce));
-    }
-    return out;
-  }, py::arg("algorithm"), py::arg("n"), py::arg("rank"), py::arg("count"), py::arg("slice"),
-     py::arg("all_gather") = false);
+  m.def(
+      "stream_groups",
+      [](int algo, int n, int rank, size_t count, size_t slice, bool all_gather) {
+        RC_CHECK_ARG(n >= 1 && rank >= 0 && rank < n && slice > 0, "rank ", rank, " of ", n);
+        const AllReduceSchedule s =
+            all_gather
+                ? AllReduceSchedule{ring_all_gather_schedule(n, rank), Segments(count, n), slice}
+                : all_reduce_schedule(Algorithm(algo), n, rank, count, 1);
+        py::list out;
+        for (const StreamGroup& g : stream_groups(s.schedule, s.blocks, slice)) {
+          py::list messages;
+          for (const StreamMessage& m : g.messages) {
+            const Step& step = s.schedule.steps[size_t(m.step)];
+            const size_t block = s.blocks.count(step.block),
+                         begin = std::min(block, m.slice * slice);
+            messages.append(py::make_tuple(m.send ? "send" : "recv", m.peer,
+                                           s.blocks.offset(step.block) + begin,
+                                           std::min(slice, block - begin)));
+          }
+          out.append(py::make_tuple(messages, g.reduce));
+        }
+        return out;
+      },
+      py::arg("algorithm"), py::arg("n"), py::arg("rank"), py::arg("count"), py::arg("slice"),
+      py::arg("all_gather") = false);
   // The orders of a buffer of `count` elements, as runs of elements that share one: (elements,
   // "((0 1) 2)" for (x0 op x1) op x2); `hosts` for the hierarchical algorithm.
-  m.def("reduction_orders", [](int algo, int n, size_t count,
-                               const std::vector<std::vector<int>>& hosts) {
-    ReductionOrders orders(n, HostLayout{hosts});
-    orders.require(Algorithm(algo));
-    std::vector<OrderedRange> ranges;
-    orders.ranges(Algorithm(algo), count, 0, ranges);
-    std::vector<std::pair<size_t, std::string>> out;
-    for (const OrderedRange& r : ranges)
-      out.emplace_back(r.count, orders.program(r.program).describe());
-    return out;
-  }, py::arg("algorithm"), py::arg("n"), py::arg("count"),
-     py::arg("hosts") = std::vector<std::vector<int>>{});
+  m.def(
+      "reduction_orders",
+      [](int algo, int n, size_t count, const std::vector<std::vector<int>>& hosts) {
+        ReductionOrders orders(n, HostLayout{hosts});
+        orders.require(Algorithm(algo));
+        std::vector<OrderedRange> ranges;
+        orders.ranges(Algorithm(algo), count, 0, ranges);
+        std::vector<std::pair<size_t, std::string>> out;
+        for (const OrderedRange& r : ranges)
+          out.emplace_back(r.count, orders.program(r.program).describe());
+        return out;
+      },
+      py::arg("algorithm"), py::arg("n"), py::arg("count"),
+      py::arg("hosts") = std::vector<std::vector<int>>{});
   // The buffers are read with the GIL held, the collective runs without it.
   m.def("all_reduce_coalesced",
         [](Communicator& c, const py::buffer& ptrs, const py::buffer& counts,
-           const py::buffer& dtypes, int op, size_t bucket_bytes, int float32_wire,
-           double prescale, bool async) {
+           const py::buffer& dtypes, int op, size_t bucket_bytes, int float32_wire, double prescale,
+           bool async) {
           // The op code alone here; whether each buffer's dtype allows it is checked per buffer.
           RC_CHECK_ARG(op >= 0 && op < kNumReduceOps, "unsupported reduce op code ", op);
           const std::vector<BufferRef> refs = buffer_refs(ptrs, counts, dtypes);
@@ -122,23 +128,27 @@ void bind_fusion(py::module_& m) {
         });
 
   // Kernels, exposed for tests: fused elements [begin, end) of the buffers <-> dst / src.
-  m.def("pack_kernel",
-        [](int dtype, const std::vector<uintptr_t>& ptrs, const std::vector<size_t>& counts,
-           size_t begin, size_t end, uintptr_t dst, int dst_dtype, int scale_kind, double factor) {
-          math::Scaling s = scaling(scale_kind, factor);
-          cpu::check_conversion(checked_dtype(dtype), checked_dtype(dst_dtype), s);
-          cpu::pack(pack_list(dtype, ptrs, counts), begin, end, reinterpret_cast<void*>(dst),
-                    DType(dst_dtype), s);
-        }, G());
-  m.def("unpack_kernel",
-        [](uintptr_t src, int src_dtype, int dtype, const std::vector<uintptr_t>& ptrs,
-           const std::vector<size_t>& counts, size_t begin, size_t end, int scale_kind,
-           double factor) {
-          math::Scaling s = scaling(scale_kind, factor);
-          cpu::check_conversion(checked_dtype(src_dtype), checked_dtype(dtype), s);
-          cpu::unpack(reinterpret_cast<const void*>(src), DType(src_dtype),
-                      pack_list(dtype, ptrs, counts), begin, end, s);
-        }, G());
+  m.def(
+      "pack_kernel",
+      [](int dtype, const std::vector<uintptr_t>& ptrs, const std::vector<size_t>& counts,
+         size_t begin, size_t end, uintptr_t dst, int dst_dtype, int scale_kind, double factor) {
+        math::Scaling s = scaling(scale_kind, factor);
+        cpu::check_conversion(checked_dtype(dtype), checked_dtype(dst_dtype), s);
+        cpu::pack(pack_list(dtype, ptrs, counts), begin, end, reinterpret_cast<void*>(dst),
+                  DType(dst_dtype), s);
+      },
+      G());
+  m.def(
+      "unpack_kernel",
+      [](uintptr_t src, int src_dtype, int dtype, const std::vector<uintptr_t>& ptrs,
+         const std::vector<size_t>& counts, size_t begin, size_t end, int scale_kind,
+         double factor) {
+        math::Scaling s = scaling(scale_kind, factor);
+        cpu::check_conversion(checked_dtype(src_dtype), checked_dtype(dtype), s);
+        cpu::unpack(reinterpret_cast<const void*>(src), DType(src_dtype),
+                    pack_list(dtype, ptrs, counts), begin, end, s);
+      },
+      G());
   // The two passes an all-reduce of a list makes over the caller's memory, without the
   // exchange, for the benchmark's layout limit (python -m ringcomm.bench --coll
   // all_reduce_coalesced --floor): every element read (packed into a staging buffer one

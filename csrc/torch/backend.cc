@@ -46,22 +46,33 @@ std::exception_ptr error_of(const std::string& message) {
 // The core's dtype of a torch dtype (the codes of ringcomm._buffers.TORCH_DTYPES), if it has one.
 std::optional<rc::DType> core_dtype(at::ScalarType type) {
   switch (type) {
-    case at::kFloat: return rc::DType::kFloat32;
-    case at::kDouble: return rc::DType::kFloat64;
-    case at::kHalf: return rc::DType::kFloat16;
-    case at::kBFloat16: return rc::DType::kBFloat16;
-    case at::kChar: return rc::DType::kInt8;
-    case at::kByte: return rc::DType::kUInt8;
-    case at::kInt: return rc::DType::kInt32;
-    case at::kLong: return rc::DType::kInt64;
-    case at::kBool: return rc::DType::kBool;
-    default: return std::nullopt;
+    case at::kFloat:
+      return rc::DType::kFloat32;
+    case at::kDouble:
+      return rc::DType::kFloat64;
+    case at::kHalf:
+      return rc::DType::kFloat16;
+    case at::kBFloat16:
+      return rc::DType::kBFloat16;
+    case at::kChar:
+      return rc::DType::kInt8;
+    case at::kByte:
+      return rc::DType::kUInt8;
+    case at::kInt:
+      return rc::DType::kInt32;
+    case at::kLong:
+      return rc::DType::kInt64;
+    case at::kBool:
+      return rc::DType::kBool;
+    default:
+      return std::nullopt;
   }
 }
 
 rc::DType dtype_of(const at::Tensor& t) {
   std::optional<rc::DType> dtype = core_dtype(t.scalar_type());
-  TORCH_CHECK_TYPE(dtype, "ringcomm: unsupported dtype ", t.scalar_type(), " (supported: float32, "
+  TORCH_CHECK_TYPE(dtype, "ringcomm: unsupported dtype ", t.scalar_type(),
+                   " (supported: float32, "
                    "float64, float16, bfloat16, int8, uint8, int32, int64, bool)");
   return *dtype;
 }
@@ -150,9 +161,9 @@ py::object tensor_lists(py::handle items, const std::string& device_name) {
 // ringcomm.Communicator.all_reduce of a plain CPU tensor (plain_dtype), synchronous, on the
 // communicator in `comm` (ringcomm._C.Communicator.capsule()): reading the tensor here is a
 // fraction of what Python's accessors take, which would be most of what an 8-byte all-reduce
-// costs beyond its messages. False, having done nothing, for any other tensor or an op its dtype does not
-// have: the caller's own checks then name the problem. `algorithm`: a built-in's code, or the name
-// of a registered one (ringcomm.algorithms).
+// costs beyond its messages. False, having done nothing, for any other tensor or an op its dtype
+// does not have: the caller's own checks then name the problem. `algorithm`: a built-in's code, or
+// the name of a registered one (ringcomm.algorithms).
 bool all_reduce_tensor(py::capsule comm, py::handle tensor, int op, py::handle algorithm) {
   TORCH_CHECK_VALUE(std::string(comm.name() ? comm.name() : "") == rc::kCommunicatorCapsule,
                     "not a ringcomm communicator capsule");
@@ -174,8 +185,7 @@ bool all_reduce_tensor(py::capsule comm, py::handle tensor, int op, py::handle a
     if (registered)
       c.all_reduce_registered(t.data_ptr(), size_t(t.numel()), *dtype, reduce_op, name, false);
     else
-      c.all_reduce(t.data_ptr(), size_t(t.numel()), *dtype, reduce_op, rc::Algorithm(code),
-                   false);
+      c.all_reduce(t.data_ptr(), size_t(t.numel()), *dtype, reduce_op, rc::Algorithm(code), false);
   } catch (const rc::Error& e) {  // as ringcomm._C raises it: this module's pybind11 is torch's
     py::object types = py::module_::import("ringcomm._C").attr("error_types");
     PyErr_SetString(py::tuple(types)[size_t(e.kind())].ptr(), e.what());
@@ -185,9 +195,13 @@ bool all_reduce_tensor(py::capsule comm, py::handle tensor, int op, py::handle a
 }
 
 void check_tensor(const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), "ringcomm moves CPU and CUDA "
-                    "tensors, got one on ", t.device(), "; name a backend for that device, e.g. "
-                    "init_process_group(\"cpu:ringcomm,", t.device().type(), ":...\")");
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(),
+                    "ringcomm moves CPU and CUDA "
+                    "tensors, got one on ",
+                    t.device(),
+                    "; name a backend for that device, e.g. "
+                    "init_process_group(\"cpu:ringcomm,",
+                    t.device().type(), ":...\")");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ringcomm: tensors must be dense, got ",
                     t.layout());
   dtype_of(t);
@@ -199,8 +213,10 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
 }
 
 const at::Tensor& one(const std::vector<at::Tensor>& tensors, const char* what) {
-  TORCH_CHECK_VALUE(tensors.size() == 1, "ringcomm ", what, ": expected one tensor (one device "
-                    "per process), got ", tensors.size());
+  TORCH_CHECK_VALUE(tensors.size() == 1, "ringcomm ", what,
+                    ": expected one tensor (one device "
+                    "per process), got ",
+                    tensors.size());
   return tensors[0];
 }
 
@@ -243,7 +259,9 @@ class RingcommWork : public c10d::Work {
  public:
   RingcommWork(int rank, c10d::OpType type, std::shared_ptr<rc::Communicator> comm,
                std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type), comm_(std::move(comm)), outputs_(std::move(outputs)),
+      : c10d::Work(rank, type),
+        comm_(std::move(comm)),
+        outputs_(std::move(outputs)),
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()), cuda_devices(outputs_))) {}
 
@@ -288,8 +306,9 @@ class RingcommWork : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout) override {
     std::unique_lock<std::mutex> lk(mutex_);
     if (!completed_ && comm_->on_progress_thread())
-      fail("ringcomm: waiting for an operation from a completion callback (the progress thread) "
-           "would wait for itself; chain with future.then() instead");
+      fail(
+          "ringcomm: waiting for an operation from a completion callback (the progress thread) "
+          "would wait for itself; chain with future.then() instead");
     // In slices, with Python's signal handlers run in between (on the main thread, where
     // CPython runs them): a SIGINT or preemption SIGTERM handler runs, and may raise, while an
     // operation is pending.
@@ -372,9 +391,9 @@ struct Staged {
 
 // Copies staged outputs back into the user's tensors.
 std::function<void()> copy_back(std::vector<Staged> outputs) {
-  outputs.erase(std::remove_if(outputs.begin(), outputs.end(),
-                               [](const Staged& s) { return !s.copied(); }),
-                outputs.end());
+  outputs.erase(
+      std::remove_if(outputs.begin(), outputs.end(), [](const Staged& s) { return !s.copied(); }),
+      outputs.end());
   if (outputs.empty()) return nullptr;
   // On the thread that completes the operation; a copy to CUDA is enqueued on that thread's
   // current stream (pinned memory: asynchronous), which the Work's future then records.
@@ -433,20 +452,26 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
     Staged t(one(tensors, "broadcast"));
-    return run(c10d::OpType::BROADCAST, tensors, {t}, [&](bool async) {
-      return std::vector<rc::WorkPtr>{
-          comm_->broadcast(t.data(), t.count(), t.dtype(), int(opts.rootRank), async)};
-    }, {}, opts.asyncOp);
+    return run(
+        c10d::OpType::BROADCAST, tensors, {t},
+        [&](bool async) {
+          return std::vector<rc::WorkPtr>{
+              comm_->broadcast(t.data(), t.count(), t.dtype(), int(opts.rootRank), async)};
+        },
+        {}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
     Staged t(one(tensors, "allreduce"));
     rc::ReduceOp op = premultiply(opts.reduceOp, t);
-    return run(c10d::OpType::ALLREDUCE, tensors, {t}, [&](bool async) {
-      return std::vector<rc::WorkPtr>{
-          comm_->all_reduce(t.data(), t.count(), t.dtype(), op, rc::Algorithm::kAuto, async)};
-    }, {}, opts.asyncOp);
+    return run(
+        c10d::OpType::ALLREDUCE, tensors, {t},
+        [&](bool async) {
+          return std::vector<rc::WorkPtr>{
+              comm_->all_reduce(t.data(), t.count(), t.dtype(), op, rc::Algorithm::kAuto, async)};
+        },
+        {}, opts.asyncOp);
   }
 
   // Through the fused bucket path: bitwise what one allreduce per tensor gives.
@@ -467,20 +492,26 @@ class RingcommBackend : public c10d::Backend {
       op = premultiply(opts.reduceOp, staged.back());
       refs.push_back({staged.back().data(), staged.back().count(), staged.back().dtype()});
     }
-    return run(c10d::OpType::ALLREDUCE_COALESCED, tensors, staged, [&](bool async) {
-      return std::vector<rc::WorkPtr>{
-          comm_->all_reduce_coalesced(refs, op, kBucketBytes, {}, async)};
-    }, {}, opts.asyncOp);
+    return run(
+        c10d::OpType::ALLREDUCE_COALESCED, tensors, staged,
+        [&](bool async) {
+          return std::vector<rc::WorkPtr>{
+              comm_->all_reduce_coalesced(refs, op, kBucketBytes, {}, async)};
+        },
+        {}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
                                         const c10d::ReduceOptions& opts) override {
     Staged t(one(tensors, "reduce"));
     rc::ReduceOp op = premultiply(opts.reduceOp, t);
-    return run(c10d::OpType::REDUCE, tensors, {t}, [&](bool async) {
-      return std::vector<rc::WorkPtr>{
-          comm_->reduce(t.data(), t.count(), t.dtype(), op, int(opts.rootRank), async)};
-    }, {}, opts.asyncOp);
+    return run(
+        c10d::OpType::REDUCE, tensors, {t},
+        [&](bool async) {
+          return std::vector<rc::WorkPtr>{
+              comm_->reduce(t.data(), t.count(), t.dtype(), op, int(opts.rootRank), async)};
+        },
+        {}, opts.asyncOp);
   }
 
   // outputs[0][q] receives rank q's input.
@@ -495,9 +526,9 @@ class RingcommBackend : public c10d::Backend {
     return gather_lists(c10d::OpType::ALLGATHER, per_rank, inputs, outputs[0], opts.asyncOp);
   }
 
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override {
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override {
     std::vector<at::Tensor> results;
     for (auto& list : outputs) results.insert(results.end(), list.begin(), list.end());
     return gather_lists(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs, results, opts.asyncOp);
@@ -532,10 +563,13 @@ class RingcommBackend : public c10d::Backend {
       }
       results = outputs[0];
     }
-    return run(c10d::OpType::GATHER, results, outs, [&](bool async) {
-      return std::vector<rc::WorkPtr>{
-          comm_->gather(in.data(), pointers, in.count(), in.dtype(), root, async)};
-    }, {in.dense}, opts.asyncOp);
+    return run(
+        c10d::OpType::GATHER, results, outs,
+        [&](bool async) {
+          return std::vector<rc::WorkPtr>{
+              comm_->gather(in.data(), pointers, in.count(), in.dtype(), root, async)};
+        },
+        {in.dense}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
@@ -553,10 +587,13 @@ class RingcommBackend : public c10d::Backend {
         pointers.push_back(keep.back().data_ptr());
       }
     }
-    return run(c10d::OpType::SCATTER, outputs, {out}, [&](bool async) {
-      return std::vector<rc::WorkPtr>{
-          comm_->scatter(pointers, out.data(), out.count(), out.dtype(), root, async)};
-    }, keep, opts.asyncOp);
+    return run(
+        c10d::OpType::SCATTER, outputs, {out},
+        [&](bool async) {
+          return std::vector<rc::WorkPtr>{
+              comm_->scatter(pointers, out.data(), out.count(), out.dtype(), root, async)};
+        },
+        keep, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -566,8 +603,8 @@ class RingcommBackend : public c10d::Backend {
     Staged out(one(outputs, "reduce_scatter"));
     per_rank(inputs[0], out, "reduce_scatter input");
     at::Tensor flat = at::cat(flatten_all(inputs[0]));
-    return reduce_scatter_into(c10d::OpType::REDUCE_SCATTER, outputs, {out}, {flat},
-                               opts.reduceOp, opts.asyncOp);
+    return reduce_scatter_into(c10d::OpType::REDUCE_SCATTER, outputs, {out}, {flat}, opts.reduceOp,
+                               opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
@@ -580,12 +617,13 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override {
-    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ringcomm reduce_scatter_tensor_coalesced: ",
-                      outputs.size(), " outputs for ", inputs.size(), " inputs");
+    TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
+                      "ringcomm reduce_scatter_tensor_coalesced: ", outputs.size(), " outputs for ",
+                      inputs.size(), " inputs");
     std::vector<Staged> outs(outputs.begin(), outputs.end());
     // OpType::COALESCED: REDUCE_SCATTER_TENSOR_COALESCED is newer than torch 2.11.
-    return reduce_scatter_into(c10d::OpType::COALESCED, outputs, outs,
-                               inputs, opts.reduceOp, opts.asyncOp);
+    return reduce_scatter_into(c10d::OpType::COALESCED, outputs, outs, inputs, opts.reduceOp,
+                               opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -611,10 +649,13 @@ class RingcommBackend : public c10d::Backend {
       in_at += in_rows[q];
     }
     std::vector<at::Tensor> outputs{output};
-    return run(c10d::OpType::ALLTOALL_BASE, outputs, {out}, [&](bool async) {
-      return std::vector<rc::WorkPtr>{
-          comm_->all_to_all(ins, in_counts, outs, out_counts, out.dtype(), async)};
-    }, {in.dense}, opts.asyncOp);
+    return run(
+        c10d::OpType::ALLTOALL_BASE, outputs, {out},
+        [&](bool async) {
+          return std::vector<rc::WorkPtr>{
+              comm_->all_to_all(ins, in_counts, outs, out_counts, out.dtype(), async)};
+        },
+        {in.dense}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
@@ -638,17 +679,21 @@ class RingcommBackend : public c10d::Backend {
       out_ptrs.push_back(outs[q].data());
       out_counts.push_back(outs[q].count());
     }
-    return run(c10d::OpType::ALLTOALL, outputs, outs, [&](bool async) {
-      return std::vector<rc::WorkPtr>{comm_->all_to_all(in_ptrs, in_counts, out_ptrs, out_counts,
-                                                        dtype_of(inputs[0]), async)};
-    }, keep, opts.asyncOp);
+    return run(
+        c10d::OpType::ALLTOALL, outputs, outs,
+        [&](bool async) {
+          return std::vector<rc::WorkPtr>{comm_->all_to_all(
+              in_ptrs, in_counts, out_ptrs, out_counts, dtype_of(inputs[0]), async)};
+        },
+        keep, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
     std::vector<at::Tensor> none;
-    return run(c10d::OpType::BARRIER, none, {}, [&](bool async) {
-      return std::vector<rc::WorkPtr>{comm_->barrier(async)};
-    }, {}, opts.asyncOp);
+    return run(
+        c10d::OpType::BARRIER, none, {},
+        [&](bool async) { return std::vector<rc::WorkPtr>{comm_->barrier(async)}; }, {},
+        opts.asyncOp);
   }
 
   // Rank 0 hears from every rank within the timeout, then releases them; a rank that does not
@@ -661,8 +706,10 @@ class RingcommBackend : public c10d::Backend {
       comm_->send(&byte, 1, rc::DType::kUInt8, 0, true);
       auto release = comm_->recv(&byte, 1, rc::DType::kUInt8, 0, true);
       if (!release->wait(seconds_until(deadline)))
-        fail(c10::str("ringcomm monitoredBarrier: rank ", getRank(), " was not released by rank 0 "
-                      "within ", timeout.count(), " ms"));
+        fail(c10::str("ringcomm monitoredBarrier: rank ", getRank(),
+                      " was not released by rank 0 "
+                      "within ",
+                      timeout.count(), " ms"));
       return;
     }
     std::vector<uint8_t> bytes(getSize());
@@ -685,17 +732,17 @@ class RingcommBackend : public c10d::Backend {
 
   // Tags are not matched out of order: the k-th send from a to b pairs with the k-th receive at b
   // from a, and the signature carries the tag so a pair whose tags differ fails with both named.
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
-                                      int tag) override {
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
     Staged t(one(tensors, "send"));
-    return run(c10d::OpType::SEND, tensors, {}, [&](bool) {
-      return std::vector<rc::WorkPtr>{
-          comm_->send(t.data(), t.count(), t.dtype(), dst, true, uint32_t(tag))};
-    }, {t.dense});
+    return run(c10d::OpType::SEND, tensors, {},
+               [&](bool) {
+                 return std::vector<rc::WorkPtr>{
+                     comm_->send(t.data(), t.count(), t.dtype(), dst, true, uint32_t(tag))};
+               },
+               {t.dense});
   }
 
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
-                                      int tag) override {
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
     Staged t(one(tensors, "recv"));
     return run(c10d::OpType::RECV, tensors, {t}, [&](bool) {
       return std::vector<rc::WorkPtr>{
@@ -703,8 +750,7 @@ class RingcommBackend : public c10d::Backend {
     });
   }
 
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
-                                               int tag) override {
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
     Staged t(one(tensors, "recv"));
     return run(c10d::OpType::RECVANYSOURCE, tensors, {t}, [&](bool) {
       return std::vector<rc::WorkPtr>{
@@ -724,8 +770,8 @@ class RingcommBackend : public c10d::Backend {
   static constexpr size_t kBucketBytes = size_t(25) << 20;
 
   static double seconds_until(std::chrono::steady_clock::time_point deadline) {
-    return std::max(0.0, std::chrono::duration<double>(deadline -
-                                                       std::chrono::steady_clock::now()).count());
+    return std::max(
+        0.0, std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count());
   }
 
   int checked_root(int64_t root) const {
@@ -766,8 +812,10 @@ class RingcommBackend : public c10d::Backend {
       std::fill(out.begin(), out.end(), size_t(total / n));
       return out;
     }
-    TORCH_CHECK_VALUE(int(splits.size()) == n, "ringcomm alltoall_base: ", what, " split sizes "
-                      "need ", n, " entries, got ", splits.size());
+    TORCH_CHECK_VALUE(int(splits.size()) == n, "ringcomm alltoall_base: ", what,
+                      " split sizes "
+                      "need ",
+                      n, " entries, got ", splits.size());
     int64_t sum = 0;
     for (int q = 0; q < n; ++q) {
       TORCH_CHECK_VALUE(splits[q] >= 0, "ringcomm alltoall_base: negative split size");
@@ -819,30 +867,37 @@ class RingcommBackend : public c10d::Backend {
                                               const std::vector<std::vector<at::Tensor>>& per_rank,
                                               const std::vector<at::Tensor>& inputs,
                                               std::vector<at::Tensor> results, bool async) {
-    TORCH_CHECK_VALUE(int(per_rank.size()) == getSize(), "ringcomm allgather: needs one output "
-                      "list per rank (", getSize(), "), got ", per_rank.size());
+    TORCH_CHECK_VALUE(int(per_rank.size()) == getSize(),
+                      "ringcomm allgather: needs one output "
+                      "list per rank (",
+                      getSize(), "), got ", per_rank.size());
     std::vector<Staged> ins(inputs.begin(), inputs.end()), staged;
     std::vector<rc::Communicator::BufferRef> in_refs;
     for (const Staged& i : ins) in_refs.push_back({i.data(), i.count(), i.dtype()});
     std::vector<std::vector<rc::Communicator::BufferRef>> out_refs(getSize());
     for (int q = 0; q < getSize(); ++q) {
-      TORCH_CHECK_VALUE(per_rank[q].size() == ins.size(), "ringcomm allgather: the outputs for "
-                        "rank ", q, " hold ", per_rank[q].size(), " tensors for ", ins.size(),
-                        " inputs");
+      TORCH_CHECK_VALUE(per_rank[q].size() == ins.size(),
+                        "ringcomm allgather: the outputs for "
+                        "rank ",
+                        q, " hold ", per_rank[q].size(), " tensors for ", ins.size(), " inputs");
       for (size_t i = 0; i < ins.size(); ++i) {
         const at::Tensor& out = per_rank[q][i];
         check_same(out, ins[i].dense, "allgather");
-        TORCH_CHECK_VALUE(out.numel() == ins[i].dense.numel(), "ringcomm allgather: an output "
-                          "of ", out.numel(), " elements for an input of ", ins[i].dense.numel());
+        TORCH_CHECK_VALUE(out.numel() == ins[i].dense.numel(),
+                          "ringcomm allgather: an output "
+                          "of ",
+                          out.numel(), " elements for an input of ", ins[i].dense.numel());
         staged.emplace_back(out);
-        out_refs[q].push_back({staged.back().data(), staged.back().count(),
-                               staged.back().dtype()});
+        out_refs[q].push_back({staged.back().data(), staged.back().count(), staged.back().dtype()});
       }
     }
-    return run(type, results, staged, [&](bool async) {
-      return std::vector<rc::WorkPtr>{
-          comm_->all_gather_coalesced(out_refs, in_refs, kBucketBytes, async)};
-    }, denses(ins), async);
+    return run(
+        type, results, staged,
+        [&](bool async) {
+          return std::vector<rc::WorkPtr>{
+              comm_->all_gather_coalesced(out_refs, in_refs, kBucketBytes, async)};
+        },
+        denses(ins), async);
   }
 
   // outputs[i] holds every rank's inputs[i], back to back.
@@ -855,17 +910,24 @@ class RingcommBackend : public c10d::Backend {
     std::vector<Staged> outs(outputs.begin(), outputs.end()), ins(inputs.begin(), inputs.end());
     for (size_t i = 0; i < outs.size(); ++i) {
       check_same(outputs[i], inputs[i], "allgather_into_tensor");
-      TORCH_CHECK_VALUE(outs[i].count() == ins[i].count() * size_t(getSize()), "ringcomm "
-                        "allgather_into_tensor: output has ", outs[i].count(), " elements, "
-                        "expected world size x input = ", ins[i].count() * getSize());
+      TORCH_CHECK_VALUE(outs[i].count() == ins[i].count() * size_t(getSize()),
+                        "ringcomm "
+                        "allgather_into_tensor: output has ",
+                        outs[i].count(),
+                        " elements, "
+                        "expected world size x input = ",
+                        ins[i].count() * getSize());
     }
-    return run(type, outputs, outs, [&](bool async) {
-      std::vector<rc::WorkPtr> ops;
-      for (size_t i = 0; i < outs.size(); ++i)
-        ops.push_back(comm_->all_gather(outs[i].data(), ins[i].data(), ins[i].count(),
-                                        ins[i].dtype(), async));
-      return ops;
-    }, denses(ins), async);
+    return run(
+        type, outputs, outs,
+        [&](bool async) {
+          std::vector<rc::WorkPtr> ops;
+          for (size_t i = 0; i < outs.size(); ++i)
+            ops.push_back(comm_->all_gather(outs[i].data(), ins[i].data(), ins[i].count(),
+                                            ins[i].dtype(), async));
+          return ops;
+        },
+        denses(ins), async);
   }
 
   // outputs[i] receives this rank's block of inputs[i] reduced over all ranks.
@@ -873,26 +935,32 @@ class RingcommBackend : public c10d::Backend {
                                                      std::vector<at::Tensor>& results,
                                                      std::vector<Staged> outs,
                                                      const std::vector<at::Tensor>& inputs,
-                                                     const c10d::ReduceOp& reduce_op,
-                                                     bool async) {
+                                                     const c10d::ReduceOp& reduce_op, bool async) {
     std::vector<Staged> ins(inputs.begin(), inputs.end());
     std::vector<rc::ReduceOp> ops;
     for (size_t i = 0; i < outs.size(); ++i) {
       check_same(outs[i].dense, ins[i].dense, "reduce_scatter");
-      TORCH_CHECK_VALUE(ins[i].count() == outs[i].count() * size_t(getSize()), "ringcomm "
-                        "reduce_scatter: input has ", ins[i].count(), " elements, expected "
-                        "world size x output = ", outs[i].count() * getSize());
+      TORCH_CHECK_VALUE(ins[i].count() == outs[i].count() * size_t(getSize()),
+                        "ringcomm "
+                        "reduce_scatter: input has ",
+                        ins[i].count(),
+                        " elements, expected "
+                        "world size x output = ",
+                        outs[i].count() * getSize());
       // PREMUL_SUM scales a copy: the input is not the caller's to change.
       if (reduce_op.op_ == c10d::ReduceOp::PREMUL_SUM) ins[i].dense = ins[i].dense.clone();
       ops.push_back(premultiply(reduce_op, ins[i]));
     }
-    return run(type, results, outs, [&](bool async) {
-      std::vector<rc::WorkPtr> works;
-      for (size_t i = 0; i < outs.size(); ++i)
-        works.push_back(comm_->reduce_scatter(outs[i].data(), ins[i].data(), outs[i].count(),
-                                              outs[i].dtype(), ops[i], async));
-      return works;
-    }, denses(ins), async);
+    return run(
+        type, results, outs,
+        [&](bool async) {
+          std::vector<rc::WorkPtr> works;
+          for (size_t i = 0; i < outs.size(); ++i)
+            works.push_back(comm_->reduce_scatter(outs[i].data(), ins[i].data(), outs[i].count(),
+                                                  outs[i].dtype(), ops[i], async));
+          return works;
+        },
+        denses(ins), async);
   }
 
   std::shared_ptr<rc::Communicator> comm_;
@@ -909,10 +977,10 @@ void release_capsule(PyObject* capsule) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ringcomm's c10d::Backend, built against the installed torch";
   m.def("tensor_lists", &tensor_lists, py::arg("items"), py::arg("device") = "cpu");
-  m.def("all_reduce_tensor", &all_reduce_tensor, py::arg("comm"), py::arg("tensor"),
-        py::arg("op"), py::arg("algorithm"));
-  py::class_<RingcommBackend, c10d::Backend, c10::intrusive_ptr<RingcommBackend>>(
-      m, "RingcommBackend")
+  m.def("all_reduce_tensor", &all_reduce_tensor, py::arg("comm"), py::arg("tensor"), py::arg("op"),
+        py::arg("algorithm"));
+  py::class_<RingcommBackend, c10d::Backend, c10::intrusive_ptr<RingcommBackend>>(m,
+                                                                                  "RingcommBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout) {
              return c10::make_intrusive<RingcommBackend>(store, rank, size, timeout);

@@ -120,7 +120,10 @@ MeshOptions MeshOptions::from_env(const std::string& master_addr) {
 }
 
 Mesh::Mesh(int rank, int world_size, MeshOptions options)
-    : rank_(rank), world_size_(world_size), options_(std::move(options)), host_(host_identity()),
+    : rank_(rank),
+      world_size_(world_size),
+      options_(std::move(options)),
+      host_(host_identity()),
       route_(world_size, nullptr) {
   RC_CHECK_ARG(host_.find(';') == std::string::npos && host_.find('=') == std::string::npos,
                "RINGCOMM_HOST_ID must not contain ';' or '='");
@@ -152,7 +155,8 @@ void Mesh::interrupt(const std::string& reason) {
     interrupted_ = true;
   }
   uint64_t one = 1;
-  if (write(interrupt_fd_, &one, sizeof one) < 0) { /* counter saturated: already readable */ }
+  if (write(interrupt_fd_, &one, sizeof one) < 0) { /* counter saturated: already readable */
+  }
   for (auto& t : transports_) t->ring_self();
 }
 
@@ -238,8 +242,8 @@ void Mesh::choose_routes(const std::vector<std::map<std::string, std::string>>& 
   for (int peer = 0; peer < world_size_; ++peer) {
     if (route_[peer] != control_ || host_of_[size_t(peer)] != host_of_[size_t(rank_)]) continue;
     const std::string why = why_not[size_t(peer)].empty()
-                                 ? str_cat("rank ", peer, " runs without shared memory")
-                                 : why_not[size_t(peer)];
+                                ? str_cat("rank ", peer, " runs without shared memory")
+                                : why_not[size_t(peer)];
     if (options_.transport == "shm")
       RC_THROW("RINGCOMM_TRANSPORT=shm but rank ", rank_, " and rank ", peer,
                " (same host) cannot share memory: ", why);
@@ -280,7 +284,8 @@ void Mesh::set_up(Transport& transport, const std::vector<int>& group,
 bool Mesh::boards_reach(const std::vector<int>& ranks) const {
   if (board_bytes() == 0) return false;
   for (int r : ranks)
-    if (r != rank_ && (route_.at(size_t(r))->boards() != boards_ || !boards_->board(r))) return false;
+    if (r != rank_ && (route_.at(size_t(r))->boards() != boards_ || !boards_->board(r)))
+      return false;
   return true;
 }
 
@@ -442,9 +447,8 @@ bool Mesh::block(int wake_fd, Clock::time_point deadline, bool sleep) {
   } else if (Transport* bell = doorbell_to_sleep_on()) {
     // Sleep on the doorbell; sockets (a lost peer, an abort notice, TCP peers' data) are looked
     // at between naps: often while work is pending on sockets too, every 50 ms otherwise.
-    const bool polled_busy = std::any_of(transports_.begin(), transports_.end(), [](auto& t) {
-      return !t->has_doorbell() && t->busy();
-    });
+    const bool polled_busy = std::any_of(transports_.begin(), transports_.end(),
+                                         [](auto& t) { return !t->has_doorbell() && t->busy(); });
     auto nap = polled_busy ? std::chrono::microseconds(500) : std::chrono::microseconds(50000);
     bell->sleep(std::min(deadline, now + nap));
     poll_for = Clock::duration::zero();
@@ -549,7 +553,8 @@ std::string Mesh::describe_chains(const std::vector<int>& waited, Clock::duratio
   };
   // A rank that has only just started waiting has not said so yet: the silent ones get a little
   // longer (two notice periods, at most a second) before they are named.
-  const auto until = Clock::now() + std::min<Clock::duration>(2 * notice_every, std::chrono::seconds(1));
+  const auto until =
+      Clock::now() + std::min<Clock::duration>(2 * notice_every, std::chrono::seconds(1));
   for (follow(); !waited.empty() && !quiet.empty() && Clock::now() < until; follow())
     block(-1, std::min(until, Clock::now() + std::chrono::milliseconds(10)));
   if (chain.empty()) return "";  // the ranks waited on are the ones that say nothing
@@ -585,9 +590,10 @@ size_t Mesh::wait_any(const Request* reqs, size_t count, Clock::time_point deadl
   Clock::time_point idle_since;
   auto end_idle = [&] {
     if (idle_since == Clock::time_point()) return;
-    idle_ns_.store(idle_ns_.load(std::memory_order_relaxed) +
-                       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle_since).count(),
-                   std::memory_order_relaxed);
+    idle_ns_.store(
+        idle_ns_.load(std::memory_order_relaxed) +
+            std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle_since).count(),
+        std::memory_order_relaxed);
     idle_since = Clock::time_point();
   };
   while (!any_done()) {

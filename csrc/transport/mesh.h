@@ -33,7 +33,7 @@ class TcpTransport;
 }
 
 struct MeshOptions {
-  std::string master_addr;     // picks the TCP bind address (tcp::choose_bind_host)
+  std::string master_addr;  // picks the TCP bind address (tcp::choose_bind_host)
   // RINGCOMM_TRANSPORT: auto (default), shm or tcp. shm: ranks of one host must reach each
   // other through shared memory (an error where they cannot); tcp: TCP only.
   std::string transport;
@@ -67,7 +67,9 @@ class Mesh final : public PartSink {
   // Single copy (SingleCopy, transport.h), where a transport has it: the size to probe, else 0;
   // turning it off or back on; the size from which sends go by it, 0: never (or no transport
   // has it); a buffer about to be sent to peers that may read it by single copy.
-  size_t single_copy_to_probe() const { return single_copy_ ? single_copy_->single_copy_to_probe() : 0; }
+  size_t single_copy_to_probe() const {
+    return single_copy_ ? single_copy_->single_copy_to_probe() : 0;
+  }
   void use_single_copy(bool on) {
     if (single_copy_) single_copy_->use_single_copy(on);
   }
@@ -100,7 +102,9 @@ class Mesh final : public PartSink {
                     Callback on_done = nullptr);
   // Whether messages with `peer` can be consumed and produced in place (Transport::post_consume,
   // Transport::post_produce).
-  bool can_consume(int peer) const { return route_.at(size_t(peer)) && route_[peer]->can_consume(); }
+  bool can_consume(int peer) const {
+    return route_.at(size_t(peer)) && route_[peer]->can_consume();
+  }
   Request post_consume(int peer, size_t bytes, const Signature& sig, Transport::Consumer consume);
   Request post_produce(int peer, size_t bytes, const Signature& sig, Transport::Producer produce);
   // Whether messages with `peer` can lie in several ranges of memory (Transport::post_ranges).
@@ -222,7 +226,7 @@ class Mesh final : public PartSink {
   tcp::TcpTransport* control_ = nullptr;
   SingleCopy* single_copy_ = nullptr;  // of the first transport that has it
   Boards* boards_ = nullptr;           // the same
-  std::vector<Transport*> route_;  // by peer; nullptr for this rank
+  std::vector<Transport*> route_;      // by peer; nullptr for this rank
   std::vector<int> host_of_;
   std::vector<int> waited_;  // waits_only_on_other_hosts()'s list
   std::vector<Op> ops_;
@@ -233,7 +237,7 @@ class Mesh final : public PartSink {
   bool has_current_ = false;
   std::string abort_reason_;
   ErrorKind abort_kind_ = ErrorKind::kOther;  // of the error that aborted
-  std::vector<pollfd> fds_;  // reused by block()
+  std::vector<pollfd> fds_;                   // reused by block()
   // interrupt(): the flag is read in every wait loop; the eventfd wakes a ppoll, the shared
   // memory doorbell a futex sleep.
   std::atomic<bool> interrupted_{false};

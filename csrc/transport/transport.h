@@ -204,8 +204,8 @@ class Transport {
   // them into one buffer first (the receiver may read them in place, shm's single copy) and
   // received without a scatter afterwards. Only transports whose takes_ranges() is true.
   virtual bool takes_ranges() const { return false; }
-  virtual int post_ranges(bool is_send, int peer, Ranges ranges, size_t bytes,
-                          const Signature& sig, int64_t op) {
+  virtual int post_ranges(bool is_send, int peer, Ranges ranges, size_t bytes, const Signature& sig,
+                          int64_t op) {
     (void)is_send, (void)peer, (void)ranges, (void)bytes, (void)sig, (void)op;
     throw std::logic_error("this transport cannot move ranges");
   }

@@ -2,12 +2,14 @@
 heap-shaped binary trees, the second the mirror image of the first, each carrying half of the
 buffer up (partial sums, children combined in order) and back down, pipelined by slice so that
 slice j+1 climbs while slice j descends."""
+
 from ringcomm.algorithms import Program, register
 
 
 def heap_tree(n, rank, mirrored):
     """(parent or -1, children) of `rank` in the heap tree whose position p has children 2p+1
     and 2p+2; mirrored, position p holds rank n-1-p."""
+
     def rank_at(pos):
         return n - 1 - pos if mirrored else pos
 

@@ -3,6 +3,7 @@ with p the largest power of two <= n, the first 2(n - p) ranks fold in pairs int
 the p that remain exchange the whole buffer with the partner across each bit of their index,
 and the folded ranks get the result back. Both partners of an exchange combine the lower index's
 value first, so every rank ends with the same bits."""
+
 from ringcomm.algorithms import Program, register
 
 
@@ -20,8 +21,9 @@ def recursive_doubling(rank, n):
     mask = 1
     while mask < butterfly:
         partner = index ^ mask
-        p.exchange_reduce(0, 2 * partner + 1 if partner < rem else partner + rem,
-                          incoming_first=partner < index)
+        p.exchange_reduce(
+            0, 2 * partner + 1 if partner < rem else partner + rem, incoming_first=partner < index
+        )
         mask *= 2
     if rank < 2 * rem:
         p.send(0, dst=rank - 1)

@@ -3,6 +3,7 @@ segment combined at every rank it passes, then an all-gather of the completed se
 the same steps over the same blocks and slices as the built-in ring, so its results are the same
 bits. RINGCOMM_ALGORITHM_FILE=examples/algorithms/ring.py RINGCOMM_ALGO=py_ring runs it for every
 auto all_reduce."""
+
 from ringcomm.algorithms import Program, register
 
 

@@ -8,6 +8,7 @@ time.
 
 Per rank, each half moves the ring's bytes: 2(c-1)/c of it along its row and 2(r-1)/r of a c-th
 of it along its column, or the other way round."""
+
 from itertools import zip_longest
 from math import isqrt
 
@@ -47,6 +48,7 @@ def all_gather(p, group, me, segments):
 
 def torus(columns):
     """The algorithm for grids of `columns` ranks per row."""
+
     def program(rank, n):
         if n % columns:
             raise ValueError(f"{n} ranks are not rows of {columns}")
@@ -59,14 +61,22 @@ def torus(columns):
         by_row = [[j * rows + i for i in range(rows)] for j in range(columns)]
         by_col = [[n + i * columns + j for j in range(columns)] for i in range(rows)]
         phases = [  # (half 0's phase, half 1's phase), run interleaved
-            (lambda q: reduce_scatter(q, row_ranks, col, by_row),
-             lambda q: reduce_scatter(q, col_ranks, row, by_col)),
-            (lambda q: reduce_scatter(q, col_ranks, row, [[b] for b in by_row[col]]),
-             lambda q: reduce_scatter(q, row_ranks, col, [[b] for b in by_col[row]])),
-            (lambda q: all_gather(q, col_ranks, row, [[b] for b in by_row[col]]),
-             lambda q: all_gather(q, row_ranks, col, [[b] for b in by_col[row]])),
-            (lambda q: all_gather(q, row_ranks, col, by_row),
-             lambda q: all_gather(q, col_ranks, row, by_col)),
+            (
+                lambda q: reduce_scatter(q, row_ranks, col, by_row),
+                lambda q: reduce_scatter(q, col_ranks, row, by_col),
+            ),
+            (
+                lambda q: reduce_scatter(q, col_ranks, row, [[b] for b in by_row[col]]),
+                lambda q: reduce_scatter(q, row_ranks, col, [[b] for b in by_col[row]]),
+            ),
+            (
+                lambda q: all_gather(q, col_ranks, row, [[b] for b in by_row[col]]),
+                lambda q: all_gather(q, row_ranks, col, [[b] for b in by_col[row]]),
+            ),
+            (
+                lambda q: all_gather(q, row_ranks, col, by_row),
+                lambda q: all_gather(q, col_ranks, row, by_col),
+            ),
         ]
         p = Program(blocks=2 * n)
         for first, second in phases:

@@ -1,4 +1,5 @@
 """python -m ringcomm.bench: the collectives benchmark (collectives.py)."""
+
 import sys
 
 from .collectives import main

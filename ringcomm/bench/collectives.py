@@ -81,6 +81,7 @@ rank 0 writes a progress line ("[3/14] 1 MiB ...") on stderr, so stdout holds th
 size, every series and limit, in one PNG (ringcomm/bench/plot.py; pip install 'ringcomm[plot]').
 bench/report.py turns --json files into docs/performance.md's markdown tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -114,18 +115,40 @@ from ..nccl import NcclCommunicator
 from .common import default_iters, format_size, launch, parse_size, run_metadata
 from .plot import ALGORITHMS, LIMITS, bench_plot, check_matplotlib, run_title
 
-DTYPES = {"float": torch.float32, "float32": torch.float32, "double": torch.float64,
-          "float64": torch.float64, "half": torch.float16, "float16": torch.float16,
-          "bfloat16": torch.bfloat16, "int32": torch.int32, "int": torch.int32,
-          "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
+DTYPES = {
+    "float": torch.float32,
+    "float32": torch.float32,
+    "double": torch.float64,
+    "float64": torch.float64,
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "int": torch.int32,
+    "int64": torch.int64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
 # "exchange": ranks 2i and 2i+1 send each other `size` bytes at once (isend + irecv): the
 # transport's own ceiling, against which the collectives' large-message times can be read.
 # "all_reduce_coalesced": --tensors tensors of random sizes (see coalesced_row), one row.
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "exchange",
-               "all_reduce_coalesced")
+COLLECTIVES = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "exchange",
+    "all_reduce_coalesced",
+)
 OPS = ("sum", "avg", "prod", "min", "max")
-DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
-            "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
+DIST_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "avg": dist.ReduceOp.AVG,
+}
 # --compare: a comma-separated list of these, or "none". The algorithms are ringcomm's own
 # all_reduce forced to one algorithm: beside the default "auto" column, whether auto picks the best.
 COMPARE = ("gloo", "backend", "mpi", "nccl", *ALGORITHMS)
@@ -164,8 +187,9 @@ def sample_warmup_iters(args, iters: int) -> int:
 class Case:
     """Buffers and a run() for one collective at one size, for one library."""
 
-    def __init__(self, lib, comm, coll, nbytes, dtype, op, algo, rank, world, group=None,
-                 device="cpu"):
+    def __init__(
+        self, lib, comm, coll, nbytes, dtype, op, algo, rank, world, group=None, device="cpu"
+    ):
         self.lib, self.comm, self.coll, self.op, self.algo = lib, comm, coll, op, algo
         self.group = group  # gloo's and the ringcomm backend's process group
         self.rank, self.world, self.dtype, self.device = rank, world, dtype, device
@@ -229,8 +253,10 @@ class Case:
             elif self.coll == "broadcast":
                 dist.broadcast(t, 0, group=g)
             elif self.coll == "exchange":
-                for w in [dist.irecv(self.out, self.peer, group=g),
-                          dist.isend(t, self.peer, group=g)]:
+                for w in [
+                    dist.irecv(self.out, self.peer, group=g),
+                    dist.isend(t, self.peer, group=g),
+                ]:
                     w.wait()
             else:
                 dist.reduce(t, 0, op=op, group=g)
@@ -249,11 +275,16 @@ class Case:
             expect, got = inputs[self.peer], self.out
         else:
             stacked = torch.stack(inputs)
-            red = {"sum": stacked.sum(0), "avg": stacked.mean(0), "prod": stacked.prod(0),
-                   "min": stacked.min(0).values, "max": stacked.max(0).values}[self.op]
+            red = {
+                "sum": stacked.sum(0),
+                "avg": stacked.mean(0),
+                "prod": stacked.prod(0),
+                "min": stacked.min(0).values,
+                "max": stacked.max(0).values,
+            }[self.op]
             if self.coll == "reduce_scatter":
                 k = self.out.numel()
-                expect, got = red[self.rank * k:(self.rank + 1) * k], self.out
+                expect, got = red[self.rank * k : (self.rank + 1) * k], self.out
             elif self.coll == "reduce" and self.rank != 0:
                 return 0
             else:
@@ -339,8 +370,9 @@ def all_at_once(comm, spans: list[tuple[float, float]], iters: int) -> list[floa
     67.1-73.4 ms, the span 75.8 ms."""
     if len(comm.hosts) > 1:
         return slowest_rank(comm, [(end - start) / iters for start, end in spans])
-    bounds = torch.tensor([-start for start, _ in spans] + [end for _, end in spans],
-                          dtype=torch.float64)
+    bounds = torch.tensor(
+        [-start for start, _ in spans] + [end for _, end in spans], dtype=torch.float64
+    )
     comm.all_reduce(bounds, op="max")
     n = len(spans)
     return [(end + first) / iters for first, end in zip(bounds[:n].tolist(), bounds[n:].tolist())]
@@ -359,7 +391,9 @@ def wire_address() -> str:
     RINGCOMM_SOCKET_ADDR, else the local end of the route to MASTER_ADDR."""
     if env_string("RINGCOMM_SOCKET_ADDR"):
         return env_string("RINGCOMM_SOCKET_ADDR")
-    family, _, _, _, master = socket.getaddrinfo(os.environ["MASTER_ADDR"], 1, type=socket.SOCK_DGRAM)[0]
+    family, _, _, _, master = socket.getaddrinfo(
+        os.environ["MASTER_ADDR"], 1, type=socket.SOCK_DGRAM
+    )[0]
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(master)  # sends nothing: only picks the route
         return probe.getsockname()[0]
@@ -380,8 +414,11 @@ class Wire:
         with contextlib.ExitStack() as sockets:
             listener = sockets.enter_context(socket.create_server((host, 0), family=family))
             store.set(str(rank), json.dumps([host, listener.getsockname()[1]]))
-            to_next = sockets.enter_context(socket.create_connection(
-                tuple(json.loads(store.get(str((rank + 1) % world)))), TIMEOUT.total_seconds()))
+            to_next = sockets.enter_context(
+                socket.create_connection(
+                    tuple(json.loads(store.get(str((rank + 1) % world)))), TIMEOUT.total_seconds()
+                )
+            )
             listener.settimeout(TIMEOUT.total_seconds())
             from_prev = sockets.enter_context(listener.accept()[0])
             from_prev.settimeout(TIMEOUT.total_seconds())
@@ -415,8 +452,9 @@ class Wire:
     def bounds(self, nbytes: int, world: int) -> list[float]:
         """Seconds the bytes of an all_reduce of nbytes take on the wire, one per sample: each
         rank sends 2(n-1)/n x nbytes over its link."""
-        return [bus_factor("all_reduce", world) * nbytes * s / self.stream_bytes
-                for s in self.samples_s]
+        return [
+            bus_factor("all_reduce", world) * nbytes * s / self.stream_bytes for s in self.samples_s
+        ]
 
 
 @contextlib.contextmanager
@@ -426,8 +464,9 @@ def progress(index: int, total: int, nbytes: int, show: bool):
     if not show:
         yield
         return
-    show_line = functools.partial(print, f"[{index}/{total}] {format_size(nbytes)} ...",
-                                  file=sys.stderr, flush=True)
+    show_line = functools.partial(
+        print, f"[{index}/{total}] {format_size(nbytes)} ...", file=sys.stderr, flush=True
+    )
     if total > PROGRESS_SWEEP_SIZES:
         show_line()
         yield
@@ -463,11 +502,19 @@ def find_mpiexec() -> str | None:
 
 def check_mpi() -> str:
     """mpiexec's path, or a clear SystemExit naming the extra to install."""
-    missing = [name for name, ok in (("mpi4py", importlib.util.find_spec("mpi4py") is not None),
-                                     ("Open MPI's mpiexec", find_mpiexec() is not None)) if not ok]
+    missing = [
+        name
+        for name, ok in (
+            ("mpi4py", importlib.util.find_spec("mpi4py") is not None),
+            ("Open MPI's mpiexec", find_mpiexec() is not None),
+        )
+        if not ok
+    ]
     if missing:
-        raise SystemExit(f"--compare mpi needs Open MPI and mpi4py ({' and '.join(missing)} not "
-                         f"found): {MPI_INSTALL}")
+        raise SystemExit(
+            f"--compare mpi needs Open MPI and mpi4py ({' and '.join(missing)} not "
+            f"found): {MPI_INSTALL}"
+        )
     return find_mpiexec()
 
 
@@ -490,16 +537,35 @@ class MpiAnchor:
         # work (2 cores here) a spinning rank whose peer lost its core otherwise burns whole
         # scheduler slices: 8 B all-reduces took 4 ms instead of 1-2 us in some runs without it.
         # Set OMPI_MCA_mpi_yield_when_idle=0 in the environment to keep Open MPI's default.
-        self.command = [check_mpi(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                        "--mca", "pml", "ob1", "--mca", "btl", "self,vader", "-n", str(world),
-                        # by path, not -m ringcomm.bench.mpi: the MPI ranks then import neither
-                        # torch nor ringcomm._C, and start in a fraction of a second
-                        sys.executable, os.path.join(os.path.dirname(__file__), "mpi.py"),
-                        "--serve", "-d", datatype, "-o", op]
+        self.command = [
+            check_mpi(),
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "--mca",
+            "pml",
+            "ob1",
+            "--mca",
+            "btl",
+            "self,vader",
+            "-n",
+            str(world),
+            # by path, not -m ringcomm.bench.mpi: the MPI ranks then import neither
+            # torch nor ringcomm._C, and start in a fraction of a second
+            sys.executable,
+            os.path.join(os.path.dirname(__file__), "mpi.py"),
+            "--serve",
+            "-d",
+            datatype,
+            "-o",
+            op,
+        ]
         env = dict(os.environ)
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env)
+        self.proc = subprocess.Popen(
+            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
         self.pending = b""
         hello = self.receive()
         self.library = hello.get("library", "").split(",")[0]  # "Open MPI v5.0.11"
@@ -526,8 +592,10 @@ class MpiAnchor:
             chunk = os.read(fd, 65536)
             if not chunk:
                 code = self.proc.wait()
-                raise SystemExit(f"--compare mpi: mpiexec exited with status {code} (its output is "
-                                 f"above): {' '.join(self.command)}")
+                raise SystemExit(
+                    f"--compare mpi: mpiexec exited with status {code} (its output is "
+                    f"above): {' '.join(self.command)}"
+                )
             self.pending += chunk
 
     def request(self, **msg) -> dict:
@@ -538,8 +606,9 @@ class MpiAnchor:
     def sample(self, count: int, iters: int, warmup: int, sample_warmup: int) -> float:
         """Seconds per MPI_Allreduce of `count` elements (buffers made and warmed up on a new count;
         `sample_warmup` untimed operations before this sample)."""
-        return self.request(cmd="sample", count=count, iters=iters, warmup=warmup,
-                            sample_warmup=sample_warmup)["time_s"]
+        return self.request(
+            cmd="sample", count=count, iters=iters, warmup=warmup, sample_warmup=sample_warmup
+        )["time_s"]
 
     def wrong(self) -> int:
         return self.request(cmd="check")["wrong"]
@@ -573,8 +642,11 @@ class MpiCase:
         pass
 
     def sample(self, iters: int, sample_warmup: int) -> float:
-        return (self.anchor.sample(self.count, iters, self.warmup, sample_warmup) if self.anchor
-                else float("nan"))
+        return (
+            self.anchor.sample(self.count, iters, self.warmup, sample_warmup)
+            if self.anchor
+            else float("nan")
+        )
 
     def wrong(self) -> int:
         return self.anchor.wrong() if self.anchor else 0
@@ -593,7 +665,9 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     elem = torch.tensor([], dtype=dtype).element_size()
     lo, hi = (parse_size(s) for s in args.tensor_bytes.split("-"))
     gen = torch.Generator().manual_seed(args.seed)
-    counts = torch.randint(max(1, lo // elem), hi // elem + 1, (args.tensors,), generator=gen).tolist()
+    counts = torch.randint(
+        max(1, lo // elem), hi // elem + 1, (args.tensors,), generator=gen
+    ).tolist()
 
     def inputs(r):  # small integers: every variant has one right answer
         return [(torch.arange(c, dtype=torch.float64) % 5 + 1 + r % 3).to(dtype) for c in counts]
@@ -608,25 +682,28 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     variants = {
         "ringcomm all_reduce_coalesced": lambda: comm.all_reduce_coalesced(tensors, op=args.op),
         "ringcomm coalesced, views of one buffer": lambda: comm.all_reduce_coalesced(
-            views, op=args.op),
+            views, op=args.op
+        ),
         "ringcomm all_reduce per tensor": lambda: [comm.all_reduce(t, op=args.op) for t in tensors],
     }
     if "gloo" in libs:
         warnings.filterwarnings("ignore", message=".*all_reduce_coalesced.*deprecated")
         variants["gloo all_reduce_coalesced"] = lambda: dist.all_reduce_coalesced(
-            tensors, op=DIST_OPS[args.op])
+            tensors, op=DIST_OPS[args.op]
+        )
     if "backend" in libs:
         group = groups["backend"]
         variants["backend all_reduce_coalesced"] = lambda: dist.all_reduce_coalesced(
-            tensors, op=DIST_OPS[args.op], group=group)
+            tensors, op=DIST_OPS[args.op], group=group
+        )
         variants["backend all_reduce, one flat tensor"] = lambda: dist.all_reduce(
-            flat, op=DIST_OPS[args.op], group=group)
+            flat, op=DIST_OPS[args.op], group=group
+        )
     variants["ringcomm all_reduce, one flat tensor"] = lambda: comm.all_reduce(flat, op=args.op)
     passes = layout_passes(tensors, views) if args.floor else {}
     flat_read = {}
     if args.floor:
-        flat_read[FLAT_THEN_LIST] = lambda: (comm.all_reduce(flat, op=args.op),
-                                             BufferList(tensors))
+        flat_read[FLAT_THEN_LIST] = lambda: (comm.all_reduce(flat, op=args.op), BufferList(tensors))
     timed = {**variants, **flat_read, **passes}
     iters = args.iters or 20
     for run in timed.values():
@@ -643,9 +720,17 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
     for name in passes:  # every rank runs them at once, none waiting for another
         samples[name] = all_at_once(comm, samples[name], iters)
     stacked = [torch.cat(inputs(r)).double() for r in range(world)]
-    expect = {"sum": sum(stacked), "avg": sum(stacked) / world,
-              "prod": torch.stack(stacked).prod(0), "min": torch.stack(stacked).min(0).values,
-              "max": torch.stack(stacked).max(0).values}[args.op].to(dtype).double()
+    expect = (
+        {
+            "sum": sum(stacked),
+            "avg": sum(stacked) / world,
+            "prod": torch.stack(stacked).prod(0),
+            "min": torch.stack(stacked).min(0).values,
+            "max": torch.stack(stacked).max(0).values,
+        }[args.op]
+        .to(dtype)
+        .double()
+    )
     wrong = []
     for name, run in variants.items():
         for t, fresh in zip(tensors, inputs(rank)):
@@ -653,46 +738,77 @@ def coalesced_row(args, comm, rank: int, world: int, libs, groups) -> dict:
         flat.copy_(torch.cat(tensors))
         packed.copy_(flat)
         run()
-        got = (flat if name.endswith("flat tensor") else packed if "views" in name
-               else torch.cat(tensors))
+        got = (
+            flat
+            if name.endswith("flat tensor")
+            else packed
+            if "views" in name
+            else torch.cat(tensors)
+        )
         wrong.append(int((got.double() != expect).sum()) if args.check else 0)
     wrong_total = torch.tensor(wrong, dtype=torch.int64)
     comm.all_reduce(wrong_total)
     nbytes = sum(counts) * elem
     first = statistics.median(samples["ringcomm all_reduce_coalesced"])
-    row = {"coll": args.coll, "ranks": world, "type": args.datatype, "redop": args.op,
-           "tensors": args.tensors, "tensor_bytes": args.tensor_bytes, "seed": args.seed,
-           "size": nbytes}
+    row = {
+        "coll": args.coll,
+        "ranks": world,
+        "type": args.datatype,
+        "redop": args.op,
+        "tensors": args.tensors,
+        "tensor_bytes": args.tensor_bytes,
+        "seed": args.seed,
+        "size": nbytes,
+    }
     for name, w in zip(variants, wrong_total.tolist()):
         t = statistics.median(samples[name])
-        row[name] = {"time_us": t * 1e6, "algbw": nbytes / t / 1e9, "wrong": w,
-                     "ratio": t / first, "samples_us": [x * 1e6 for x in samples[name]]}
+        row[name] = {
+            "time_us": t * 1e6,
+            "algbw": nbytes / t / 1e9,
+            "wrong": w,
+            "ratio": t / first,
+            "samples_us": [x * 1e6 for x in samples[name]],
+        }
     if passes:
         row["layout limit"] = layout_limit(samples, row)
     if rank == 0:
-        print(f"# {args.tensors} {args.datatype} tensors of {args.tensor_bytes} B (seed {args.seed}, "
-              f"{nbytes} B in all), {world} ranks, op {args.op}, {iters} calls per sample, "
-              f"{args.repeats} repeats (median), each after {sample_warmup} untimed calls; "
-              f"ratio = time / all_reduce_coalesced's", flush=True)
-        reader = ("in C++ (the torch backend's module is built)" if backend.built() else
-                  "in Python (the torch backend's module is not built yet: first use of the "
-                  "backend builds it)")
+        print(
+            f"# {args.tensors} {args.datatype} tensors of {args.tensor_bytes} B (seed {args.seed}, "
+            f"{nbytes} B in all), {world} ranks, op {args.op}, {iters} calls per sample, "
+            f"{args.repeats} repeats (median), each after {sample_warmup} untimed calls; "
+            f"ratio = time / all_reduce_coalesced's",
+            flush=True,
+        )
+        reader = (
+            "in C++ (the torch backend's module is built)"
+            if backend.built()
+            else "in Python (the torch backend's module is not built yet: first use of the "
+            "backend builds it)"
+        )
         print(f"# tensor lists read {reader}", flush=True)
         print(f"# {'variant':<36} {'time(us)':>10} {'algbw':>7} {'#wrong':>6} {'ratio':>7}")
         for name in variants:
             r = row[name]
-            print(f"  {name:<36} {r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['wrong']:>6} "
-                  f"{r['ratio']:>7.2f}", flush=True)
+            print(
+                f"  {name:<36} {r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['wrong']:>6} "
+                f"{r['ratio']:>7.2f}",
+                flush=True,
+            )
         if passes:
             limit = row["layout limit"]
             for name, t in limit["passes_us"].items():
                 print(f"# {name:<45} {t:>10.1f} us (slowest rank)")
-            print(f"# {'the list: the tensors read after a flat all_reduce':<45} "
-                  f"{limit['list_read_us']:>10.1f} us ({FLAT_THEN_LIST}, less the flat)")
-            print(f"# layout limit = flat all_reduce + the list + tensors' passes - views' passes: "
-                  f"{limit['time_us']:.1f} us = {limit['over_flat']:.2f}x the flat all_reduce; "
-                  f"all_reduce_coalesced = {limit['coalesced_over_flat']:.2f}x the flat, "
-                  f"{limit['coalesced_over_limit']:.2f}x the limit", flush=True)
+            print(
+                f"# {'the list: the tensors read after a flat all_reduce':<45} "
+                f"{limit['list_read_us']:>10.1f} us ({FLAT_THEN_LIST}, less the flat)"
+            )
+            print(
+                f"# layout limit = flat all_reduce + the list + tensors' passes - views' passes: "
+                f"{limit['time_us']:.1f} us = {limit['over_flat']:.2f}x the flat all_reduce; "
+                f"all_reduce_coalesced = {limit['coalesced_over_flat']:.2f}x the flat, "
+                f"{limit['coalesced_over_limit']:.2f}x the limit",
+                flush=True,
+            )
     return row
 
 
@@ -706,9 +822,11 @@ def layout_passes(tensors, views) -> dict:
     element, write every result), without the exchange: ringcomm's pack of the list, one message
     at a time, and its unpack (_C.layout_passes), for the tensors and for the views of one buffer
     (the same sizes back to back). They leave the tensors' values undefined."""
+
     def passes(items):
         lists = BufferList(items)
         return lambda: _C.layout_passes(lists.ptrs, lists.counts, lists.dtypes)
+
     return {PASSES_TENSORS: passes(tensors), PASSES_VIEWS: passes(views)}
 
 
@@ -723,19 +841,31 @@ def layout_limit(samples, row) -> dict:
       the flat all_reduce alone, the median of those differences repeat by repeat (the two
       samples of one repeat are taken in the same round, so a drift of the machine between samples
       cannot push the difference below zero as a difference of two medians can)."""
-    passes = {name: statistics.median(samples[name]) * 1e6
-              for name in (PASSES_TENSORS, PASSES_VIEWS)}
+    passes = {
+        name: statistics.median(samples[name]) * 1e6 for name in (PASSES_TENSORS, PASSES_VIEWS)
+    }
     flat = row["ringcomm all_reduce, one flat tensor"]["time_us"]
     coalesced = row["ringcomm all_reduce_coalesced"]["time_us"]
-    list_read = statistics.median(
-        then - alone for then, alone in zip(samples[FLAT_THEN_LIST],
-                                            samples["ringcomm all_reduce, one flat tensor"])) * 1e6
+    list_read = (
+        statistics.median(
+            then - alone
+            for then, alone in zip(
+                samples[FLAT_THEN_LIST], samples["ringcomm all_reduce, one flat tensor"]
+            )
+        )
+        * 1e6
+    )
     limit = flat + list_read + passes[PASSES_TENSORS] - passes[PASSES_VIEWS]
-    return {"time_us": limit, "passes_us": passes, "list_read_us": list_read,
-            "flat_then_list_samples_us": [x * 1e6 for x in samples[FLAT_THEN_LIST]],
-            "passes_samples_us": {name: [x * 1e6 for x in samples[name]] for name in passes},
-            "over_flat": limit / flat, "coalesced_over_flat": coalesced / flat,
-            "coalesced_over_limit": coalesced / limit}
+    return {
+        "time_us": limit,
+        "passes_us": passes,
+        "list_read_us": list_read,
+        "flat_then_list_samples_us": [x * 1e6 for x in samples[FLAT_THEN_LIST]],
+        "passes_samples_us": {name: [x * 1e6 for x in samples[name]] for name in passes},
+        "over_flat": limit / flat,
+        "coalesced_over_flat": coalesced / flat,
+        "coalesced_over_limit": coalesced / limit,
+    }
 
 
 def compared(args) -> list[str]:
@@ -750,22 +880,30 @@ def worker(args):
     torch.set_num_threads(1)
     anchors = compared(args)
     if "mpi" in anchors and (found.local_world_size or world) != world:
-        raise SystemExit("--compare mpi starts Open MPI's ranks on rank 0's host: run every rank "
-                         "on one host (LOCAL_WORLD_SIZE == WORLD_SIZE)")
+        raise SystemExit(
+            "--compare mpi starts Open MPI's ranks on rank 0's host: run every rank "
+            "on one host (LOCAL_WORLD_SIZE == WORLD_SIZE)"
+        )
     store = found.tcp_store(TIMEOUT)
-    comm = Communicator(dist.PrefixStore("bench", store), rank, world, timeout=TIMEOUT,
-                        name="bench")
+    comm = Communicator(
+        dist.PrefixStore("bench", store), rank, world, timeout=TIMEOUT, name="bench"
+    )
     wire = None
     if args.wire:
         wire = Wire(store, comm, rank, world, max(WIRE_MIN_BYTES, *sizes_from(args)), args.repeats)
     groups = {}
     if "gloo" in anchors or "backend" in anchors:
-        dist.init_process_group("gloo" if "gloo" in anchors else "ringcomm",
-                                store=dist.PrefixStore("dist", store), rank=rank,
-                                world_size=world, timeout=TIMEOUT)
+        dist.init_process_group(
+            "gloo" if "gloo" in anchors else "ringcomm",
+            store=dist.PrefixStore("dist", store),
+            rank=rank,
+            world_size=world,
+            timeout=TIMEOUT,
+        )
         groups["gloo"] = dist.group.WORLD
-        groups["backend"] = (dist.new_group(backend="ringcomm") if "gloo" in anchors
-                             else dist.group.WORLD)
+        groups["backend"] = (
+            dist.new_group(backend="ringcomm") if "gloo" in anchors else dist.group.WORLD
+        )
     gpu = None
     if args.device == "cuda":  # main() checked that there is a GPU, one per rank for NCCL
         local = rank if found.local_rank is None else found.local_rank
@@ -796,8 +934,17 @@ def transport_label(comm) -> str:
     return "+".join(sorted(set(comm.transports) - {"self"})) or "self"
 
 
-def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor | None,
-             groups: dict, wire: Wire | None, gpu=None):
+def run_rows(
+    args,
+    comm,
+    rank: int,
+    world: int,
+    libs: list[str],
+    mpi: MpiAnchor | None,
+    groups: dict,
+    wire: Wire | None,
+    gpu=None,
+):
     """One row per size: every library's samples interleaved, then medians, #wrong and ratios
     (ringcomm / each of the other columns). With --device cuda every column runs on CUDA
     tensors, the nccl column through `gpu` (an NcclCommunicator)."""
@@ -806,48 +953,77 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
     anchors = libs[1:]
     on_gpu = args.device == "cuda"
     # rank 0's: the row it prints and saves says what it used
-    transport = (comm.stats()["device"][f"cuda:{torch.cuda.current_device()}"] if on_gpu
-                 else transport_label(comm))
+    transport = (
+        comm.stats()["device"][f"cuda:{torch.cuda.current_device()}"]
+        if on_gpu
+        else transport_label(comm)
+    )
     if coalesced:
         rows.append(coalesced_row(args, comm, rank, world, libs, groups))
     elif rank == 0:
-        print(f"# ringcomm {args.coll}, {world} ranks, {args.datatype}, op {args.op}, "
-              f"algorithm {args.algo}, transport {transport}, {args.repeats} repeats (median), "
-              f"each after {args.sample_warmup if args.sample_warmup >= 0 else 'iters / 2'} "
-              "untimed operations", flush=True)
+        print(
+            f"# ringcomm {args.coll}, {world} ranks, {args.datatype}, op {args.op}, "
+            f"algorithm {args.algo}, transport {transport}, {args.repeats} repeats (median), "
+            f"each after {args.sample_warmup if args.sample_warmup >= 0 else 'iters / 2'} "
+            "untimed operations",
+            flush=True,
+        )
         if on_gpu:
-            print(f"# {torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible), "
-                  f"rank r on GPU LOCAL_RANK % {torch.cuda.device_count()}; each operation "
-                  "stream-synchronised: times are latencies (no CUDA graphs)", flush=True)
+            print(
+                f"# {torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible), "
+                f"rank r on GPU LOCAL_RANK % {torch.cuda.device_count()}; each operation "
+                "stream-synchronised: times are latencies (no CUDA graphs)",
+                flush=True,
+            )
         elif args.coll == "all_reduce" and backend.built() is None:
             # Communicator.all_reduce then reads the tensor in Python: 8 B took 2.7 us, not 1.3
-            print("# tensors read in Python: the torch backend's module is not built for these "
-                  "sources (make install, or ringcomm.backend.load(), builds it)", flush=True)
+            print(
+                "# tensors read in Python: the torch backend's module is not built for these "
+                "sources (make install, or ringcomm.backend.load(), builds it)",
+                flush=True,
+            )
         if env_flag("THP_MEM_ALLOC_ENABLE"):
             # torch's allocator asks for huge pages, which single copy pins far faster
             # (docs/configuration.md): a figure taken so is not one taken without
             print("# tensors in transparent huge pages (THP_MEM_ALLOC_ENABLE)", flush=True)
         if mpi is not None:
-            print(f"# mpi: MPI_Allreduce in place, {world} processes of its own under mpiexec "
-                  f"(shared memory), {mpi.library}", flush=True)
+            print(
+                f"# mpi: MPI_Allreduce in place, {world} processes of its own under mpiexec "
+                f"(shared memory), {mpi.library}",
+                flush=True,
+            )
         if "floor" in libs and on_gpu:
-            print("# floor: torch.add(a, b, out=c) over the size on every rank's GPU at once "
-                  "(reads 2x size, writes 1x), CUDA events; time = first start to last end",
-                  flush=True)
+            print(
+                "# floor: torch.add(a, b, out=c) over the size on every rank's GPU at once "
+                "(reads 2x size, writes 1x), CUDA events; time = first start to last end",
+                flush=True,
+            )
         elif "floor" in libs:
-            print("# floor: torch.add(a, b, out=out) over the size on every rank at once, one "
-                  "thread each (reads 2x size, writes 1x); time = slowest rank", flush=True)
+            print(
+                "# floor: torch.add(a, b, out=out) over the size on every rank at once, one "
+                "thread each (reads 2x size, writes 1x); time = slowest rank",
+                flush=True,
+            )
         if wire is not None:
-            print(f"# wire: plain TCP, every rank streaming {format_size(wire.stream_bytes)} to "
-                  f"rank + 1 while receiving from rank - 1, all at once: {wire.rate / 1e9:.3f} GB/s "
-                  f"({wire.rate * 8 / 1e9:.2f} Gbit/s) of payload per link, slowest rank, median "
-                  f"of {len(wire.samples_s)}; time = 2(n-1)/n x size / rate", flush=True)
+            print(
+                f"# wire: plain TCP, every rank streaming {format_size(wire.stream_bytes)} to "
+                f"rank + 1 while receiving from rank - 1, all at once: {wire.rate / 1e9:.3f} GB/s "
+                f"({wire.rate * 8 / 1e9:.2f} Gbit/s) of payload per link, slowest rank, median "
+                f"of {len(wire.samples_s)}; time = 2(n-1)/n x size / rate",
+                flush=True,
+            )
             if "tcp" not in transport:
-                print(f"# wire: ringcomm's ranks talk over {transport} here, not TCP: the wire "
-                      f"bounds TCP runs (RINGCOMM_TRANSPORT=tcp, or between hosts)", flush=True)
+                print(
+                    f"# wire: ringcomm's ranks talk over {transport} here, not TCP: the wire "
+                    f"bounds TCP runs (RINGCOMM_TRANSPORT=tcp, or between hosts)",
+                    flush=True,
+                )
         if anchors:
-            print("# ratios: ringcomm / that column, for time (lower is better) and busbw "
-                  "(higher is better)", flush=True)
+            print(
+                "# ratios: ringcomm / that column, for time (lower is better) and busbw "
+                "(higher is better)",
+                flush=True,
+            )
         head = f"# {'size(B)':>12} {'count':>10} {'type':>8} {'redop':>5}"
         for lib in libs:
             head += f" | {lib + ' time(us)':>18} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
@@ -874,7 +1050,9 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
                 line += f" | {ratio['time']:>16.3f} {ratio['busbw']:>11.2f}"
             if "auto_chose" in row:
                 chosen = row.get("chosen_vs_best")
-                line += f" | {row['auto_chose']:>18} {'-' if chosen is None else f'{chosen:.3f}':>13}"
+                line += (
+                    f" | {row['auto_chose']:>18} {'-' if chosen is None else f'{chosen:.3f}':>13}"
+                )
             print(line, flush=True)
     if rank == 0 and args.json:
         gpu_name = torch.cuda.get_device_name() if on_gpu else None
@@ -882,8 +1060,11 @@ def run_rows(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
         if mpi is not None:
             out["mpi"] = {"library": mpi.library, "command": mpi.command}
         if wire is not None:
-            out["wire"] = {"stream_bytes": wire.stream_bytes, "rate_GBps": wire.rate / 1e9,
-                           "samples_us": [s * 1e6 for s in wire.samples_s]}
+            out["wire"] = {
+                "stream_bytes": wire.stream_bytes,
+                "rate_GBps": wire.rate / 1e9,
+                "samples_us": [s * 1e6 for s in wire.samples_s],
+            }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     if rank == 0 and args.plot and rows and not coalesced:
@@ -897,20 +1078,37 @@ def settle_auto(case: Case, most_calls: int = 100) -> None:
     cover at the larger sizes (5, then 2 before each sample at 64 MiB). Every rank stops at the
     same call: the trials' end is agreed. Later rounds' trials fall in the samples, as they
     would in a job."""
-    if case.lib != "ringcomm" or case.coll != "all_reduce" or case.algo != "auto" \
-            or case.device != "cpu":
+    if (
+        case.lib != "ringcomm"
+        or case.coll != "all_reduce"
+        or case.algo != "auto"
+        or case.device != "cpu"
+    ):
         return
     for _ in range(most_calls):
         # a class shows once auto has run a call of it, if it retunes it (not before the first)
-        rounds = [t["rounds"] for t in case.comm.auto_trials()
-                  if t["bytes"] <= case.nbytes < 2 * t["bytes"]]
+        rounds = [
+            t["rounds"]
+            for t in case.comm.auto_trials()
+            if t["bytes"] <= case.nbytes < 2 * t["bytes"]
+        ]
         if not rounds or rounds[0] >= 1:
             return
         case.run()
 
 
-def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor | None,
-             groups: dict, wire: Wire | None, nbytes: int, gpu=None) -> dict:
+def size_row(
+    args,
+    comm,
+    rank: int,
+    world: int,
+    libs: list[str],
+    mpi: MpiAnchor | None,
+    groups: dict,
+    wire: Wire | None,
+    nbytes: int,
+    gpu=None,
+) -> dict:
     """The row of one size: every timed library's samples interleaved, the limits' (floor,
     wire) per sample, medians, #wrong summed over the ranks, ratios."""
     dtype = DTYPES[args.datatype]
@@ -921,13 +1119,26 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
         if lib == "mpi":
             return MpiCase(mpi, nbytes, dtype, args.warmup_iters)
         if lib == "nccl":
-            return Case(lib, gpu, args.coll, nbytes, dtype, args.op, args.algo, rank, world,
-                        device=device)
+            return Case(
+                lib, gpu, args.coll, nbytes, dtype, args.op, args.algo, rank, world, device=device
+            )
         if lib in ALGORITHMS:
-            return Case("ringcomm", comm, args.coll, nbytes, dtype, args.op, lib, rank, world,
-                        device=device)
-        return Case(lib, comm if lib == "ringcomm" else None, args.coll, nbytes, dtype, args.op,
-                    args.algo, rank, world, groups.get(lib), device=device)
+            return Case(
+                "ringcomm", comm, args.coll, nbytes, dtype, args.op, lib, rank, world, device=device
+            )
+        return Case(
+            lib,
+            comm if lib == "ringcomm" else None,
+            args.coll,
+            nbytes,
+            dtype,
+            args.op,
+            args.algo,
+            rank,
+            world,
+            groups.get(lib),
+            device=device,
+        )
 
     cases = {lib: case(lib) for lib in timed}
     ringcomm_case = cases["ringcomm"]
@@ -951,8 +1162,14 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
         samples["floor"] = all_at_once(comm, samples["floor"], iters)
     if wire is not None:
         samples["wire"] = wire.bounds(ringcomm_case.nbytes, world)
-    row = {"size": ringcomm_case.nbytes, "count": ringcomm_case.count, "type": args.datatype,
-           "redop": args.op, "coll": args.coll, "ranks": world}
+    row = {
+        "size": ringcomm_case.nbytes,
+        "count": ringcomm_case.count,
+        "type": args.datatype,
+        "redop": args.op,
+        "coll": args.coll,
+        "ranks": world,
+    }
     for lib in libs:
         t = statistics.median(samples[lib])
         algbw = ringcomm_case.nbytes / t / 1e9
@@ -960,9 +1177,13 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
             wrong = None  # nothing to check
         else:
             wrong = cases[lib].wrong() if args.check else 0
-        row[lib] = {"time_us": t * 1e6, "algbw": algbw,
-                    "busbw": algbw * bus_factor(args.coll, world), "wrong": wrong,
-                    "samples_us": [s * 1e6 for s in samples[lib]]}
+        row[lib] = {
+            "time_us": t * 1e6,
+            "algbw": algbw,
+            "busbw": algbw * bus_factor(args.coll, world),
+            "wrong": wrong,
+            "samples_us": [s * 1e6 for s in samples[lib]],
+        }
     # every rank's #wrong counts (mpi's: rank 0 has the MPI job's total, the others 0)
     checked = [lib for lib in libs if lib not in LIMITS]
     wrong_total = torch.tensor([row[lib]["wrong"] for lib in checked], dtype=torch.int64)
@@ -970,8 +1191,10 @@ def size_row(args, comm, rank: int, world: int, libs: list[str], mpi: MpiAnchor 
     for lib, wrong in zip(checked, wrong_total.tolist()):
         row[lib]["wrong"] = wrong
     rc = row["ringcomm"]
-    row["ratios"] = {lib: {"time": rc["time_us"] / row[lib]["time_us"],
-                           "busbw": rc["busbw"] / row[lib]["busbw"]} for lib in libs[1:]}
+    row["ratios"] = {
+        lib: {"time": rc["time_us"] / row[lib]["time_us"], "busbw": rc["busbw"] / row[lib]["busbw"]}
+        for lib in libs[1:]
+    }
     row.update(auto_choice(args, comm, row, libs))
     return row
 
@@ -999,8 +1222,9 @@ def compare_list(text: str) -> str:
     names = []
     for name in (n.strip().lower() for n in text.split(",")):
         if name not in (*COMPARE, "none", ""):
-            raise argparse.ArgumentTypeError(f"unknown library {name!r}: pick from "
-                                             f"{', '.join(COMPARE)}, comma-separated")
+            raise argparse.ArgumentTypeError(
+                f"unknown library {name!r}: pick from {', '.join(COMPARE)}, comma-separated"
+            )
         if name and name != "none" and name not in names:
             names.append(name)
     return ",".join(names) or "none"
@@ -1011,57 +1235,98 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-b", "--minbytes", type=parse_size, default=8)
     p.add_argument("-e", "--maxbytes", type=parse_size, default=64 << 20)
     p.add_argument("-f", "--stepfactor", type=int, default=2)
-    p.add_argument("-i", "--stepbytes", type=parse_size, default=1 << 20,
-                   help="increment between sizes when -f is 1")
+    p.add_argument(
+        "-i",
+        "--stepbytes",
+        type=parse_size,
+        default=1 << 20,
+        help="increment between sizes when -f is 1",
+    )
     p.add_argument("--sizes", help="comma-separated sizes, instead of -b/-e/-f")
-    p.add_argument("-n", "--iters", type=int, default=0,
-                   help="operations per sample (default: 200 up to 64 KiB, else 256 MiB / size; "
-                        "all_reduce_coalesced: 20)")
+    p.add_argument(
+        "-n",
+        "--iters",
+        type=int,
+        default=0,
+        help="operations per sample (default: 200 up to 64 KiB, else 256 MiB / size; "
+        "all_reduce_coalesced: 20)",
+    )
     p.add_argument("-w", "--warmup_iters", type=int, default=5)
-    p.add_argument("--sample-warmup", type=int, default=-1,
-                   help="untimed operations before each sample, for every library alike "
-                        "(default: half the sample's --iters)")
+    p.add_argument(
+        "--sample-warmup",
+        type=int,
+        default=-1,
+        help="untimed operations before each sample, for every library alike "
+        "(default: half the sample's --iters)",
+    )
     p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong results")
     p.add_argument("-o", "--op", choices=OPS, default="sum")
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float")
     p.add_argument("--coll", choices=COLLECTIVES, default="all_reduce")
     p.add_argument("--algo", choices=("auto", *ALGORITHMS), default="auto")
-    p.add_argument("--algorithm", metavar="NAME",
-                   help="instead of --algo: the all_reduce registered as NAME "
-                        "(ringcomm.algorithms), e.g. from --algorithm-file")
-    p.add_argument("--algorithm-file", metavar="FILE.py",
-                   help="a Python file that registers algorithms, run in every rank "
-                        "(RINGCOMM_ALGORITHM_FILE)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: all_reduce of CUDA tensors on ringcomm's device path, every rank "
-                        "on GPU LOCAL_RANK %% GPUs (one GPU: all of them), each operation "
-                        "stream-synchronised; the floor is the device memory floor")
+    p.add_argument(
+        "--algorithm",
+        metavar="NAME",
+        help="instead of --algo: the all_reduce registered as NAME "
+        "(ringcomm.algorithms), e.g. from --algorithm-file",
+    )
+    p.add_argument(
+        "--algorithm-file",
+        metavar="FILE.py",
+        help="a Python file that registers algorithms, run in every rank (RINGCOMM_ALGORITHM_FILE)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: all_reduce of CUDA tensors on ringcomm's device path, every rank "
+        "on GPU LOCAL_RANK %% GPUs (one GPU: all of them), each operation "
+        "stream-synchronised; the floor is the device memory floor",
+    )
     p.add_argument("--repeats", type=int, default=5, help="samples per size; the median is shown")
-    p.add_argument("--ranks", type=int, default=2,
-                   help="local ranks to launch (started by no launcher)")
-    p.add_argument("--compare", type=compare_list, default="none",
-                   help="anchors to run in the same run, comma-separated: gloo, backend "
-                        "(ringcomm through torch.distributed), mpi (Open MPI's MPI_Allreduce; "
-                        "pip install 'ringcomm[mpi]'), nccl, or ring, tree, recursive_doubling, "
-                        "halving_doubling, shared_buffer, hierarchical "
-                        "(ringcomm's all_reduce forced to that algorithm, against --algo), "
-                        "e.g. gloo,mpi or ring,tree,recursive_doubling")
-    p.add_argument("--floor", action="store_true",
-                   help="also time the memory floor: torch.add(a, b, out=out) over each size on "
-                        "every rank at once (all_reduce); with all_reduce_coalesced, the layout's "
-                        "limit (pack and unpack of the tensors against their views, no exchange)")
-    p.add_argument("--wire", action="store_true",
-                   help="also measure the link limit: every rank streams max(16 MiB, largest size) "
-                        "over plain TCP to rank + 1 while receiving from rank - 1; each size's "
-                        "time on the wire, 2(n-1)/n x size / rate (all_reduce)")
+    p.add_argument(
+        "--ranks", type=int, default=2, help="local ranks to launch (started by no launcher)"
+    )
+    p.add_argument(
+        "--compare",
+        type=compare_list,
+        default="none",
+        help="anchors to run in the same run, comma-separated: gloo, backend "
+        "(ringcomm through torch.distributed), mpi (Open MPI's MPI_Allreduce; "
+        "pip install 'ringcomm[mpi]'), nccl, or ring, tree, recursive_doubling, "
+        "halving_doubling, shared_buffer, hierarchical "
+        "(ringcomm's all_reduce forced to that algorithm, against --algo), "
+        "e.g. gloo,mpi or ring,tree,recursive_doubling",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the memory floor: torch.add(a, b, out=out) over each size on "
+        "every rank at once (all_reduce); with all_reduce_coalesced, the layout's "
+        "limit (pack and unpack of the tensors against their views, no exchange)",
+    )
+    p.add_argument(
+        "--wire",
+        action="store_true",
+        help="also measure the link limit: every rank streams max(16 MiB, largest size) "
+        "over plain TCP to rank + 1 while receiving from rank - 1; each size's "
+        "time on the wire, 2(n-1)/n x size / rate (all_reduce)",
+    )
     p.add_argument("--json", help="write every row (with all samples) to this file")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="draw busbw and time against size, every series and limit, into this PNG "
-                        "(needs matplotlib: pip install 'ringcomm[plot]')")
-    p.add_argument("--tensors", type=int, default=1000,
-                   help="all_reduce_coalesced: number of tensors")
-    p.add_argument("--tensor-bytes", default="1K-16K",
-                   help="all_reduce_coalesced: tensor sizes, uniformly random in MIN-MAX bytes")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw busbw and time against size, every series and limit, into this PNG "
+        "(needs matplotlib: pip install 'ringcomm[plot]')",
+    )
+    p.add_argument(
+        "--tensors", type=int, default=1000, help="all_reduce_coalesced: number of tensors"
+    )
+    p.add_argument(
+        "--tensor-bytes",
+        default="1K-16K",
+        help="all_reduce_coalesced: tensor sizes, uniformly random in MIN-MAX bytes",
+    )
     p.add_argument("--seed", type=int, default=0, help="all_reduce_coalesced: seed of the sizes")
     return p
 
@@ -1072,12 +1337,16 @@ def check_device(args, anchors: list[str], algorithms: list[str]) -> None:
         raise SystemExit("--device cuda times all_reduce: use it with --coll all_reduce")
     hosts = [a for a in anchors if a in ("gloo", "backend", "mpi")]
     if hosts or args.wire:
-        raise SystemExit(f"--device cuda compares with nccl and forced algorithms, not "
-                         f"{', '.join(hosts + ['wire'] * args.wire)}")
+        raise SystemExit(
+            f"--device cuda compares with nccl and forced algorithms, not "
+            f"{', '.join(hosts + ['wire'] * args.wire)}"
+        )
     wrong = [a for a in algorithms if a not in DEVICE_ALGORITHMS]
     if wrong:
-        raise SystemExit(f"{', '.join(wrong)}: not an algorithm of the device path; it has "
-                         f"{', '.join(DEVICE_ALGORITHMS)}")
+        raise SystemExit(
+            f"{', '.join(wrong)}: not an algorithm of the device path; it has "
+            f"{', '.join(DEVICE_ALGORITHMS)}"
+        )
     if torch.cuda.device_count() == 0:
         raise SystemExit(f"--device cuda needs a GPU: torch {torch.__version__} sees none")
 
@@ -1090,16 +1359,22 @@ def use_registered(args, world: int) -> None:
     if not args.algorithm:
         return
     if args.coll != "all_reduce" or args.algo != "auto":
-        raise SystemExit("--algorithm names the all_reduce ringcomm's column runs: use it with "
-                         "--coll all_reduce and without --algo")
+        raise SystemExit(
+            "--algorithm names the all_reduce ringcomm's column runs: use it with "
+            "--coll all_reduce and without --algo"
+        )
     try:  # at each size: lists may differ by size class
-        lists = [algorithms.lists(args.algorithm, "all_reduce", world, nbytes)
-                 for nbytes in sizes_from(args)]
+        lists = [
+            algorithms.lists(args.algorithm, "all_reduce", world, nbytes)
+            for nbytes in sizes_from(args)
+        ]
     except ValueError as e:
         raise SystemExit(f"--algorithm {args.algorithm}: {e}") from None
     if None in lists:
-        raise SystemExit(f"--algorithm {args.algorithm}: no algorithm is registered under that "
-                         "name (--algorithm-file FILE.py registers those in FILE.py)")
+        raise SystemExit(
+            f"--algorithm {args.algorithm}: no algorithm is registered under that "
+            "name (--algorithm-file FILE.py registers those in FILE.py)"
+        )
     args.algo = args.algorithm
 
 
@@ -1117,19 +1392,25 @@ def main(argv=None) -> int:
         if args.coll != "all_reduce":
             raise SystemExit("--compare mpi times MPI_Allreduce: use it with --coll all_reduce")
         if args.op == "avg" or args.datatype not in MPI_DTYPES:
-            raise SystemExit(f"--compare mpi: MPI reduces no float16 or bfloat16 and has no avg; "
-                             f"use -d one of {', '.join(MPI_DTYPES)} and -o sum, prod, min or max")
+            raise SystemExit(
+                f"--compare mpi: MPI reduces no float16 or bfloat16 and has no avg; "
+                f"use -d one of {', '.join(MPI_DTYPES)} and -o sum, prod, min or max"
+            )
         check_mpi()
     forced = [a for a in anchors if a in ALGORITHMS]
     if forced and args.coll != "all_reduce":
-        raise SystemExit(f"--compare {','.join(forced)} forces ringcomm's all_reduce algorithm: "
-                         "use it with --coll all_reduce")
+        raise SystemExit(
+            f"--compare {','.join(forced)} forces ringcomm's all_reduce algorithm: "
+            "use it with --coll all_reduce"
+        )
     if "nccl" in anchors:
         if args.coll != "all_reduce":
             raise SystemExit("--compare nccl times ncclAllReduce: use it with --coll all_reduce")
         if torch.cuda.device_count() < local:
-            raise SystemExit(f"--compare nccl runs every rank on a GPU of its own: {local} local "
-                             f"ranks, {torch.cuda.device_count()} GPUs here")
+            raise SystemExit(
+                f"--compare nccl runs every rank on a GPU of its own: {local} local "
+                f"ranks, {torch.cuda.device_count()} GPUs here"
+            )
         args.device = "cuda"
     algorithms = forced + ([args.algo] if args.algo != "auto" else [])
     if args.device == "cuda":
@@ -1137,12 +1418,15 @@ def main(argv=None) -> int:
     elif "one_shot" in algorithms:
         raise SystemExit("one_shot is an algorithm of the device path: add --device cuda")
     if args.floor and args.coll not in ("all_reduce", "all_reduce_coalesced"):
-        raise SystemExit("--floor is the memory floor of all_reduce: use it with --coll all_reduce "
-                         "or all_reduce_coalesced")
+        raise SystemExit(
+            "--floor is the memory floor of all_reduce: use it with --coll all_reduce "
+            "or all_reduce_coalesced"
+        )
     if args.wire:
         if args.coll != "all_reduce":
-            raise SystemExit("--wire is the link limit of a ring all_reduce: use it with "
-                             "--coll all_reduce")
+            raise SystemExit(
+                "--wire is the link limit of a ring all_reduce: use it with --coll all_reduce"
+            )
         if world < 2:
             raise SystemExit("--wire measures the links between ranks: run at least 2")
     if args.plot:

@@ -4,6 +4,7 @@ sample, a free port, the launcher of local ranks, and what every JSON report say
 The standard library only: mpi.py runs by path under mpiexec, without torch or ringcomm, and
 imports this module from beside it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -48,8 +49,14 @@ def free_port() -> int:
 
 def rank_env(rank: int, world: int, port: int) -> dict:
     """The env:// variables torchrun gives rank `rank` of `world` ranks on one host."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def launch(world: int, run, argv=None) -> int:
@@ -71,8 +78,10 @@ def launch(world: int, run, argv=None) -> int:
         if pid == 0:
             os._exit(forked_rank(run, env))
         ranks.append(pid)
-    codes = [p.wait() if argv is not None else os.waitstatus_to_exitcode(os.waitpid(p, 0)[1])
-             for p in ranks]
+    codes = [
+        p.wait() if argv is not None else os.waitstatus_to_exitcode(os.waitpid(p, 0)[1])
+        for p in ranks
+    ]
     return max(codes, key=abs)
 
 
@@ -104,8 +113,10 @@ def cpu_name() -> str:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), model)
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} vCPUs"
@@ -116,9 +127,13 @@ def commit() -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if os.path.exists(os.path.join(root, ".git")):
         try:
-            return subprocess.run(["git", "-C", root, "rev-parse", "HEAD"],
-                                  capture_output=True, text=True, check=True,
-                                  timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", "-C", root, "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=10,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             pass
     try:
@@ -130,5 +145,8 @@ def commit() -> str:
 def run_metadata(gpu: str | None = None) -> dict:
     """The top-level fields of every JSON report of the benchmarks: the machine (`gpu`, a GPU's
     name, for runs timed on one; else cpu_name()), the commit and the date (ISO)."""
-    return {"machine": gpu or cpu_name(), "commit": commit(),
-            "date": datetime.date.today().isoformat()}
+    return {
+        "machine": gpu or cpu_name(),
+        "commit": commit(),
+        "date": datetime.date.today().isoformat(),
+    }

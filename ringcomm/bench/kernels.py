@@ -29,6 +29,7 @@ CUDA-event timings, medians of --repeats after a warm-up:
 - pack of 1000 float32 tensors of 1-16 KiB into one scaled bf16 buffer: against torch.cat.
 bench/gpu_check.sh runs it with the GPU tests and keeps the report.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,15 +74,26 @@ def bench_topk(args):
     _, theirs = torch.topk(x.abs(), k)
     same = set(ours.tolist()) == set(theirs.tolist())
     anchor = times["torch.topk(x.abs())"]
-    print(f"# top-k of {args.numel} {args.dtype}, k = {k} ({args.ratio:g}), {args.threads} thread(s), "
-          f"median of {args.repeats}; same index set as torch: {same}")
+    print(
+        f"# top-k of {args.numel} {args.dtype}, k = {k} ({args.ratio:g}), {args.threads} thread(s), "
+        f"median of {args.repeats}; same index set as torch: {same}"
+    )
     print(f"# {'kernel':<30} {'time(ms)':>10} {'speedup vs torch.topk(|x|)':>28}")
     for name, t in times.items():
         print(f"  {name:<30} {t * 1e3:>10.2f} {anchor / t:>28.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**run_metadata(), "args": vars(args), "k": k, "same_set": same,
-                       "times_ms": {n: t * 1e3 for n, t in times.items()}}, f, indent=1)
+            json.dump(
+                {
+                    **run_metadata(),
+                    "args": vars(args),
+                    "k": k,
+                    "same_set": same,
+                    "times_ms": {n: t * 1e3 for n, t in times.items()},
+                },
+                f,
+                indent=1,
+            )
 
 
 def bench_pack(args):
@@ -102,12 +114,16 @@ def bench_pack(args):
         def run():
             _C.pack_kernel(f32, ptrs, sizes, 0, total, staging.data_ptr(), f32, 0, 1.0)
             _C.unpack_kernel(staging.data_ptr(), f32, f32, ptrs, sizes, 0, total, 0, 1.0)
+
         return run
 
     by_address = sorted(spread, key=lambda t: t.data_ptr())
-    cases = {"spread": pack_unpack(spread), "spread, by address": pack_unpack(by_address),
-             "views of one buffer": pack_unpack(views),
-             "one buffer": pack_unpack([one])}
+    cases = {
+        "spread": pack_unpack(spread),
+        "spread, by address": pack_unpack(by_address),
+        "views of one buffer": pack_unpack(views),
+        "one buffer": pack_unpack([one]),
+    }
     samples = {name: [] for name in cases}
     for _ in range(args.repeats):  # interleaved, each out of cache
         for name, run in cases.items():
@@ -116,18 +132,30 @@ def bench_pack(args):
             run()
             samples[name].append(time.perf_counter() - start)
     times = {name: statistics.median(v) for name, v in samples.items()}
-    print(f"# pack + unpack of {len(counts)} float32 tensors of {args.tensor_bytes} B "
-          f"({4 * total} B), out of cache, 1 thread, median of {args.repeats}")
+    print(
+        f"# pack + unpack of {len(counts)} float32 tensors of {args.tensor_bytes} B "
+        f"({4 * total} B), out of cache, 1 thread, median of {args.repeats}"
+    )
     print(f"# {'layout':<24} {'time(us)':>10} {'GB/s':>7} {'/ one buffer':>13}")
     for name, t in times.items():
-        print(f"  {name:<24} {t * 1e6:>10.1f} {2 * 4 * total / t / 1e9:>7.2f} "
-              f"{t / times['one buffer']:>13.2f}")
+        print(
+            f"  {name:<24} {t * 1e6:>10.1f} {2 * 4 * total / t / 1e9:>7.2f} "
+            f"{t / times['one buffer']:>13.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**run_metadata(), "tensors": len(counts), "tensor_bytes": args.tensor_bytes,
-                       "bytes": 4 * total, "time_us": {k: v * 1e6 for k, v in times.items()},
-                       "samples_us": {k: [x * 1e6 for x in v] for k, v in samples.items()}},
-                      f, indent=1)
+            json.dump(
+                {
+                    **run_metadata(),
+                    "tensors": len(counts),
+                    "tensor_bytes": args.tensor_bytes,
+                    "bytes": 4 * total,
+                    "time_us": {k: v * 1e6 for k, v in times.items()},
+                    "samples_us": {k: [x * 1e6 for x in v] for k, v in samples.items()},
+                },
+                f,
+                indent=1,
+            )
 
 
 def gpu_time_ms(fn, repeats: int) -> float:
@@ -165,17 +193,30 @@ def bench_gpu(args):
     rows = []
 
     def row(name, ours, anchor_name, anchor, floor):
-        rows.append({"kernel": name, "ringcomm_ms": ours, "anchor": anchor_name, "anchor_ms": anchor,
-                     "speedup": anchor / ours, "floor_ms": floor, "vs_floor": ours / floor})
+        rows.append(
+            {
+                "kernel": name,
+                "ringcomm_ms": ours,
+                "anchor": anchor_name,
+                "anchor_ms": anchor,
+                "speedup": anchor / ours,
+                "floor_ms": floor,
+                "vs_floor": ours / floor,
+            }
+        )
 
     n, k = args.numel, max(1, int(args.numel * args.ratio))
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, device="cuda", generator=gen)
     _, ours = rc_cuda.topk(x, k)
     same = torch.equal(ours.long(), torch.topk(x.abs(), k, sorted=False).indices.sort().values)
-    row(f"topk float32 {n} k={k}", gpu_time_ms(lambda: rc_cuda.topk(x, k), repeats),
+    row(
+        f"topk float32 {n} k={k}",
+        gpu_time_ms(lambda: rc_cuda.topk(x, k), repeats),
         "torch.topk(x.abs(), sorted=False)",
-        gpu_time_ms(lambda: torch.topk(x.abs(), k, sorted=False), repeats), floor_ms(4 * n))
+        gpu_time_ms(lambda: torch.topk(x.abs(), k, sorted=False), repeats),
+        floor_ms(4 * n),
+    )
     grad, residual, theirs = x, torch.zeros_like(x), torch.zeros_like(x)
 
     def torch_step():
@@ -185,18 +226,25 @@ def bench_gpu(args):
         theirs[index] = 0
         return values, index
 
-    row(f"topk_with_residual float32 {n} k={k}",
+    row(
+        f"topk_with_residual float32 {n} k={k}",
         gpu_time_ms(lambda: rc_cuda.topk_with_residual(grad, residual, k), repeats),
-        "add_ + topk + gather + zero", gpu_time_ms(torch_step, repeats), floor_ms(12 * n))
+        "add_ + topk + gather + zero",
+        gpu_time_ms(torch_step, repeats),
+        floor_ms(12 * n),
+    )
     for dtype in (torch.float32, torch.bfloat16):
         count = (256 << 20) // torch.empty(0, dtype=dtype).element_size()
         a = torch.randn(count, device="cuda", generator=gen).to(dtype)
         b = torch.randn(count, device="cuda", generator=gen).to(dtype)
         out = torch.empty_like(a)
-        row(f"reduce sum {str(dtype).removeprefix('torch.')} 256 MiB",
-            gpu_time_ms(functools.partial(rc_cuda.reduce_, out, a, b), repeats), "torch.add(out=)",
+        row(
+            f"reduce sum {str(dtype).removeprefix('torch.')} 256 MiB",
+            gpu_time_ms(functools.partial(rc_cuda.reduce_, out, a, b), repeats),
+            "torch.add(out=)",
             gpu_time_ms(functools.partial(torch.add, a, b, out=out), repeats),
-            floor_ms(3 * (256 << 20)))
+            floor_ms(3 * (256 << 20)),
+        )
     sizes = torch.randint(256, 4096, (1000,), generator=torch.Generator().manual_seed(1)).tolist()
     tensors = [torch.randn(s, device="cuda", generator=gen) for s in sizes]
     flat = torch.empty(sum(sizes), dtype=torch.bfloat16, device="cuda")
@@ -206,10 +254,15 @@ def bench_gpu(args):
 
     def pack_row(reader, name):
         fusion.torch_module = lambda: reader
-        row(f"pack 1000 float32 tensors -> bf16, scaled{name}",
-            gpu_time_ms(lambda: rc_cuda.pack(tensors, dtype=torch.bfloat16, scale=0.5, out=flat),
-                        repeats),
-            "(torch.cat * 0.5).to(bf16)", anchor, floor_ms(6 * sum(sizes)))
+        row(
+            f"pack 1000 float32 tensors -> bf16, scaled{name}",
+            gpu_time_ms(
+                lambda: rc_cuda.pack(tensors, dtype=torch.bfloat16, scale=0.5, out=flat), repeats
+            ),
+            "(torch.cat * 0.5).to(bf16)",
+            anchor,
+            floor_ms(6 * sum(sizes)),
+        )
 
     torch_module = fusion.torch_module
     try:
@@ -218,17 +271,31 @@ def bench_gpu(args):
     finally:
         fusion.torch_module = torch_module
     device = torch.cuda.get_device_name()
-    print(f"# {device}, torch {torch.__version__}; copy rate {rate / 1e9:.0f} GB/s (read + write); "
-          f"median of {repeats}; top-k index set equal to torch's: {same}")
+    print(
+        f"# {device}, torch {torch.__version__}; copy rate {rate / 1e9:.0f} GB/s (read + write); "
+        f"median of {repeats}; top-k index set equal to torch's: {same}"
+    )
     print("| kernel | ringcomm (ms) | anchor | anchor (ms) | speed-up | floor (ms) | vs floor |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['kernel']} | {r['ringcomm_ms']:.3f} | {r['anchor']} | {r['anchor_ms']:.3f} | "
-              f"{r['speedup']:.2f}x | {r['floor_ms']:.3f} | {r['vs_floor']:.2f} |")
+        print(
+            f"| {r['kernel']} | {r['ringcomm_ms']:.3f} | {r['anchor']} | {r['anchor_ms']:.3f} | "
+            f"{r['speedup']:.2f}x | {r['floor_ms']:.3f} | {r['vs_floor']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**run_metadata(device), "device": device, "torch": torch.__version__,
-                       "copy_rate": rate, "same_set": same, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    **run_metadata(device),
+                    "device": device,
+                    "torch": torch.__version__,
+                    "copy_rate": rate,
+                    "same_set": same,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 def main(argv=None):

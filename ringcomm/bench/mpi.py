@@ -24,6 +24,7 @@ operations timed on rank 0's clock after an MPI_Barrier; the median is reported.
 Only numpy, mpi4py and common.py (the standard library): no torch and no ringcomm._C, so that the
 bench can run it by path and the MPI ranks start quickly and load nothing they do not use.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,17 @@ else:  # run by path (see above): common.py lies beside this file, which Python 
     from common import default_iters, parse_size
 
 # The bench's -d names that MPI can reduce (it has no standard float16 or bfloat16).
-DTYPES = {"float": np.float32, "float32": np.float32, "double": np.float64, "float64": np.float64,
-          "int32": np.int32, "int": np.int32, "int64": np.int64, "int8": np.int8,
-          "uint8": np.uint8}
+DTYPES = {
+    "float": np.float32,
+    "float32": np.float32,
+    "double": np.float64,
+    "float64": np.float64,
+    "int32": np.int32,
+    "int": np.int32,
+    "int64": np.int64,
+    "int8": np.int8,
+    "uint8": np.uint8,
+}
 OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 REFERENCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 # Commands as broadcast to every rank: [command, count, iters, warmup, sample_warmup].
@@ -96,9 +105,13 @@ def next_command(comm, cmd) -> None:
     if comm.Get_rank() == 0:
         line = sys.stdin.readline()
         req = json.loads(line) if line.strip() else {"cmd": "quit"}
-        cmd[:] = [{"quit": QUIT, "sample": SAMPLE, "check": CHECK}[req["cmd"]],
-                  req.get("count", 0), req.get("iters", 0), req.get("warmup", 0),
-                  req.get("sample_warmup", 0)]
+        cmd[:] = [
+            {"quit": QUIT, "sample": SAMPLE, "check": CHECK}[req["cmd"]],
+            req.get("count", 0),
+            req.get("iters", 0),
+            req.get("warmup", 0),
+            req.get("sample_warmup", 0),
+        ]
     request = comm.Ibcast(cmd, root=0)
     delay = 50e-6
     while not request.Test():  # a blocking MPI call would busy-poll for as long as it waits
@@ -110,8 +123,13 @@ def serve(comm, dtype, op: str) -> None:
     cmd = np.zeros(5, dtype=np.int64)
     case = None
     if comm.Get_rank() == 0:
-        send({"ready": True, "ranks": comm.Get_size(),
-              "library": MPI.Get_library_version().splitlines()[0].strip()})
+        send(
+            {
+                "ready": True,
+                "ranks": comm.Get_size(),
+                "library": MPI.Get_library_version().splitlines()[0].strip(),
+            }
+        )
     while True:
         next_command(comm, cmd)
         what, count, iters, warmup, sample_warmup = (int(x) for x in cmd)
@@ -143,9 +161,18 @@ def standalone(comm, dtype, op: str, args) -> None:
         t = statistics.median(samples)
         algbw = case.count * elem / t / 1e9
         if rank == 0:
-            send({"size": case.count * elem, "count": case.count, "ranks": world,
-                  "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * 2 * (world - 1) / world,
-                  "wrong": wrong, "samples_us": [s * 1e6 for s in samples]})
+            send(
+                {
+                    "size": case.count * elem,
+                    "count": case.count,
+                    "ranks": world,
+                    "time_us": t * 1e6,
+                    "algbw": algbw,
+                    "busbw": algbw * 2 * (world - 1) / world,
+                    "wrong": wrong,
+                    "samples_us": [s * 1e6 for s in samples],
+                }
+            )
 
 
 def main(argv=None) -> int:

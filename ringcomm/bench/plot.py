@@ -7,6 +7,7 @@ matplotlib is optional (pip install 'ringcomm[plot]'): it is imported when a fig
 `check_matplotlib()` says what to install. The figures go through a Figure of their own on an Agg
 canvas, not pyplot, so that drawing one changes no backend or global state of the caller's pyplot.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,13 +20,26 @@ PLOT_INSTALL = "pip install 'ringcomm[plot]'"
 LIMITS = ("floor", "wire")
 # The series of ringcomm's all_reduce forced to one algorithm (bench --compare ring,...), beside
 # its --algo (default auto) column; one_shot is the device path's alone (bench --device cuda).
-ALGORITHMS = ("ring", "tree", "recursive_doubling", "halving_doubling", "shared_buffer",
-              "hierarchical", "one_shot")
+ALGORITHMS = (
+    "ring",
+    "tree",
+    "recursive_doubling",
+    "halving_doubling",
+    "shared_buffer",
+    "hierarchical",
+    "one_shot",
+)
 # Bench series: (name in table heads and legends, short name in "vs ..." ratio heads)
-NAMES = {"ringcomm": ("ringcomm", "ringcomm"), "backend": ("ringcomm backend", "backend"),
-         "gloo": ("gloo", "gloo"), "mpi": ("Open MPI", "Open MPI"), "nccl": ("NCCL", "NCCL"),
-         "floor": ("memory floor", "floor"), "wire": ("wire", "wire"),
-         **{algo: ("ringcomm", algo.replace("_", " ")) for algo in ALGORITHMS}}
+NAMES = {
+    "ringcomm": ("ringcomm", "ringcomm"),
+    "backend": ("ringcomm backend", "backend"),
+    "gloo": ("gloo", "gloo"),
+    "mpi": ("Open MPI", "Open MPI"),
+    "nccl": ("NCCL", "NCCL"),
+    "floor": ("memory floor", "floor"),
+    "wire": ("wire", "wire"),
+    **{algo: ("ringcomm", algo.replace("_", " ")) for algo in ALGORITHMS},
+}
 
 
 def check_matplotlib():
@@ -40,7 +54,7 @@ def series(row: dict) -> list[str]:
 
 
 def run_title(row: dict) -> str:
-    """"all_reduce, 2 ranks, float sum, shm": what a bench row says of its run."""
+    """ "all_reduce, 2 ranks, float sum, shm": what a bench row says of its run."""
     title = f"{row['coll']}, {row['ranks']} ranks, {row['type']} {row['redop']}"
     return title + (f", {row['transport']}" if row.get("transport") else "")
 
@@ -56,8 +70,12 @@ def series_label(lib: str, row: dict) -> str:
     elif lib == "wire":
         details = ["plain TCP", f"{row['wire']['busbw']:.3g} GB/s per link"]
     else:  # the bench runs gloo over TCP, Open MPI over its shared-memory BTL only
-        details = {"gloo": ["tcp"], "mpi": ["MPI_Allreduce", "shm"], "nccl": ["ncclAllReduce"],
-                   "floor": ["torch.add"]}[lib]
+        details = {
+            "gloo": ["tcp"],
+            "mpi": ["MPI_Allreduce", "shm"],
+            "nccl": ["ncclAllReduce"],
+            "floor": ["torch.add"],
+        }[lib]
     named = ", ".join(d for d in details if d)  # files from before the bench recorded transports
     return f"{NAMES[lib][0]} ({named})" if named else NAMES[lib][0]
 
@@ -85,7 +103,7 @@ def bench_plot(rows: list[dict], path: str, title: str):
         bw_ax.plot(sizes, [r[lib]["busbw"] for r in rows], label=label, **style)
         time_ax.plot(sizes, [r[lib]["time_us"] for r in rows], label=label, **style)
     # at most about 10 labelled sizes, so that the labels of long sweeps do not overlap
-    ticks = sizes[::math.ceil(len(sizes) / 10)]
+    ticks = sizes[:: math.ceil(len(sizes) / 10)]
     for ax, quantity in ((bw_ax, "busbw (GB/s)"), (time_ax, "time (us)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -115,13 +133,20 @@ def timeline_plot(trace: dict, path: str):
     events = trace["traceEvents"]
     complete = [e for e in events if e.get("ph") == "X"]
     if not complete:
-        raise ValueError("timeline_plot: the trace has no complete (\"X\") events to draw")
-    process_names = {e["pid"]: e["args"]["name"] for e in events
-                     if e.get("ph") == "M" and e.get("name") == "process_name"}
-    thread_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-                    if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    tracks = sorted({(e["pid"], e["tid"]) for e in complete},
-                    key=lambda t: (_track_key(t[0]), _track_key(t[1])))
+        raise ValueError('timeline_plot: the trace has no complete ("X") events to draw')
+    process_names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    thread_names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    tracks = sorted(
+        {(e["pid"], e["tid"]) for e in complete}, key=lambda t: (_track_key(t[0]), _track_key(t[1]))
+    )
     names = list(dict.fromkeys(e["name"] for e in complete))  # legend in order of appearance
     start_us = min(e["ts"] for e in complete)
 
@@ -129,8 +154,10 @@ def timeline_plot(trace: dict, path: str):
     bars = {}  # (name, depth) -> ([track index], [start ms], [duration ms]): one barh call each
     for index, track in enumerate(tracks):
         enclosing = []  # the events containing the current one, outermost first
-        on_track = sorted((e for e in complete if (e["pid"], e["tid"]) == track),
-                          key=lambda e: (e["ts"], -e["dur"]))
+        on_track = sorted(
+            (e for e in complete if (e["pid"], e["tid"]) == track),
+            key=lambda e: (e["ts"], -e["dur"]),
+        )
         for e in on_track:
             end = e["ts"] + e["dur"]
             while enclosing and enclosing[-1]["ts"] + enclosing[-1]["dur"] < end:
@@ -145,8 +172,16 @@ def timeline_plot(trace: dict, path: str):
     fig = _figure(12, 1.2 + 0.5 * len(tracks))
     ax = fig.subplots()
     for (name, depth), (ys, lefts, widths) in bars.items():
-        ax.barh(ys, widths, left=lefts, height=0.8 * 0.6 ** depth, color=colour_of[name],
-                edgecolor="black", linewidth=0.3, zorder=2 + depth)  # children above parents
+        ax.barh(
+            ys,
+            widths,
+            left=lefts,
+            height=0.8 * 0.6**depth,
+            color=colour_of[name],
+            edgecolor="black",
+            linewidth=0.3,
+            zorder=2 + depth,
+        )  # children above parents
     labels = []
     for pid, tid in tracks:
         process = process_names.get(pid, f"pid {pid}")
@@ -155,8 +190,13 @@ def timeline_plot(trace: dict, path: str):
     ax.set_ylim(len(tracks) - 0.5, -0.5)  # first track on top
     ax.set_xlabel("time (ms) from the first event")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(handles=[Patch(color=colour_of[n], label=n) for n in names], fontsize="small",
-              loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    ax.legend(
+        handles=[Patch(color=colour_of[n], label=n) for n in names],
+        fontsize="small",
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        borderaxespad=0,
+    )
     fig.savefig(path, dpi=120)
 
 

@@ -15,15 +15,35 @@ into the hook only to give up frame after frame (6 steps of a 2-rank powersgd DD
 with the hook disabled; tests/test_powersgd.py). The hooks are not disabled here: that imports
 dynamo with ringcomm, 1.8 s more at every process's start.
 """
+
 from .compressor import compressor_hook
-from .default import (allreduce_hook, bf16_compress_hook, bf16_compress_wrapper, fp16_compress_hook,
-                      fp16_compress_wrapper)
+from .default import (
+    allreduce_hook,
+    bf16_compress_hook,
+    bf16_compress_wrapper,
+    fp16_compress_hook,
+    fp16_compress_wrapper,
+)
 from .powersgd import PowerSGDState, PowerSGDStats, powersgd_hook
 from .quantize import QuantizeState, quantize_hook
 from .state import communicator_for, default_communicator
 from .topk import TopKState, TopKStats, topk_hook
 
-__all__ = ["PowerSGDState", "PowerSGDStats", "powersgd_hook", "QuantizeState", "quantize_hook",
-           "TopKState", "TopKStats", "topk_hook", "allreduce_hook", "bf16_compress_hook",
-           "bf16_compress_wrapper", "communicator_for", "compressor_hook", "default_communicator",
-           "fp16_compress_hook", "fp16_compress_wrapper"]
+__all__ = [
+    "PowerSGDState",
+    "PowerSGDStats",
+    "powersgd_hook",
+    "QuantizeState",
+    "quantize_hook",
+    "TopKState",
+    "TopKStats",
+    "topk_hook",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "bf16_compress_wrapper",
+    "communicator_for",
+    "compressor_hook",
+    "default_communicator",
+    "fp16_compress_hook",
+    "fp16_compress_wrapper",
+]

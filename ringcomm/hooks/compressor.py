@@ -11,6 +11,7 @@ ends with DDP's last bucket.
 This module must not use `from __future__ import annotations` (see default.py: DDP compares the
 hook's annotations as objects).
 """
+
 import time
 
 import torch
@@ -36,17 +37,27 @@ def run_compressor(state: Compressor, bucket) -> torch.futures.Future:
     buffer = bucket.buffer()
     state.check_device(buffer.device)
     layout = tuple((id(p), p.numel()) for p in bucket.parameters())
-    average = state.average(comm, Bucket(bucket.gradients(), bucket.index(), flat=buffer,
-                                         layout=layout, index=bucket.index(),
-                                         is_last=bucket.is_last()))
+    average = state.average(
+        comm,
+        Bucket(
+            bucket.gradients(),
+            bucket.index(),
+            flat=buffer,
+            layout=layout,
+            index=bucket.index(),
+            is_last=bucket.is_last(),
+        ),
+    )
     return comm.bucket_stats.watch(bucket.index(), called, average)
 
 
 @ringcomm_named
-def compressor_hook(state: Compressor,
-                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def compressor_hook(
+    state: Compressor, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: averages the bucket with `state`, a ringcomm.compress.Compressor."""
     if not isinstance(state, Compressor):
-        raise TypeError(f"compressor_hook needs a ringcomm.compress.Compressor, got "
-                        f"{type(state).__name__}")
+        raise TypeError(
+            f"compressor_hook needs a ringcomm.compress.Compressor, got {type(state).__name__}"
+        )
     return run_compressor(state, bucket)

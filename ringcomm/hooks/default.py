@@ -12,6 +12,7 @@ start (compress.all_reduce_algorithm): the same bits on every run.
 This module must not use `from __future__ import annotations`: DDP compares the `bucket` and
 return annotations with dist.GradBucket and Future[Tensor] as objects, and refuses strings.
 """
+
 import time
 
 import torch
@@ -62,15 +63,21 @@ def bf16_compress_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[t
 
 def fp16_compress_wrapper(hook):
     """A hook that runs `hook` on float16 gradients and casts its result back."""
-    def fp16_compress_wrapper_hook(state,
-                                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+
+    def fp16_compress_wrapper_hook(
+        state, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         return _compressed(torch.float16, hook, state, bucket)
+
     return ringcomm_named(fp16_compress_wrapper_hook)
 
 
 def bf16_compress_wrapper(hook):
     """A hook that runs `hook` on bfloat16 gradients and casts its result back."""
-    def bf16_compress_wrapper_hook(state,
-                                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+
+    def bf16_compress_wrapper_hook(
+        state, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         return _compressed(torch.bfloat16, hook, state, bucket)
+
     return ringcomm_named(bf16_compress_wrapper_hook)

@@ -33,6 +33,7 @@ not depend on the load at start either.
 This module must not use `from __future__ import annotations` (see default.py: DDP compares the
 hook's annotations as objects).
 """
+
 import functools
 import threading
 import time
@@ -50,8 +51,10 @@ from .state import ReportsBuckets, ringcomm_named
 
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # float16 / bfloat16 gradients: math in float32
 # Its factors and error memory live in host memory, and its futures are not CUDA-aware.
-CUDA_REFUSED = ("ringcomm's PowerSGD runs on CPU gradients only; for CUDA gradients use "
-                "allreduce_hook, bf16_compress_hook or topk_hook")
+CUDA_REFUSED = (
+    "ringcomm's PowerSGD runs on CPU gradients only; for CUDA gradients use "
+    "allreduce_hook, bf16_compress_hook or topk_hook"
+)
 
 
 @dataclass
@@ -59,9 +62,9 @@ class PowerSGDStats(CompressionStats):
     """Running totals since the state was created (load_state_dict leaves them as they are); a
     bucket counts as compressed where any of its matrices travels as factors."""
 
-    compressed_tensors: int = 0     # gradients sent as P and Q factors (counted every step)
-    dense_tensors: int = 0          # gradients sent whole (warm-up steps included)
-    compute_seconds: float = 0.0    # error feedback, P, Q, orthonormalization, M' on this rank
+    compressed_tensors: int = 0  # gradients sent as P and Q factors (counted every step)
+    dense_tensors: int = 0  # gradients sent whole (warm-up steps included)
+    compute_seconds: float = 0.0  # error feedback, P, Q, orthonormalization, M' on this rank
 
 
 @dataclass(frozen=True)
@@ -91,18 +94,23 @@ def _plan(shapes: tuple, rank: int, min_compression_rate: float, compressing: bo
                 continue
         dense.append(i)
         dense_numel += numel
-    return _Plan(tuple(dense), tuple(matrices), dense_numel,
-                 sum(n * r for _, n, _, r in matrices), sum(m * r for _, _, m, r in matrices),
-                 sum(n * m for _, n, m, _ in matrices))
+    return _Plan(
+        tuple(dense),
+        tuple(matrices),
+        dense_numel,
+        sum(n * r for _, n, _, r in matrices),
+        sum(m * r for _, _, m, r in matrices),
+        sum(n * m for _, n, m, _ in matrices),
+    )
 
 
 @dataclass
 class _Memory:
     """What one bucket (or, under compiled DDP, one parameter) keeps between steps."""
 
-    signature: tuple                   # (dtype, shapes, rank, min_compression_rate)
-    error: Optional[torch.Tensor]      # the compressed matrices' errors, flat, in compute dtype
-    q: Optional[torch.Tensor]          # the last averaged Q factors, flat (warm start)
+    signature: tuple  # (dtype, shapes, rank, min_compression_rate)
+    error: Optional[torch.Tensor]  # the compressed matrices' errors, flat, in compute dtype
+    q: Optional[torch.Tensor]  # the last averaged Q factors, flat (warm start)
 
 
 @dataclass(eq=False)
@@ -142,13 +150,20 @@ class PowerSGDState(ReportsBuckets, Compressor):
     _lane: Lane = field(default_factory=lambda: Lane("PowerSGD"), repr=False, kw_only=True)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, kw_only=True)
 
-    _CONFIG = ("matrix_approximation_rank", "start_iter", "min_compression_rate", "error_feedback",
-               "warm_start", "seed")
+    _CONFIG = (
+        "matrix_approximation_rank",
+        "start_iter",
+        "min_compression_rate",
+        "error_feedback",
+        "warm_start",
+        "seed",
+    )
 
     def __post_init__(self):
         if int(self.matrix_approximation_rank) < 1:
-            raise ValueError(f"matrix_approximation_rank must be >= 1, got "
-                             f"{self.matrix_approximation_rank}")
+            raise ValueError(
+                f"matrix_approximation_rank must be >= 1, got {self.matrix_approximation_rank}"
+            )
         if int(self.start_iter) < 0:
             raise ValueError(f"start_iter must be >= 0, got {self.start_iter}")
         if self.min_compression_rate < 0:
@@ -180,19 +195,27 @@ class PowerSGDState(ReportsBuckets, Compressor):
         memories (no communicator inside)."""
         out = {key: getattr(self, key) for key in self._CONFIG}
         out["step"] = self.step
-        out["memory"] = {slot: {"signature": mem.signature,
-                                "error": None if mem.error is None else mem.error.clone(),
-                                "q": None if mem.q is None else mem.q.clone()}
-                         for slot, mem in self.factors.items()}
+        out["memory"] = {
+            slot: {
+                "signature": mem.signature,
+                "error": None if mem.error is None else mem.error.clone(),
+                "q": None if mem.q is None else mem.q.clone(),
+            }
+            for slot, mem in self.factors.items()
+        }
         return out
 
     def load_state_dict(self, state: dict):
         for key in self._CONFIG + ("step",):
             setattr(self, key, state[key])
-        self.factors = {int(slot): _Memory(_as_tuple(mem["signature"]),
-                                           None if mem["error"] is None else mem["error"].clone(),
-                                           None if mem["q"] is None else mem["q"].clone())
-                        for slot, mem in state["memory"].items()}
+        self.factors = {
+            int(slot): _Memory(
+                _as_tuple(mem["signature"]),
+                None if mem["error"] is None else mem["error"].clone(),
+                None if mem["q"] is None else mem["q"].clone(),
+            )
+            for slot, mem in state["memory"].items()
+        }
         self._step_start_bytes = None
         self._param_slots = {}
         self._lane = Lane("PowerSGD")
@@ -219,8 +242,9 @@ class PowerSGDState(ReportsBuckets, Compressor):
         rounds = [compressed.send_p] + ([compressed.send_q] if compressed.plan.matrices else [])
         return compress.rounds(comm, self._lane, rounds)
 
-    def decompress(self, comm, bucket: Bucket, compressed: "_Exchange",
-                   exchanged) -> Optional[torch.Tensor]:
+    def decompress(
+        self, comm, bucket: Bucket, compressed: "_Exchange", exchanged
+    ) -> Optional[torch.Tensor]:
         """The average is in the gradients: bucket.flat (None without one) holds it."""
         try:
             compressed.finish()
@@ -287,13 +311,22 @@ class _Exchange:
         self.op = "sum" if dtype == torch.float16 else "avg"
         shapes = tuple(tuple(g.shape) for g in self.grads)
         compressing = state.step >= state.start_iter and dtype.is_floating_point
-        self.plan = _plan(shapes, int(state.matrix_approximation_rank),
-                          float(state.min_compression_rate), compressing)
+        self.plan = _plan(
+            shapes,
+            int(state.matrix_approximation_rank),
+            float(state.min_compression_rate),
+            compressing,
+        )
         numel = sum(g.numel() for g in self.grads)
-        state._add_stats(compressed_tensors=len(self.plan.matrices),
-                         dense_tensors=len(self.plan.dense))
-        if not self.plan.matrices and flat is not None and flat.is_contiguous() \
-                and flat.numel() == numel:
+        state._add_stats(
+            compressed_tensors=len(self.plan.matrices), dense_tensors=len(self.plan.dense)
+        )
+        if (
+            not self.plan.matrices
+            and flat is not None
+            and flat.is_contiguous()
+            and flat.numel() == numel
+        ):
             self.w1 = flat  # all whole, and the bucket is already one tensor: in place
             self.in_place = True
             if self.scale != 1.0:
@@ -310,14 +343,18 @@ class _Exchange:
         offset = 0
         for i in plan.dense:
             g = self.grads[i]
-            self.w1[offset:offset + g.numel()].view(g.shape).copy_(g)
+            self.w1[offset : offset + g.numel()].view(g.shape).copy_(g)
             offset += g.numel()
         if self.scale != 1.0:
             self.w1[:offset].mul_(self.scale)
         if not plan.matrices:
             return
-        signature = (str(dtype), shapes, int(state.matrix_approximation_rank),
-                     float(state.min_compression_rate))
+        signature = (
+            str(dtype),
+            shapes,
+            int(state.matrix_approximation_rank),
+            float(state.min_compression_rate),
+        )
         self.mem = state._memory_for(self.slot, signature, plan, self.compute)
         if state.warm_start and self.mem.q is not None:
             q_flat = self.mem.q
@@ -332,10 +369,10 @@ class _Exchange:
             else:
                 matrix = g.reshape(n, m).to(self.compute, copy=True)
             if self.mem.error is not None:
-                matrix.add_(self.mem.error[e_offset:e_offset + n * m].view(n, m))
-            q = q_flat[q_offset:q_offset + m * r].view(m, r)
+                matrix.add_(self.mem.error[e_offset : e_offset + n * m].view(n, m))
+            q = q_flat[q_offset : q_offset + m * r].view(m, r)
             _orthonormalize(q)
-            p = self.w1[p_offset:p_offset + n * r].view(n, r)
+            p = self.w1[p_offset : p_offset + n * r].view(n, r)
             if self.wire == self.compute:
                 torch.mm(matrix, q, out=p)
             else:
@@ -357,11 +394,11 @@ class _Exchange:
         self.w2 = torch.empty(plan.q_numel, dtype=self.wire)
         self.ps, p_offset, q_offset = [], plan.dense_numel, 0
         for (_, n, m, r), matrix in zip(plan.matrices, self.ms):
-            p = self.w1[p_offset:p_offset + n * r].view(n, r)
+            p = self.w1[p_offset : p_offset + n * r].view(n, r)
             if self.wire != self.compute:
                 p = p.to(self.compute)
             _orthonormalize(p)  # the same bits on every rank
-            q = self.w2[q_offset:q_offset + m * r].view(m, r)
+            q = self.w2[q_offset : q_offset + m * r].view(m, r)
             if self.wire == self.compute:
                 torch.mm(matrix.t(), p, out=q)
             else:
@@ -383,7 +420,7 @@ class _Exchange:
             offset = 0
             for i in self.plan.dense:
                 g = self.grads[i]
-                g.copy_(self.w1[offset:offset + g.numel()].view(g.shape))
+                g.copy_(self.w1[offset : offset + g.numel()].view(g.shape))
                 offset += g.numel()
 
     # -- decompress: on the progress thread, once the last all-reduce has completed ------------
@@ -400,9 +437,9 @@ class _Exchange:
         q_flat = self.w2 if self.wire == self.compute else self.w2.to(self.compute)
         q_offset, e_offset = 0, 0
         for (i, n, m, r), matrix, p in zip(plan.matrices, self.ms, self.ps):
-            approx = torch.mm(p, q_flat[q_offset:q_offset + m * r].view(m, r).t())
+            approx = torch.mm(p, q_flat[q_offset : q_offset + m * r].view(m, r).t())
             if mem.error is not None:
-                torch.sub(matrix, approx, out=mem.error[e_offset:e_offset + n * m].view(n, m))
+                torch.sub(matrix, approx, out=mem.error[e_offset : e_offset + n * m].view(n, m))
             g = self.grads[i]
             g.copy_(approx.view(g.shape))
             q_offset, e_offset = q_offset + m * r, e_offset + n * m
@@ -411,18 +448,25 @@ class _Exchange:
 
 
 @ringcomm_named
-def powersgd_hook(state: PowerSGDState,
-                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def powersgd_hook(
+    state: PowerSGDState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: PowerSGD low-rank compression with error feedback (dense during the first
     state.start_iter iterations). Under compiled DDP (a (grad, param) tuple per parameter) the
     average is written into grad before the hook returns."""
     if not isinstance(state, PowerSGDState):
-        raise TypeError(f"powersgd_hook needs a ringcomm.hooks.PowerSGDState, got "
-                        f"{type(state).__name__}")
-    if not isinstance(bucket, tuple) and state.start_iter < 2 and \
-            (state.error_feedback or state.warm_start):
-        raise ValueError(f"with DDP, PowerSGDState.start_iter must be >= 2 when error_feedback or "
-                         f"warm_start is on (got {state.start_iter}): DDP rebuilds its buckets "
-                         f"after its first iteration, and memory kept per bucket would then "
-                         f"belong to other parameters")
+        raise TypeError(
+            f"powersgd_hook needs a ringcomm.hooks.PowerSGDState, got {type(state).__name__}"
+        )
+    if (
+        not isinstance(bucket, tuple)
+        and state.start_iter < 2
+        and (state.error_feedback or state.warm_start)
+    ):
+        raise ValueError(
+            f"with DDP, PowerSGDState.start_iter must be >= 2 when error_feedback or "
+            f"warm_start is on (got {state.start_iter}): DDP rebuilds its buckets "
+            f"after its first iteration, and memory kept per bucket would then "
+            f"belong to other parameters"
+        )
     return run_compressor(state, bucket)

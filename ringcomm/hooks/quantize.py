@@ -23,6 +23,7 @@ has issued its second (compress.Lane), so every rank issues them in one order.
 This module must not use `from __future__ import annotations` (see default.py: DDP compares the
 hook's annotations as objects).
 """
+
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -77,8 +78,9 @@ class QuantizeState(ReportsBuckets, Compressor):
     rounding: str = "nearest"
     error_feedback: bool = True
     seed: int = 0
-    _lane: Lane = field(default_factory=lambda: Lane("8-bit quantization"), repr=False,
-                        kw_only=True)
+    _lane: Lane = field(
+        default_factory=lambda: Lane("8-bit quantization"), repr=False, kw_only=True
+    )
 
     SETTINGS = ("chunk", "rounding", "error_feedback", "seed")
 
@@ -114,8 +116,10 @@ class QuantizeState(ReportsBuckets, Compressor):
             return Dense(flat, f"{flat.dtype} is not quantized")
         levels = compress.CODE_SUM // comm.world_size
         if levels < 1:
-            raise ValueError(f"8-bit codes of {comm.world_size} ranks do not sum within a byte: "
-                             f"QuantizeState averages at most {compress.CODE_SUM} ranks")
+            raise ValueError(
+                f"8-bit codes of {comm.world_size} ranks do not sum within a byte: "
+                f"QuantizeState averages at most {compress.CODE_SUM} ranks"
+            )
         with trace.span("compress", numel=flat.numel()):
             residual = self.memory.get("residuals", bucket, flat) if self.error_feedback else None
             ranges = compress.quantize_ranges(flat, residual, self.chunk)
@@ -127,21 +131,24 @@ class QuantizeState(ReportsBuckets, Compressor):
 
     def exchange(self, comm, bucket: Bucket, q: _Quantized) -> torch.futures.Future:
         """The ranges all-reduced with max, then the codes with sum, in the lane's order."""
+
         def agree(_):
             return self._count(comm, bucket, comm.all_reduce(q.ranges, op="max", async_op=True))
 
         def send(ranges):
             with trace.span("quantize", numel=q.source.numel()):
-                q.codes = compress.quantize(q.source, ranges, self.chunk, q.levels, error=q.error,
-                                            key=q.key)
+                q.codes = compress.quantize(
+                    q.source, ranges, self.chunk, q.levels, error=q.error, key=q.key
+                )
             return self._count(comm, bucket, comm.all_reduce(q.codes, op="sum", async_op=True))
 
         return compress.rounds(comm, self._lane, [agree, send])
 
     def decompress(self, comm, bucket: Bucket, q: _Quantized, sums: torch.Tensor) -> torch.Tensor:
         """The mean, into the bucket's gradient: shaped like bucket.flat, where given."""
-        average = compress.dequantize_mean(sums, q.ranges, self.chunk, q.levels, comm.world_size,
-                                           out=q.flat)
+        average = compress.dequantize_mean(
+            sums, q.ranges, self.chunk, q.levels, comm.world_size, out=q.flat
+        )
         return average if bucket.flat is None else average.view_as(bucket.flat)
 
     @staticmethod
@@ -152,11 +159,13 @@ class QuantizeState(ReportsBuckets, Compressor):
 
 
 @ringcomm_named
-def quantize_hook(state: QuantizeState,
-                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def quantize_hook(
+    state: QuantizeState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: 8-bit quantization with error feedback over two all-reduces (see
     QuantizeState)."""
     if not isinstance(state, QuantizeState):
-        raise TypeError(f"quantize_hook needs a ringcomm.hooks.QuantizeState, got "
-                        f"{type(state).__name__}")
+        raise TypeError(
+            f"quantize_hook needs a ringcomm.hooks.QuantizeState, got {type(state).__name__}"
+        )
     return run_compressor(state, bucket)

@@ -1,5 +1,6 @@
 """What the hooks share: which Communicator a hook's `state` stands for, the hooks' names, and
 the Future a hook returns when it has finished already."""
+
 import threading
 
 import torch
@@ -41,8 +42,10 @@ def communicator_for(state) -> Communicator:
             return communicator_of(state)
         except ValueError:
             pass
-    raise TypeError(f"ringcomm hook state must be None, a ringcomm.Communicator or a process group "
-                    f"with the ringcomm backend, got {state!r}")
+    raise TypeError(
+        f"ringcomm hook state must be None, a ringcomm.Communicator or a process group "
+        f"with the ringcomm backend, got {state!r}"
+    )
 
 
 class ReportsBuckets:

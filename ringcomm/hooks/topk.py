@@ -20,6 +20,7 @@ run agrees on, never the load at start (compress.sparse_choice).
 This module must not use `from __future__ import annotations` (see default.py: DDP compares the
 hook's annotations as objects).
 """
+
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -155,9 +156,21 @@ class TopKState(ReportsBuckets, Compressor):
     stats: TopKStats = field(default_factory=TopKStats, kw_only=True)
     levels: dict = field(default_factory=dict, repr=False, kw_only=True)  # slot -> Level
 
-    SETTINGS = ("ratio", "dense_steps", "warmup_steps", "warmup_density", "error_feedback",
-                "adaptive", "value_dtype", "momentum_correction", "momentum", "clip_norm",
-                "schedule", "critical_change", "residual_limit")
+    SETTINGS = (
+        "ratio",
+        "dense_steps",
+        "warmup_steps",
+        "warmup_density",
+        "error_feedback",
+        "adaptive",
+        "value_dtype",
+        "momentum_correction",
+        "momentum",
+        "clip_norm",
+        "schedule",
+        "critical_change",
+        "residual_limit",
+    )
 
     def __post_init__(self):
         if not 0 < self.ratio <= 1:
@@ -165,8 +178,9 @@ class TopKState(ReportsBuckets, Compressor):
         if not 0 < self.warmup_density <= 1:
             raise ValueError(f"warmup_density must be in (0, 1], got {self.warmup_density}")
         if self.value_dtype not in compress.TOPK_DTYPES:
-            raise TypeError(f"value_dtype must be one of {compress.TOPK_DTYPES}, got "
-                            f"{self.value_dtype}")
+            raise TypeError(
+                f"value_dtype must be one of {compress.TOPK_DTYPES}, got {self.value_dtype}"
+            )
         if self.dense_steps < 0 or self.warmup_steps < 0:
             raise ValueError("dense_steps and warmup_steps must be >= 0")
         if not 0 <= self.momentum < 1:
@@ -176,8 +190,10 @@ class TopKState(ReportsBuckets, Compressor):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if not self.residual_limit > 0 or not self.critical_change > 0:
-            raise ValueError(f"residual_limit and critical_change must be positive, got "
-                             f"{self.residual_limit} and {self.critical_change}")
+            raise ValueError(
+                f"residual_limit and critical_change must be positive, got "
+                f"{self.residual_limit} and {self.critical_change}"
+            )
 
     @property
     def residuals(self) -> dict:
@@ -206,7 +222,7 @@ class TopKState(ReportsBuckets, Compressor):
         if step < self.dense_steps:
             return 1.0
         stages = 0  # densities warmup_density / 4**i above ratio
-        while self.warmup_density / 4 ** stages > self.ratio:
+        while self.warmup_density / 4**stages > self.ratio:
             stages += 1
         ramp_step = step - self.dense_steps
         if stages == 0 or ramp_step >= self.warmup_steps:
@@ -222,12 +238,16 @@ class TopKState(ReportsBuckets, Compressor):
         groups = optimizer.param_groups
         momenta = {g.get("momentum", 0) for g in groups}
         if len(momenta) != 1 or not 0 < next(iter(momenta)) < 1:
-            raise ValueError(f"take_momentum needs one momentum in (0, 1) shared by every "
-                             f"parameter group, got {sorted(momenta)}")
+            raise ValueError(
+                f"take_momentum needs one momentum in (0, 1) shared by every "
+                f"parameter group, got {sorted(momenta)}"
+            )
         for g in groups:
             if g.get("dampening", 0) or g.get("nesterov", False) or g.get("weight_decay", 0):
-                raise ValueError("take_momentum supports SGD momentum without dampening, Nesterov "
-                                 "or weight decay")
+                raise ValueError(
+                    "take_momentum supports SGD momentum without dampening, Nesterov "
+                    "or weight decay"
+                )
         self.momentum = next(iter(momenta))
         self.momentum_correction = True
         for g in groups:
@@ -236,18 +256,21 @@ class TopKState(ReportsBuckets, Compressor):
     def state_dict(self) -> dict:
         """Everything needed to resume (no communicator inside)."""
         state = {key: getattr(self, key) for key in self.SETTINGS}
-        state.update(step=self.step,
-                     residuals={i: t.clone() for i, t in self.residuals.items()},
-                     velocities={i: t.clone() for i, t in self.velocities.items()},
-                     levels={i: lv.saved() for i, lv in self.levels.items()})
+        state.update(
+            step=self.step,
+            residuals={i: t.clone() for i, t in self.residuals.items()},
+            velocities={i: t.clone() for i, t in self.velocities.items()},
+            levels={i: lv.saved() for i, lv in self.levels.items()},
+        )
         return state
 
     def load_state_dict(self, state: dict):
         for key in self.SETTINGS + ("step",):
             if key in state:
                 setattr(self, key, state[key])
-        self.memory.load_state_dict({"residuals": state["residuals"],
-                                     "velocities": state["velocities"]})
+        self.memory.load_state_dict(
+            {"residuals": state["residuals"], "velocities": state["velocities"]}
+        )
         self.levels = {int(i): Level(*lv) for i, lv in state.get("levels", {}).items()}
         self.__post_init__()
 
@@ -268,9 +291,12 @@ class TopKState(ReportsBuckets, Compressor):
             work.wait()  # long done: all-reduced right after the bucket's exchange
             residual, gradient = energies.tolist()
             if gradient > 0:
-                lv.energy = gradient if lv.energy is None else \
-                    lv.energy + ENERGY_SMOOTHING * (gradient - lv.energy)
-                lv.history = (lv.history + [lv.energy])[-(WINDOW + 1):]
+                lv.energy = (
+                    gradient
+                    if lv.energy is None
+                    else lv.energy + ENERGY_SMOOTHING * (gradient - lv.energy)
+                )
+                lv.history = (lv.history + [lv.energy])[-(WINDOW + 1) :]
                 critical = abs(lv.energy / lv.history[0] - 1) > self.critical_change
                 lv.calm = 0 if critical else lv.calm + 1
                 q = density * residual / gradient
@@ -278,8 +304,12 @@ class TopKState(ReportsBuckets, Compressor):
         if lv.signal is not None and lv.steps >= MIN_STEPS:
             if (lv.calm == 0 or lv.signal > self.residual_limit) and lv.level > 0:
                 lv.level, lv.steps, lv.signal = lv.level - 1, 0, None
-            elif lv.calm >= WINDOW and lv.signal <= self.residual_limit and \
-                    lv.level + 1 < len(ladder) and lv.steps >= math.ceil(1 / ladder[lv.level]):
+            elif (
+                lv.calm >= WINDOW
+                and lv.signal <= self.residual_limit
+                and lv.level + 1 < len(ladder)
+                and lv.steps >= math.ceil(1 / ladder[lv.level])
+            ):
                 lv.level, lv.steps, lv.signal = lv.level + 1, 0, None
         return ladder[lv.level]
 
@@ -313,7 +343,7 @@ class TopKState(ReportsBuckets, Compressor):
                 reason = "its dense all-reduce costs no more"
         self.stats.densities[slot] = 1.0 if reason else density
         if self.clip_norm is not None:
-            limit = self.clip_norm / comm.world_size ** 0.5
+            limit = self.clip_norm / comm.world_size**0.5
             norm = float(torch.linalg.vector_norm(source))
             if norm > limit:
                 source = source * (limit / norm)
@@ -340,8 +370,9 @@ class TopKState(ReportsBuckets, Compressor):
         with trace.span("compress", numel=numel, k=k):
             if residual is not None:
                 # what rounding to the wire type loses is owed too: the kernel keeps it
-                wire_values, indices = compress.topk_with_residual(source, residual, k,
-                                                                   self.value_dtype)
+                wire_values, indices = compress.topk_with_residual(
+                    source, residual, k, self.value_dtype
+                )
             else:
                 values, indices = compress.topk(source, k)
                 wire_values = values.to(self.value_dtype)
@@ -371,19 +402,25 @@ class TopKState(ReportsBuckets, Compressor):
         else:
             # The gradient is consumed: the average can take its place (no 4-bytes-per-element
             # allocation, and its page faults, per step).
-            work = comm.sparse_all_reduce(compressed.indices, compressed.values, flat.numel(),
-                                          out=flat, op="avg", algorithm=compressed.algorithm,
-                                          async_op=True)
+            work = comm.sparse_all_reduce(
+                compressed.indices,
+                compressed.values,
+                flat.numel(),
+                out=flat,
+                op="avg",
+                algorithm=compressed.algorithm,
+                async_op=True,
+            )
         if bucket.index is not None:
             comm.bucket_stats.add_work(bucket.index, work)
         if compressed.energies is not None:
-            summed = comm.all_reduce(compressed.energies, op="sum",
-                                     algorithm="recursive_doubling", async_op=True)
+            summed = comm.all_reduce(
+                compressed.energies, op="sum", algorithm="recursive_doubling", async_op=True
+            )
             self.levels[bucket.slot].measured = (summed, compressed.energies, compressed.density)
         return work.get_future()
 
-    def decompress(self, comm, bucket: Bucket, compressed,
-                   exchanged: torch.Tensor) -> torch.Tensor:
+    def decompress(self, comm, bucket: Bucket, compressed, exchanged: torch.Tensor) -> torch.Tensor:
         """The average comes back whole and flat, into the gradient: shaped like bucket.flat,
         where given."""
         if isinstance(compressed, _Whole):
@@ -392,8 +429,11 @@ class TopKState(ReportsBuckets, Compressor):
 
     def started(self, comm, bucket: Bucket, compressed) -> None:
         """On the last dense step, zeroed memory for the first compressed step's residuals."""
-        if self.error_feedback and self.step + 1 == self.dense_steps and \
-                bucket.dtype in compress.TOPK_DTYPES:
+        if (
+            self.error_feedback
+            and self.step + 1 == self.dense_steps
+            and bucket.dtype in compress.TOPK_DTYPES
+        ):
             self.memory.prepare(compressed.tensor)
 
 

@@ -7,6 +7,7 @@ The engine runs as its own process: its ranks fork from a fork server that impor
 script as __main__, which is cleanest outside pytest's process. Bounds here are generous (3 s on
 a loaded 2-core machine); the bench reports the real figures.
 """
+
 import json
 import os
 import signal
@@ -18,8 +19,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "reliability" / "faults.py"
-CASES = [f"{kind}-{transport}" for kind in ("kill", "close_all", "close_one", "stall")
-         for transport in ("shm", "tcp", "mixed")]
+CASES = [
+    f"{kind}-{transport}"
+    for kind in ("kill", "close_all", "close_one", "stall")
+    for transport in ("shm", "tcp", "mixed")
+]
 BOUND_S = 3.0  # detection, or for a stall time past the communicator timeout
 
 
@@ -33,9 +37,14 @@ def ci_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults") / "faults.json"
     # Its own process group: if it overruns, its fork server and ranks (a stopped one included)
     # go with it.
-    proc = subprocess.Popen([sys.executable, str(BENCH), "--ci", "--seed", "0", "--json", str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH), "--ci", "--seed", "0", "--json", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -53,8 +62,10 @@ def test_every_survivor_raises_naming_the_victim_in_time_and_nothing_is_left(ci_
     trials = [t for t in report["trials"] if t["kind"] == kind and t["transport"] == transport]
     assert trials, f"the --ci plan has no {case} trial"
     for t in trials:
-        where = (f"{kind} on {transport}, {t['world']} ranks, victim rank {t['victim']}, "
-                 f"fault during {t.get('op_at_fault')}:\n{json.dumps(t, indent=1)[:6000]}")
+        where = (
+            f"{kind} on {transport}, {t['world']} ranks, victim rank {t['victim']}, "
+            f"fault during {t.get('op_at_fault')}:\n{json.dumps(t, indent=1)[:6000]}"
+        )
         assert "setup_failed" not in t, where
         assert not t["hangs"], f"hang: {where}"
         assert not t["leftovers"], f"leftovers: {where}"

@@ -1,6 +1,7 @@
 """GPU tests: every test here needs ringcomm's CUDA kernels and a CUDA device, and is skipped,
 with the reason, where there is none (never failed for its absence). bench/gpu_check.sh runs
 them on a GPU machine."""
+
 import pytest
 
 import ringcomm.cuda

@@ -6,6 +6,7 @@ block in its own); then a rank killed while the others run collectives, who must
 the timeout, never hang. Each runs without MPS and, where nvidia-cuda-mps-control exists, under
 an MPS daemon of its own (pipe and log directories in a temporary directory, stopped after; the
 GPU's compute mode is left alone)."""
+
 import os
 import shutil
 import signal
@@ -52,8 +53,13 @@ def reference(case, world, n, dtype, op, whole):
     acc = contribution(case, 0, n, dtype, whole)
     for r in range(1, world):
         x = contribution(case, r, n, dtype, whole)
-        acc = torch.minimum(acc, x) if op == "min" else torch.maximum(acc, x) if op == "max" \
+        acc = (
+            torch.minimum(acc, x)
+            if op == "min"
+            else torch.maximum(acc, x)
+            if op == "max"
             else acc + x
+        )
     return acc / torch.full_like(acc, world) if op == "avg" else acc
 
 
@@ -72,8 +78,9 @@ def communicator(store_path, rank, world, timeout_s):
 
     torch.cuda.set_device(0)
     store = torch.distributed.FileStore(store_path, world)
-    comm = DeviceCommunicator(store, rank, world, timeout=timedelta(seconds=timeout_s),
-                              transports=("cuda_ipc",))
+    comm = DeviceCommunicator(
+        store, rank, world, timeout=timedelta(seconds=timeout_s), transports=("cuda_ipc",)
+    )
     assert comm.transport == "cuda_ipc", comm.refused
     return comm
 
@@ -93,8 +100,11 @@ def grid_rank(rank, world, store_path, results):
                     if not torch.equal(t, reference(case, world, n, dtype, op, False)):
                         raise AssertionError(f"auto {dtype} {op} {size}: not the rank-order fold")
         for algorithm in ALGORITHMS:
-            for dtype, op in ((torch.float32, "sum"), (torch.bfloat16, "avg"),
-                              (torch.float16, "max")):
+            for dtype, op in (
+                (torch.float32, "sum"),
+                (torch.bfloat16, "avg"),
+                (torch.float16, "max"),
+            ):
                 for size in (1, 999, ("unaligned", 4097), (1 << 20) + 3):
                     case += 1
                     n = elements(size, dtype)
@@ -181,19 +191,32 @@ def gpu_sharing(mps):
     if MPS_CONTROL is None:
         pytest.skip("no nvidia-cuda-mps-control on this machine")
     with tempfile.TemporaryDirectory(prefix="ringcomm-mps-") as tmp:
-        env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(tmp, "pipe"),
-               "CUDA_MPS_LOG_DIRECTORY": os.path.join(tmp, "log")}
+        env = {
+            "CUDA_MPS_PIPE_DIRECTORY": os.path.join(tmp, "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": os.path.join(tmp, "log"),
+        }
         for d in env.values():
             os.makedirs(d)
-        started = subprocess.run([MPS_CONTROL, "-d"], env=dict(os.environ, **env),
-                                 capture_output=True, text=True, timeout=30)
+        started = subprocess.run(
+            [MPS_CONTROL, "-d"],
+            env=dict(os.environ, **env),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if started.returncode != 0:
             pytest.skip(f"the MPS daemon did not start: {started.stderr or started.stdout}")
         try:
             yield env
         finally:
-            subprocess.run([MPS_CONTROL], input="quit\n", env=dict(os.environ, **env),
-                           capture_output=True, text=True, timeout=30)
+            subprocess.run(
+                [MPS_CONTROL],
+                input="quit\n",
+                env=dict(os.environ, **env),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
 
 
 @pytest.mark.parametrize("mps", [False, True], ids=["time-sliced", "mps"])
@@ -211,8 +234,9 @@ def test_all_reduce_grid_on_one_gpu(world, mps, tmp_path):
 def test_a_killed_rank_makes_the_others_raise_within_the_timeout(mps, tmp_path):
     world, victim = 4, 2
     with gpu_sharing(mps) as env:
-        procs, results = spawn(kill_rank, world,
-                               lambda q: (str(tmp_path / "store"), q, victim), env)
+        procs, results = spawn(
+            kill_rank, world, lambda q: (str(tmp_path / "store"), q, victim), env
+        )
         ready = collect(procs, results, world, timeout=120)
         assert len(ready) == world, ready
         time.sleep(1.0)  # every rank is in its loop of collectives
@@ -227,6 +251,8 @@ def test_a_killed_rank_makes_the_others_raise_within_the_timeout(mps, tmp_path):
         outcome, raised_at, drained = got[r][-1]
         # The communicator's timeout is 20 s; the watchdog sees the process gone much sooner.
         assert raised_at - killed_at < 25, (r, outcome, raised_at - killed_at)
-        assert f"rank {victim}" in outcome and ("exited" in outcome or "gave up" in outcome), \
-            (r, outcome)
+        assert f"rank {victim}" in outcome and ("exited" in outcome or "gave up" in outcome), (
+            r,
+            outcome,
+        )
         assert drained == "drained", (r, drained)

@@ -1,5 +1,6 @@
 """ringcomm's CUDA kernels on a GPU, against torch on the same GPU and against ringcomm's CPU
 kernels (which share their arithmetic): bit-exact where the CPU kernels are bit-exact."""
+
 import pytest
 import torch
 
@@ -18,8 +19,9 @@ TOPK_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def cpu_reduce(dtype, op, a, b):
     """ringcomm's CPU kernel: the reference, since both sides run kernels/reduce_math.h."""
     out = torch.empty_like(a)
-    _C.reduce_kernel(TORCH_DTYPES[dtype], OPS[op], out.data_ptr(), a.data_ptr(), b.data_ptr(),
-                     a.numel())
+    _C.reduce_kernel(
+        TORCH_DTYPES[dtype], OPS[op], out.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel()
+    )
     return out
 
 
@@ -36,10 +38,13 @@ def same_bits(x, y):
         differ &= ~(x.isnan() & y.isnan())
     if differ.any():
         where = differ.nonzero().flatten()[:5].tolist()
-        shown = [(i, x[i].item(), y[i].item(), hex(x.view(bits)[i].item()),
-                  hex(y.view(bits)[i].item())) for i in where]
-        raise AssertionError(f"{int(differ.sum())} of {x.numel()} elements differ (index, got, "
-                             f"want, bits): {shown}")
+        shown = [
+            (i, x[i].item(), y[i].item(), hex(x.view(bits)[i].item()), hex(y.view(bits)[i].item()))
+            for i in where
+        ]
+        raise AssertionError(
+            f"{int(differ.sum())} of {x.numel()} elements differ (index, got, want, bits): {shown}"
+        )
     return True
 
 
@@ -47,8 +52,9 @@ def same_bits(x, y):
 @pytest.mark.parametrize("op", list(OPS))
 # Aligned: one element (a tail only), one chunk with a tail for 1- and 2-byte dtypes, many chunks
 # without and with a tail; misaligned: the element-by-element path.
-@pytest.mark.parametrize("n,offset", [(1, 0), (1000, 0), (4099, 1), (1 << 20, 0), ((1 << 20) + 3, 0),
-                                      (1 << 20, 3)])
+@pytest.mark.parametrize(
+    "n,offset", [(1, 0), (1000, 0), (4099, 1), (1 << 20, 0), ((1 << 20) + 3, 0), (1 << 20, 3)]
+)
 def test_reduce_matches_the_cpu_kernel_bit_for_bit(dtype, op, n, offset):
     if op in ("band", "bor", "bxor") and dtype.is_floating_point:
         pytest.skip("bitwise ops are for integers and bool")
@@ -74,11 +80,14 @@ def test_reduce_matches_torch_on_the_gpu():
     assert torch.equal(rc_cuda.reduce_(torch.empty_like(a), a, b, "sum"), a + b)
     assert torch.equal(rc_cuda.reduce_(torch.empty_like(a), a, b, "max"), torch.maximum(a, b))
     h, g = a.half(), b.half()
-    assert torch.equal(rc_cuda.reduce_(torch.empty_like(h), h, g, "sum"), (h.float() + g.float()).half())
+    assert torch.equal(
+        rc_cuda.reduce_(torch.empty_like(h), h, g, "sum"), (h.float() + g.float()).half()
+    )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32,
-                                   torch.int64, torch.float64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64]
+)
 def test_divide_matches_the_cpu_kernel(dtype):
     x = sample(dtype, 10_001, torch.Generator().manual_seed(2))
     expect = x.clone()
@@ -165,8 +174,9 @@ def test_scatter_add_and_bad_indices():
     rc_cuda.scatter_add_(out, indices, torch.tensor([1.0, 1.0, 1.0], device=DEVICE))
     assert out[[3, 50, 99]].tolist() == [2.0, 3.0, 4.0] and out.sum().item() == 9.0
     with pytest.raises(ValueError, match="outside"):
-        rc_cuda.scatter_add_(out, torch.tensor([100], dtype=torch.int32, device=DEVICE),
-                             torch.ones(1, device=DEVICE))
+        rc_cuda.scatter_add_(
+            out, torch.tensor([100], dtype=torch.int32, device=DEVICE), torch.ones(1, device=DEVICE)
+        )
     assert out.sum().item() == 9.0
 
 
@@ -210,14 +220,18 @@ def test_pack_plain_copy_of_integers(list_reader):
 def test_pack_lists_read_alike_and_bad_items_named(list_reader):
     tensors = [torch.arange(n, dtype=torch.float32, device=DEVICE) for n in (3, 0, 700)]
     if list_reader is not None:
-        read = [memoryview(b).cast("Q").tolist()
-                for b in list_reader.tensor_lists(tensors, str(tensors[0].device))]
+        read = [
+            memoryview(b).cast("Q").tolist()
+            for b in list_reader.tensor_lists(tensors, str(tensors[0].device))
+        ]
         assert read == [[t.data_ptr() for t in tensors], [3, 0, 700], [0, 0, 0]]
         assert list_reader.tensor_lists(tensors, "cpu") is None
     assert torch.equal(rc_cuda.pack(tensors), torch.cat(tensors))
-    for bad, error, why in ((torch.ones(2, dtype=torch.float64, device=DEVICE), TypeError, "dtype"),
-                            (torch.ones(2), ValueError, "CUDA tensor"),
-                            (torch.ones(4, 4, device=DEVICE).t(), ValueError, "contiguous")):
+    for bad, error, why in (
+        (torch.ones(2, dtype=torch.float64, device=DEVICE), TypeError, "dtype"),
+        (torch.ones(2), ValueError, "CUDA tensor"),
+        (torch.ones(4, 4, device=DEVICE).t(), ValueError, "contiguous"),
+    ):
         with pytest.raises(error, match=rf"tensors\[1\] .*{why}"):
             rc_cuda.pack([tensors[0], bad, tensors[2]])
         with pytest.raises(error, match=rf"tensors\[1\] .*{why}"):

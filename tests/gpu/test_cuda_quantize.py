@@ -1,6 +1,7 @@
 """The CUDA 8-bit quantization kernels against the CPU ones (both run kernels/quantize_math.h):
 the same ranges, codes, errors and means, bit for bit; and QuantizeState averaging CUDA gradients
 to the bits it gives CPU ones."""
+
 import pytest
 import torch
 
@@ -26,8 +27,10 @@ def test_ranges_match_the_cpu_kernel(dtype, n, chunk):
     got_residual = residual.cuda()
     got = compress.quantize_ranges(grad.cuda(), got_residual, chunk)
     assert same_bits(got, want) and same_bits(got_residual, want_residual)
-    assert same_bits(compress.quantize_ranges(grad.cuda(), None, chunk),
-                     compress.quantize_ranges(grad, None, chunk))
+    assert same_bits(
+        compress.quantize_ranges(grad.cuda(), None, chunk),
+        compress.quantize_ranges(grad, None, chunk),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -40,15 +43,23 @@ def test_codes_errors_and_means_match_the_cpu_kernel(dtype, n, chunk, key):
     error = torch.empty_like(source)
     codes = compress.quantize(source, ranges, chunk, levels, error=error, key=key)
     gpu_error = torch.empty_like(source).cuda()
-    gpu_codes = compress.quantize(source.cuda(), ranges.cuda(), chunk, levels, error=gpu_error,
-                                  key=key)
+    gpu_codes = compress.quantize(
+        source.cuda(), ranges.cuda(), chunk, levels, error=gpu_error, key=key
+    )
     assert same_bits(gpu_codes, codes) and same_bits(gpu_error, error)
     sums = (codes.int() * 4).clamp(max=255).to(torch.uint8)  # any sums of four ranks' codes
     for out_dtype in DTYPES:
-        want = compress.dequantize_mean(sums, ranges, chunk, levels, world,
-                                        out=torch.empty(n, dtype=out_dtype))
-        got = compress.dequantize_mean(sums.cuda(), ranges.cuda(), chunk, levels, world,
-                                       out=torch.empty(n, dtype=out_dtype, device="cuda"))
+        want = compress.dequantize_mean(
+            sums, ranges, chunk, levels, world, out=torch.empty(n, dtype=out_dtype)
+        )
+        got = compress.dequantize_mean(
+            sums.cuda(),
+            ranges.cuda(),
+            chunk,
+            levels,
+            world,
+            out=torch.empty(n, dtype=out_dtype, device="cuda"),
+        )
         assert same_bits(got, want)
 
 
@@ -58,8 +69,10 @@ def averaged(comm, device):
     from ringcomm.hooks import QuantizeState
 
     torch.manual_seed(comm.rank)
-    params = [nn.Parameter(torch.zeros(3000, device=device)),
-              nn.Parameter(torch.zeros(40, 50, device=device))]
+    params = [
+        nn.Parameter(torch.zeros(3000, device=device)),
+        nn.Parameter(torch.zeros(40, 50, device=device)),
+    ]
     local = [torch.randn(p.shape) for p in params]
     averager = ringcomm.GradientAverager(params, comm, compression=QuantizeState(chunk=256))
     seen = []

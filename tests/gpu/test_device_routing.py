@@ -5,6 +5,7 @@ stream, the host never blocked, wait() and the CUDA-aware future ordering the cu
 after it, the tensor's memory held until the operation ends); DDP with the dense, fp16 and bf16
 hooks and GradientAverager training on CUDA with no byte staged to the host; and the staged path
 where the device path is turned off, logged once."""
+
 import copy
 import logging
 import time
@@ -28,8 +29,12 @@ def values(case, rank, n, dtype):
 
 def exact(case, world, n, dtype, op):
     stacked = torch.stack([values(case, r, n, dtype).double() for r in range(world)])
-    reduced = {"sum": stacked.sum(0), "avg": stacked.sum(0) / world,
-               "min": stacked.min(0).values, "max": stacked.max(0).values}[op]
+    reduced = {
+        "sum": stacked.sum(0),
+        "avg": stacked.sum(0) / world,
+        "min": stacked.min(0).values,
+        "max": stacked.max(0).values,
+    }[op]
     return reduced.to(dtype)
 
 
@@ -69,8 +74,13 @@ def all_reduce_rank(comm):
                             if async_op:
                                 work.wait()
                             got = t.cpu()  # a copy on the current stream, after the wait
-                            assert torch.equal(got, exact(case, world, n, dtype, op)), \
-                                (str(stream), dtype, op, n, async_op)
+                            assert torch.equal(got, exact(case, world, n, dtype, op)), (
+                                str(stream),
+                                dtype,
+                                op,
+                                n,
+                                async_op,
+                            )
     assert comm.stats()["device"] == {"cuda:0": "cuda_ipc"}, comm.stats()["device"]
     assert staging.bytes_to_host() == 0
     assert not [line for line in records.lines if "stages CUDA tensors" in line], records.lines
@@ -108,10 +118,17 @@ def stream_rank(comm):
     done_after = work.is_completed()
     future = work.get_future()
     doubled = future.then(lambda fut: fut.value() * 2).wait()
-    return {"issued_s": issued, "waited_s": waited, "pending": pending,
-            "reused_early": reused_early, "right": bool((got == total).all()),
-            "done_after": done_after, "future": bool((future.wait() == total).all().item()),
-            "doubled": bool((doubled == 2 * total).all().item()), "source": work.source()}
+    return {
+        "issued_s": issued,
+        "waited_s": waited,
+        "pending": pending,
+        "reused_early": reused_early,
+        "right": bool((got == total).all()),
+        "done_after": done_after,
+        "future": bool((future.wait() == total).all().item()),
+        "doubled": bool((doubled == 2 * total).all().item()),
+        "source": work.source(),
+    }
 
 
 def test_stream_semantics_of_processgroupnccl():
@@ -131,18 +148,22 @@ def ddp_rank(store, rank, world):
 
     torch.cuda.set_device(0)
     records = recording()
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world
+    )
     comm = ringcomm.Communicator(dist.PrefixStore("hooks", store), rank, world, timeout=60)
     tolerance = {"allreduce_hook": 1e-5, "fp16_compress_hook": 5e-3, "bf16_compress_hook": 3e-2}
     for hook_name, tol in tolerance.items():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(),
-                                    torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                                    torch.nn.Linear(256, 4)).cuda()
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 4),
+        ).cuda()
         local = copy.deepcopy(model)  # the same steps without DDP: each rank's own gradient
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0],
-                                                        bucket_cap_mb=0.1)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.1)
         ddp.register_comm_hook(comm, getattr(hooks, hook_name))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         for step in range(3):
@@ -156,8 +177,11 @@ def ddp_rank(store, rank, world):
             opt.zero_grad()
             ddp(x).square().mean().backward()
             got = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
-            assert torch.allclose(got, expected, rtol=tol, atol=tol), \
-                (hook_name, step, (got - expected).abs().max().item())
+            assert torch.allclose(got, expected, rtol=tol, atol=tol), (
+                hook_name,
+                step,
+                (got - expected).abs().max().item(),
+            )
             opt.step()
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         low, high = params.clone(), params.clone()
@@ -216,5 +240,6 @@ def test_without_device_transports_cuda_tensors_are_staged_and_logged_once():
     for staged, device, lines in run_ranks(2, staged_rank, make_comm=False, timeout=240):
         assert staged == 2 * 1000 * 4, staged
         assert device == {"cuda:0": "host"}, device
-        assert len(lines) == 1 and "device_transports=() turns the device path off" in lines[0], \
+        assert len(lines) == 1 and "device_transports=() turns the device path off" in lines[0], (
             lines
+        )

@@ -108,8 +108,10 @@ def test_one_rank():
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_ranks_one_gpu_each(world):
     if torch.cuda.device_count() < world:
-        pytest.skip(f"NCCL takes one GPU per rank; {world} ranks need {world} GPUs, this machine "
-                    f"has {torch.cuda.device_count()}")
+        pytest.skip(
+            f"NCCL takes one GPU per rank; {world} ranks need {world} GPUs, this machine "
+            f"has {torch.cuda.device_count()}"
+        )
     run_ranks(world)
 
 

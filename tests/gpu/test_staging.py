@@ -2,6 +2,7 @@
 staging in csrc/torch/backend.cc): real ranks, several of which may share one GPU, against sums
 computed on the host; and the clients: DDP with ringcomm's hooks and with the backend,
 GradientAverager."""
+
 import torch
 import torch.distributed as dist
 
@@ -37,8 +38,11 @@ def all_reduce_rank(comm, sizes):
 def test_all_reduce_of_cuda_tensors_in_slices():
     # 4 KiB slices: 0, one partial, exactly one, several and a ragged tail.
     sizes = [0, 5, 1024, 1024 * 7 + 3, 300_000]
-    assert all(run_ranks(2, all_reduce_rank, sizes, timeout=240,
-                         env={"RINGCOMM_STAGING_SLICE_BYTES": "4096"}))
+    assert all(
+        run_ranks(
+            2, all_reduce_rank, sizes, timeout=240, env={"RINGCOMM_STAGING_SLICE_BYTES": "4096"}
+        )
+    )
 
 
 def sparse_rank(comm):
@@ -67,8 +71,9 @@ def ddp_rank(store, rank, world, hook_name):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     comm = ringcomm.Communicator(dist.PrefixStore("hooks", store), rank, world)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 4)).cuda()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+    ).cuda()
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
     state = hooks.TopKState(comm=comm, ratio=0.25) if hook_name == "topk_hook" else comm
     ddp.register_comm_hook(state, getattr(hooks, hook_name))

@@ -74,11 +74,13 @@ struct Case {
 const Case kCases[] = {
     {"all_reduce ring",
      [](Communicator& c, std::vector<float>& a, std::vector<float>&) {
-       c.all_reduce(a.data(), a.size(), DType::kFloat32, ReduceOp::kSum, Algorithm::kRing, false)->wait(-1);
+       c.all_reduce(a.data(), a.size(), DType::kFloat32, ReduceOp::kSum, Algorithm::kRing, false)
+           ->wait(-1);
      }},
     {"all_reduce tree",
      [](Communicator& c, std::vector<float>& a, std::vector<float>&) {
-       c.all_reduce(a.data(), a.size(), DType::kFloat32, ReduceOp::kSum, Algorithm::kTree, false)->wait(-1);
+       c.all_reduce(a.data(), a.size(), DType::kFloat32, ReduceOp::kSum, Algorithm::kTree, false)
+           ->wait(-1);
      }},
     {"broadcast",
      [](Communicator& c, std::vector<float>& a, std::vector<float>&) {

@@ -54,8 +54,8 @@ std::string read_line(int fd) {
   }
 }
 
-// In the segment behind `address` ("pid:fd:...", the receiver's), finds the published slot's {list, bytes,
-// count} and makes its count `count`.
+// In the segment behind `address` ("pid:fd:...", the receiver's), finds the published slot's {list,
+// bytes, count} and makes its count `count`.
 void forge_count(const std::string& address, const iovec* list, uint64_t bytes, uint64_t count) {
   const size_t colon = address.find(':');
   const std::string path = "/proc/" + address.substr(0, colon) + "/fd/" +

@@ -102,9 +102,10 @@ std::string wait_signals(const World& w, int rank, const ipc::Await* waits, size
                                            std::chrono::duration<double>(timeout_s));
   int missing = -1;
   switch (ipc::wait_for(
-      w.segment, rank, waits, n, [&] { return Clock::now() > deadline; },
-      [] { sched_yield(); }, &missing)) {
-    case ipc::WaitResult::kReady: return "";
+      w.segment, rank, waits, n, [&] { return Clock::now() > deadline; }, [] { sched_yield(); },
+      &missing)) {
+    case ipc::WaitResult::kReady:
+      return "";
     case ipc::WaitResult::kTimeout:
       return "timeout: rank " + std::to_string(waits[missing].peer) + " did not signal " +
              std::to_string(waits[missing].count) + " on channel " +
@@ -164,9 +165,12 @@ std::string run_plan(const World& w, int rank, const WindowPlan& plan, char* dat
 
 template <typename T>
 T make(float x) {
-  if constexpr (std::is_same_v<T, math::Half>) return T{math::float_to_fp16(x)};
-  else if constexpr (std::is_same_v<T, math::BFloat16>) return T{math::float_to_bf16(x)};
-  else return T(x);
+  if constexpr (std::is_same_v<T, math::Half>)
+    return T{math::float_to_fp16(x)};
+  else if constexpr (std::is_same_v<T, math::BFloat16>)
+    return T{math::float_to_bf16(x)};
+  else
+    return T(x);
 }
 
 struct Case {
@@ -220,8 +224,9 @@ std::vector<Case> cases() {
         for (size_t count : counts) out.push_back({algo, dtype, op, count});
   // The algorithms interleaved: the halves and counts carry over from one to the next.
   for (int i = 0; i < 24; ++i) {
-    const Algorithm algo = i % 3 == 0 ? Algorithm::kRing
-                           : i % 3 == 1 ? Algorithm::kOneShot : Algorithm::kSharedBuffer;
+    const Algorithm algo = i % 3 == 0   ? Algorithm::kRing
+                           : i % 3 == 1 ? Algorithm::kOneShot
+                                        : Algorithm::kSharedBuffer;
     out.push_back({algo, DType::kFloat32, ReduceOp::kSum, size_t(1 + 977 * i)});
   }
   return out;
@@ -292,8 +297,8 @@ bool abort_word() {
     std::mt19937 random(2);
     std::vector<char> data(4096);
     w.report(rank, run_plan(w, rank,
-                            window_all_reduce_plan(Algorithm::kSharedBuffer, w.layout, state,
-                                                   rank, 1000, 4, false),
+                            window_all_reduce_plan(Algorithm::kSharedBuffer, w.layout, state, rank,
+                                                   1000, 4, false),
                             data.data(), DType::kFloat32, ReduceOp::kSum, 30.0, random));
   });
   if (w.report(3) != "first") {
@@ -324,10 +329,10 @@ bool stale() {
       std::vector<char> data(64);
       std::string why;
       for (int k = 0; k < (rank == 0 ? 2 : 1) && why.empty(); ++k)
-        why = run_plan(w, rank,
-                       window_all_reduce_plan(Algorithm::kOneShot, w.layout, state, rank, 16, 4,
-                                              false),
-                       data.data(), DType::kFloat32, ReduceOp::kSum, 0.3, random);
+        why = run_plan(
+            w, rank,
+            window_all_reduce_plan(Algorithm::kOneShot, w.layout, state, rank, 16, 4, false),
+            data.data(), DType::kFloat32, ReduceOp::kSum, 0.3, random);
       w.report(rank, why);
     });
     if (w.report(0) != "timeout: rank 1 did not signal 2 on channel 0" || w.report(1) != "") {

@@ -23,9 +23,8 @@ struct Part {
 
 std::vector<Part> parts(const PackList& list, size_t begin, size_t end) {
   std::vector<Part> out;
-  ringcomm::kernels::for_parts(list, begin, end, [&](size_t i, size_t first, size_t n) {
-    out.push_back({i, first, n});
-  });
+  ringcomm::kernels::for_parts(
+      list, begin, end, [&](size_t i, size_t first, size_t n) { out.push_back({i, first, n}); });
   return out;
 }
 
@@ -53,8 +52,8 @@ int main() {
   // A gap, a step back and another allocation each start a buffer.
   PackList apart(DType::kFloat32);
   apart.add(&a[0], 10);
-  apart.add(&a[11], 9);   // a gap of one element
-  apart.add(&a[0], 0);    // empty: nothing
+  apart.add(&a[11], 9);  // a gap of one element
+  apart.add(&a[0], 0);   // empty: nothing
   apart.add(&b[0], 20);
   apart.add(&a[20], 10);  // after b: not where the last one ends
   ok &= check(apart.size() == 4 && apart.count() == 49, "buffers apart: not 4 buffers of 49");

@@ -16,12 +16,12 @@ namespace {
 using ringcomm::Retuner;
 constexpr size_t kNone = Retuner::kNone;
 
-bool expect(const char* what, const std::vector<double>& medians, size_t winner,
-            size_t challenger, uint64_t rounds, Retuner::Verdict want) {
+bool expect(const char* what, const std::vector<double>& medians, size_t winner, size_t challenger,
+            uint64_t rounds, Retuner::Verdict want) {
   const Retuner::Verdict got = Retuner::judge(medians, winner, challenger, rounds);
   if (got.winner == want.winner && got.challenger == want.challenger) return true;
-  std::printf("%s: winner %zu, challenger %zu; want %zu, %zu\n", what, got.winner,
-              got.challenger, want.winner, want.challenger);
+  std::printf("%s: winner %zu, challenger %zu; want %zu, %zu\n", what, got.winner, got.challenger,
+              want.winner, want.challenger);
   return false;
 }
 

@@ -32,8 +32,8 @@ bool check(const std::vector<unsigned char>& got, const std::vector<unsigned cha
 
 int main() {
   constexpr size_t kGuard = 128;
-  const size_t lengths[] = {0, 1, 15, 16, 17, 63, 64, 65, 79, 127, 128, 129, 1000, 4096 + 13,
-                            (64 << 10) + 7};
+  const size_t lengths[] = {
+      0, 1, 15, 16, 17, 63, 64, 65, 79, 127, 128, 129, 1000, 4096 + 13, (64 << 10) + 7};
   std::vector<unsigned char> src((128 << 10) + 256);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
   // Cuts of a fragment into pieces: none, then pieces of these lengths over and over.
@@ -90,8 +90,12 @@ int main() {
       {"shared cache", {8.5, 9.0, 7.0, 10.0, 8.0}, {26, 30, 35, 28, 27}, 5, 5, false},
       {"apart", {2.4, 2.5, 2.6, 2.3, 2.4}, {26, 27, 26, 26, 27}, 5, 5, true},
       {"apart, spread sources", {2.4, 2.4, 2.5, 2.4, 2.3}, {10, 11, 12, 13, 10.5}, 5, 5, true},
-      {"apart, one fast plain write", {2.4, 4.8, 2.5, 2.6, 2.4}, {19.5, 19.5, 19.5, 19.5, 19.5},
-       5, 5, true},
+      {"apart, one fast plain write",
+       {2.4, 4.8, 2.5, 2.6, 2.4},
+       {19.5, 19.5, 19.5, 19.5, 19.5},
+       5,
+       5,
+       true},
       {"shared, one preempted stream", {20, 19, 21, 18, 20}, {26, 1.0, 27, 28, 26}, 5, 5, false},
       {"shared, coalesced parts", {40, 35, 45, 38, 42}, {26, 25, 26, 24, 26}, 5, 5, false},
       {"first timings, apart", {2.4}, {26, 27}, 1, 2, true},

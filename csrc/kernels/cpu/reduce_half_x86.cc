@@ -24,11 +24,13 @@ namespace {
 __attribute__((target("avx2"))) inline __m256 apply(ReduceOp op, __m256 x, __m256 y) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg: return _mm256_add_ps(x, y);
-    case ReduceOp::kProd: return _mm256_mul_ps(x, y);
+    case ReduceOp::kAvg:
+      return _mm256_add_ps(x, y);
+    case ReduceOp::kProd:
+      return _mm256_mul_ps(x, y);
     default: {
-      __m256 take_y = op == ReduceOp::kMin ? _mm256_cmp_ps(y, x, _CMP_LT_OQ)
-                                           : _mm256_cmp_ps(x, y, _CMP_LT_OQ);
+      __m256 take_y =
+          op == ReduceOp::kMin ? _mm256_cmp_ps(y, x, _CMP_LT_OQ) : _mm256_cmp_ps(x, y, _CMP_LT_OQ);
       __m256 r = _mm256_blendv_ps(x, y, take_y);
       r = _mm256_blendv_ps(r, y, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
       return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
@@ -40,11 +42,16 @@ template <typename T>
 void scalar_tail(ReduceOp op, T* out, const T* a, const T* b, size_t begin, size_t n) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg: return math::reduce_range(out, a, b, begin, n, math::Sum{});
-    case ReduceOp::kProd: return math::reduce_range(out, a, b, begin, n, math::Prod{});
-    case ReduceOp::kMin: return math::reduce_range(out, a, b, begin, n, math::Min{});
-    case ReduceOp::kMax: return math::reduce_range(out, a, b, begin, n, math::Max{});
-    default: RC_INVALID("op ", op_name(op), " is not defined on floating types");
+    case ReduceOp::kAvg:
+      return math::reduce_range(out, a, b, begin, n, math::Sum{});
+    case ReduceOp::kProd:
+      return math::reduce_range(out, a, b, begin, n, math::Prod{});
+    case ReduceOp::kMin:
+      return math::reduce_range(out, a, b, begin, n, math::Min{});
+    case ReduceOp::kMax:
+      return math::reduce_range(out, a, b, begin, n, math::Max{});
+    default:
+      RC_INVALID("op ", op_name(op), " is not defined on floating types");
   }
 }
 
@@ -57,8 +64,8 @@ __attribute__((target("avx2"))) inline void store_bf16(uint16_t* p, __m256 v) {
   __m256i u = _mm256_castps_si256(v);
   __m256i upper = _mm256_srli_epi32(u, 16);
   __m256i lsb = _mm256_and_si256(upper, _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
   __m256i quiet_nan = _mm256_or_si256(upper, _mm256_set1_epi32(0x40));
   __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   __m256i bits = _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
@@ -78,8 +85,8 @@ __attribute__((target("avx2,f16c"))) inline void store_fp16(uint16_t* p, __m256 
 
 // 8 lanes at a time through Load/Store (the element type's conversions), the rest one by one.
 template <typename T, __m256 (*Load)(const uint16_t*), void (*Store)(uint16_t*, __m256)>
-__attribute__((target("avx2,f16c")))
-void reduce_lanes(ReduceOp op, void* out_v, const void* a_v, const void* b_v, size_t n) {
+__attribute__((target("avx2,f16c"))) void reduce_lanes(ReduceOp op, void* out_v, const void* a_v,
+                                                       const void* b_v, size_t n) {
   auto* out = static_cast<uint16_t*>(out_v);
   auto* a = static_cast<const uint16_t*>(a_v);
   auto* b = static_cast<const uint16_t*>(b_v);

@@ -54,18 +54,24 @@ RC_TOPK_INLINE uint32_t raw_bits(math::BFloat16 x) { return x.bits; }
 
 template <typename T>
 RC_TOPK_INLINE T from_bits(uint32_t bits) {
-  if constexpr (std::is_same_v<T, float>) return math::bits_float(bits);
-  else return T{uint16_t(bits)};
+  if constexpr (std::is_same_v<T, float>)
+    return math::bits_float(bits);
+  else
+    return T{uint16_t(bits)};
 }
 
 template <typename T>
-constexpr Key key_mask() { return (Key(1) << topk::key_bits<T>()) - 1; }
+constexpr Key key_mask() {
+  return (Key(1) << topk::key_bits<T>()) - 1;
+}
 
 // An element of type T as a value of the wire type W (nearest even).
 template <typename W, typename T>
 RC_TOPK_INLINE W to_wire(T x) {
-  if constexpr (std::is_same_v<W, T>) return x;
-  else return math::Compute<W>::store(math::Compute<T>::load(x));
+  if constexpr (std::is_same_v<W, T>)
+    return x;
+  else
+    return math::Compute<W>::store(math::Compute<T>::load(x));
 }
 
 // What sending acc as a W loses, in T: acc - T(W(acc)), computed in float and rounded to T, as
@@ -227,9 +233,11 @@ Key estimate_threshold(const T* data, const T* add, size_t n, size_t want) {
   double expected = double(want) * kSampleSize / double(n);
   // Aim 20% plus four standard deviations above the expected count, so one scan nearly always
   // suffices.
-  size_t rank = size_t(std::min<double>(kSampleSize - 1, expected * 1.2 + 4 * std::sqrt(expected) + 8));
+  size_t rank =
+      size_t(std::min<double>(kSampleSize - 1, expected * 1.2 + 4 * std::sqrt(expected) + 8));
   return radix_select<topk::key_bits<T>()>(kSampleSize, rank + 1,
-                                          [&](size_t j) { return sample[j]; }).prefix;
+                                           [&](size_t j) { return sample[j]; })
+      .prefix;
 }
 
 // The scans (step 2) read an input `in` with, for error feedback, the residual `add` added to
@@ -288,9 +296,9 @@ __attribute__((target("avx2,f16c"))) inline __m256 owed_float32_avx2(__m256 x) {
   } else if constexpr (std::is_same_v<W, math::BFloat16>) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_and_si256(
-        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
-        _mm256_set1_epi32(int32_t(0xffff0000u)));
+    const __m256i rounded =
+        _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+                         _mm256_set1_epi32(int32_t(0xffff0000u)));
     return _mm256_sub_ps(x, _mm256_castsi256_ps(rounded));
   } else {
     static_assert(std::is_same_v<W, math::Half>);
@@ -309,9 +317,9 @@ __attribute__((target("avx2,f16c"))) inline __m256 owed_float32_avx2(__m256 x) {
 // refused.
 template <typename W, bool kFrequentHits>
 __attribute__((target("avx2,f16c"), noinline)) void collect_float32_avx2(const float* in,
-                                                                        const float* add,
-                                                                        float* keep, size_t n,
-                                                                        Key t, Candidates& out) {
+                                                                         const float* add,
+                                                                         float* keep, size_t n,
+                                                                         Key t, Candidates& out) {
   const __m256i sign_off = _mm256_set1_epi32(0x7fffffff);
   const __m256i below = _mm256_set1_epi32(int32_t(t) - 1);
   // The output's end and room in locals: its members, reached through the vector stores (which
@@ -330,7 +338,8 @@ __attribute__((target("avx2,f16c"), noinline)) void collect_float32_avx2(const f
       continue;
     }
     if (keep)
-      _mm256_storeu_ps(keep + i, _mm256_blendv_ps(x, owed_float32_avx2<W>(x), _mm256_castsi256_ps(hit)));
+      _mm256_storeu_ps(keep + i,
+                       _mm256_blendv_ps(x, owed_float32_avx2<W>(x), _mm256_castsi256_ps(hit)));
     if (room < 8) {
       out.grow_to(bits_out);
       out.reserve(2 * out.size() + 64);
@@ -339,7 +348,8 @@ __attribute__((target("avx2,f16c"), noinline)) void collect_float32_avx2(const f
       room = out.room();
     }
     const __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(kLanes.lanes[hits])));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits_out), _mm256_permutevar8x32_epi32(bits, lanes));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits_out),
+                        _mm256_permutevar8x32_epi32(bits, lanes));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(index_out),
                         _mm256_add_epi32(_mm256_set1_epi32(int32_t(i)), lanes));
     const unsigned selected = unsigned(__builtin_popcount(hits));
@@ -427,8 +437,7 @@ void add_first_zeros(size_t n, size_t missing, const T* acc, T* keep, Candidates
 // is given (error feedback: data = grad, add = keep = residual), each selected element replaced
 // by what its rounding to W lost.
 template <typename T, typename W>
-void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* indices,
-            W* values) {
+void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* indices, W* values) {
   Candidates& cands = scratch().cands;
   cands.clear();
   // The first `count` candidates' bits back into `keep`, where collect replaced them.
@@ -449,7 +458,7 @@ void select(const T* data, const T* add, T* keep, size_t n, size_t k, int32_t* i
     const bool frequent_hits = k * 128 >= n;
     collect<T, W>(data, add, keep, n, t, frequent_hits, cands);
     if (keep) data = keep, add = nullptr;  // acc is in `keep` now (candidates aside)
-    while (cands.size() < k && t > 1) {  // too few reached t: lower it and look again
+    while (cands.size() < k && t > 1) {    // too few reached t: lower it and look again
       restore(cands.size());
       t = t / 2;
       cands.clear();

@@ -6,12 +6,12 @@
 
 #include "common/error.h"
 
-#define RC_CUDA_CHECK(call)                                                                  \
-  do {                                                                                       \
-    cudaError_t rc_cuda_status = (call);                                                     \
-    if (rc_cuda_status != cudaSuccess)                                                       \
-      RC_THROW(#call, " failed: ", cudaGetErrorName(rc_cuda_status), ": ",                   \
-               cudaGetErrorString(rc_cuda_status));                                          \
+#define RC_CUDA_CHECK(call)                                                \
+  do {                                                                     \
+    cudaError_t rc_cuda_status = (call);                                   \
+    if (rc_cuda_status != cudaSuccess)                                     \
+      RC_THROW(#call, " failed: ", cudaGetErrorName(rc_cuda_status), ": ", \
+               cudaGetErrorString(rc_cuda_status));                        \
   } while (0)
 
 // After a kernel launch: a bad configuration shows up here, not at the next call.

@@ -49,10 +49,12 @@ void launch(const Batch& batch, int parts, size_t longest, Scaling scaling, cuda
       convert_kernel<math::ScaleKind::kNone, In, Out><<<grid, kThreads, 0, stream>>>(batch, factor);
       break;
     case math::ScaleKind::kMultiply:
-      convert_kernel<math::ScaleKind::kMultiply, In, Out><<<grid, kThreads, 0, stream>>>(batch, factor);
+      convert_kernel<math::ScaleKind::kMultiply, In, Out>
+          <<<grid, kThreads, 0, stream>>>(batch, factor);
       break;
     case math::ScaleKind::kDivide:
-      convert_kernel<math::ScaleKind::kDivide, In, Out><<<grid, kThreads, 0, stream>>>(batch, factor);
+      convert_kernel<math::ScaleKind::kDivide, In, Out>
+          <<<grid, kThreads, 0, stream>>>(batch, factor);
       break;
   }
   RC_CUDA_CHECK_LAUNCH();
@@ -91,14 +93,14 @@ void convert_parts(DType in_dtype, DType out_dtype, Scaling scaling, cudaStream_
     kernels::visit_conversion(in_dtype, out_dtype, run);
 }
 
-
 }  // namespace
 
-void convert(DType in_dtype, const void* in, DType out_dtype, void* out, size_t n,
-             Scaling scaling, cudaStream_t stream) {
+void convert(DType in_dtype, const void* in, DType out_dtype, void* out, size_t n, Scaling scaling,
+             cudaStream_t stream) {
   if (n == 0) return;
   if (plain_copy(in_dtype, out_dtype, scaling)) {
-    RC_CUDA_CHECK(cudaMemcpyAsync(out, in, n * dtype_size(in_dtype), cudaMemcpyDeviceToDevice, stream));
+    RC_CUDA_CHECK(
+        cudaMemcpyAsync(out, in, n * dtype_size(in_dtype), cudaMemcpyDeviceToDevice, stream));
     return;
   }
   convert_parts(in_dtype, out_dtype, scaling, stream, [&](auto add) { add(in, out, n); });

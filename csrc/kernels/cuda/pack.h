@@ -17,8 +17,8 @@ using kernels::PackList;
 using math::Scaling;
 
 // out[i] = convert(in[i]) for n elements.
-void convert(DType in_dtype, const void* in, DType out_dtype, void* out, size_t n,
-             Scaling scaling, cudaStream_t stream);
+void convert(DType in_dtype, const void* in, DType out_dtype, void* out, size_t n, Scaling scaling,
+             cudaStream_t stream);
 
 // dst[0 .. end-begin) = fused elements [begin, end) of `src`, converted to `dst_dtype`.
 void pack(const PackList& src, size_t begin, size_t end, void* dst, DType dst_dtype,

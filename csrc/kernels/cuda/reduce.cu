@@ -45,7 +45,8 @@ __global__ void reduce_vectors_kernel(T* out, const T* a, const T* b, size_t n, 
   const V* vb = reinterpret_cast<const V*>(b);
   V* vo = reinterpret_cast<V*>(out);
   const size_t vectors = n / V::kSize, chunk = size_t(blockDim.x) * kUnroll;
-  for (size_t base = size_t(blockIdx.x) * chunk; base < vectors; base += size_t(gridDim.x) * chunk) {
+  for (size_t base = size_t(blockIdx.x) * chunk; base < vectors;
+       base += size_t(gridDim.x) * chunk) {
     V x[kUnroll], y[kUnroll];
 #pragma unroll
     for (unsigned k = 0; k < kUnroll; ++k) {

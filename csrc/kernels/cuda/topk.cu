@@ -196,7 +196,8 @@ __global__ void write_kernel(T* data, size_t n, const RadixState* state,
   uint64_t mine = 0;
 #pragma unroll
   for (int j = 0; j < kItems; ++j)
-    if (int(threadIdx.x) * kItems + j < valid) mine += greater_equal(topk::magnitude_key(items[j]), s.prefix);
+    if (int(threadIdx.x) * kItems + j < valid)
+      mine += greater_equal(topk::magnitude_key(items[j]), s.prefix);
   uint64_t before;
   Scan(storage.scan).ExclusiveSum(mine, before);
   before += tile_before[blockIdx.x];
@@ -229,9 +230,11 @@ void select(const T* grad, T* data, size_t n, size_t k, int32_t* indices, T* val
   const unsigned grid = grid_for(n, kThreads);
   for (int pass = 0; pass < topk::radix_passes(kBits); ++pass) {
     if (grad && pass == 0)
-      histogram_kernel<T, true><<<grid, kThreads, 0, stream>>>(grad, data, n, kBits, pass, w.state, w.counts);
+      histogram_kernel<T, true>
+          <<<grid, kThreads, 0, stream>>>(grad, data, n, kBits, pass, w.state, w.counts);
     else
-      histogram_kernel<T, false><<<grid, kThreads, 0, stream>>>(data, nullptr, n, kBits, pass, w.state, w.counts);
+      histogram_kernel<T, false>
+          <<<grid, kThreads, 0, stream>>>(data, nullptr, n, kBits, pass, w.state, w.counts);
     RC_CUDA_CHECK_LAUNCH();
     pick_kernel<<<1, kPickThreads, 0, stream>>>(kBits, pass, w.state, w.counts);
     RC_CUDA_CHECK_LAUNCH();
@@ -243,9 +246,11 @@ void select(const T* grad, T* data, size_t n, size_t k, int32_t* indices, T* val
   RC_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(w.scan_storage, scan_bytes, w.tile_counts,
                                               w.tile_before, int(tiles), stream));
   if (grad)
-    write_kernel<T, true><<<unsigned(tiles), kThreads, 0, stream>>>(data, n, w.state, w.tile_before, indices, values);
+    write_kernel<T, true><<<unsigned(tiles), kThreads, 0, stream>>>(data, n, w.state, w.tile_before,
+                                                                    indices, values);
   else
-    write_kernel<T, false><<<unsigned(tiles), kThreads, 0, stream>>>(data, n, w.state, w.tile_before, indices, values);
+    write_kernel<T, false><<<unsigned(tiles), kThreads, 0, stream>>>(
+        data, n, w.state, w.tile_before, indices, values);
   RC_CUDA_CHECK_LAUNCH();
 }
 
@@ -274,9 +279,12 @@ void check(DType dtype, size_t n, size_t k) {
 template <typename F>
 void visit_topk(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::kFloat32: return f(static_cast<float*>(nullptr));
-    case DType::kFloat16: return f(static_cast<math::Half*>(nullptr));
-    default: return f(static_cast<math::BFloat16*>(nullptr));
+    case DType::kFloat32:
+      return f(static_cast<float*>(nullptr));
+    case DType::kFloat16:
+      return f(static_cast<math::Half*>(nullptr));
+    default:
+      return f(static_cast<math::BFloat16*>(nullptr));
   }
 }
 

@@ -23,8 +23,8 @@ struct FoldArgs {
   void* dests[kMostDests];
   int source_count = 0;
   int dest_count = 0;
-  size_t n = 0;      // elements
-  int divisor = 0;   // above 1: the fold is then divided by it (avg)
+  size_t n = 0;     // elements
+  int divisor = 0;  // above 1: the fold is then divided by it (avg)
 };
 
 // dests[d][i] = math::fold_one(sources, source_count, i, op, divisor) for every d and i < n

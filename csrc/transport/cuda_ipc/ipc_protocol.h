@@ -70,9 +70,7 @@ constexpr size_t slot_offset(int receiver, int channel, int sender) {
 
 // Whether a slot holding `value` has reached `target`: the cyclic comparison
 // (int32_t)(value - target) >= 0 of CU_STREAM_WAIT_VALUE_GEQ.
-RC_IPC_HD bool reached(uint32_t value, uint32_t target) {
-  return int32_t(value - target) >= 0;
-}
+RC_IPC_HD bool reached(uint32_t value, uint32_t target) { return int32_t(value - target) >= 0; }
 
 // What a rank's start-up proof kernel writes into peer `to`'s window for `from`, and what `to`
 // expects there: nothing a window holds by chance.
@@ -166,8 +164,8 @@ enum class WaitResult { kReady, kTimeout, kAborted };
 // `expired()` says the time is up; `pause()` runs between polls. On kTimeout, *missing is the
 // index of a wait that had not come.
 template <typename Expired, typename Pause>
-WaitResult wait_for(const Segment& segment, int rank, const Await* waits, size_t n,
-                    Expired expired, Pause pause, int* missing) {
+WaitResult wait_for(const Segment& segment, int rank, const Await* waits, size_t n, Expired expired,
+                    Pause pause, int* missing) {
   for (;;) {
     if (segment.aborted_by() >= 0) return WaitResult::kAborted;
     const int first = segment.first_missing(rank, waits, n);

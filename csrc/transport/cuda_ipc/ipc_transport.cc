@@ -25,7 +25,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using cuda::DeviceScope;
 
-
 std::string host_identity() {
   std::string boot;
   std::getline(std::ifstream("/proc/sys/kernel/random/boot_id"), boot);
@@ -56,19 +55,18 @@ std::string drain(cudaStream_t stream, Clock::time_point deadline, const char* w
     const cudaError_t status = cudaStreamQuery(stream);
     if (status == cudaSuccess) return "";
     if (status != cudaErrorNotReady)
-      return str_cat(what, " failed: ", cudaGetErrorName(status), ": ",
-                     cudaGetErrorString(status));
+      return str_cat(what, " failed: ", cudaGetErrorName(status), ": ", cudaGetErrorString(status));
     if (Clock::now() > deadline) return str_cat(what, " did not finish in time");
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 }
 
-#define RC_CUDA_REASON(call)                                                              \
-  do {                                                                                    \
-    const cudaError_t rc_status = (call);                                                 \
-    if (rc_status != cudaSuccess)                                                         \
-      return str_cat(#call, " failed: ", cudaGetErrorName(rc_status), ": ",               \
-                     cudaGetErrorString(rc_status));                                      \
+#define RC_CUDA_REASON(call)                                                \
+  do {                                                                      \
+    const cudaError_t rc_status = (call);                                   \
+    if (rc_status != cudaSuccess)                                           \
+      return str_cat(#call, " failed: ", cudaGetErrorName(rc_status), ": ", \
+                     cudaGetErrorString(rc_status));                        \
   } while (0)
 
 // The kind a peer wrote into the segment, as an ErrorKind.
@@ -87,28 +85,33 @@ struct IpcTransport::Info {
   unsigned char gpu[16];  // the device's UUID
   cudaIpcMemHandle_t window;
   uint64_t window_bytes;
-  int32_t segment_fd;  // rank 0's
-  uint64_t nonce;      // rank 0's
+  int32_t segment_fd;         // rank 0's
+  uint64_t nonce;             // rank 0's
   char reason[kReasonBytes];  // why this rank cannot go on, or ""
 };
 
 IpcTransport::IpcTransport(int rank, int size, int device, size_t window_bytes, double timeout_s)
-    : rank_(rank), size_(size), device_(device), window_bytes_(window_bytes),
-      timeout_s_(timeout_s), windows_(size_t(size), nullptr), pids_(size_t(size), 0) {}
+    : rank_(rank),
+      size_(size),
+      device_(device),
+      window_bytes_(window_bytes),
+      timeout_s_(timeout_s),
+      windows_(size_t(size), nullptr),
+      pids_(size_t(size), 0) {}
 
 std::unique_ptr<IpcTransport> IpcTransport::connect(int rank, int size, int device,
                                                     size_t window_bytes, double timeout_s,
                                                     const Exchange& exchange,
                                                     std::string* refused) {
-  RC_CHECK_ARG(size >= 1 && size <= kMaxRanks, "CUDA IPC connects 1 to ", kMaxRanks,
-               " ranks, not ", size);
+  RC_CHECK_ARG(size >= 1 && size <= kMaxRanks, "CUDA IPC connects 1 to ", kMaxRanks, " ranks, not ",
+               size);
   RC_CHECK_ARG(rank >= 0 && rank < size, "rank ", rank, " of ", size);
   RC_CHECK_ARG(timeout_s > 0, "timeout must be positive, got ", timeout_s);
   std::unique_ptr<IpcTransport> t(new IpcTransport(rank, size, device, window_bytes, timeout_s));
   auto all = [&](const std::string& mine) {
     std::vector<std::string> got = exchange(mine);
-    RC_CHECK_ARG(int(got.size()) == size, "the exchange gave ", got.size(), " entries for ",
-                 size, " ranks");
+    RC_CHECK_ARG(int(got.size()) == size, "the exchange gave ", got.size(), " entries for ", size,
+                 " ranks");
     return got;
   };
   // Each step's outcome is exchanged whatever it is, so that every rank takes the same
@@ -206,8 +209,8 @@ std::string IpcTransport::attach(const std::vector<std::string>& infos) {
     if (std::strcmp(peer.host, me.host) != 0)
       return str_cat("rank ", q, " runs on another host or in another pid namespace");
     if (peer.window_bytes != window_bytes_)
-      return str_cat("rank ", q, " asks for windows of ", peer.window_bytes, " bytes, rank ",
-                     rank_, " for ", window_bytes_);
+      return str_cat("rank ", q, " asks for windows of ", peer.window_bytes, " bytes, rank ", rank_,
+                     " for ", window_bytes_);
     pids_[size_t(q)] = long(peer.pid);
   }
   nonce_ = all[0].nonce;
@@ -216,11 +219,11 @@ std::string IpcTransport::attach(const std::vector<std::string>& infos) {
     const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) return str_cat("cannot open rank 0's signal segment ", path, ": ", strerror(errno));
     segment_mapped_ = (segment_bytes(size_) + 4095) / 4096 * 4096;
-    struct stat st {};
+    struct stat st{};
     void* base = MAP_FAILED;
     if (fstat(fd, &st) == 0 && size_t(st.st_size) == segment_mapped_)
-      base = mmap(nullptr, segment_mapped_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
-                  0);
+      base =
+          mmap(nullptr, segment_mapped_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     ::close(fd);
     if (base == MAP_FAILED) return str_cat("cannot map rank 0's signal segment ", path);
     segment_base_ = base;
@@ -294,8 +297,8 @@ std::string IpcTransport::prove_writes() {
   cuda::write_words(at.data(), tokens.data(), int(at.size()), own_stream_);
   const auto batch = reinterpret_cast<PFN_cuStreamBatchMemOp_v11070>(batch_mem_op_);
   for (size_t i = 0; i < signals.size(); i += kBatch) {
-    const CUresult r = batch(own_stream_, unsigned(std::min(kBatch, signals.size() - i)),
-                             signals.data() + i, 0);
+    const CUresult r =
+        batch(own_stream_, unsigned(std::min(kBatch, signals.size() - i)), signals.data() + i, 0);
     if (r != CUDA_SUCCESS)
       return str_cat("cuStreamBatchMemOp (signals into host memory) failed: CUresult ", int(r));
   }
@@ -329,9 +332,9 @@ void IpcTransport::sync(const device::WindowSync* syncs, size_t n, cudaStream_t 
   const auto deadline = after(timeout_s_);
   for (size_t i = 0; i < n; ++i) {
     const device::WindowSync& s = syncs[i];
-    RC_CHECK_ARG(s.peer >= 0 && s.peer < size_ && s.peer != rank_ &&
-                     s.channel < device::Windows::kChannels,
-                 "a signal on channel ", int(s.channel), " with rank ", s.peer);
+    RC_CHECK_ARG(
+        s.peer >= 0 && s.peer < size_ && s.peer != rank_ && s.channel < device::Windows::kChannels,
+        "a signal on channel ", int(s.channel), " with rank ", s.peer);
     CUstreamBatchMemOpParams& op = ops[i];
     if (s.wait) {
       op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
@@ -461,8 +464,7 @@ void IpcTransport::synchronize(cudaStream_t stream, double timeout_s) {
       check_usable();
     }
     if (Clock::now() > deadline) {
-      fail(ErrorKind::kTimeout,
-           str_cat("CUDA IPC work did not finish within ", timeout_s, " s"));
+      fail(ErrorKind::kTimeout, str_cat("CUDA IPC work did not finish within ", timeout_s, " s"));
       check_usable();
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -501,8 +503,8 @@ void IpcTransport::close() {
       segment_, rank_, waits.data(), waits.size(), [&] { return Clock::now() > deadline; },
       [] { std::this_thread::sleep_for(std::chrono::microseconds(100)); }, &missing);
   if (got == WaitResult::kTimeout)
-    fail(ErrorKind::kTimeout, str_cat("rank ", waits[size_t(missing)].peer,
-                                      " did not close within ", timeout_s_, " s"));
+    fail(ErrorKind::kTimeout,
+         str_cat("rank ", waits[size_t(missing)].peer, " did not close within ", timeout_s_, " s"));
   check_usable();  // raises if a rank gave up meanwhile
   stop_watching();
   {

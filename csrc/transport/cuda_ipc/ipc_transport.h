@@ -60,9 +60,9 @@ class IpcTransport final : public device::DeviceTransport, public device::Window
   // Connects `rank` of `size` on CUDA device `device`, with windows of `window_bytes`; waits and
   // signals time out after `timeout_s`. Returns nullptr and sets *refused when the transport
   // cannot serve these ranks (the same reason on every rank); raises only if an exchange fails.
-  static std::unique_ptr<IpcTransport> connect(int rank, int size, int device,
-                                               size_t window_bytes, double timeout_s,
-                                               const Exchange& exchange, std::string* refused);
+  static std::unique_ptr<IpcTransport> connect(int rank, int size, int device, size_t window_bytes,
+                                               double timeout_s, const Exchange& exchange,
+                                               std::string* refused);
   ~IpcTransport() override;
   IpcTransport(const IpcTransport&) = delete;
   IpcTransport& operator=(const IpcTransport&) = delete;
@@ -101,7 +101,7 @@ class IpcTransport final : public device::DeviceTransport, public device::Window
   std::string prove_writes();
   // Gives up for `why` (once): sets the abort word, releases this rank's waits.
   void fail(ErrorKind kind, const std::string& why) noexcept;
-  void watch();                // the watchdog thread
+  void watch();  // the watchdog thread
   void stop_watching() noexcept;
   void release_all() noexcept;  // this rank's watched waits, released (mutex_ held)
   void free_resources() noexcept;
@@ -117,9 +117,9 @@ class IpcTransport final : public device::DeviceTransport, public device::Window
   void* segment_base_ = nullptr;
   size_t segment_mapped_ = 0;
   bool segment_registered_ = false;
-  char* segment_device_ = nullptr;  // the segment as the device addresses it
-  int segment_fd_ = -1;             // rank 0's memfd
-  uint64_t nonce_ = 0;              // rank 0's, in the segment's header and the proof's tokens
+  char* segment_device_ = nullptr;     // the segment as the device addresses it
+  int segment_fd_ = -1;                // rank 0's memfd
+  uint64_t nonce_ = 0;                 // rank 0's, in the segment's header and the proof's tokens
   cudaStream_t own_stream_ = nullptr;  // the proof's
   void* batch_mem_op_ = nullptr;       // cuStreamBatchMemOp, from the driver
 

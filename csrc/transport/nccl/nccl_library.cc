@@ -63,15 +63,23 @@ void Library::check(Result result, const char* what, Comm comm) const {
 
 DataType data_type(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return kFloat32;
-    case DType::kFloat64: return kFloat64;
-    case DType::kFloat16: return kFloat16;
-    case DType::kBFloat16: return kBfloat16;
-    case DType::kInt8: return kInt8;
+    case DType::kFloat32:
+      return kFloat32;
+    case DType::kFloat64:
+      return kFloat64;
+    case DType::kFloat16:
+      return kFloat16;
+    case DType::kBFloat16:
+      return kBfloat16;
+    case DType::kInt8:
+      return kInt8;
     case DType::kUInt8:
-    case DType::kBool: return kUint8;
-    case DType::kInt32: return kInt32;
-    case DType::kInt64: return kInt64;
+    case DType::kBool:
+      return kUint8;
+    case DType::kInt32:
+      return kInt32;
+    case DType::kInt64:
+      return kInt64;
   }
   RC_INVALID("NCCL has no type for ", dtype_name(dtype));
 }
@@ -82,12 +90,18 @@ RedOp red_op(DType dtype, ReduceOp op) {
     return op == ReduceOp::kSum || op == ReduceOp::kMax ? kMax : kMin;
   }
   switch (op) {
-    case ReduceOp::kSum: return kSum;
-    case ReduceOp::kProd: return kProd;
-    case ReduceOp::kMax: return kMax;
-    case ReduceOp::kMin: return kMin;
-    case ReduceOp::kAvg: return kAvg;
-    default: RC_INVALID("NCCL's all_reduce has no op ", op_name(op), " (use a ringcomm algorithm)");
+    case ReduceOp::kSum:
+      return kSum;
+    case ReduceOp::kProd:
+      return kProd;
+    case ReduceOp::kMax:
+      return kMax;
+    case ReduceOp::kMin:
+      return kMin;
+    case ReduceOp::kAvg:
+      return kAvg;
+    default:
+      RC_INVALID("NCCL's all_reduce has no op ", op_name(op), " (use a ringcomm algorithm)");
   }
 }
 

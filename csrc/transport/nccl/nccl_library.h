@@ -21,8 +21,16 @@ struct UniqueId {
   char internal[kUniqueIdBytes];
 };
 // ncclDataType_t and ncclRedOp_t values.
-enum DataType : int { kInt8 = 0, kUint8 = 1, kInt32 = 2, kInt64 = 4, kFloat16 = 6, kFloat32 = 7,
-                      kFloat64 = 8, kBfloat16 = 9 };
+enum DataType : int {
+  kInt8 = 0,
+  kUint8 = 1,
+  kInt32 = 2,
+  kInt64 = 4,
+  kFloat16 = 6,
+  kFloat32 = 7,
+  kFloat64 = 8,
+  kBfloat16 = 9
+};
 enum RedOp : int { kSum = 0, kProd = 1, kMax = 2, kMin = 3, kAvg = 4 };
 
 class Library {

@@ -15,8 +15,7 @@ constexpr Result kInProgress = 7;  // ncclInProgress
 
 using cuda::DeviceScope;
 
-NcclTransport::NcclTransport(const Library& lib, const UniqueId& id, int rank, int size,
-                             int device)
+NcclTransport::NcclTransport(const Library& lib, const UniqueId& id, int rank, int size, int device)
     : lib_(lib), rank_(rank), size_(size), device_(device) {
   RC_CHECK_ARG(size >= 1 && rank >= 0 && rank < size, "rank ", rank, " of ", size);
   int devices = 0;
@@ -37,8 +36,7 @@ NcclTransport::NcclTransport(const Library& lib, const UniqueId& id, int rank, i
 NcclTransport::~NcclTransport() { abort(); }
 
 Comm NcclTransport::live() const {
-  if (comm_ == nullptr)
-    RC_THROW_AS(kAborted, "the NCCL communicator is closed or aborted");
+  if (comm_ == nullptr) RC_THROW_AS(kAborted, "the NCCL communicator is closed or aborted");
   return comm_;
 }
 

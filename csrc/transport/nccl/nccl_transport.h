@@ -44,8 +44,7 @@ class NcclTransport final : public device::DeviceTransport, public device::Messa
   void group_end() override;
 
   // Enqueues NCCL's own all-reduce of `count` elements at `data`, in place.
-  void all_reduce_by_nccl(void* data, size_t count, DType dtype, ReduceOp op,
-                          cudaStream_t stream);
+  void all_reduce_by_nccl(void* data, size_t count, DType dtype, ReduceOp op, cudaStream_t stream);
 
  private:
   Comm live() const;  // the communicator, or an error once it is closed or aborted

@@ -145,10 +145,9 @@ size_t auto_slot_bytes(size_t locals, int slots) {
 ShmOptions ShmOptions::from_env() {
   ShmOptions o;
   const std::optional<int64_t> slot_bytes = knob_int("RINGCOMM_SHM_SLOT_BYTES");
-  RC_CHECK_ARG(!slot_bytes || (*slot_bytes >= 4096 && *slot_bytes <= (64 << 20) &&
-                               *slot_bytes % kLine == 0),
-               "RINGCOMM_SHM_SLOT_BYTES must be a multiple of 64 in [4096, 64 MiB], got ",
-               *slot_bytes);
+  RC_CHECK_ARG(
+      !slot_bytes || (*slot_bytes >= 4096 && *slot_bytes <= (64 << 20) && *slot_bytes % kLine == 0),
+      "RINGCOMM_SHM_SLOT_BYTES must be a multiple of 64 in [4096, 64 MiB], got ", *slot_bytes);
   o.slot_bytes = size_t(slot_bytes.value_or(0));
   o.slots = int(knob_int("RINGCOMM_SHM_SLOTS").value());
   RC_CHECK_ARG(o.slots >= 2 && o.slots <= 1024, "RINGCOMM_SHM_SLOTS must be in [2, 1024], got ",
@@ -169,8 +168,12 @@ ShmOptions ShmOptions::from_env() {
 }
 
 ShmTransport::ShmTransport(int rank, int world_size, ShmOptions options, PartSink& sink)
-    : rank_(rank), world_size_(world_size), options_(options), huge_pages_(options.huge_pages),
-      sink_(sink), peers_(world_size) {
+    : rank_(rank),
+      world_size_(world_size),
+      options_(options),
+      huge_pages_(options.huge_pages),
+      sink_(sink),
+      peers_(world_size) {
   fd_ = int(syscall(SYS_memfd_create, "ringcomm-shm", unsigned(MFD_CLOEXEC)));
   std::random_device random;
   nonce_ = (uint64_t(random()) << 32) ^ random();
@@ -180,8 +183,9 @@ ShmTransport::ShmTransport(int rank, int world_size, ShmOptions options, PartSin
 ShmTransport::~ShmTransport() { close(); }
 
 std::string ShmTransport::address() const {
-  return fd_ < 0 ? "" : str_cat(getpid(), ":", fd_, ":", nonce_, ":",
-                                reinterpret_cast<uintptr_t>(&probe_word_));
+  return fd_ < 0 ? ""
+                 : str_cat(getpid(), ":", fd_, ":", nonce_, ":",
+                           reinterpret_cast<uintptr_t>(&probe_word_));
 }
 
 bool ShmTransport::prepare(const std::vector<int>& local, std::string* why) {
@@ -192,7 +196,8 @@ bool ShmTransport::prepare(const std::vector<int>& local, std::string* why) {
   }
   local_index_ = int(std::find(local.begin(), local.end(), rank_) - local.begin());
   if (options_.slot_bytes == 0) options_.slot_bytes = auto_slot_bytes(local.size(), options_.slots);
-  inbox_bytes_ = sizeof(Inbox) + size_t(options_.slots) * (sizeof(SlotHeader) + options_.slot_bytes);
+  inbox_bytes_ =
+      sizeof(Inbox) + size_t(options_.slots) * (sizeof(SlotHeader) + options_.slot_bytes);
   board_offset_ = (kControlBytes + local.size() * inbox_bytes_ + 4095) / 4096 * 4096;
   size_t total = board_offset_ + options_.board_bytes;
   if (fd_ < 0) {
@@ -223,7 +228,8 @@ bool ShmTransport::prepare(const std::vector<int>& local, std::string* why) {
   control_->slot_bytes = options_.slot_bytes;
   control_->board_bytes = options_.board_bytes;
   board_writer_ = SlotWriter(options_.stream);
-  for (size_t i = 0; i < local.size(); ++i) new (own_.base + kControlBytes + i * inbox_bytes_) Inbox();
+  for (size_t i = 0; i < local.size(); ++i)
+    new (own_.base + kControlBytes + i * inbox_bytes_) Inbox();
   return true;
 }
 
@@ -240,11 +246,10 @@ bool ShmTransport::link(int peer, const std::string& address, std::string* why) 
     *why = str_cat("cannot open rank ", peer, "'s segment ", path, ": ", strerror(errno));
     return false;
   }
-  struct stat st {};
+  struct stat st{};
   void* base = MAP_FAILED;
   if (fstat(peer_fd, &st) == 0 && size_t(st.st_size) == own_.bytes)
-    base = mmap(nullptr, own_.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, peer_fd,
-                0);
+    base = mmap(nullptr, own_.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, peer_fd, 0);
   ::close(peer_fd);
   if (base == MAP_FAILED) {
     *why = str_cat("cannot map rank ", peer, "'s segment (", st.st_size, " bytes, expected ",
@@ -417,12 +422,11 @@ bool ShmTransport::pump_send(int peer, Peer& p) {
 
 bool ShmTransport::send_by_address(Peer& p, Part& part) const {
   return !part.started && (part.data || part.ranges.list) && !part.produce &&
-         options_.single_copy_bytes > 0 &&
-         part.bytes >= uint64_t(options_.single_copy_bytes) &&
+         options_.single_copy_bytes > 0 && part.bytes >= uint64_t(options_.single_copy_bytes) &&
          p.out->can_pull.load(std::memory_order_relaxed) &&
-         (part.ranges.count < 2 || (part.ranges.count <= kMaxRanges &&
-                                    part.bytes / joined_ranges(part.ranges) >=
-                                        kSingleCopyRangeBytes));
+         (part.ranges.count < 2 ||
+          (part.ranges.count <= kMaxRanges &&
+           part.bytes / joined_ranges(part.ranges) >= kSingleCopyRangeBytes));
 }
 
 void ShmTransport::offer_huge_pages(const void* data, size_t bytes) {
@@ -460,8 +464,8 @@ void ShmTransport::pull(int peer, const Peer& p, Part& part, const Address& wher
         const bool joined = end && joins(end, at);
         const size_t gap = joined ? size_t(at - end) : 0, sink = gap ? 1 : 0;
         size_t used = 0;
-        const size_t len = to.peek(next.iov_len, local + n_local + sink,
-                                   kPullBatch - n_local - sink, &used);
+        const size_t len =
+            to.peek(next.iov_len, local + n_local + sink, kPullBatch - n_local - sink, &used);
         if (len == 0) break;
         if (sink) local[n_local] = {gap_sink_, gap};
         n_local += sink + used;
@@ -613,8 +617,7 @@ bool ShmTransport::pump_recv(int peer, Peer& p) {
       break;  // a pull is long: let the caller publish sends and reap before the next
     }
     if ((sh.first != 0) == part.started || sh.fragment_bytes > options_.slot_bytes ||
-        sh.fragment_bytes > part.bytes - part.done ||
-        (sh.fragment_bytes == 0 && part.bytes != 0))
+        sh.fragment_bytes > part.bytes - part.done || (sh.fragment_bytes == 0 && part.bytes != 0))
       RC_THROW_AS(kProtocol, "protocol error: rank ", peer, " sent a slot of ", sh.fragment_bytes,
                   " bytes where ", part.bytes - part.done, " were left of ", theirs.describe());
     if (part.consume)

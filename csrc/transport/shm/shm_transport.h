@@ -46,15 +46,15 @@ namespace shm {
 
 struct ShmOptions {
   size_t slot_bytes = 0;  // RINGCOMM_SHM_SLOT_BYTES; 0: chosen by prepare() from the local ranks
-  int slots = 8;                 // RINGCOMM_SHM_SLOTS: per inbox
+  int slots = 8;          // RINGCOMM_SHM_SLOTS: per inbox
   // RINGCOMM_SHM_SINGLE_COPY_BYTES; 0: never; unset: 1 MiB while every local rank has a core
   // of its own, else never (with more ranks than cores, a sender waits for its receiver to be
   // scheduled to move its bytes; through the slots it moves them itself).
   int64_t single_copy_bytes = -1;
-  bool huge_pages = true;  // RINGCOMM_SHM_HUGE_PAGES (huge_pages.h)
-  size_t board_bytes = 2 << 20;  // RINGCOMM_SHM_BOARD_BYTES; 0: no board
+  bool huge_pages = true;                 // RINGCOMM_SHM_HUGE_PAGES (huge_pages.h)
+  size_t board_bytes = 2 << 20;           // RINGCOMM_SHM_BOARD_BYTES; 0: no board
   StreamMode stream = StreamMode::kAuto;  // RINGCOMM_SHM_STREAM (stream_copy.h)
-  bool unstack = true;  // RINGCOMM_SHM_UNSTACK (ShmTransport::move_off)
+  bool unstack = true;                    // RINGCOMM_SHM_UNSTACK (ShmTransport::move_off)
   static ShmOptions from_env();
 };
 
@@ -154,17 +154,17 @@ class ShmTransport final : public Transport, public SingleCopy, public Boards {
   };
   struct Peer {
     bool enabled = false;
-    Mapping segment;                  // the peer's segment
-    Control* control = nullptr;       // its control block
-    Inbox* out = nullptr;             // my inbox in its segment: I send here
-    Inbox* in = nullptr;              // its inbox in my segment: I receive here
+    Mapping segment;                     // the peer's segment
+    Control* control = nullptr;          // its control block
+    Inbox* out = nullptr;                // my inbox in its segment: I send here
+    Inbox* in = nullptr;                 // its inbox in my segment: I receive here
     uint64_t out_head = 0, in_tail = 0;  // my copies of the counters only I write
     long pid = 0;
     Fifo<Part> sends, recvs;
-    Fifo<Part> pulling;               // single-copy sends waiting for the peer to read them
+    Fifo<Part> pulling;  // single-copy sends waiting for the peer to read them
     uint64_t pulls_sent = 0, pulls_done = 0;
-    SlotWriter writer;                // how I write into its slots
-    std::vector<char> packed;         // a produced fragment, when the writer streams it
+    SlotWriter writer;         // how I write into its slots
+    std::vector<char> packed;  // a produced fragment, when the writer streams it
   };
 
   bool pump_send(int peer, Peer& p);
@@ -186,19 +186,19 @@ class ShmTransport final : public Transport, public SingleCopy, public Boards {
   PartSink& sink_;
   int fd_ = -1;
   uint64_t nonce_;
-  uint64_t probe_word_;       // the nonce, read by peers probing single copy
-  std::vector<char> scratch_;  // single-copy receives into a consumer go through it
+  uint64_t probe_word_;               // the nonce, read by peers probing single copy
+  std::vector<char> scratch_;         // single-copy receives into a consumer go through it
   std::vector<iovec> remote_ranges_;  // a single-copy message's ranges in the sender's memory
   char gap_sink_[4096];  // what single copy reads between a sender's ranges (pull, kJoinGap)
   Mapping own_;
   Control* control_ = nullptr;
-  std::vector<int> local_;    // local ranks, in rank order
+  std::vector<int> local_;  // local ranks, in rank order
   int local_index_ = -1;
   size_t inbox_bytes_ = 0;
-  size_t board_offset_ = 0;   // of the board in every segment
+  size_t board_offset_ = 0;  // of the board in every segment
   SlotWriter board_writer_;
-  std::vector<Peer> peers_;   // by rank
-  std::vector<int> active_;   // enabled peers
+  std::vector<Peer> peers_;  // by rank
+  std::vector<int> active_;  // enabled peers
   std::chrono::steady_clock::time_point move_tried_{};
   std::atomic<uint64_t> cpu_moves_{0};
   Signature current_;

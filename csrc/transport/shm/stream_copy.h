@@ -29,7 +29,7 @@ class SlotOut {
   void finish();
 
  private:
-  char* at_;     // where the first byte not yet stored goes
+  char* at_;  // where the first byte not yet stored goes
   bool stream_;
   size_t held_ = 0;  // bytes waiting in line_, for at_ onwards
   alignas(16) unsigned char line_[64];

@@ -12,20 +12,20 @@ constexpr char kAcceptorLabel[] = "ringcomm acceptor";
 constexpr char kConnectorLabel[] = "ringcomm connector";
 
 Digest acceptor_mac(const std::string& token, const Hello& h, const uint8_t* nonce, int32_t rank) {
-  return hmac_sha256(token, {{kAcceptorLabel, sizeof kAcceptorLabel},
-                             {&h, sizeof h},
-                             {nonce, 32},
-                             {&rank, sizeof rank}});
+  return hmac_sha256(
+      token,
+      {{kAcceptorLabel, sizeof kAcceptorLabel}, {&h, sizeof h}, {nonce, 32}, {&rank, sizeof rank}});
 }
 
 Digest connector_mac(const std::string& token, const Hello& h, const uint8_t* nonce) {
-  return hmac_sha256(token, {{kConnectorLabel, sizeof kConnectorLabel}, {&h, sizeof h}, {nonce, 32}});
+  return hmac_sha256(token,
+                     {{kConnectorLabel, sizeof kConnectorLabel}, {&h, sizeof h}, {nonce, 32}});
 }
 
 }  // namespace
 
 Hello make_hello(int world_size, int rank, int socket, int sockets_per_peer) {
-  Hello h{kHandshakeMagic, kByteOrder, kProtocolVersion, 0, world_size, rank, socket,
+  Hello h{kHandshakeMagic,  kByteOrder, kProtocolVersion, 0, world_size, rank, socket,
           sockets_per_peer, {}};
   random_bytes(h.nonce, sizeof h.nonce);
   return h;
@@ -35,7 +35,8 @@ std::string hello_problem(const Hello& h, int world_size, int acceptor, int sock
   if (h.magic != kHandshakeMagic) return "not a ringcomm handshake";
   if (h.version != kProtocolVersion)
     return str_cat("rank ", h.rank, " runs ringcomm protocol version ", h.version, ", rank ",
-                   acceptor, " version ", kProtocolVersion, ": every rank must run the same ringcomm");
+                   acceptor, " version ", kProtocolVersion,
+                   ": every rank must run the same ringcomm");
   if (h.byte_order != kByteOrder) return "a peer of the other byte order";
   if (h.world_size != world_size)
     return str_cat("rank ", h.rank, " was started with world size ", h.world_size, ", rank ",

@@ -4,7 +4,8 @@
 //   1. connector -> acceptor  Hello:     who it is (rank, socket, world size, protocol version)
 //                                        and a fresh 32-byte nonce, N_c.            64 bytes
 //   2. acceptor -> connector  Challenge: its rank, a fresh nonce N_a and
-//                                        HMAC-SHA256(token, "acceptor", Hello, N_a, rank).  80 bytes
+//                                        HMAC-SHA256(token, "acceptor", Hello, N_a, rank).  80
+//                                        bytes
 //                             or a refusal Reply (a field of the Hello is wrong for this job).
 //   3. connector -> acceptor  Proof:     HMAC-SHA256(token, "connector", Hello, N_a).      40 bytes
 //   4. acceptor -> connector  Reply:     accepted or refused.                              12 bytes

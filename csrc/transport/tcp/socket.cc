@@ -26,7 +26,7 @@ std::string errno_string(int err) { return str_cat(strerror(err), " (errno ", er
 
 std::string Endpoint::str() const {
   return host.find(':') != std::string::npos ? str_cat("[", host, "]:", port)
-                                              : str_cat(host, ":", port);
+                                             : str_cat(host, ":", port);
 }
 
 Endpoint Endpoint::parse(const std::string& text) {
@@ -119,9 +119,9 @@ int listen_on(const std::string& host, Endpoint* bound) {
       socklen_t len = sizeof addr;
       getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
       bound->host = numeric_host(reinterpret_cast<sockaddr*>(&addr));
-      bound->port = ntohs(addr.ss_family == AF_INET
-                              ? reinterpret_cast<sockaddr_in*>(&addr)->sin_port
-                              : reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+      bound->port =
+          ntohs(addr.ss_family == AF_INET ? reinterpret_cast<sockaddr_in*>(&addr)->sin_port
+                                          : reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
       set_nonblocking(fd);
       return fd;
     }

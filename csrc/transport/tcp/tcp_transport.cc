@@ -18,9 +18,7 @@
 
 namespace ringcomm {
 namespace tcp {
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 TcpOptions TcpOptions::from_env(const std::string& master_addr) {
   TcpOptions o;
@@ -34,7 +32,10 @@ TcpOptions TcpOptions::from_env(const std::string& master_addr) {
 }
 
 TcpTransport::TcpTransport(int rank, int world_size, TcpOptions options, PartSink& sink)
-    : rank_(rank), world_size_(world_size), options_(std::move(options)), sink_(sink),
+    : rank_(rank),
+      world_size_(world_size),
+      options_(std::move(options)),
+      sink_(sink),
       sockets_(options_.sockets_per_peer) {
   channels_.resize(size_t(world_size) * sockets_);
   if (world_size > 1) listen_fd_ = listen_on(choose_bind_host(options_.master_addr), &bound_);
@@ -58,7 +59,8 @@ void TcpTransport::close() {
         if (n > 0) continue;
         if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
           pollfd p{ch.fd, POLLIN, 0};
-          auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+          auto left =
+              std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
           if (left.count() <= 0 || poll(&p, 1, int(left.count())) <= 0) break;
           continue;
         }
@@ -180,7 +182,8 @@ void TcpTransport::accept_higher_ranks(const std::string& token, Clock::time_poi
       int fd;
       while ((fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0) {
         if (pending.size() >= max_pending) {
-          RC_LOG("rank ", rank_, ": ", pending.size(), " connections in their handshake; "
+          RC_LOG("rank ", rank_, ": ", pending.size(),
+                 " connections in their handshake; "
                  "dropping the oldest");
           ::close(pending.front().fd);
           pending.erase(pending.begin());
@@ -196,7 +199,8 @@ void TcpTransport::accept_higher_ranks(const std::string& token, Clock::time_poi
     }
     for (size_t i = 0; i < pending.size();) {
       Pending& p = pending[i];
-      char* into = p.challenged ? reinterpret_cast<char*>(&p.proof) : reinterpret_cast<char*>(&p.hello);
+      char* into =
+          p.challenged ? reinterpret_cast<char*>(&p.proof) : reinterpret_cast<char*>(&p.hello);
       const size_t wanted = p.challenged ? sizeof p.proof : sizeof p.hello;
       ssize_t n = recv(p.fd, into + p.got, wanted - p.got, MSG_DONTWAIT);
       if (n > 0) p.got += size_t(n);
@@ -259,13 +263,15 @@ void TcpTransport::ensure_descriptors(size_t sockets) {
   if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < needed &&
       (limit.rlim_max == RLIM_INFINITY || limit.rlim_max > limit.rlim_cur)) {
     rlimit raised = limit;
-    raised.rlim_cur = limit.rlim_max == RLIM_INFINITY ? needed : std::min(limit.rlim_max, needed * 2);
+    raised.rlim_cur =
+        limit.rlim_max == RLIM_INFINITY ? needed : std::min(limit.rlim_max, needed * 2);
     if (setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;
   }
   if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < needed)
     RC_THROW("rank ", rank_, ": the mesh needs ", sockets, " sockets (", world_size_ - 1,
              " peers x ", sockets_, ") but this process may open only ", limit.rlim_cur,
-             " files (hard limit ", limit.rlim_max, "): raise it (ulimit -n) or lower "
+             " files (hard limit ", limit.rlim_max,
+             "): raise it (ulimit -n) or lower "
              "RINGCOMM_SOCKETS_PER_PEER");
 }
 
@@ -338,8 +344,8 @@ bool TcpTransport::pump_send(Channel& ch) {
       if (errno == EAGAIN || errno == EINTR) return moved;
       int err = errno;
       throw_if_peer_aborted(ch);
-      RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " lost while sending: ",
-                  errno_string(err));
+      RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer,
+                  " lost while sending: ", errno_string(err));
     }
     moved = true;
     size_t sent = size_t(n);
@@ -386,7 +392,8 @@ void TcpTransport::throw_if_peer_aborted(Channel& ch) {
     payload_left = p.bytes - p.done;
   } else if (ch.incoming_got == sizeof(WireHeader)) {
     payload_left = ch.incoming.kind == kAbortMessage ? 0 : ch.incoming.payload_bytes;
-    if (ch.incoming.kind == kAbortMessage && ch.incoming.magic == kMessageMagic) read_abort_and_throw(ch);
+    if (ch.incoming.kind == kAbortMessage && ch.incoming.magic == kMessageMagic)
+      read_abort_and_throw(ch);
   }
   while (skipped <= kMaxSkipped) {
     while (payload_left > 0) {
@@ -619,14 +626,14 @@ void TcpTransport::abort(const std::string& reason, ErrorKind kind) {
     bool between_messages = ch.sends.empty() || ch.sends.front().header_done == 0;
     if (!between_messages) {
       Part& p = ch.sends.front();
-      between_messages =
-          write_fully(ch.fd, reinterpret_cast<char*>(&p.header) + p.header_done,
-                      sizeof(WireHeader) - p.header_done, deadline) &&
-          write_fully(ch.fd, p.data + p.done, p.bytes - p.done, deadline);
+      between_messages = write_fully(ch.fd, reinterpret_cast<char*>(&p.header) + p.header_done,
+                                     sizeof(WireHeader) - p.header_done, deadline) &&
+                         write_fully(ch.fd, p.data + p.done, p.bytes - p.done, deadline);
     }
     if (between_messages) {
       WireHeader h = make_abort_header(text.size(), kind);
-      if (write_fully(ch.fd, &h, sizeof h, deadline)) write_fully(ch.fd, text.data(), text.size(), deadline);
+      if (write_fully(ch.fd, &h, sizeof h, deadline))
+        write_fully(ch.fd, text.data(), text.size(), deadline);
     }
     // Half-close: the peer reads the frame, then end-of-stream. A full close could reset the
     // connection and discard the frame before the peer reads it.

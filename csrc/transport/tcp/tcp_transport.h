@@ -20,9 +20,9 @@ namespace ringcomm {
 namespace tcp {
 
 struct TcpOptions {
-  std::string master_addr;          // used to pick the bind address (see choose_bind_host)
-  int sockets_per_peer = 1;         // RINGCOMM_SOCKETS_PER_PEER
-  int socket_buffer_bytes = 0;      // RINGCOMM_SOCKET_BUFFER; 0 keeps kernel autotuning
+  std::string master_addr;            // used to pick the bind address (see choose_bind_host)
+  int sockets_per_peer = 1;           // RINGCOMM_SOCKETS_PER_PEER
+  int socket_buffer_bytes = 0;        // RINGCOMM_SOCKET_BUFFER; 0 keeps kernel autotuning
   size_t stripe_min_bytes = 1 << 20;  // RINGCOMM_STRIPE_MIN_BYTES: split larger messages
   static TcpOptions from_env(const std::string& master_addr);
 };
@@ -89,10 +89,10 @@ class TcpTransport final : public Transport {
     int peer = -1;
     Fifo<Part> sends, recvs;
     WireHeader incoming{};
-    size_t incoming_got = 0;   // header bytes read so far
+    size_t incoming_got = 0;        // header bytes read so far
     bool incoming_matched = false;  // header checked against recvs.front()
-    bool hung_up = false;      // peer closed; reported once a receive needs data
-    WireHeader notice{};       // a waiting notice to send (socket 0 only)
+    bool hung_up = false;           // peer closed; reported once a receive needs data
+    WireHeader notice{};            // a waiting notice to send (socket 0 only)
     bool notice_pending = false;
     size_t notice_done = 0;
     int heard_waiting_on = -1;  // the peer's last waiting notice, and when it came
