@@ -2,7 +2,7 @@
 the first device transport that serves every rank.
 
     comm = ringcomm.device.DeviceCommunicator(store, rank, world_size)  # current CUDA device
-    comm.transport          # "cuda_ipc", "nccl" or "host"; comm.refused: why not the others
+    comm.transport          # "cuda_ipc" or "nccl"; comm.refused: why not the others
     comm.all_reduce(t)      # in place, on t's current stream; op="sum" | "avg" | "min" ...
                             # algorithm="auto" | "one_shot" | "shared_buffer" | "ring" (cuda_ipc)
                             # | "ring" | "tree" | "recursive_doubling" | "nccl" (nccl)
@@ -17,10 +17,10 @@ that device, and runs its CUDA all_reduces through all_reduce_work.
 The transports, tried in this order (`transports=` narrows it):
   cuda_ipc  ranks of one host, any number of them on one GPU (csrc/transport/cuda_ipc/): each
             rank's window mapped by the others, the window plans' kernels reading it in place;
-  nccl      one GPU per rank (csrc/transport/nccl/): ringcomm's step lists over ncclSend/ncclRecv;
-  host      ringcomm.Communicator, CUDA tensors staged through pinned host memory.
+  nccl      one GPU per rank (csrc/transport/nccl/): ringcomm's step lists over ncclSend/ncclRecv.
 Each one a rank cannot use is refused on every rank, with the reason logged at INFO on the
-"ringcomm" logger, before the next is tried.
+"ringcomm" logger, before the next is tried; where none serves, every rank raises
+NoDeviceTransport (ringcomm.Communicator then stages its CUDA tensors through host memory).
 
 Every wait on a peer is bounded by `timeout` (cuda_ipc: a watchdog thread releases the stream
 and the next call raises, naming the rank that gave up and why); abort() gives up at once.
@@ -35,12 +35,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import cuda
+from . import cuda, nccl
 from ._buffers import TORCH_DTYPES, op_code
 
 logger = logging.getLogger("ringcomm")
 
-TRANSPORTS = ("cuda_ipc", "nccl", "host")
+TRANSPORTS = ("cuda_ipc", "nccl")
 # A board round of the window plans (csrc/algorithms/window_plan.h): each rank's window holds
 # about 4x this plus two ring slices per rank.
 ROUND_BYTES = 8 << 20
@@ -114,7 +114,7 @@ class DeviceCommunicator:
             )
         if self.transport is None:
             raise NoDeviceTransport(self.refused)
-        self._codes = cuda._load()[0].DEVICE_ALGORITHM_CODES if self.transport != "host" else {}
+        self._codes = cuda._load()[0].DEVICE_ALGORITHM_CODES
 
     # Set-up: every rank takes each decision from what every rank said.
 
@@ -150,8 +150,6 @@ class DeviceCommunicator:
         return why
 
     def _connect_nccl(self, round_bytes: int) -> str:
-        from . import nccl
-
         module, why = cuda._load()
         why = self._agree(why or "")
         if why:
@@ -180,32 +178,12 @@ class DeviceCommunicator:
         )
         return ""
 
-    def _connect_host(self, round_bytes: int) -> str:
-        from .communicator import Communicator
-
-        # Its CUDA tensors are staged: it is this communicator's host transport.
-        self._comm = Communicator(
-            self._store,
-            self.rank,
-            self.world_size,
-            timeout=self.timeout,
-            name=f"{self._prefix}/host",
-            device_transports=(),
-        )
-        return ""
-
     # Collectives.
 
     def all_reduce(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:
-        """In place, enqueued on the current stream of the tensor's device (host: staged in the
-        stream's order). `algorithm` names one of the transport's (the module's docstring);
-        host staging takes "auto" only."""
+        """In place, enqueued on the current stream of the tensor's device. `algorithm` names
+        one of the transport's (the module's docstring)."""
         cuda._check(tensor, "tensor", device=self.device)
-        if self.transport == "host":
-            if algorithm != "auto":
-                raise ValueError(f"host staging picks its own algorithm, got {algorithm!r}")
-            self._comm.all_reduce(tensor, op=op)
-            return tensor
         self._enqueue(tensor, op, algorithm, torch.cuda.current_stream(self.device))
         return tensor
 
@@ -241,11 +219,7 @@ class DeviceCommunicator:
             # One event each way, reused: a stream's wait takes the event as recorded then.
             self._ready.record(caller)
             own.wait_event(self._ready)
-            if self.transport == "host":
-                with torch.cuda.stream(own):
-                    self.all_reduce(tensor, op, algorithm)
-            else:
-                self._enqueue(tensor, op, algorithm, own)
+            self._enqueue(tensor, op, algorithm, own)
             done = torch.cuda.Event() if async_op else self._done
             done.record(own)
             tensor.record_stream(own)
@@ -260,9 +234,6 @@ class DeviceCommunicator:
     def synchronize(self, timeout: Optional[timedelta] = None) -> None:
         """Waits for the work on the current stream. A failed peer, an abort or the deadline
         (default: the communicator's timeout) raises RingcommError (its subclass for the kind)."""
-        if self.transport == "host":
-            torch.cuda.current_stream(self.device).synchronize()
-            return
         timeout = self.timeout if timeout is None else timeout
         self._comm.synchronize(
             torch.cuda.current_stream(self.device).cuda_stream, timeout.total_seconds()

@@ -23,7 +23,7 @@ pytestmark = [
 
 
 def connect(store, rank, world):
-    from ringcomm.device import DeviceCommunicator
+    from ringcomm.device import DeviceCommunicator, NoDeviceTransport
 
     records = []
 
@@ -34,16 +34,17 @@ def connect(store, rank, world):
     log = logging.getLogger("ringcomm")
     log.setLevel(logging.INFO)
     log.addHandler(Keep())
-    comm = DeviceCommunicator(store, rank, world, device=torch.device("cuda", 0), timeout=30)
-    chosen, refused = comm.transport, dict(comm.refused)
-    comm.close()
-    return chosen, refused, records
+    try:
+        DeviceCommunicator(store, rank, world, device=torch.device("cuda", 0), timeout=30)
+    except NoDeviceTransport as e:
+        return "refused", e.refused, records
+    return "joined", {}, records
 
 
-def test_every_rank_falls_back_to_host_staging_together():
+def test_every_rank_refuses_every_device_transport_together():
     results = run_ranks(3, connect, make_comm=False, timeout=120)
     for chosen, refused, records in results:
-        assert chosen == "host"
+        assert chosen == "refused"
         assert list(refused) == ["cuda_ipc", "nccl"]
         assert refused == results[0][1]  # the same reasons on every rank
         assert refused["cuda_ipc"].startswith("rank 0: no CUDA device visible"), refused
