@@ -710,10 +710,11 @@ class Communicator:
         return self._core.algorithm_for(int(nbytes), algorithm_code(algorithm))
 
     def auto_trials(self) -> list[dict]:
-        """What auto's trials found (RINGCOMM_RETUNE_CALLS), one dict per size class retuned so
+        """What auto's trials found (RINGCOMM_RETUNE_CALLS), one dict per size class timed so
         far: `bytes` (the class: bytes .. 2 x bytes - 1), `candidates`, `seconds` (each one's
-        median in the last agreed trials it ran in, empty before the first), `winner`, `rounds`,
-        `sitting_out` (candidates left out of this round's trials, having lost by far)."""
+        median in the last agreed trials, NaN before the first), `winner`, `rounds` (trials
+        agreed), `reference` (the winner's median seconds in the first window watched after
+        them, NaN before) and `windows` (windows watched)."""
         return self._core.auto_trials()
 
     @property

@@ -1,59 +1,49 @@
-// auto's all-reduce choice for large messages, kept up to date by timing the calls themselves.
+// auto's all-reduce choice for large messages, decided by timing the calls themselves: once per
+// size class, and again only when the chosen algorithm's own time changes for good.
 //
 // The probe (probe.cc) times the algorithms once, when the communicator connects, and only up to
-// 16 MiB; larger messages take 16 MiB's factors. Both go wrong where the machine changes under a
-// running job: on a virtual machine whose CPUs the host moves between sharing a core's caches
-// and not, which algorithm is fastest at a size changes with the state, and the probe's choice
-// follows whichever state the connection met (docs/performance.md).
+// 16 MiB, and only where 3 or more ranks share a host; larger messages take 16 MiB's factors, and
+// between hosts the model has its alpha-beta figures alone, which put algorithms that move the
+// same bytes (the ring and halving-doubling) within a fraction of a percent of each other.
+// Either can be wrong by more than that, and the machine can change under a running job: on a
+// virtual machine whose CPUs the host moves between sharing a core's caches and not, which
+// algorithm is fastest at a size changes with the state (docs/performance.md).
 //
 // For each power-of-two size class from kLeastBytes up, auto all-reduces run, by their number in
-// that class's current round (the same on every rank: the calls of a class come in one order on
-// every rank, or the collectives mismatch):
-//   prelude, in the first round only: kBlock calls by the model's choice, untimed. A size's first
-//            calls pay for first touches, which would be charged to the first candidate's trials;
+// that class (the same on every rank: the calls of a class come in one order on every rank, or
+// the collectives mismatch):
+//   prelude, before the first trials only: kBlock calls by the model's choice, untimed. A size's
+//            first calls pay for first touches, which would be charged to the first candidate;
 //   trials:  a block of calls by each candidate in turn, kWarm untimed and kRepeats timed.
 //            Candidates (Selector::all_reduce_candidates, at most kMost): the model's choice,
 //            then the algorithms the alpha-beta figures alone put within kWorth of the least
 //            estimate, by the model's cost. Those figures tell apart what moves more bytes (the
 //            tree, recursive doubling); the probe's factors, found at connection and only up to
-//            16 MiB, are what the trials check: by the model's costs, an algorithm the probe left
-//            untimed, and so priced above the slowest one timed, would never be tried.
-//            Up to 4: at 2 ranks four algorithms move the same bytes, and with 3 the one the
-//            probe priced last, which can be the fastest, would be left out;
+//            16 MiB, are what the trials check. Up to 4: at 2 ranks four algorithms move the
+//            same bytes;
 //   the last trial, after its all-reduce, agrees on them: one recursive-doubling all-reduce (avg)
 //            of each trial's seconds, a call's mean time over the ranks. A rank's call runs from
 //            its own start to its own end: back to back, one that calls early waits for the
 //            others and one that calls late does not, and the mean takes these lags out. The
-//            fastest rank's time (min) counts only the work left after the last arrival, the
-//            slowest's (max) the lags: either ranks the algorithms otherwise than their times
-//            when forced. The winner is the candidate with the least median (judge()); the first
-//            round's trials decide alone: favouring the model's choice there kept it where
-//            another was faster. After it the winner stays unless another is faster by more than
-//            kMargin in two trials in a row: the one that beats it is checked by trials at once,
-//            the round cut short. A spell of a few tens of milliseconds hits one trial, and one
-//            trial alone could hand a size to a slower algorithm for the rest of a run. The
-//            margin is 5%: where algorithms run within a few percent of each other, a smaller
-//            one lets 3-call trials hand the size from one to another, each change cutting the
-//            next round back to `period` calls of which a block per candidate are trials;
-//   then the winner, to the end of the round: `period` calls, doubled (up to kLongest x) each
-//            time a round keeps its winner, back to `period` when it changes.
-// Trials cost at most (k-1) * kBlock calls of slower algorithms a round: in the first round of
-// 64 calls, with candidates a quarter slower than the winner, 12 x 0.25 / 64 = 5 % of the round.
-// The model's estimates can be far off, and a far loser costs more: at 2 ranks recursive doubling
-// (each rank reduces the whole message, the ring's half) can take twice the ring's time where
-// its estimate is close to the ring's; its block alone then costs 4 x 1.0 / 64 = 6 % of a first
-// round, and each recheck and change of winner, which shortens the next round, runs it again. So
-// a candidate whose median is more than kSitOut x the winner's in two agreed rounds in a row sits
-// out the trials of the next kSitOutRounds rounds. A change of the machine's state moves the
-// algorithms' times against each other by less than kSitOut: a far loser stays one, and is
-// checked again after those rounds. Once is not enough: a rank taken off its CPU for a few calls,
-// as happens with more ranks than CPUs, can make one round's trials of the faster algorithm take
-// twice the other's.
+//            winner is the candidate with the least median (judge()). The first trials decide
+//            alone (the incumbent is only the model's guess); later ones keep the incumbent
+//            unless another is faster by more than kMargin: where algorithms run within a few
+//            percent of each other, 3-call trials would hand the size from one to another;
+//   then the winner, watched: its calls' seconds in windows of `window` calls, one agreement
+//            after each (a recursive-doubling all-reduce of the window's seconds, as above),
+//            giving the window's median. The first window after trials sets the reference (the
+//            calls after a switch still pay for the other algorithm's traces in the caches); a
+//            window whose median is off it by more than kChange, either way, is a strike, and
+//            kStrikes in a row run the trials again (watch()). A spell of a few tens of
+//            milliseconds moves one window; a machine that changed moves them all.
+// So trials cost (k-1) x kBlock calls of slower algorithms once per size class, and again only
+// after a change: where candidates are within noise of each other nothing alternates, and an
+// algorithm that stalls now and then over TCP is not tried again and again. The watch costs one
+// all-reduce of `window` doubles per `window` calls: at 64 calls, 512 bytes, one latency.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -78,51 +68,40 @@ class Retuner {
   static constexpr size_t kMost = 4;      // candidates
   static constexpr double kWorth = 1.25;  // times the least estimate
   static constexpr double kMargin = 0.05;
-  static constexpr double kSitOut = 1.5;  // times the winner's median
-  static constexpr uint64_t kSitOutRounds = 4;
-  static constexpr uint64_t kLongest = 16;  // rounds grow to 16x `period`
-  static constexpr uint64_t kLeastPeriod = (kMost + 1) * kBlock + 1;
+  // A window's median off the reference by more than 25% (either way), in 3 windows in a row:
+  // a TCP stream's own spread over 64 calls stays within a few percent, and one spell of a
+  // loaded machine or a stalled link moves one window, not three.
+  static constexpr double kChange = 0.25;
+  static constexpr uint64_t kStrikes = 3;
+  static constexpr uint64_t kLeastWindow = 8;
 
-  // `period`: the calls of a round at first; 0: never retune (auto keeps the model's choice).
-  explicit Retuner(uint64_t period = 0);
+  // `window`: the calls of a watch window; 0: never retune (auto keeps the model's choice).
+  explicit Retuner(uint64_t window = 0);
 
-  bool covers(size_t bytes) const { return period_ > 0 && bytes >= kLeastBytes; }
+  bool covers(size_t bytes) const { return window_ > 0 && bytes >= kLeastBytes; }
   // On the thread running operations, in their order: the algorithm of the next auto all-reduce
   // of `bytes` (covered).
   Algorithm next(const Selector& select, size_t bytes);
-  // After it ran: this rank's seconds. After the last trial of a round, agrees on the winner with
-  // every rank (a collective on `ctx`).
+  // After it ran: this rank's seconds. After the last trial or the last call of a window, agrees
+  // with every rank (a collective on `ctx`).
   void ran(Context& ctx, size_t bytes, double seconds);
 
-  // The agreement's verdict on a round's medians (one per candidate), the same on every rank:
-  // the winner from now on, and a candidate that beat the winner once, to be checked by trials
-  // at once, or kNone.
-  static constexpr size_t kNone = size_t(-1);
-  struct Verdict {
-    size_t winner, challenger;
-  };
-  static Verdict judge(const std::vector<double>& medians, size_t winner, size_t challenger,
-                       uint64_t rounds);
-  // A candidate's standing in the trials.
-  struct Rest {
-    bool lost_far = false;  // its last trials took more than kSitOut x the winner's median
-    uint64_t rounds = 0;    // rounds of trials it still sits out
-  };
-  // A median of a candidate that sat the round out.
-  static constexpr double kUnmeasured = std::numeric_limits<double>::infinity();
-  // After a verdict: each candidate's standing from the next round on. `medians` holds this
-  // round's (kUnmeasured for those that sat it out), `rests` the standings it began with.
-  static std::vector<Rest> sit_out(const std::vector<double>& medians, size_t winner,
-                                   std::vector<Rest> rests);
+  // The verdict on trials' agreed medians (one per candidate), the same on every rank: the
+  // index of the winner from now on. `first`: the class's first trials.
+  static size_t judge(const std::vector<double>& medians, size_t incumbent, bool first);
+  // The verdict on a window's agreed median against the reference: the strikes from now on
+  // (kStrikes: trials again).
+  static uint64_t watch(double median, double reference, uint64_t strikes);
 
   // What the trials found, for reports and tests: one entry per size class retuned so far.
   struct Report {
     size_t bytes;  // the class: bytes .. 2 x bytes - 1
     std::vector<Algorithm> candidates;
-    std::vector<double> seconds;         // each candidate's median in the last trials it ran in
-    Algorithm winner;                    // what the calls outside trials run
-    uint64_t rounds;                     // rounds of trials agreed
-    std::vector<Algorithm> sitting_out;  // candidates left out of this round's trials
+    std::vector<double> seconds;  // each candidate's median in the last trials (NaN before)
+    Algorithm winner;             // what the calls outside trials run
+    uint64_t rounds;              // trials agreed
+    double reference;             // the winner's median in the first window after them (NaN before)
+    uint64_t windows;             // windows watched
   };
   std::vector<Report> report() const;
   // The algorithm an auto all-reduce of `bytes` runs outside trials: the winner, or the model's
@@ -132,23 +111,22 @@ class Retuner {
  private:
   struct SizeClass {
     std::vector<Algorithm> candidates;
-    size_t winner = 0;               // index into candidates
-    uint64_t call = 0;               // in this round
-    uint64_t start = 0;              // the round's first trial: kBlock (a prelude) in the first
-    uint64_t period = 0;             // this round's calls
-    std::vector<size_t> contenders;  // this round's trials, a block each: indices into candidates
-    std::vector<double> trials;      // this round's seconds on this rank
-    std::vector<double> medians;     // per candidate, from the last trials it ran in
-    std::vector<Rest> rests;         // per candidate
+    size_t winner = 0;            // index into candidates
+    uint64_t call = 0;            // in this stretch: the trials (with the prelude) or a window
+    bool trying = true;           // in trials, else watching
+    uint64_t start = 0;           // the first trial's call: kBlock (the prelude) the first time
+    std::vector<double> times;    // this stretch's seconds on this rank
+    std::vector<double> medians;  // per candidate, from the last trials
     uint64_t rounds = 0;
-    size_t challenger = kNone;  // beat the winner in the last trials
+    double reference = 0;  // 0: the next window sets it
+    uint64_t strikes = 0, windows = 0;
   };
   SizeClass& size_class(const Selector& select, size_t bytes);
-  static void start_round(SizeClass& c);     // call 0 of a round: who runs its trials
-  static long trial_of(const SizeClass& c);  // this call's index in c.trials, or -1
-  void agree(Context& ctx, int size_log2, SizeClass& c);
+  static long trial_of(const SizeClass& c);  // this call's index in c.times in trials, or -1
+  void agree_trials(Context& ctx, int size_log2, SizeClass& c);
+  void agree_window(Context& ctx, int size_log2, SizeClass& c);
 
-  const uint64_t period_;
+  const uint64_t window_;
   mutable std::mutex mu_;             // report() and current() may run on any thread
   std::map<int, SizeClass> classes_;  // by floor(log2(bytes))
 };

@@ -60,10 +60,17 @@ double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
   return estimate(algo, bytes) * model_.factor(algo, bytes);
 }
 
+// Between hosts (TCP), each round of recursive doubling and halving-doubling starts a bulk
+// transfer on a connection idle since the call before, which TCP restarts from a small window,
+// where the ring keeps its two connections streaming: 16 MiB on 4 hosts at 1 Gbit/s,
+// halving-doubling took 1.08x the ring's time (docs/algorithms.md), moving the same bytes.
+constexpr double kExchangeOverTcp = 1.08;
+
 double Selector::estimate(Algorithm algo, double bytes) const {
   const double n = n_;
   if (n_ <= 1) return 0;
   const double a = model_.alpha_s, b = model_.bytes_per_s, g = model_.reduce_bytes_per_s;
+  const double exchange_b = hosts_ >= 2 ? b / kExchangeOverTcp : b;
   const int p = butterfly_size(n_);  // recursive doubling's and halving-doubling's
   const double rounds = std::log2(double(p));
   switch (algo) {
@@ -71,15 +78,15 @@ double Selector::estimate(Algorithm algo, double bytes) const {
       // log2(p) exchanges of the whole vector, each reduced; a fold and an unfold around them
       // when n is not a power of two.
       const double fold = p < n_ ? 2 : 0;
-      return (rounds + fold) * (a + bytes / b) + (rounds + fold / 2) * bytes / g;
+      return (rounds + fold) * (a + bytes / exchange_b) + (rounds + fold / 2) * bytes / g;
     }
     case Algorithm::kHalvingDoubling: {
       // a reduce-scatter by recursive halving and an all-gather by recursive doubling: the ring's
       // bytes in 2 log2(p) rounds; around them a fold and an unfold of the whole vector when n is
       // not a power of two
       const double share = double(p - 1) / p * bytes;
-      const double fold = p < n_ ? 2 * (a + bytes / b) + bytes / g : 0;
-      return 2 * rounds * a + 2 * share / b + share / g + fold;
+      const double fold = p < n_ ? 2 * (a + bytes / exchange_b) + bytes / g : 0;
+      return 2 * rounds * a + 2 * share / exchange_b + share / g + fold;
     }
     case Algorithm::kTree: {
       // reduce up and broadcast down a binary tree, pipelined in chunks: each link carries the

@@ -201,8 +201,8 @@ std::vector<Knob> make_table() {
        {},
        "auto",
        kAlgorithms,
-       "calls per round of auto's trials; 0: never, else >= 21; auto: 64 where the link model is "
-       "probed, else 0"},
+       "calls per window watching auto's choice (lasting change: trials again); 0: no trials, "
+       "else >= 8; auto: 64 if probed"},
       {"RINGCOMM_RING_SLICE_BYTES",
        T::kSize,
        {},

@@ -212,9 +212,8 @@ PYBIND11_MODULE(_C, m) {
                d["seconds"] = r.seconds;
                d["winner"] = algorithm_name(r.winner);
                d["rounds"] = r.rounds;
-               py::list sitting_out;
-               for (Algorithm a : r.sitting_out) sitting_out.append(algorithm_name(a));
-               d["sitting_out"] = sitting_out;
+               d["reference"] = r.reference;
+               d["windows"] = r.windows;
                out.append(d);
              }
              return out;

@@ -1072,12 +1072,12 @@ def run_rows(
 
 
 def settle_auto(case: Case, most_calls: int = 100) -> None:
-    """Warms up auto's all-reduce until its first trials are over, where it retunes the size
+    """Warms up auto's all-reduce until its first trials are over, where it times the size
     (Communicator.auto_trials): after 4 calls by the model's choice they run each candidate 4
     times (16 calls with 4 candidates), more than the untimed calls before the first sample
     cover at the larger sizes (5, then 2 before each sample at 64 MiB). Every rank stops at the
-    same call: the trials' end is agreed. Later rounds' trials fall in the samples, as they
-    would in a job."""
+    same call: the trials' end is agreed. Trials again after a lasting change in the winner's
+    time fall in the samples, as they would in a job."""
     if (
         case.lib != "ringcomm"
         or case.coll != "all_reduce"

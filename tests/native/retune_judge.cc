@@ -1,8 +1,8 @@
-// Retuner::judge (csrc/algorithms/retune.h), the verdict every rank draws from a round's agreed
-// medians: the first round takes its fastest; later a candidate must beat the winner by more
-// than kMargin in two trials in a row, the second run at once (a challenger); one that lost by
-// far twice in a row sits out the next rounds (Retuner::sit_out). Prints "ok", or the first
-// wrong verdict and exits 1.
+// Retuner::judge and Retuner::watch (csrc/algorithms/retune.h), the verdicts every rank draws
+// from agreed medians: the first trials take their fastest; later ones keep the incumbent unless
+// another is faster by more than kMargin; a window off the reference by more than kChange, either
+// way, is a strike, and one within it clears them. Prints "ok", or the first wrong verdict and
+// exits 1.
 //
 // usage: retune_judge
 #include <cstdint>
@@ -14,28 +14,21 @@
 namespace {
 
 using ringcomm::Retuner;
-constexpr size_t kNone = Retuner::kNone;
 
-bool expect(const char* what, const std::vector<double>& medians, size_t winner, size_t challenger,
-            uint64_t rounds, Retuner::Verdict want) {
-  const Retuner::Verdict got = Retuner::judge(medians, winner, challenger, rounds);
-  if (got.winner == want.winner && got.challenger == want.challenger) return true;
-  std::printf("%s: winner %zu, challenger %zu; want %zu, %zu\n", what, got.winner, got.challenger,
-              want.winner, want.challenger);
+bool expect(const char* what, const std::vector<double>& medians, size_t incumbent, bool first,
+            size_t want) {
+  const size_t got = Retuner::judge(medians, incumbent, first);
+  if (got == want) return true;
+  std::printf("%s: winner %zu, want %zu\n", what, got, want);
   return false;
 }
 
-bool expect_rest(const char* what, const std::vector<double>& medians, size_t winner,
-                 const std::vector<Retuner::Rest>& rests, const std::vector<Retuner::Rest>& want) {
-  const std::vector<Retuner::Rest> got = Retuner::sit_out(medians, winner, rests);
-  bool same = got.size() == want.size();
-  for (size_t a = 0; same && a < got.size(); ++a)
-    same = got[a].lost_far == want[a].lost_far && got[a].rounds == want[a].rounds;
-  if (same) return true;
-  std::printf("%s: standings", what);
-  for (const Retuner::Rest& r : got)
-    std::printf(" (%d, %llu)", int(r.lost_far), static_cast<unsigned long long>(r.rounds));
-  std::printf("\n");
+bool expect_watch(const char* what, double median, double reference, uint64_t strikes,
+                  uint64_t want) {
+  const uint64_t got = Retuner::watch(median, reference, strikes);
+  if (got == want) return true;
+  std::printf("%s: %llu strikes, want %llu\n", what, static_cast<unsigned long long>(got),
+              static_cast<unsigned long long>(want));
   return false;
 }
 
@@ -43,34 +36,21 @@ bool expect_rest(const char* what, const std::vector<double>& medians, size_t wi
 
 int main() {
   bool ok = true;
-  // The first round trusts its trials, however close: the incumbent is the model's guess.
-  ok &= expect("first round", {24.3, 30.0, 24.0}, 0, kNone, 0, {2, kNone});
-  // Later, within the margin the winner stays.
-  ok &= expect("within the margin", {24.3, 30.0, 24.0}, 0, kNone, 3, {0, kNone});
-  // Beaten by more: trials again at once, the winner kept until then.
-  ok &= expect("beaten once", {7.40, 7.45, 5.41}, 0, kNone, 1, {0, 2});
-  // Beaten again by the same one: it takes over.
-  ok &= expect("beaten twice", {7.40, 7.45, 5.41}, 0, 2, 2, {2, kNone});
-  // The check clears it: the winner stays and nothing waits.
-  ok &= expect("cleared", {4.79, 7.45, 7.36}, 0, 2, 2, {0, kNone});
-  ok &= expect("cleared within the margin", {5.50, 7.45, 5.41}, 0, 2, 2, {0, kNone});
-  // Another one beats it in the check: that one is checked next.
-  ok &= expect("another challenger", {7.40, 5.00, 7.36}, 0, 2, 2, {0, 1});
-  // The winner fastest: any challenger is dropped.
-  ok &= expect("winner fastest", {4.79, 7.45, 7.36}, 0, 1, 5, {0, kNone});
-  // Sitting out (Retuner::sit_out): more than 1.5x the winner's median in two trials in a row,
-  // then 4 rounds; one that sat this round out (kUnmeasured) keeps its standing.
-  using Rest = Retuner::Rest;
-  const double out_of_round = Retuner::kUnmeasured;
-  const Rest fresh{false, 0}, once{true, 0}, out{false, Retuner::kSitOutRounds};
-  ok &= expect_rest("far loser, once", {210, 204, 213, 423}, 1, {fresh, fresh, fresh, fresh},
-                    {fresh, fresh, fresh, once});
-  ok &= expect_rest("far loser, twice", {210, 204, 213, 423}, 1, {fresh, fresh, fresh, once},
-                    {fresh, fresh, fresh, out});
-  ok &= expect_rest("near again", {200, 250, 301}, 0, {fresh, once, once}, {fresh, fresh, out});
-  ok &= expect_rest("at 1.5x, not far", {200, 300}, 0, {fresh, once}, {fresh, fresh});
-  ok &= expect_rest("resting", {200, out_of_round, 250}, 0, {fresh, {false, 2}, once},
-                    {fresh, {false, 2}, fresh});
+  // The first trials trust their medians, however close: the incumbent is the model's guess.
+  ok &= expect("first trials", {24.3, 30.0, 24.0}, 0, true, 2);
+  // Later, within the margin the incumbent stays.
+  ok &= expect("within the margin", {24.3, 30.0, 24.0}, 0, false, 0);
+  ok &= expect("at the margin", {100.0, 95.0}, 0, false, 0);
+  // Beaten by more, it gives way.
+  ok &= expect("beaten", {7.40, 7.45, 5.41}, 0, false, 2);
+  ok &= expect("incumbent fastest", {4.79, 7.45, 7.36}, 0, false, 0);
+  // The watch: a window more than 25% off the reference either way is a strike.
+  ok &= expect_watch("steady", 210, 200, 0, 0);
+  ok &= expect_watch("slower", 251, 200, 0, 1);
+  ok &= expect_watch("faster", 159, 200, 1, 2);
+  ok &= expect_watch("at the edge", 250, 200, 1, 0);
+  ok &= expect_watch("third in a row", 400, 200, 2, Retuner::kStrikes);
+  ok &= expect_watch("back within", 205, 200, 2, 0);
   if (ok) std::printf("ok\n");
   return ok ? 0 : 1;
 }
