@@ -135,11 +135,11 @@ namespace {
 // RINGCOMM_RETUNE_CALLS: auto, by default, times its candidates where the link model was probed
 // for this run (RINGCOMM_TUNING unset); a model pinned in a file or "off" keeps its choices, so
 // the same inputs give the same bits run after run.
-uint64_t retune_window(int world_size) {
-  constexpr uint64_t kWindow = 64;
+uint64_t retune_span(int world_size) {
+  constexpr uint64_t kSpan = 64;
   if (world_size < 2) return 0;
   const std::optional<int64_t> calls = knob_int("RINGCOMM_RETUNE_CALLS");
-  if (!calls) return knob_string("RINGCOMM_TUNING").empty() ? kWindow : 0;
+  if (!calls) return knob_string("RINGCOMM_TUNING").empty() ? kSpan : 0;
   RC_CHECK_ARG(*calls >= 0, "RINGCOMM_RETUNE_CALLS=", *calls, " is negative");
   return uint64_t(*calls);
 }
@@ -154,7 +154,7 @@ Communicator::Communicator(int rank, int world_size, double timeout_s,
       timeout_(
           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))),
       selector_(world_size, LinkModel{}),
-      retuner_(retune_window(world_size)) {
+      retuner_(retune_span(world_size)) {
   RC_CHECK_ARG(world_size >= 1, "world_size must be >= 1, got ", world_size);
   RC_CHECK_ARG(rank >= 0 && rank < world_size, "rank ", rank, " out of range for world_size ",
                world_size);

@@ -712,9 +712,10 @@ class Communicator:
     def auto_trials(self) -> list[dict]:
         """What auto's trials found (RINGCOMM_RETUNE_CALLS), one dict per size class timed so
         far: `bytes` (the class: bytes .. 2 x bytes - 1), `candidates`, `seconds` (each one's
-        median in the last agreed trials, NaN before the first), `winner`, `rounds` (trials
-        agreed), `reference` (the winner's median seconds in the first window watched after
-        them, NaN before) and `windows` (windows watched)."""
+        median in the last agreed trials, NaN before the first), `paid` (each one's mean
+        seconds a call over its last span of calls since those trials, NaN where it ran none),
+        `winner`, `rounds` (trials agreed), `reference` (the winner's median seconds in the first span watched after
+        them, NaN before) and `spans` (spans of calls watched)."""
         return self._core.auto_trials()
 
     @property

@@ -66,30 +66,30 @@ def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
     assert ring > shared, found  # what the trials measured decides: no bound on the ratio
     assert found["winner"] == now == "shared_buffer" and found["rounds"] == 1
     # 4 calls by the model's choice, a block of 1 + 3 calls by each candidate, the model's first,
-    # then the winner, watched in windows of 24 calls (RINGCOMM_RETUNE_CALLS), its time steady:
+    # then the winner, watched in spans of 24 calls (RINGCOMM_RETUNE_CALLS), its time steady:
     # no trials again.
     runs = [(name, len(list(calls))) for name, calls in itertools.groupby(ran)]
     assert ran == ["ring"] * 8 + ["shared_buffer"] * (calls - 8), runs
-    assert found["windows"] == 3 and found["reference"] > 0, found
+    assert found["spans"] == 3 and found["reference"] > 0, found
 
 
 @pytest.mark.serial
 def test_a_lasting_change_in_the_winners_time_runs_the_trials_again(tmp_path):
     """Calls of one size class (4 MiB up to 8 MiB) whose size, and so time, doubles after the first
-    window watched: the three windows after it are each a strike, and the trials run again."""
-    window = 8
+    span watched: the three spans after it are each a strike, and the trials run again."""
+    span = 8
     big = 2 * COUNT - 1024
-    counts = [COUNT] * (12 + window) + [big] * (3 * window) + [big] * 8
-    env = dict(SLOW_RING, RINGCOMM_RETUNE_CALLS=str(window))
+    counts = [COUNT] * (12 + span) + [big] * (3 * span) + [big] * 8
+    env = dict(SLOW_RING, RINGCOMM_RETUNE_CALLS=str(span))
     results = run_ranks(3, auto_calls, 0, str(tmp_path / "t.json"), counts, env=env, timeout=120)
     trials, now, ran, wrong = results[0]
     # agreed figures are the same on every rank (json: NaN, before a figure exists, equals NaN)
     assert all(json.dumps(r[:3]) == json.dumps(results[0][:3]) for r in results), "disagree"
     assert all(r[3] == 0 for r in results)
     (found,) = trials
-    assert found["rounds"] == 2 and found["windows"] == 4, found
+    assert found["rounds"] == 2 and found["spans"] == 4, found
     # the second trials: a block per candidate, no prelude, right after the third strike
-    second = ran[12 + 4 * window :]
+    second = ran[12 + 4 * span :]
     assert second == ["ring"] * 4 + ["shared_buffer"] * 4, second
 
 
@@ -138,9 +138,9 @@ def test_ranks_that_retune_differently_fail_with_a_mismatch_not_a_hang():
         assert "mismatch" in message.lower(), message
 
 
-def test_verdicts_on_trials_and_windows(tmp_path):
+def test_verdicts_on_trials_and_spans(tmp_path):
     """Retuner::judge and Retuner::watch, in one process: later trials keep the incumbent within
-    the margin; windows off the reference count strikes, one within it clears them."""
+    the margin; spans off the reference count strikes, one within it clears them."""
     import subprocess
     from ranks import build_native
 

@@ -17,6 +17,12 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+double mean(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return sum / double(v.size());
+}
+
 // Each call's seconds averaged over the ranks (see the header: the mean takes the lags out).
 std::vector<double> averaged(Context& ctx, std::vector<double> seconds) {
   recursive_doubling_all_reduce(ctx, seconds.data(), seconds.size(), DType::kFloat64,
@@ -26,10 +32,10 @@ std::vector<double> averaged(Context& ctx, std::vector<double> seconds) {
 
 }  // namespace
 
-Retuner::Retuner(uint64_t window) : window_(window) {
-  RC_CHECK_ARG(window == 0 || window >= kLeastWindow, "RINGCOMM_RETUNE_CALLS=", window,
-               ": 0 (never) or at least ", kLeastWindow,
-               " (calls of a window, of which the median counts)");
+Retuner::Retuner(uint64_t span) : span_(span) {
+  RC_CHECK_ARG(span == 0 || span >= kLeastSpan, "RINGCOMM_RETUNE_CALLS=", span,
+               ": 0 (never) or at least ", kLeastSpan,
+               " (calls of a span, of which the median counts)");
 }
 
 Retuner::SizeClass& Retuner::size_class(const Selector& select, size_t bytes) {
@@ -42,6 +48,7 @@ Retuner::SizeClass& Retuner::size_class(const Selector& select, size_t bytes) {
     c.trying = c.candidates.size() > 1;  // one candidate has nothing to try against
     c.times.assign(c.trying ? c.candidates.size() * kBlock : 0, 0.0);
     c.medians.assign(c.candidates.size(), std::nan(""));
+    c.paid = c.medians;
     if (debug_enabled()) {
       std::string names;
       for (Algorithm a : c.candidates)
@@ -83,15 +90,24 @@ void Retuner::ran(Context& ctx, size_t bytes, double seconds) {
   }
   if (c.candidates.size() < 2) return;  // nothing to switch to: nothing to watch
   c.times.push_back(seconds);
-  if (++c.call < window_) return;
+  if (++c.call < span_) return;
   lk.unlock();
-  agree_window(ctx, size_log2, c);
+  agree_span(ctx, size_log2, c);
 }
 
 size_t Retuner::judge(const std::vector<double>& medians, size_t incumbent, bool first) {
   const size_t best = size_t(std::min_element(medians.begin(), medians.end()) - medians.begin());
   if (first || medians[best] < medians[incumbent] * (1 - kMargin)) return best;
   return incumbent;
+}
+
+size_t Retuner::rival(const std::vector<double>& costs, size_t winner) {
+  size_t best = kNone;
+  for (size_t a = 0; a < costs.size(); ++a)
+    if (a != winner && costs[a] < costs[winner] * (1 - kMargin) &&
+        (best == kNone || costs[a] < costs[best]))
+      best = a;
+  return best;
 }
 
 uint64_t Retuner::watch(double median, double reference, uint64_t strikes) {
@@ -117,21 +133,41 @@ void Retuner::agree_trials(Context& ctx, int size_log2, SizeClass& c) {
   }
   std::lock_guard<std::mutex> lk(mu_);
   c.medians = medians;
+  c.paid.assign(medians.size(), std::nan(""));  // what came before them no longer holds
   c.winner = winner;
   ++c.rounds;
   c.trying = false;
   c.call = 0;
   c.times.clear();
   c.reference = 0;
-  c.strikes = 0;
+  c.strikes = c.outpaced = 0;
 }
 
-void Retuner::agree_window(Context& ctx, int size_log2, SizeClass& c) {
-  const double now = median(averaged(ctx, c.times));
+void Retuner::agree_span(Context& ctx, int size_log2, SizeClass& c) {
+  const std::vector<double> times = averaged(ctx, c.times);
+  const double now = median(times);
   std::lock_guard<std::mutex> lk(mu_);
-  ++c.windows;
+  ++c.spans;
   c.call = 0;
   c.times.clear();
+  c.paid[c.winner] = mean(times);
+  std::vector<double> costs = c.paid;
+  for (size_t a = 0; a < costs.size(); ++a)
+    if (std::isnan(costs[a])) costs[a] = c.medians[a];
+  const size_t other = rival(costs, c.winner);
+  c.outpaced = other == kNone ? 0 : c.outpaced + 1;
+  if (c.outpaced >= kOutpaced) {
+    if (ctx.rank() == 0)
+      RC_LOG("all_reduce of ", size_t(1) << size_log2,
+             " bytes and more: ", algorithm_name(c.candidates[other]), " from now on, not ",
+             algorithm_name(c.candidates[c.winner]), " (", costs[c.winner] * 1e6,
+             " us a call over its last span, against ", costs[other] * 1e6, " us ",
+             std::isnan(c.paid[other]) ? "in trials" : "over its last span", ")");
+    c.winner = other;
+    c.reference = 0;
+    c.strikes = c.outpaced = 0;
+    return;
+  }
   if (c.reference == 0) {
     c.reference = now;
     return;
@@ -141,8 +177,8 @@ void Retuner::agree_window(Context& ctx, int size_log2, SizeClass& c) {
   if (ctx.rank() == 0)
     RC_LOG("all_reduce of ", size_t(1) << size_log2,
            " bytes and more: ", algorithm_name(c.candidates[c.winner]), " took ", now * 1e6,
-           " us a call against ", c.reference * 1e6, " us after its trials, in ", kStrikes,
-           " windows in a row: trials again");
+           " us a call against ", c.reference * 1e6, " us in its first span, in ", kStrikes,
+           " spans in a row: trials again");
   c.trying = true;
   c.start = 0;
   c.times.assign(c.candidates.size() * kBlock, 0.0);
@@ -152,8 +188,8 @@ std::vector<Retuner::Report> Retuner::report() const {
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<Report> out;
   for (const auto& [log2, c] : classes_)
-    out.push_back({size_t(1) << log2, c.candidates, c.medians, c.candidates[c.winner], c.rounds,
-                   c.reference > 0 ? c.reference : std::nan(""), c.windows});
+    out.push_back({size_t(1) << log2, c.candidates, c.medians, c.paid, c.candidates[c.winner],
+                   c.rounds, c.reference > 0 ? c.reference : std::nan(""), c.spans});
   return out;
 }
 

@@ -29,17 +29,26 @@
 //            alone (the incumbent is only the model's guess); later ones keep the incumbent
 //            unless another is faster by more than kMargin: where algorithms run within a few
 //            percent of each other, 3-call trials would hand the size from one to another;
-//   then the winner, watched: its calls' seconds in windows of `window` calls, one agreement
-//            after each (a recursive-doubling all-reduce of the window's seconds, as above),
-//            giving the window's median. The first window after trials sets the reference (the
-//            calls after a switch still pay for the other algorithm's traces in the caches); a
-//            window whose median is off it by more than kChange, either way, is a strike, and
-//            kStrikes in a row run the trials again (watch()). A spell of a few tens of
-//            milliseconds moves one window; a machine that changed moves them all.
+//   then the winner, watched: its calls' seconds in spans of `span` calls, one agreement
+//            after each (a recursive-doubling all-reduce of the span's seconds, as above),
+//            giving the span's mean and median. The mean is what the calls cost the caller,
+//            stalls included, and becomes the winner's cost; another candidate whose cost (the
+//            mean of its own last span where it ran one, else its trials' median) is below it
+//            by more than kMargin in kOutpaced spans in a row takes over (rival()). An algorithm
+//            whose calls stall now and then over TCP (halving-doubling at 256 KiB between hosts:
+//            some calls of tens of milliseconds among calls of 3) wins 3-call trials on its
+//            median and loses on its spans' mean. A switch needs the other's cost lower by the
+//            margin, and once both ran spans both costs are measured: two candidates within the
+//            margin never alternate. The median, steadier, watches for a change of the machine:
+//            the first span after trials or a switch sets the reference (the calls after a
+//            switch still pay for the other algorithm's traces in the caches); a span whose
+//            median is off it by more than kChange, either way, is a strike, and kStrikes in a
+//            row run the trials again (watch()), the spans' costs forgotten. A spell of a few
+//            tens of milliseconds moves one span; a machine that changed moves them all.
 // So trials cost (k-1) x kBlock calls of slower algorithms once per size class, and again only
-// after a change: where candidates are within noise of each other nothing alternates, and an
-// algorithm that stalls now and then over TCP is not tried again and again. The watch costs one
-// all-reduce of `window` doubles per `window` calls: at 64 calls, 512 bytes, one latency.
+// after a change; a rival taken on the trials' word costs at most kOutpaced spans before its own
+// spans' cost decides. The watch costs one all-reduce of `span` doubles per `span` calls: at 64
+// calls, 512 bytes, one latency.
 #pragma once
 
 #include <cstddef>
@@ -68,40 +77,46 @@ class Retuner {
   static constexpr size_t kMost = 4;      // candidates
   static constexpr double kWorth = 1.25;  // times the least estimate
   static constexpr double kMargin = 0.05;
-  // A window's median off the reference by more than 25% (either way), in 3 windows in a row:
+  // A span's median off the reference by more than 25% (either way), in 3 spans in a row:
   // a TCP stream's own spread over 64 calls stays within a few percent, and one spell of a
-  // loaded machine or a stalled link moves one window, not three.
+  // loaded machine or a stalled link moves one span, not three.
   static constexpr double kChange = 0.25;
   static constexpr uint64_t kStrikes = 3;
-  static constexpr uint64_t kLeastWindow = 8;
+  static constexpr uint64_t kOutpaced = 2;
+  static constexpr uint64_t kLeastSpan = 8;
 
-  // `window`: the calls of a watch window; 0: never retune (auto keeps the model's choice).
-  explicit Retuner(uint64_t window = 0);
+  // `span`: the calls of a watch span; 0: never retune (auto keeps the model's choice).
+  explicit Retuner(uint64_t span = 0);
 
-  bool covers(size_t bytes) const { return window_ > 0 && bytes >= kLeastBytes; }
+  bool covers(size_t bytes) const { return span_ > 0 && bytes >= kLeastBytes; }
   // On the thread running operations, in their order: the algorithm of the next auto all-reduce
   // of `bytes` (covered).
   Algorithm next(const Selector& select, size_t bytes);
-  // After it ran: this rank's seconds. After the last trial or the last call of a window, agrees
+  // After it ran: this rank's seconds. After the last trial or the last call of a span, agrees
   // with every rank (a collective on `ctx`).
   void ran(Context& ctx, size_t bytes, double seconds);
 
   // The verdict on trials' agreed medians (one per candidate), the same on every rank: the
   // index of the winner from now on. `first`: the class's first trials.
   static size_t judge(const std::vector<double>& medians, size_t incumbent, bool first);
-  // The verdict on a window's agreed median against the reference: the strikes from now on
+  // The verdict on a span's agreed median against the reference: the strikes from now on
   // (kStrikes: trials again).
   static uint64_t watch(double median, double reference, uint64_t strikes);
+  // The candidate that costs less than the winner by more than kMargin (`costs`: seconds a call,
+  // one per candidate), the cheapest if several, or kNone.
+  static constexpr size_t kNone = size_t(-1);
+  static size_t rival(const std::vector<double>& costs, size_t winner);
 
   // What the trials found, for reports and tests: one entry per size class retuned so far.
   struct Report {
     size_t bytes;  // the class: bytes .. 2 x bytes - 1
     std::vector<Algorithm> candidates;
     std::vector<double> seconds;  // each candidate's median in the last trials (NaN before)
+    std::vector<double> paid;     // each one's mean in its last span since them (NaN: none)
     Algorithm winner;             // what the calls outside trials run
     uint64_t rounds;              // trials agreed
-    double reference;             // the winner's median in the first window after them (NaN before)
-    uint64_t windows;             // windows watched
+    double reference;             // the winner's median in its first span (NaN before)
+    uint64_t spans;               // spans watched
   };
   std::vector<Report> report() const;
   // The algorithm an auto all-reduce of `bytes` runs outside trials: the winner, or the model's
@@ -112,21 +127,22 @@ class Retuner {
   struct SizeClass {
     std::vector<Algorithm> candidates;
     size_t winner = 0;            // index into candidates
-    uint64_t call = 0;            // in this stretch: the trials (with the prelude) or a window
+    uint64_t call = 0;            // in this stretch: the trials (with the prelude) or a span
     bool trying = true;           // in trials, else watching
     uint64_t start = 0;           // the first trial's call: kBlock (the prelude) the first time
     std::vector<double> times;    // this stretch's seconds on this rank
     std::vector<double> medians;  // per candidate, from the last trials
+    std::vector<double> paid;     // per candidate, its last span's mean since them (NaN: none)
     uint64_t rounds = 0;
-    double reference = 0;  // 0: the next window sets it
-    uint64_t strikes = 0, windows = 0;
+    double reference = 0;  // 0: the next span sets it
+    uint64_t strikes = 0, outpaced = 0, spans = 0;
   };
   SizeClass& size_class(const Selector& select, size_t bytes);
   static long trial_of(const SizeClass& c);  // this call's index in c.times in trials, or -1
   void agree_trials(Context& ctx, int size_log2, SizeClass& c);
-  void agree_window(Context& ctx, int size_log2, SizeClass& c);
+  void agree_span(Context& ctx, int size_log2, SizeClass& c);
 
-  const uint64_t window_;
+  const uint64_t span_;
   mutable std::mutex mu_;             // report() and current() may run on any thread
   std::map<int, SizeClass> classes_;  // by floor(log2(bytes))
 };

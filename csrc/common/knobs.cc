@@ -201,7 +201,7 @@ std::vector<Knob> make_table() {
        {},
        "auto",
        kAlgorithms,
-       "calls per window watching auto's choice (lasting change: trials again); 0: no trials, "
+       "calls per span watching auto's choice (lasting change: trials again); 0: no trials, "
        "else >= 8; auto: 64 if probed"},
       {"RINGCOMM_RING_SLICE_BYTES",
        T::kSize,

@@ -210,10 +210,11 @@ PYBIND11_MODULE(_C, m) {
                d["bytes"] = r.bytes;
                d["candidates"] = candidates;
                d["seconds"] = r.seconds;
+               d["paid"] = r.paid;
                d["winner"] = algorithm_name(r.winner);
                d["rounds"] = r.rounds;
                d["reference"] = r.reference;
-               d["windows"] = r.windows;
+               d["spans"] = r.spans;
                out.append(d);
              }
              return out;

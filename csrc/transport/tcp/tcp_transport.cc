@@ -1,8 +1,6 @@
 #include "transport/tcp/tcp_transport.h"
 
 #include <errno.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -20,19 +18,6 @@
 
 namespace ringcomm {
 namespace tcp {
-namespace {
-
-// Linux takes a connection that carries data both ways at once (the exchanges of recursive
-// doubling and halving-doubling) for an interactive one and holds its ACKs back, up to the
-// delayed-ACK timer (40 ms and more), to ride on data of its own; a sender whose window is full,
-// as after an idle spell, waits for them. Midway through a message, about to wait for the rest,
-// the receiver acknowledges what came at once (TCP_QUICKACK holds until the next such guess).
-void acknowledge_now(int fd) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_QUICKACK, &one, sizeof one);
-}
-
-}  // namespace
 
 TcpOptions TcpOptions::from_env(const std::string& master_addr) {
   TcpOptions o;
@@ -496,16 +481,12 @@ bool TcpTransport::pump_recv(Channel& ch, bool eager) {
     if (ch.recvs.empty()) return moved;  // header held until a receive is posted
     if (!ch.incoming_matched) check_incoming(ch);
     Part& p = ch.recvs.front();
-    const size_t had = p.done;
     while (p.done < p.bytes) {
       ssize_t n = recv(ch.fd, p.data + p.done, p.bytes - p.done, MSG_DONTWAIT);
       if (n == 0)
         RC_THROW_AS(kPeerLost, "Connection closed by peer (rank ", ch.peer, " exited or aborted)");
       if (n < 0) {
-        if (errno == EAGAIN || errno == EINTR) {
-          if (p.done > had) acknowledge_now(ch.fd);
-          return moved;
-        }
+        if (errno == EAGAIN || errno == EINTR) return moved;
         RC_THROW_AS(kPeerLost, "connection to rank ", ch.peer, " lost: ", errno_string(errno));
       }
       moved = true;
