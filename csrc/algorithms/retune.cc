@@ -95,10 +95,9 @@ void Retuner::ran(Context& ctx, size_t bytes, double seconds) {
   agree_span(ctx, size_log2, c);
 }
 
-size_t Retuner::judge(const std::vector<double>& medians, size_t incumbent, bool first) {
+size_t Retuner::judge(const std::vector<double>& medians, size_t incumbent) {
   const size_t best = size_t(std::min_element(medians.begin(), medians.end()) - medians.begin());
-  if (first || medians[best] < medians[incumbent] * (1 - kMargin)) return best;
-  return incumbent;
+  return medians[best] < medians[incumbent] * (1 - kMargin) ? best : incumbent;
 }
 
 size_t Retuner::rival(const std::vector<double>& costs, size_t winner) {
@@ -121,7 +120,7 @@ void Retuner::agree_trials(Context& ctx, int size_log2, SizeClass& c) {
   for (size_t i = 0; i < c.candidates.size(); ++i)
     medians[i] = median(
         {trials.begin() + long(i * kBlock + kWarm), trials.begin() + long((i + 1) * kBlock)});
-  const size_t winner = judge(medians, c.winner, c.rounds == 0);
+  const size_t winner = judge(medians, c.winner);
   if (ctx.rank() == 0) {
     std::string timed;
     for (size_t i = 0; i < c.candidates.size(); ++i)
@@ -156,7 +155,7 @@ void Retuner::agree_span(Context& ctx, int size_log2, SizeClass& c) {
     if (std::isnan(costs[a])) costs[a] = c.medians[a];
   const size_t other = rival(costs, c.winner);
   c.outpaced = other == kNone ? 0 : c.outpaced + 1;
-  if (c.outpaced >= kOutpaced) {
+  if (c.outpaced >= kOutpaced || (other != kNone && costs[c.winner] > kFar * costs[other])) {
     if (ctx.rank() == 0)
       RC_LOG("all_reduce of ", size_t(1) << size_log2,
              " bytes and more: ", algorithm_name(c.candidates[other]), " from now on, not ",

@@ -25,16 +25,18 @@
 //            of each trial's seconds, a call's mean time over the ranks. A rank's call runs from
 //            its own start to its own end: back to back, one that calls early waits for the
 //            others and one that calls late does not, and the mean takes these lags out. The
-//            winner is the candidate with the least median (judge()). The first trials decide
-//            alone (the incumbent is only the model's guess); later ones keep the incumbent
-//            unless another is faster by more than kMargin: where algorithms run within a few
-//            percent of each other, 3-call trials would hand the size from one to another;
+//            winner is the incumbent (in the first trials the model's choice) unless another's
+//            median is lower by more than kMargin (judge()): 3-call trials of algorithms within
+//            a few percent of each other would hand the size from one to another on noise, and
+//            a candidate the model prices above the incumbent for stalls it cannot time in 3
+//            calls (halving-doubling between hosts, select.cc) would win them on luck;
 //   then the winner, watched: its calls' seconds in spans of `span` calls, one agreement
 //            after each (a recursive-doubling all-reduce of the span's seconds, as above),
 //            giving the span's mean and median. The mean is what the calls cost the caller,
 //            stalls included, and becomes the winner's cost; another candidate whose cost (the
 //            mean of its own last span where it ran one, else its trials' median) is below it
-//            by more than kMargin in kOutpaced spans in a row takes over (rival()). An algorithm
+//            by more than kMargin in kOutpaced spans in a row, or kFar times lower in one, takes
+//            over (rival()). An algorithm
 //            whose calls stall now and then over TCP (halving-doubling at 256 KiB between hosts:
 //            some calls of tens of milliseconds among calls of 3) wins 3-call trials on its
 //            median and loses on its spans' mean. A switch needs the other's cost lower by the
@@ -83,6 +85,7 @@ class Retuner {
   static constexpr double kChange = 0.25;
   static constexpr uint64_t kStrikes = 3;
   static constexpr uint64_t kOutpaced = 2;
+  static constexpr double kFar = 1.5;  // a rival this many times cheaper takes over at once
   static constexpr uint64_t kLeastSpan = 8;
 
   // `span`: the calls of a watch span; 0: never retune (auto keeps the model's choice).
@@ -97,8 +100,8 @@ class Retuner {
   void ran(Context& ctx, size_t bytes, double seconds);
 
   // The verdict on trials' agreed medians (one per candidate), the same on every rank: the
-  // index of the winner from now on. `first`: the class's first trials.
-  static size_t judge(const std::vector<double>& medians, size_t incumbent, bool first);
+  // index of the winner from now on (the incumbent: in the first trials, the model's choice).
+  static size_t judge(const std::vector<double>& medians, size_t incumbent);
   // The verdict on a span's agreed median against the reference: the strikes from now on
   // (kStrikes: trials again).
   static uint64_t watch(double median, double reference, uint64_t strikes);

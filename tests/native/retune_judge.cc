@@ -1,8 +1,8 @@
-// Retuner::judge and Retuner::watch (csrc/algorithms/retune.h), the verdicts every rank draws
-// from agreed medians: the first trials take their fastest; later ones keep the incumbent unless
-// another is faster by more than kMargin; a span off the reference by more than kChange, either
-// way, is a strike, and one within it clears them; a rival costs less than the winner by more
-// than the margin. Prints "ok", or the first wrong verdict and exits 1.
+// Retuner::judge, Retuner::watch and Retuner::rival (csrc/algorithms/retune.h), the verdicts
+// every rank draws from agreed figures: trials keep the incumbent unless another is faster by
+// more than kMargin; a span off the reference by more than kChange, either way, is a strike, and
+// one within it clears them; a rival costs less than the winner by more than the margin. Prints
+// "ok", or the first wrong verdict and exits 1.
 //
 // usage: retune_judge
 #include <cstdint>
@@ -15,9 +15,8 @@ namespace {
 
 using ringcomm::Retuner;
 
-bool expect(const char* what, const std::vector<double>& medians, size_t incumbent, bool first,
-            size_t want) {
-  const size_t got = Retuner::judge(medians, incumbent, first);
+bool expect(const char* what, const std::vector<double>& medians, size_t incumbent, size_t want) {
+  const size_t got = Retuner::judge(medians, incumbent);
   if (got == want) return true;
   std::printf("%s: winner %zu, want %zu\n", what, got, want);
   return false;
@@ -43,14 +42,14 @@ bool expect_rival(const char* what, const std::vector<double>& costs, size_t win
 
 int main() {
   bool ok = true;
-  // The first trials trust their medians, however close: the incumbent is the model's guess.
-  ok &= expect("first trials", {24.3, 30.0, 24.0}, 0, true, 2);
-  // Later, within the margin the incumbent stays.
-  ok &= expect("within the margin", {24.3, 30.0, 24.0}, 0, false, 0);
-  ok &= expect("at the margin", {100.0, 95.0}, 0, false, 0);
-  // Beaten by more, it gives way.
-  ok &= expect("beaten", {7.40, 7.45, 5.41}, 0, false, 2);
-  ok &= expect("incumbent fastest", {4.79, 7.45, 7.36}, 0, false, 0);
+  // The incumbent (in the first trials the model's choice) stays within the margin.
+  ok &= expect("within the margin", {24.3, 30.0, 24.0}, 0, 0);
+  ok &= expect("at the margin", {100.0, 95.0}, 0, 0);
+  // Beaten by more, it gives way, to the fastest.
+  ok &= expect("beaten", {7.40, 7.45, 5.41}, 0, 2);
+  ok &= expect("beaten by two", {7.40, 6.00, 5.41}, 0, 2);
+  ok &= expect("incumbent fastest", {4.79, 7.45, 7.36}, 0, 0);
+  ok &= expect("incumbent not first", {5.00, 7.45, 7.36}, 2, 0);
   // The watch: a span more than 25% off the reference either way is a strike.
   ok &= expect_watch("steady", 210, 200, 0, 0);
   ok &= expect_watch("slower", 251, 200, 0, 1);
