@@ -188,7 +188,7 @@ void Communicator::connect(const std::vector<std::string>& addresses, const std:
     boards_ = mesh_->boards_everywhere();
     const bool uniform = layout_.uniform();
     selector_ =
-        Selector(world_size_, calibrate(deadline), uniform ? int(layout_.hosts.size()) : 0,
+        Selector(world_size_, calibrate(deadline), int(layout_.hosts.size()),
                  uniform ? int(layout_.hosts[0].size()) : 0, boards_ ? mesh_->board_bytes() : 0);
     last_choice_.store(0, std::memory_order_relaxed);  // made, if at all, by the model before
   }

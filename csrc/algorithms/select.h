@@ -52,9 +52,10 @@ struct LinkModel {
 
 class Selector {
  public:
-  // `hosts` hosts of `per_host` ranks each when the hierarchical all-reduce can run on the ranks
-  // (HostLayout::uniform), else 0. `board_bytes`: the size of the boards when the shared-buffer
-  // all-reduce can (Context::has_boards), else 0.
+  // `hosts`: the hosts the ranks span (from 2, flat collectives cross TCP links); `per_host`
+  // ranks on each when the hierarchical all-reduce can run on the ranks (HostLayout::uniform),
+  // else 0. `board_bytes`: the size of the boards when the shared-buffer all-reduce can
+  // (Context::has_boards), else 0.
   Selector(int n, LinkModel model, int hosts = 0, int per_host = 0, size_t board_bytes = 0)
       : n_(n), model_(model), hosts_(hosts), per_host_(per_host), board_bytes_(board_bytes) {}
   int ranks() const { return n_; }
