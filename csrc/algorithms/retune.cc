@@ -149,11 +149,14 @@ void Retuner::agree_span(Context& ctx, int size_log2, SizeClass& c) {
   ++c.spans;
   c.call = 0;
   c.times.clear();
-  c.paid[c.winner] = mean(times);
+  const double paid = mean(times);
+  // A span shorter than kLeastSpanSeconds says little by its mean: one descheduled rank's
+  // milliseconds outweigh its calls. Its median still watches.
+  if (paid * double(times.size()) >= kLeastSpanSeconds) c.paid[c.winner] = paid;
   std::vector<double> costs = c.paid;
   for (size_t a = 0; a < costs.size(); ++a)
     if (std::isnan(costs[a])) costs[a] = c.medians[a];
-  const size_t other = rival(costs, c.winner);
+  const size_t other = std::isnan(c.paid[c.winner]) ? kNone : rival(costs, c.winner);
   c.outpaced = other == kNone ? 0 : c.outpaced + 1;
   if (c.outpaced >= kOutpaced || (other != kNone && costs[c.winner] > kFar * costs[other])) {
     if (ctx.rank() == 0)

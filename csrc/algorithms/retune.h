@@ -33,7 +33,8 @@
 //   then the winner, watched: its calls' seconds in spans of `span` calls, one agreement
 //            after each (a recursive-doubling all-reduce of the span's seconds, as above),
 //            giving the span's mean and median. The mean is what the calls cost the caller,
-//            stalls included, and becomes the winner's cost; another candidate whose cost (the
+//            stalls included, and becomes the winner's cost where the span lasted at least
+//            kLeastSpanSeconds; another candidate whose cost (the
 //            mean of its own last span where it ran one, else its trials' median) is below it
 //            by more than kMargin in kOutpaced spans in a row, or kFar times lower in one, takes
 //            over (rival()). An algorithm
@@ -86,6 +87,9 @@ class Retuner {
   static constexpr uint64_t kStrikes = 3;
   static constexpr uint64_t kOutpaced = 2;
   static constexpr double kFar = 1.5;  // a rival this many times cheaper takes over at once
+  // Spans shorter than this do not price the winner: a rank taken off its CPU for a millisecond
+  // or two, as with more ranks than CPUs, would triple the mean of 64 calls of 15 us.
+  static constexpr double kLeastSpanSeconds = 0.1;
   static constexpr uint64_t kLeastSpan = 8;
 
   // `span`: the calls of a watch span; 0: never retune (auto keeps the model's choice).
