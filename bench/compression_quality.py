@@ -54,6 +54,7 @@ import train_ddp  # noqa: E402  (the digits data split and the byte counters)
 
 import ringcomm  # noqa: E402,F401  (registers the backend)
 from ringcomm import hooks  # noqa: E402
+from ringcomm.bench.common import run_metadata  # noqa: E402
 from ringcomm.compress import Compressor  # noqa: E402
 
 
@@ -728,6 +729,22 @@ def svg_plot(summary: dict, args) -> str:
     return "\n".join(out)
 
 
+def write_json(args, records: list, results) -> None:
+    """--json: the records so far and, once the matrix is done (`results`, else None), its
+    checks; `complete` says which."""
+    if not args.json:
+        return
+    report = dict(
+        **run_metadata(),
+        args=vars(args),
+        complete=results is not None,
+        results=records,
+        checks=[dict(check=w, holds=h, detail=d) for w, h, d in results or []],
+    )
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker_json:
@@ -745,6 +762,7 @@ def main(argv=None):
         for configs in job_configs(args):
             job = cluster_job if args.cluster else local_job
             records += job(args, world, configs)
+            write_json(args, records, None)  # what has run, should the rest not
     order = {config_label(c): i for i, c in enumerate(args.configs)}
     records.sort(key=lambda r: (r["model"], r["ranks"], r["steps"], r["seed"], order[r["config"]]))
     summary = summarize(records, args)
@@ -754,17 +772,7 @@ def main(argv=None):
         print()
     for what, holds, detail in results:
         print(f"{'PASS' if holds else 'FAIL'}  {what}: {detail}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                dict(
-                    args=vars(args),
-                    results=records,
-                    checks=[dict(check=w, holds=h, detail=d) for w, h, d in results],
-                ),
-                f,
-                indent=1,
-            )
+    write_json(args, records, results)
     if args.plot:
         with open(args.plot, "w") as f:
             f.write(svg_plot(summary, args))

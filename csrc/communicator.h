@@ -214,8 +214,8 @@ class Communicator {
   // The algorithm the cost model picks for all_reduce (RINGCOMM_ALGO overrides kAuto), which
   // all_reduce_coalesced reduces in the order of.
   Algorithm choose_all_reduce(size_t bytes, Algorithm requested) const;
-  // The algorithm all_reduce runs now outside trials: as above, or where auto retunes
-  // (RINGCOMM_RETUNE_CALLS) what its last trials found.
+  // The algorithm all_reduce runs now outside trials: as above, or where auto times its calls
+  // (RINGCOMM_RETUNE_CALLS) what its trials and spans chose.
   Algorithm algorithm_for(size_t bytes, Algorithm requested) const;
   // The registered algorithm RINGCOMM_ALGO names, which auto all_reduce calls run ("" for none).
   const std::string& forced_registered() const { return forced_registered_; }

@@ -705,8 +705,8 @@ class Communicator:
     # -- state ----------------------------------------------------------------------------
 
     def algorithm_for(self, nbytes: int, algorithm: str = "auto") -> str:
-        """The all_reduce algorithm a message of `nbytes` bytes runs now (where auto retunes, what
-        its last trials found)."""
+        """The all_reduce algorithm a message of `nbytes` bytes runs now (where auto times its
+        calls, what its trials and spans chose)."""
         return self._core.algorithm_for(int(nbytes), algorithm_code(algorithm))
 
     def auto_trials(self) -> list[dict]:
@@ -714,8 +714,8 @@ class Communicator:
         far: `bytes` (the class: bytes .. 2 x bytes - 1), `candidates`, `seconds` (each one's
         median in the last agreed trials, NaN before the first), `paid` (each one's mean
         seconds a call over its last span of calls since those trials, NaN where it ran none),
-        `winner`, `rounds` (trials agreed), `reference` (the winner's median seconds in the first span watched after
-        them, NaN before) and `spans` (spans of calls watched)."""
+        `winner`, `rounds` (trials agreed), `reference` (the winner's median seconds in its first
+        span since trials or a switch, NaN before) and `spans` (spans of calls watched)."""
         return self._core.auto_trials()
 
     @property

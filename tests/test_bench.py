@@ -244,7 +244,7 @@ def test_bench_warms_auto_up_past_its_first_trials(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     (row,) = json.loads(out_file.read_text())["rows"]
-    assert row["auto_trials"]["rounds"] == 1, row["auto_trials"]
+    assert row["auto_trials"]["rounds"] >= 1, row["auto_trials"]  # more after a change
     assert len(row["auto_trials"]["seconds"]) == len(row["auto_trials"]["candidates"]) > 1
 
 

@@ -192,6 +192,7 @@ def test_bench_runs_its_matrix_and_a_compressor_from_a_file(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["complete"] and report["machine"] and report["commit"], report.keys()
     records = report["results"]
     labels = [c.replace(f"{HERE}/", "") for c in configs]
     assert len(records) == 2 * 2 * len(configs)  # models x lengths x configurations

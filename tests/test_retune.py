@@ -49,9 +49,8 @@ def auto_calls(comm, calls, path, counts=None):
     return comm.auto_trials(), comm.algorithm_for(MIB4), ran, wrong
 
 
-# Alone: it needs the ring measured slower than the shared buffer (about 8x on an idle machine).
-# Beside another worker's ranks on the 2 CPUs, CI once measured both at 21 ms a call, each call
-# waiting on ranks taken off the CPUs, and the trials kept the ring.
+# Alone: it needs the ring measured slower than the shared buffer (about 8x on an idle machine);
+# with the ranks taken off the CPUs by other work, both time alike and the trials keep the ring.
 @pytest.mark.serial
 def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
     calls = 12 + 3 * 24
@@ -76,12 +75,13 @@ def test_auto_switches_to_the_candidate_its_trials_found_faster(tmp_path):
 @pytest.mark.serial
 def test_a_lasting_change_in_the_winners_time_runs_the_trials_again(tmp_path):
     """Calls of one size class (4 MiB up to 8 MiB) whose size, and so time, halves after the first
-    span watched: the three spans after it are each a strike, and the trials run again. (Halves,
-    not doubles: the first span after a switch, which sets the reference, may be slowed by the
-    other algorithm's traces in the caches, which would hide a doubling, never a halving.)"""
+    span watched: three spans in a row are each a strike, and the trials run again. (Halves, not
+    doubles: the first span after a switch, which sets the reference, may be slowed by the other
+    algorithm's traces in the caches, which would hide a doubling, never a halving.) One span to
+    spare, where a loaded machine slows one of them back to the reference."""
     span = 8
     big = 2 * COUNT - 1024
-    counts = [big] * (12 + span) + [COUNT] * (3 * span) + [COUNT] * 8
+    counts = [big] * (12 + span) + [COUNT] * (5 * span + 8)
     env = dict(SLOW_RING, RINGCOMM_RETUNE_CALLS=str(span))
     results = run_ranks(3, auto_calls, 0, str(tmp_path / "t.json"), counts, env=env, timeout=120)
     trials, now, ran, wrong = results[0]
@@ -89,10 +89,12 @@ def test_a_lasting_change_in_the_winners_time_runs_the_trials_again(tmp_path):
     assert all(json.dumps(r[:3]) == json.dumps(results[0][:3]) for r in results), "disagree"
     assert all(r[3] == 0 for r in results)
     (found,) = trials
-    assert found["rounds"] == 2 and found["spans"] == 4, found
-    # the second trials: a block per candidate, no prelude, right after the third strike
-    second = ran[12 + 4 * span :]
-    assert second == ["ring"] * 4 + ["shared_buffer"] * 4, second
+    assert found["rounds"] == 2, found
+    # the second trials: a block per candidate, no prelude, right after the third strike, at the
+    # end of the fourth span or (one spared) the fifth
+    again = ran.index("ring", 12)
+    assert again in (12 + 4 * span, 12 + 5 * span), (again, ran)
+    assert ran[again : again + 8] == ["ring"] * 4 + ["shared_buffer"] * 4, ran[again:]
 
 
 def test_a_pinned_model_keeps_its_choice(tmp_path):
@@ -141,8 +143,9 @@ def test_ranks_that_retune_differently_fail_with_a_mismatch_not_a_hang():
 
 
 def test_verdicts_on_trials_and_spans(tmp_path):
-    """Retuner::judge and Retuner::watch, in one process: later trials keep the incumbent within
-    the margin; spans off the reference count strikes, one within it clears them."""
+    """Retuner::judge, Retuner::watch and Retuner::rival, in one process: trials keep the
+    incumbent within the margin; spans off the reference count strikes, one within it clears
+    them; a rival costs less than the winner by more than the margin."""
     import subprocess
     from ranks import build_native
 

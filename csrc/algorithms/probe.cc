@@ -24,7 +24,7 @@
 //      host (a view of its ranks, all hosts at once), for the links inside a host; the ring of
 //      step 1 and 2 is then held to the pace of the links between hosts.
 //   4. gamma: the best of 3 local float32 sums of 256 KiB.
-//   5. where 3 or more ranks share one host (probe_algorithms): all-reduces of 4 KiB, 64 KiB,
+//   5. where all ranks, 3 or more, share one host (probe_algorithms): all-reduces of 4 KiB, 64 KiB,
 //      256 KiB, 1 MiB, 4 MiB and 16 MiB (kMeasuredBytes) by each algorithm whose estimate,
 //      scaled by its factor where it was last timed or shifted by its miss there, whichever is
 //      less (plan_probe), is within 1.5 times the cheapest, in blocks of 1 untimed and 3-15

@@ -152,11 +152,12 @@ void Retuner::agree_span(Context& ctx, int size_log2, SizeClass& c) {
   const double paid = mean(times);
   // A span shorter than kLeastSpanSeconds says little by its mean: one descheduled rank's
   // milliseconds outweigh its calls. Its median still watches.
-  if (paid * double(times.size()) >= kLeastSpanSeconds) c.paid[c.winner] = paid;
+  const bool priced = paid * double(times.size()) >= kLeastSpanSeconds;
+  if (priced) c.paid[c.winner] = paid;
   std::vector<double> costs = c.paid;
   for (size_t a = 0; a < costs.size(); ++a)
     if (std::isnan(costs[a])) costs[a] = c.medians[a];
-  const size_t other = std::isnan(c.paid[c.winner]) ? kNone : rival(costs, c.winner);
+  const size_t other = priced ? rival(costs, c.winner) : kNone;
   c.outpaced = other == kNone ? 0 : c.outpaced + 1;
   if (c.outpaced >= kOutpaced || (other != kNone && costs[c.winner] > kFar * costs[other])) {
     if (ctx.rank() == 0)

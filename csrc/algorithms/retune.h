@@ -2,9 +2,9 @@
 // size class, and again only when the chosen algorithm's own time changes for good.
 //
 // The probe (probe.cc) times the algorithms once, when the communicator connects, and only up to
-// 16 MiB, and only where 3 or more ranks share a host; larger messages take 16 MiB's factors, and
-// between hosts the model has its alpha-beta figures alone, which put algorithms that move the
-// same bytes (the ring and halving-doubling) within a fraction of a percent of each other.
+// 16 MiB, and only where all ranks, 3 or more, share one host; larger messages take 16 MiB's
+// factors, and between hosts the model has its alpha-beta figures alone, which put algorithms that
+// move the same bytes (the ring and halving-doubling) within a fraction of a percent of each other.
 // Either can be wrong by more than that, and the machine can change under a running job: on a
 // virtual machine whose CPUs the host moves between sharing a core's caches and not, which
 // algorithm is fastest at a size changes with the state (docs/performance.md).
@@ -34,12 +34,12 @@
 //            after each (a recursive-doubling all-reduce of the span's seconds, as above),
 //            giving the span's mean and median. The mean is what the calls cost the caller,
 //            stalls included, and becomes the winner's cost where the span lasted at least
-//            kLeastSpanSeconds; another candidate whose cost (the
-//            mean of its own last span where it ran one, else its trials' median) is below it
-//            by more than kMargin in kOutpaced spans in a row, or kFar times lower in one, takes
-//            over (rival()). An algorithm
-//            whose calls stall now and then over TCP (halving-doubling at 256 KiB between hosts:
-//            some calls of tens of milliseconds among calls of 3) wins 3-call trials on its
+//            kLeastSpanSeconds (shorter ones leave every cost as it was); another candidate
+//            whose cost (the mean of its own last span where it ran one, else its trials'
+//            median) is below it by more than kMargin in kOutpaced spans in a row, or kFar times
+//            lower in one, takes over (rival()). An algorithm whose calls stall now and then
+//            over TCP (halving-doubling at 256 KiB between hosts: some calls of tens of
+//            milliseconds among calls of 3) wins 3-call trials on its
 //            median and loses on its spans' mean. A switch needs the other's cost lower by the
 //            margin, and once both ran spans both costs are measured: two candidates within the
 //            margin never alternate. The median, steadier, watches for a change of the machine:
@@ -122,7 +122,7 @@ class Retuner {
     std::vector<double> paid;     // each one's mean in its last span since them (NaN: none)
     Algorithm winner;             // what the calls outside trials run
     uint64_t rounds;              // trials agreed
-    double reference;             // the winner's median in its first span (NaN before)
+    double reference;             // the winner's median in its first span since trials or a switch
     uint64_t spans;               // spans watched
   };
   std::vector<Report> report() const;

@@ -62,9 +62,10 @@ double Selector::all_reduce_cost(Algorithm algo, double bytes) const {
 
 // Between hosts (TCP), each round of recursive doubling and halving-doubling starts a bulk
 // transfer on a connection idle since the call before, which TCP restarts from a small window,
-// where the ring keeps its two connections streaming: 16 MiB on 4 hosts at 1 Gbit/s,
-// halving-doubling took 1.08x the ring's time (docs/algorithms.md), moving the same bytes. Its
-// calls also stall now and then, which no estimate holds: auto's spans measure that (retune.h).
+// where the ring keeps its two connections streaming (docs/algorithms.md has the measurement).
+// Where a host holds several ranks, rounds between them pay it too: an approximation on the
+// side of the ring. Their calls also stall now and then, which no estimate holds: auto's spans
+// measure that (retune.h).
 constexpr double kExchangeOverTcp = 1.08;
 
 double Selector::estimate(Algorithm algo, double bytes) const {

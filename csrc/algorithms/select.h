@@ -17,8 +17,8 @@
 
 namespace ringcomm {
 
-// The sizes at which the probe times the all-reduce algorithms, where 3 or more ranks share one
-// host, and those algorithms, in the order of LinkModel::factors' columns.
+// The sizes at which the probe times the all-reduce algorithms, where all ranks, 3 or more, share
+// one host, and those algorithms, in the order of LinkModel::factors' columns.
 constexpr std::array<size_t, 6> kMeasuredBytes = {4 << 10, 64 << 10, 256 << 10,
                                                   1 << 20, 4 << 20,  16 << 20};
 constexpr std::array<Algorithm, 5> kMeasuredAlgorithms = {
@@ -37,7 +37,7 @@ struct LinkModel {
   // than the slots (the probe applies only while RINGCOMM_SHM_SINGLE_COPY_BYTES is left to its
   // default); once agreed, false if any rank with local peers has it off.
   bool single_copy = true;
-  // Where 3 or more ranks share one host, the probe times the all-reduce algorithms at a few
+  // Where all ranks, 3 or more, share one host, the probe times the all-reduce algorithms at a few
   // sizes (probe_algorithms): what each took over its estimate by the figures above, at each of
   // kMeasuredBytes, for each of kMeasuredAlgorithms. Estimates are scaled by it (Selector). Empty
   // where not measured: every factor is then 1.
