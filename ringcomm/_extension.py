@@ -88,6 +88,11 @@ def load():
         return _module
 
 
+def loaded():
+    """ringcomm._C_torch if this process has loaded it, else None."""
+    return _module
+
+
 def built():
     """ringcomm._C_torch if this process has loaded it or a finished build of it is in the cache
     (loaded then, in about 0.1 s), else None. For callers that use it only to go faster

@@ -185,7 +185,9 @@ class Communicator:
             )
         name = name if name is not None else f"comm{next(_instance_counter)}"
         store = dist.PrefixStore(f"ringcomm/{name}", store)
-        self._device_init(store, tuple(device_transports))
+        self._device_paths = device.DevicePaths(
+            store, self.rank, self.world_size, timeout, tuple(device_transports)
+        )
         self._core = _C.Communicator(
             self.rank, self.world_size, timeout.total_seconds(), os.environ.get("MASTER_ADDR", "")
         )
@@ -203,58 +205,18 @@ class Communicator:
             _live.add(self)
 
     @classmethod
-    def _borrow(cls, core, timeout: timedelta) -> "Communicator":
+    def _borrow(cls, core, timeout: timedelta, paths: device.DevicePaths) -> "Communicator":
         """A Communicator over a core communicator someone else owns (a torch process group's
-        ringcomm backend): close() leaves it to its owner."""
+        ringcomm backend), its CUDA tensors on the owner's device paths: close() leaves both to
+        their owner."""
         self = cls.__new__(cls)
         self._core = core
         self._tensor_path = _tensor_path(core)
         self.rank, self.world_size, self.timeout = core.rank, core.world_size, timeout
-        self._device_init(None, ())  # no store to join a device path through: staged
+        self._device_paths = paths
         self.bucket_stats = BucketStats()
         self._closed = True
         return self
-
-    def _device_init(self, store, transports: tuple):
-        self._store, self._device_transports = store, transports
-        self._device_paths = {}  # CUDA device index -> DeviceCommunicator, None where staged
-        self._device_lock = threading.Lock()
-
-    def _device_path(self, where: torch.device) -> Optional[device.DeviceCommunicator]:
-        """The DeviceCommunicator carrying this communicator's CUDA tensors on `where`, or None
-        where they are staged. Made at the first CUDA all_reduce there, which every rank issues
-        at the same point of the collectives' common order: making it is a collective."""
-        with self._device_lock:
-            if where.index in self._device_paths:
-                return self._device_paths[where.index]
-            path, why = None, ""
-            if self._store is None:
-                why = "a process group's communicator, whose backend stages CUDA tensors itself"
-            elif not self._device_transports:
-                why = "device_transports=() turns the device path off"
-            else:
-                try:
-                    path = device.DeviceCommunicator(
-                        self._store,
-                        self.rank,
-                        self.world_size,
-                        where,
-                        self.timeout,
-                        self._device_transports,
-                        name=f"device{len(self._device_paths)}",
-                    )
-                except device.NoDeviceTransport as e:
-                    why = str(e)
-            if path is None:
-                logger.info(
-                    "ringcomm: rank %d of %d stages CUDA tensors on %s through host memory: %s",
-                    self.rank,
-                    self.world_size,
-                    where,
-                    why,
-                )
-            self._device_paths[where.index] = path
-            return path
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -308,7 +270,7 @@ class Communicator:
             buf = Buffer(tensor)
         except ValueError:  # not a CPU buffer: checked here, off the CPU path's ~2 us
             if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-                path = self._device_path(tensor.device)
+                path = self._device_paths.get(tensor.device)
                 if path is None:
                     return staging.all_reduce(self, tensor, op, algorithm, async_op)
                 return path.all_reduce_work(tensor, op, algorithm, async_op)
@@ -539,17 +501,13 @@ class Communicator:
         or "host" where they are staged; ringcomm.staging.bytes_to_host() counts what staging
         copied to the host), for each device an all_reduce has met so far.
         """
-        with self._device_lock:
-            paths = dict(self._device_paths)
         return {
             "collectives": self._core.stats(),
             "buckets": self.bucket_stats.as_dict(),
             "bytes_sent": self.bytes_sent_by_transport(),
             "idle_s": self._core.idle_s,
             "cpu_moves": self._core.cpu_moves,
-            "device": {
-                f"cuda:{i}": "host" if p is None else p.transport for i, p in sorted(paths.items())
-            },
+            "device": self._device_paths.transports(),
         }
 
     def broadcast(self, tensor, src: int, async_op: bool = False, algorithm: str = "auto"):
@@ -730,9 +688,7 @@ class Communicator:
         signal handler or a completion callback; it returns once the peers are told, except from
         the callback of a send or receive, which runs inside the transport: the progress thread
         tells them as soon as that callback returns. The device paths are aborted too."""
-        for path in list(self._device_paths.values()):
-            if path is not None:
-                path.abort()
+        self._device_paths.abort()
         self._core.abort(str(reason))
 
     def close(self):
@@ -748,12 +704,9 @@ class Communicator:
         self._closed = True
         with _live_lock:
             _live.discard(self)
-        with self._device_lock:
-            paths = [p for p in self._device_paths.values() if p is not None]
         with contextlib.ExitStack() as closing:  # each runs, the last first, whatever raises
             closing.callback(self._core.close)
-            for path in paths:  # each waits for its stream's work; a later call raises
-                closing.callback(path.close)
+            closing.callback(self._device_paths.close)  # each waits for its stream's work
 
     def __enter__(self):
         return self

@@ -28,6 +28,7 @@ and the next call raises, naming the rank that gave up and why); abort() gives u
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from datetime import timedelta
@@ -209,20 +210,11 @@ class DeviceCommunicator:
         own stream after the work already on the tensor's current stream, the tensor held
         (record_stream) until that stream is past it. async_op: a DeviceWork; else None, the
         current stream made to wait for it (the host is not blocked)."""
-        cuda._check(tensor, "tensor", device=self.device)
         caller = torch.cuda.current_stream(self.device)
         with self._lock:  # the events are shared, and the stream's order is the ranks' order
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(self.device)
-                self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
-            own = self._stream
-            # One event each way, reused: a stream's wait takes the event as recorded then.
-            self._ready.record(caller)
-            own.wait_event(self._ready)
-            self._enqueue(tensor, op, algorithm, own)
+            own = self._enqueue_after(caller, [tensor], op, algorithm)
             done = torch.cuda.Event() if async_op else self._done
             done.record(own)
-            tensor.record_stream(own)
             if not async_op:
                 caller.wait_event(done)
                 return None
@@ -230,6 +222,32 @@ class DeviceCommunicator:
             with torch.cuda.stream(own):
                 future.set_result(tensor)  # its event: recorded on `own`, right after `done`
         return DeviceWork(self, tensor, done, future)
+
+    def all_reduce_stream(self, tensors: Sequence[torch.Tensor], op="sum") -> torch.cuda.Stream:
+        """all_reduce of each of `tensors`, in order, with all_reduce_work's stream semantics;
+        returns the stream they run on, for the caller to record its own completion on (the
+        torch backend's c10d Work, csrc/torch/backend.cc)."""
+        caller = torch.cuda.current_stream(self.device)
+        with self._lock:
+            return self._enqueue_after(caller, tensors, op, "auto")
+
+    def _enqueue_after(self, caller: torch.cuda.Stream, tensors, op, algorithm: str):
+        """Enqueues the all_reduces on this communicator's own stream after the work on
+        `caller`, each tensor held until that stream is past it; returns the stream. Under
+        self._lock."""
+        for tensor in tensors:
+            cuda._check(tensor, "tensor", device=self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+            self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
+        own = self._stream
+        # One event each way, reused: a stream's wait takes the event as recorded then.
+        self._ready.record(caller)
+        own.wait_event(self._ready)
+        for tensor in tensors:
+            self._enqueue(tensor, op, algorithm, own)
+            tensor.record_stream(own)
+        return own
 
     def synchronize(self, timeout: Optional[timedelta] = None) -> None:
         """Waits for the work on the current stream. A failed peer, an abort or the deadline
@@ -313,3 +331,82 @@ class DeviceWork:
     def _on_finish(self, fn) -> None:
         """As Work._on_finish: fn() runs at once, the host's part being done."""
         fn()
+
+
+class DevicePaths:
+    """The DeviceCommunicators of one group of ranks, one per CUDA device, each joined at the
+    first all_reduce of a tensor on its device, which every rank issues at the same point of the
+    group's common order: get() is then a collective. A device where no transport serves every
+    rank (or where `transports` is empty, or there is no `store`) gets None: its CUDA tensors are
+    staged through host memory, which is logged at INFO once, with the reason (`off`, when
+    given, says why there is no device path at all)."""
+
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        timeout: timedelta,
+        transports: Sequence[str] = TRANSPORTS,
+        off: str = "",
+    ):
+        self._store, self._transports, self._off = store, tuple(transports), off
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self._paths = {}  # CUDA device index -> DeviceCommunicator, None where staged
+        self._lock = threading.Lock()
+
+    def get(self, where: torch.device) -> Optional[DeviceCommunicator]:
+        with self._lock:
+            if where.index in self._paths:
+                return self._paths[where.index]
+            path, why = None, self._off
+            if not why and self._store is None:
+                why = "no store to join a device path through"
+            elif not why and not self._transports:
+                why = "device_transports=() turns the device path off"
+            elif not why:
+                try:
+                    path = DeviceCommunicator(
+                        self._store,
+                        self.rank,
+                        self.world_size,
+                        where,
+                        self.timeout,
+                        self._transports,
+                        name=f"device{len(self._paths)}",
+                    )
+                except NoDeviceTransport as e:
+                    why = str(e)
+            if path is None:
+                logger.info(
+                    "ringcomm: rank %d of %d stages CUDA tensors on %s through host memory: %s",
+                    self.rank,
+                    self.world_size,
+                    where,
+                    why,
+                )
+            self._paths[where.index] = path
+            return path
+
+    def transports(self) -> dict:
+        """{"cuda:<i>": "cuda_ipc" | "nccl" | "host"} for each device met so far."""
+        with self._lock:
+            paths = dict(self._paths)
+        return {f"cuda:{i}": "host" if p is None else p.transport for i, p in sorted(paths.items())}
+
+    def joined(self) -> list:
+        with self._lock:
+            return [p for p in self._paths.values() if p is not None]
+
+    def close(self) -> None:
+        """Closes every device path (each waits for its stream's work, and for its peers)."""
+        with contextlib.ExitStack() as closing:  # each runs, the last first, whatever raises
+            for path in self.joined():
+                closing.callback(path.close)
+
+    def abort(self) -> None:
+        # Without the lock, which a join in progress holds: abort() may come from a signal
+        # handler on the joining thread.
+        for path in list(self._paths.values()):
+            if path is not None:
+                path.abort()

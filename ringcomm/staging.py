@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from . import _extension
 from ._env import env_int
 
 _streams = {}  # device index -> (device-to-host stream, host-to-device stream)
@@ -34,10 +35,19 @@ _to_host_lock = threading.Lock()
 
 
 def bytes_to_host() -> int:
-    """Bytes of CUDA tensors this module has copied to host memory so far, for every
-    Communicator of this process (the torch backend stages in C++, uncounted): none while their
-    CUDA all_reduces run on the device path (Communicator.stats()["device"] says where)."""
-    return _to_host
+    """Bytes of CUDA tensors copied to host memory so far in this process, for every
+    Communicator and every ringcomm process group (whose backend stages in C++ and counts here):
+    none while their CUDA all_reduces run on the device path (Communicator.stats()["device"]
+    says where)."""
+    backend = _extension.loaded()
+    return _to_host + (backend.bytes_staged() if backend is not None else 0)
+
+
+def count_to_host(nbytes: int) -> None:
+    """Adds `nbytes` staged to the host to bytes_to_host()."""
+    global _to_host
+    with _to_host_lock:
+        _to_host += nbytes
 
 
 def slice_bytes() -> int:
@@ -145,9 +155,7 @@ class _Staging:
 
     def out(self, src: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event:
         """Enqueues host <- src; returns the event that says it is there."""
-        global _to_host
-        with _to_host_lock:
-            _to_host += host.nbytes
+        count_to_host(host.nbytes)
         with torch.cuda.stream(self.to_host):
             host.copy_(src, non_blocking=True)
             ready = torch.cuda.Event()

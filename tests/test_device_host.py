@@ -116,7 +116,7 @@ def route(store, rank, world, device_transports):
     cuda0 = torch.device("cuda", 0)
     # Where a rank's first CUDA all_reduce goes (the collective that makes the device path),
     # then its next ones.
-    paths = [comm._device_path(cuda0), comm._device_path(cuda0)]
+    paths = [comm._device_paths.get(cuda0), comm._device_paths.get(cuda0)]
     device = comm.stats()["device"]
     comm.close()
     return paths, device, [r for r in records if "stages CUDA tensors" in r]
@@ -145,3 +145,39 @@ def test_device_transports_are_checked():
 
     with pytest.raises(ValueError, match="device_transports must be some of"):
         ringcomm.Communicator(torch.distributed.HashStore(), 0, 1, device_transports=("host",))
+
+
+def group_route(store, rank, world):
+    import torch.distributed as dist
+
+    import ringcomm
+    from ringcomm.backend import backend_of
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("ringcomm")
+    log.setLevel(logging.INFO)
+    log.addHandler(Keep())
+    dist.init_process_group("ringcomm", store=store, rank=rank, world_size=world)
+    route = backend_of().device_route()
+    hooks = ringcomm.backend.communicator_of()
+    cuda0 = torch.device("cuda", 0)
+    # The backend's CUDA all-reduces and the hooks' over the group ask the same paths: the
+    # first asks every rank (a collective), the second finds the answer.
+    paths = [route.paths.get(cuda0), hooks._device_paths.get(cuda0)]
+    shared = hooks._device_paths is route.paths
+    device = hooks.stats()["device"]
+    dist.destroy_process_group()
+    return paths, shared, device, [r for r in records if "stages CUDA tensors" in r]
+
+
+def test_a_ringcomm_process_group_and_its_hooks_share_one_device_route():
+    for paths, shared, device, lines in run_ranks(2, group_route, make_comm=False, timeout=120):
+        assert paths == [None, None] and shared
+        assert device == {"cuda:0": "host"}
+        assert len(lines) == 1, lines
+        assert "no transport serves these ranks: cuda_ipc: rank 0: no CUDA device" in lines[0]

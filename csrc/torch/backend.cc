@@ -5,7 +5,9 @@
 // It translates and nothing else: tensors to (pointer, count, dtype) of the torch-free core
 // (libringcomm.so, shared with ringcomm._C), options to arguments, core Works to c10d Works with
 // futures. Every collective is the core's; a non-contiguous tensor is staged through a contiguous
-// copy that is copied back once the operation has finished.
+// copy that is copied back once the operation has finished. An all-reduce of CUDA tensors is the
+// device route's (ringcomm/backend.py), which runs it on the device path and hands back the stream
+// it is on; other operations on CUDA tensors are staged through pinned host memory.
 //
 // Built against the installed torch on first use (ringcomm/backend.py). Only the headers it uses:
 // torch/extension.h brings the whole C++ frontend (nn, optim), and parsing it was 21 s of a 56 s
@@ -16,10 +18,13 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/utils/pybind.h>  // casters for c10::intrusive_ptr holders and torch types
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 
 #include <pybind11/chrono.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 
@@ -231,14 +236,19 @@ rc::ReduceOp op_of(const c10d::ReduceOp& op, const at::Tensor& t) {
   }
 }
 
-// Runs Python's pending signal handlers; an exception one raises propagates as a Python error.
-void run_signal_handlers() {
+// Whether the interpreter runs and is not finalizing: Python may be called.
+bool python_running() {
 #if PY_VERSION_HEX >= 0x030D0000
   const bool finalizing = Py_IsFinalizing();
 #else
   const bool finalizing = _Py_IsFinalizing();
 #endif
-  if (!Py_IsInitialized() || finalizing) return;
+  return Py_IsInitialized() && !finalizing;
+}
+
+// Runs Python's pending signal handlers; an exception one raises propagates as a Python error.
+void run_signal_handlers() {
+  if (!python_running()) return;
   py::gil_scoped_acquire gil;
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
 }
@@ -368,11 +378,61 @@ class RingcommWork : public c10d::Work {
   rc::WorkPtr source_;  // the first core operation, whose source() a receive sets
 };
 
+// The Work of an all-reduce on the device route: for the host it is done once enqueued, the
+// device once `stream` is past it, as ProcessGroupNCCL's. Its future is completed on `stream`
+// (CUDA-aware: waiting on it, or on what it chains, orders the waiter's current stream after the
+// operation); wait() orders the current stream after it without blocking the host.
+class DeviceWork : public c10d::Work {
+ public:
+  DeviceWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, c10::Stream stream)
+      : c10d::Work(rank, type),
+        outputs_(std::move(outputs)),
+        done_(stream.device_type()),
+        future_(
+            c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                     std::vector<c10::Device>{stream.device()})) {
+    c10::StreamGuard on(stream);  // the future records its event on the current stream
+    done_.record(stream);
+    future_->markCompleted(c10::IValue(outputs_));
+    finish();
+  }
+
+  bool isCompleted() override { return done_.query(); }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  bool wait(std::chrono::milliseconds) override {
+    future_->wait();
+    return true;
+  }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::Event done_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A Python object that C++ may drop on any thread: its last owner takes the GIL to release it,
+// and leaks it once the interpreter is finalizing.
+std::shared_ptr<py::object> python_held(py::object object) {
+  return std::shared_ptr<py::object>(new py::object(std::move(object)), [](py::object* held) {
+    if (python_running()) {
+      py::gil_scoped_acquire gil;
+      delete held;
+    } else {
+      held->release();
+      delete held;
+    }
+  });
+}
+
 // A tensor as the core sees it: contiguous, in host memory. `dense` is the tensor itself when it
 // already is; a CUDA tensor is copied to pinned host memory, after the work already on its
 // current stream (a blocking copy: the host waits for it), and back once the operation is done.
+std::atomic<uint64_t> bytes_staged{0};  // ringcomm.staging.bytes_to_host() adds them up
+
 at::Tensor host_dense(const at::Tensor& t) {
   if (t.is_cuda()) {
+    bytes_staged += uint64_t(t.nbytes());
     at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
     host.copy_(t);
     return host;
@@ -463,6 +523,7 @@ class RingcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
+    if (auto work = on_device(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp)) return work;
     Staged t(one(tensors, "allreduce"));
     rc::ReduceOp op = premultiply(opts.reduceOp, t);
     return run(
@@ -477,6 +538,8 @@ class RingcommBackend : public c10d::Backend {
   // Through the fused bucket path: bitwise what one allreduce per tensor gives.
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    if (auto work = on_device(c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.reduceOp))
+      return work;
     std::vector<Staged> staged;
     std::vector<rc::Communicator::BufferRef> refs;
     staged.reserve(tensors.size());
@@ -759,11 +822,20 @@ class RingcommBackend : public c10d::Backend {
   }
 
   // shutdown() lets queued operations finish; abort() fails them at once and tells the peers.
-  void shutdown() override { comm_->close(); }
+  // The device route's paths likewise.
+  void shutdown() override {
+    call_route("close");
+    comm_->close();
+  }
   void abort() override {
+    call_route("abort");
     comm_->abort("ProcessGroup.abort() called");
     comm_->close();
   }
+
+  // ringcomm/backend.py's _DeviceRoute, asked where each operation on CUDA tensors runs.
+  void set_device_route(py::object route) { route_ = python_held(std::move(route)); }
+  py::object device_route() const { return route_ ? *route_ : py::none(); }
 
  private:
   // What DDP's buckets are: one fused operation per 25 MiB.
@@ -841,6 +913,55 @@ class RingcommBackend : public c10d::Backend {
     return rc::ReduceOp::kSum;
   }
 
+  // An all-reduce of CUDA tensors goes to the device route, which enqueues it on its device path
+  // after the work on the caller's current stream; nullptr (CPU tensors, or no device path reaches
+  // every rank) leaves it to the staged path.
+  c10::intrusive_ptr<c10d::Work> on_device(c10d::OpType type, std::vector<at::Tensor>& tensors,
+                                           const c10d::ReduceOp& reduce_op) {
+    if (!route_ || tensors.empty() || !tensors[0].is_cuda()) return nullptr;
+    for (const at::Tensor& t : tensors) {
+      check_tensor(t);
+      TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "ringcomm ", c10d::opTypeToString(type),
+                        ": tensors on ", tensors[0].device(), " and ", t.device(),
+                        "; an operation takes one device");
+      if (!t.is_contiguous()) return nullptr;  // the staged path copies it contiguous and back
+    }
+    const bool premul = reduce_op.op_ == c10d::ReduceOp::PREMUL_SUM;
+    const int op = premul ? int(rc::ReduceOp::kSum) : int(op_of(reduce_op, tensors[0]));
+    std::tuple<int64_t, int64_t, int64_t> stream;
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        py::object factor = py::none();
+        if (premul) {
+          auto* f = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(reduce_op.supplement_.get());
+          TORCH_CHECK_VALUE(f != nullptr, "ringcomm: PREMUL_SUM without a factor");
+          TORCH_CHECK_TYPE(tensors[0].is_floating_point(),
+                           "ringcomm: PREMUL_SUM needs a floating dtype");
+          factor =
+              f->tensor_factor.defined() ? py::cast(f->tensor_factor) : py::cast(f->double_factor);
+        }
+        py::object ran = (*route_)(tensors, op, factor);
+        if (ran.is_none()) return nullptr;
+        stream = ran.cast<std::tuple<int64_t, int64_t, int64_t>>();
+      } catch (py::error_already_set& e) {
+        fail(c10::str("ringcomm ", c10d::opTypeToString(type), " on ", tensors[0].device(), ": ",
+                      e.what()));
+      }
+    }
+    return c10::make_intrusive<DeviceWork>(
+        getRank(), type, tensors,
+        c10::Stream::unpack3(std::get<0>(stream), c10::DeviceIndex(std::get<1>(stream)),
+                             c10::DeviceType(std::get<2>(stream))));
+  }
+
+  // Calls the device route's `method` (close, abort) where there is one and Python runs.
+  void call_route(const char* method) {
+    if (!route_ || !python_running()) return;
+    py::gil_scoped_acquire gil;
+    route_->attr(method)();
+  }
+
   // Issues the core operations of one torch op. `async` false (torch's async_op=False, which
   // waits right after) runs them on the caller's thread when nothing is queued, as a blocking
   // core call does: no hand-off to the progress thread and back.
@@ -849,6 +970,15 @@ class RingcommBackend : public c10d::Backend {
                                        const std::function<std::vector<rc::WorkPtr>(bool)>& issue,
                                        std::vector<at::Tensor> keep = {}, bool async = true) {
     auto work = c10::make_intrusive<RingcommWork>(getRank(), type, comm_, results);
+    if (route_ && type != c10d::OpType::ALLREDUCE && type != c10d::OpType::ALLREDUCE_COALESCED) {
+      // An all-reduce staged is the device paths' to log; any other staged operation, the route's.
+      auto cuda = std::find_if(results.begin(), results.end(),
+                               [](const at::Tensor& t) { return t.is_cuda(); });
+      if (cuda != results.end()) {
+        py::gil_scoped_acquire gil;
+        route_->attr("staged")(c10d::opTypeToString(type), cuda->device().str());
+      }
+    }
     std::vector<rc::WorkPtr> ops;
     try {
       ops = issue(async || comm_->on_progress_thread());
@@ -965,6 +1095,7 @@ class RingcommBackend : public c10d::Backend {
 
   std::shared_ptr<rc::Communicator> comm_;
   std::chrono::milliseconds timeout_;
+  std::shared_ptr<py::object> route_;
 };
 
 void release_capsule(PyObject* capsule) {
@@ -977,6 +1108,7 @@ void release_capsule(PyObject* capsule) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ringcomm's c10d::Backend, built against the installed torch";
   m.def("tensor_lists", &tensor_lists, py::arg("items"), py::arg("device") = "cpu");
+  m.def("bytes_staged", [] { return uint64_t(bytes_staged); });
   m.def("all_reduce_tensor", &all_reduce_tensor, py::arg("comm"), py::arg("tensor"), py::arg("op"),
         py::arg("algorithm"));
   py::class_<RingcommBackend, c10d::Backend, c10::intrusive_ptr<RingcommBackend>>(m,
@@ -987,6 +1119,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
+      .def("set_device_route", &RingcommBackend::set_device_route, py::arg("route"))
+      .def("device_route", &RingcommBackend::device_route)
       // The core communicator, for ringcomm.Communicator.from_capsule (the DDP hooks).
       .def("communicator_capsule", [](const RingcommBackend& b) {
         auto* held = new std::shared_ptr<rc::Communicator>(b.communicator());
