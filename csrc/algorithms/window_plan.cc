@@ -45,6 +45,26 @@ class Planner {
     }
   }
 
+  // The all-gather's rounds: each block's part through its rank's board, copied out by the others.
+  void gather_rounds(const std::vector<size_t>& counts) {
+    const size_t per_round = std::max<size_t>(1, layout_.round_bytes / elem_);
+    const size_t longest = *std::max_element(counts.begin(), counts.end());
+    const Segments blocks(counts);
+    for (size_t first = 0; first < longest; first += per_round) {
+      const int half = int(state_.rounds++ % 2);
+      auto part = [&](int q) {
+        return first < counts[size_t(q)] ? std::min(per_round, counts[size_t(q)] - first) : 0;
+      };
+      auto in_block = [&](int q) {
+        return WindowRef{WindowRef::kCaller, (blocks.offset(q) + first) * elem_};
+      };
+      if (part(rank_) > 0) copy(in_block(rank_), {rank_, layout_.board(half)}, part(rank_));
+      all_to_all();
+      for (int q = 0; q < world_; ++q)
+        if (q != rank_ && part(q) > 0) copy({q, layout_.board(half)}, in_block(q), part(q));
+    }
+  }
+
   // The ring's step list, each step's receive, fold and send as one fold, in rounds whose
   // blocks are at most a slice: one message per step, so that every rank sends and receives in
   // lockstep and two inbox slots keep the ring moving (with several messages a step, every rank
@@ -177,6 +197,15 @@ WindowPlan window_all_reduce_plan(Algorithm algo, const WindowLayout& layout, Wi
     planner.ring(count);
   else
     planner.rounds(count, algo == Algorithm::kSharedBuffer);
+  return planner.take();
+}
+
+WindowPlan window_all_gather_plan(const WindowLayout& layout, WindowState& state, int rank,
+                                  const std::vector<size_t>& counts, size_t elem) {
+  RC_CHECK_ARG(int(counts.size()) == layout.world, counts.size(), " block sizes for ", layout.world,
+               " ranks");
+  Planner planner(layout, state, rank, elem, false);
+  if (layout.world > 1) planner.gather_rounds(counts);
   return planner.take();
 }
 

@@ -8,6 +8,11 @@
 //   results: two halves of `result_bytes`, where a rank leaves its reduced block of a round;
 //   inboxes: for each sender, kInboxSlots messages of `slice_bytes` (the ring's).
 //
+// all_gather: in rounds of at most round_bytes of the longest block (round k on half k % 2): copy
+//   the round's part of my block onto my board; signal every peer; wait for every peer; copy the
+//   round's part of every peer's block from its board into my buffer. A rank whose block ends
+//   sooner still signals and waits in every round. Wire: each rank's block read once by each
+//   peer, (n - 1) x its bytes.
 // one_shot: in rounds of at most round_bytes (round k on half k % 2): copy the round's part of
 //   the buffer onto my board; signal every peer; wait for every peer; fold every rank's board,
 //   rank 0's first, into my buffer. Every rank folds in the same order: the same bits.
@@ -103,5 +108,11 @@ struct WindowState {
 // number of ranks. Advances `state`. Empty for one rank.
 WindowPlan window_all_reduce_plan(Algorithm algo, const WindowLayout& layout, WindowState& state,
                                   int rank, size_t count, size_t elem, bool avg);
+
+// Rank `rank`'s plan for the all-gather into a buffer holding every rank's block back to back
+// (block q: counts[q] elements of `elem` bytes, this rank's already in place), over windows laid
+// out as `layout`. Advances `state` as the all-reduces do. Empty for one rank.
+WindowPlan window_all_gather_plan(const WindowLayout& layout, WindowState& state, int rank,
+                                  const std::vector<size_t>& counts, size_t elem);
 
 }  // namespace ringcomm

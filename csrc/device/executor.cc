@@ -73,10 +73,14 @@ void Executor::all_gather(void* data, const std::vector<size_t>& counts, DType d
                           cudaStream_t stream) {
   transport_.check_usable();
   cuda::DeviceScope scope(transport_.device());
-  RC_CHECK_ARG(transport_.messages() != nullptr, "all_gather does not run over ",
-               transport_.name());
   const int n = transport_.size();
   RC_CHECK_ARG(int(counts.size()) == n, counts.size(), " block sizes for ", n, " ranks");
+  if (transport_.windows() != nullptr) {
+    const WindowPlan plan =
+        window_all_gather_plan(layout_, state_, transport_.rank(), counts, dtype_size(dtype));
+    run_plan(plan, static_cast<char*>(data), dtype, ReduceOp::kSum, stream);
+    return;
+  }
   if (n == 1) return;
   const Schedule schedule = ring_all_gather_schedule(n, transport_.rank());
   const Segments blocks(counts);

@@ -32,7 +32,8 @@ class Executor {
   void all_reduce(void* data, size_t count, DType dtype, ReduceOp op, Algorithm algo,
                   cudaStream_t stream);
   // The all-gather into `data`, which holds every rank's block back to back (block q: counts[q]
-  // elements, this rank's already in place), by the ring's step list over messages.
+  // elements, this rank's already in place): by the ring's step list over messages, by the
+  // board rounds of window_all_gather_plan over windows.
   void all_gather(void* data, const std::vector<size_t>& counts, DType dtype, cudaStream_t stream);
 
   // What kAuto runs for `bytes`: up to kSmallBytes recursive doubling over messages and

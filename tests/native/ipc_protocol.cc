@@ -7,7 +7,8 @@
 // usage: ipc_protocol MODE
 //   plans    worlds 1-8: one-shot, shared-buffer and ring all-reduces back to back (three dtypes,
 //            four ops, sizes 0 to several rounds), counts from 0 and from just below 2^32; each
-//            rank checks its result bit for bit against the fold it expects
+//            rank checks its result bit for bit against the fold it expects; all-gathers of
+//            equal and unequal blocks between them
 //   timeout  a peer that never arrives: the bounded wait returns, naming it
 //   abort    a peer sets the abort word: every waiting rank returns, naming it and its reason
 //   stale    counts left from the last operation never satisfy the next; cyclic counts; a
@@ -261,6 +262,60 @@ bool plans(int n, uint32_t base) {
   return true;
 }
 
+// All-gathers of equal and unequal blocks (some empty, some over several rounds), each after a
+// one-shot all-reduce, so the halves and counts carry over between the two kinds of plan. Each
+// rank checks every block bit for bit against its owner's input.
+bool gathers(int n, uint32_t base) {
+  World w(n, base);
+  const size_t elem = sizeof(float);
+  auto block = [](int k, int q, size_t count) {
+    std::vector<float> out(count);
+    for (size_t i = 0; i < count; ++i) out[i] = float(1000 * k + 100 * q) + float(i) / 8.0f;
+    return out;
+  };
+  std::vector<std::vector<size_t>> patterns;
+  for (size_t c : {size_t(0), size_t(1), size_t(7), size_t(1001), 3 * kRoundBytes + 5})
+    patterns.push_back(std::vector<size_t>(size_t(n), c));
+  std::vector<size_t> uneven;
+  for (int q = 0; q < n; ++q) uneven.push_back(q % 3 == 1 ? 0 : size_t(q) * 700 + 3);
+  patterns.push_back(uneven);
+  fork_ranks(n, [&](int rank) {
+    WindowState state(n, base);
+    std::mt19937 random(unsigned(rank + 11));
+    for (size_t k = 0; k < patterns.size(); ++k) {
+      const std::vector<size_t>& counts = patterns[k];
+      const std::string what = "all_gather " + std::to_string(k) + ": ";
+      std::vector<float> sum(9, float(rank));
+      std::string why = run_plan(
+          w, rank,
+          window_all_reduce_plan(Algorithm::kOneShot, w.layout, state, rank, 9, elem, false),
+          reinterpret_cast<char*>(sum.data()), DType::kFloat32, ReduceOp::kSum, 20.0, random);
+      if (!why.empty()) return w.report(rank, what + "the all-reduce before: " + why);
+      const Segments blocks(counts);
+      std::vector<float> data(blocks.offset(n) + 1, -1.0f);
+      const std::vector<float> mine = block(int(k), rank, counts[size_t(rank)]);
+      std::copy(mine.begin(), mine.end(), data.begin() + long(blocks.offset(rank)));
+      why = run_plan(w, rank, window_all_gather_plan(w.layout, state, rank, counts, elem),
+                     reinterpret_cast<char*>(data.data()), DType::kFloat32, ReduceOp::kSum, 20.0,
+                     random);
+      if (!why.empty()) return w.report(rank, what + why);
+      for (int q = 0; q < n; ++q) {
+        const std::vector<float> want = block(int(k), q, counts[size_t(q)]);
+        if (!std::equal(want.begin(), want.end(), data.begin() + long(blocks.offset(q))))
+          return w.report(rank, what + "block " + std::to_string(q) + " wrong");
+      }
+      if (data.back() != -1.0f) return w.report(rank, what + "wrote past the last block");
+    }
+    w.report(rank, "ok");
+  });
+  for (int r = 0; r < n; ++r)
+    if (w.report(r) != "ok") {
+      std::printf("world %d, counts from %u, rank %d: %s\n", n, base, r, w.report(r).c_str());
+      return false;
+    }
+  return true;
+}
+
 // Rank 2 of 3 never arrives: ranks 0 and 1 give up after their timeout, naming it.
 bool timeout() {
   World w(3, 0);
@@ -377,9 +432,9 @@ int main(int argc, char** argv) {
   bool ok = false;
   if (mode == "plans") {
     ok = true;
-    for (int n = 1; n <= 8 && ok; ++n) ok = plans(n, 0);
+    for (int n = 1; n <= 8 && ok; ++n) ok = plans(n, 0) && gathers(n, 0);
     for (int n : {3, 8})
-      if (ok) ok = plans(n, 0xfffffff0u);
+      if (ok) ok = plans(n, 0xfffffff0u) && gathers(n, 0xfffffff0u);
   } else if (mode == "timeout") {
     ok = timeout();
   } else if (mode == "abort") {
