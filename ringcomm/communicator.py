@@ -386,13 +386,29 @@ class Communicator:
         float16 or bfloat16 values; ranks may pass different k. The result goes to `out` (numel
         elements, float32/float16/bfloat16; default a new float32 tensor), which is returned.
         algorithm: "auto" (cheapest estimate), "sparse_gather", "sparse_ranges" or "ring" (dense).
-        CUDA indices and values are staged through the host (ringcomm/staging.py); `out` is then
-        a CUDA tensor too.
+        CUDA indices and values (`out` then a CUDA tensor too) go on the device path: the counts
+        of pairs agreed through the host, the pairs gathered over the device transport and
+        scatter-added in rank order there (DeviceCommunicator.sparse_all_reduce_work, whatever
+        `algorithm` says); where there is none, they are staged through the host
+        (ringcomm/staging.py).
         """
         if isinstance(values, torch.Tensor) and values.is_cuda:
-            return staging.sparse_all_reduce(
-                self, indices, values, numel, out, op, algorithm, async_op
+            path = self._device_paths.get(values.device)
+            if path is None:
+                return staging.sparse_all_reduce(
+                    self, indices, values, numel, out, op, algorithm, async_op
+                )
+            out = (
+                torch.empty(int(numel), dtype=torch.float32, device=values.device)
+                if out is None
+                else out
             )
+            if out.numel() != int(numel):
+                raise ValueError(f"out has {out.numel()} elements, expected numel = {numel}")
+            counts = torch.zeros(self.world_size, dtype=torch.int64)
+            self.all_gather(counts, torch.tensor([indices.numel()], dtype=torch.int64))
+            work = path.sparse_all_reduce_work(indices, values, counts.tolist(), out, op, async_op)
+            return work if async_op else out
         return self._host_sparse_all_reduce(
             indices, values, numel, out, op, algorithm, None, async_op
         )

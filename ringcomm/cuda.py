@@ -208,11 +208,16 @@ def topk_with_residual(
 
 
 def scatter_add_(
-    out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, check: bool = True
+    out: torch.Tensor,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    check: bool = True,
+    bad: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """out.view(-1)[indices] += values, for distinct int32 indices (one rank's top-k), in an order
     that does not depend on scheduling. Indices outside out are skipped; with `check` (one host
-    synchronisation) they raise ValueError afterwards."""
+    synchronisation) they raise ValueError afterwards; without it, a nonzero is left in `bad`
+    (an int32 tensor on out's device) where given."""
     kernels = _kernels()
     _check(out, "out", TOPK_DTYPES)
     _check(values, "values", (out.dtype,), device=out.device)
@@ -220,7 +225,10 @@ def scatter_add_(
     if indices.numel() != values.numel():
         raise ValueError(f"{indices.numel()} indices for {values.numel()} values")
     with torch.cuda.device(out.device):
-        bad = torch.zeros(1, dtype=torch.int32, device=out.device)
+        if check or bad is None:
+            bad = torch.zeros(1, dtype=torch.int32, device=out.device)
+        else:
+            _check(bad, "bad", (torch.int32,), device=out.device)
         kernels.scatter_add(
             TORCH_DTYPES[out.dtype],
             out.data_ptr(),

@@ -9,6 +9,8 @@ the first device transport that serves every rank.
     comm.synchronize()      # waits; raises if a peer failed or the timeout passed
     work = comm.all_reduce_work(t, async_op=True)   # on the communicator's own stream, after
                             # the current one's work (ProcessGroupNCCL's semantics: DeviceWork)
+    work = comm.sparse_all_reduce_work(indices, values, counts, out)  # top-k's exchange:
+                            # the pairs gathered, scatter-added in rank order
     comm.close()            # every rank, after synchronize()
 
 ringcomm.Communicator makes one of these per CUDA device at its first all_reduce of a tensor on
@@ -36,7 +38,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import cuda, nccl
+from . import _C, cuda, nccl
 from ._buffers import TORCH_DTYPES, op_code
 
 logger = logging.getLogger("ringcomm")
@@ -97,6 +99,8 @@ class DeviceCommunicator:
         self._comm = None
         self._stream = None  # all_reduce_work's, with its two reusable events; made on first use
         self._ready = self._done = None
+        # sparse_all_reduce's flag of an index outside the output, and its copy on the host
+        self._bad = self._bad_host = self._bad_copied = None
         self._lock = threading.Lock()
         self.transport = None
         self.refused = {}
@@ -213,15 +217,7 @@ class DeviceCommunicator:
         caller = torch.cuda.current_stream(self.device)
         with self._lock:  # the events are shared, and the stream's order is the ranks' order
             own = self._enqueue_after(caller, [tensor], op, algorithm)
-            done = torch.cuda.Event() if async_op else self._done
-            done.record(own)
-            if not async_op:
-                caller.wait_event(done)
-                return None
-            future = torch.futures.Future(devices=[self.device])
-            with torch.cuda.stream(own):
-                future.set_result(tensor)  # its event: recorded on `own`, right after `done`
-        return DeviceWork(self, tensor, done, future)
+            return self._finish(caller, own, tensor, async_op)
 
     def all_reduce_stream(self, tensors: Sequence[torch.Tensor], op="sum") -> torch.cuda.Stream:
         """all_reduce of each of `tensors`, in order, with all_reduce_work's stream semantics;
@@ -231,23 +227,128 @@ class DeviceCommunicator:
         with self._lock:
             return self._enqueue_after(caller, tensors, op, "auto")
 
+    def sparse_all_reduce_work(
+        self,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        counts: Sequence[int],
+        out: torch.Tensor,
+        op="sum",
+        async_op: bool = True,
+    ) -> Optional["DeviceWork"]:
+        """Communicator.sparse_all_reduce on the device: every rank's (int32 indices, values)
+        pairs, counts[r] of them from rank r, gathered over this communicator's transport, then
+        added rank by rank into `out` (zeroed first) by ringcomm's scatter-add kernel, in the same
+        order on every rank (indices distinct within a rank, as top-k gives them); "avg" divides
+        by the ranks. Stream semantics, Work and future as all_reduce_work's. An index outside
+        `out` is skipped, and raises ProtocolError at this communicator's next sparse_all_reduce
+        or synchronize(): checking it at once would block the host."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"sparse_all_reduce sums or averages, got op {op!r}")
+        cuda._check(indices, "indices", (torch.int32,), device=self.device)
+        cuda._check(values, "values", cuda.TOPK_DTYPES, device=self.device)
+        cuda._check(out, "out", cuda.TOPK_DTYPES, device=self.device)
+        counts = [int(c) for c in counts]
+        if len(counts) != self.world_size or counts[self.rank] != indices.numel():
+            raise ValueError(
+                f"counts {counts} must give each of the {self.world_size} ranks' pairs, this "
+                f"rank's {indices.numel()}"
+            )
+        if values.numel() != indices.numel():
+            raise ValueError(f"{indices.numel()} indices but {values.numel()} values")
+        starts = [sum(counts[:r]) for r in range(self.world_size)]
+        total = sum(counts)
+        caller = torch.cuda.current_stream(self.device)
+        with self._lock:
+            self._raise_bad_index()
+            own = self._own_after(caller)
+            if self._bad is None:
+                self._bad = torch.zeros(1, dtype=torch.int32, device=self.device)
+                self._bad_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+                self._bad_copied = torch.cuda.Event()
+            with torch.cuda.stream(own):  # what is allocated here belongs to `own`
+                all_indices = torch.empty(total, dtype=torch.int32, device=self.device)
+                all_values = torch.empty(total, dtype=values.dtype, device=self.device)
+                mine = slice(starts[self.rank], starts[self.rank] + counts[self.rank])
+                all_indices[mine].copy_(indices.view(-1))
+                all_values[mine].copy_(values.view(-1))
+                if total:  # the same on every rank: the counts are agreed
+                    for gathered in (all_indices, all_values):
+                        self._comm.all_gather(
+                            gathered.data_ptr(),
+                            counts,
+                            TORCH_DTYPES[gathered.dtype],
+                            own.cuda_stream,
+                        )
+                dense = out.view(-1)
+                dense.zero_()
+                for r in range(self.world_size):
+                    part = slice(starts[r], starts[r] + counts[r])
+                    cuda.scatter_add_(
+                        dense,
+                        all_indices[part],
+                        all_values[part].to(out.dtype),
+                        check=False,
+                        bad=self._bad,
+                    )
+                if op == "avg":
+                    dense.div_(self.world_size)
+                self._bad_host.copy_(self._bad, non_blocking=True)
+                self._bad_copied.record(own)
+            for t in (indices, values, out):
+                t.record_stream(own)
+            return self._finish(caller, own, out, async_op)
+
+    def _own_after(self, caller: torch.cuda.Stream) -> torch.cuda.Stream:
+        """This communicator's own stream, made to wait for the work on `caller`. Under
+        self._lock."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+            self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
+        # One event each way, reused: a stream's wait takes the event as recorded then.
+        self._ready.record(caller)
+        self._stream.wait_event(self._ready)
+        return self._stream
+
     def _enqueue_after(self, caller: torch.cuda.Stream, tensors, op, algorithm: str):
         """Enqueues the all_reduces on this communicator's own stream after the work on
         `caller`, each tensor held until that stream is past it; returns the stream. Under
         self._lock."""
         for tensor in tensors:
             cuda._check(tensor, "tensor", device=self.device)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-            self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
-        own = self._stream
-        # One event each way, reused: a stream's wait takes the event as recorded then.
-        self._ready.record(caller)
-        own.wait_event(self._ready)
+        own = self._own_after(caller)
         for tensor in tensors:
             self._enqueue(tensor, op, algorithm, own)
             tensor.record_stream(own)
         return own
+
+    def _finish(self, caller, own, result: torch.Tensor, async_op: bool):
+        """The end of an operation enqueued on `own`: a DeviceWork holding `result`, or None
+        with `caller` made to wait for it. Under self._lock."""
+        done = torch.cuda.Event() if async_op else self._done
+        done.record(own)
+        if not async_op:
+            caller.wait_event(done)
+            return None
+        future = torch.futures.Future(devices=[self.device])
+        with torch.cuda.stream(own):
+            future.set_result(result)  # its event: recorded on `own`, right after `done`
+        return DeviceWork(self, result, done, future)
+
+    def _raise_bad_index(self, wait: bool = False) -> None:
+        """Raises ProtocolError if an earlier sparse_all_reduce met an index outside its output
+        (known once its flag has reached the host; `wait`: waits for that)."""
+        if self._bad is None:
+            return
+        if wait:
+            self._bad_copied.synchronize()
+        elif not self._bad_copied.query():
+            return
+        if self._bad_host.item():
+            raise _C.ProtocolError(
+                f"rank {self.rank}: a sparse_all_reduce on {self.device} received an index "
+                f"outside its output; the pairs holding it were skipped"
+            )
 
     def synchronize(self, timeout: Optional[timedelta] = None) -> None:
         """Waits for the work on the current stream. A failed peer, an abort or the deadline
@@ -256,6 +357,8 @@ class DeviceCommunicator:
         self._comm.synchronize(
             torch.cuda.current_stream(self.device).cuda_stream, timeout.total_seconds()
         )
+        with self._lock:
+            self._raise_bad_index(wait=True)
 
     def close(self) -> None:
         """Releases the transport; every rank calls it once its work is done (cuda_ipc waits

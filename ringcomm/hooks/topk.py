@@ -93,7 +93,7 @@ class Level:
     energy: Optional[float] = None
     history: list = field(default_factory=list)
     calm: int = 0
-    measured: Optional[tuple] = None  # (work, energies, density)
+    measured: Optional[tuple] = None  # (wait, energies, density): wait() until they are here
 
     def saved(self) -> tuple:
         return (self.level, self.steps, self.signal, self.energy, list(self.history), self.calm)
@@ -286,9 +286,9 @@ class TopKState(ReportsBuckets, Compressor):
         lv.level = min(lv.level, len(ladder) - 1)  # a resumed state may have another ratio
         lv.steps += 1
         if lv.measured is not None:
-            work, energies, density = lv.measured
+            wait, energies, density = lv.measured
             lv.measured = None
-            work.wait()  # long done: all-reduced right after the bucket's exchange
+            wait()  # long done: all-reduced right after the bucket's exchange
             residual, gradient = energies.tolist()
             if gradient > 0:
                 lv.energy = (
@@ -383,9 +383,14 @@ class TopKState(ReportsBuckets, Compressor):
 
     @staticmethod
     def _energies(residual: Optional[torch.Tensor], gradient: torch.Tensor) -> torch.Tensor:
-        """This rank's (residual, gradient) energies, float64 on the CPU, to sum over ranks."""
-        kept = torch.zeros((), dtype=torch.float64) if residual is None else _energy(residual)
-        return torch.stack([kept.to(gradient.device), _energy(gradient)]).cpu()
+        """This rank's (residual, gradient) energies, float64 on the gradient's device, to sum
+        over ranks."""
+        kept = (
+            torch.zeros((), dtype=torch.float64, device=gradient.device)
+            if residual is None
+            else _energy(residual)
+        )
+        return torch.stack([kept, _energy(gradient)])
 
     def dense_reason(self, compressed) -> Optional[str]:
         if isinstance(compressed, _Whole):
@@ -413,11 +418,23 @@ class TopKState(ReportsBuckets, Compressor):
             )
         if bucket.index is not None:
             comm.bucket_stats.add_work(bucket.index, work)
-        if compressed.energies is not None:
-            summed = comm.all_reduce(
-                compressed.energies, op="sum", algorithm="recursive_doubling", async_op=True
-            )
-            self.levels[bucket.slot].measured = (summed, compressed.energies, compressed.density)
+        energies = compressed.energies
+        if energies is not None:
+            if not energies.is_cuda:
+                summed = comm.all_reduce(
+                    energies, op="sum", algorithm="recursive_doubling", async_op=True
+                )
+                wait = summed.wait
+            else:
+                # On the device path; the sum comes to the host behind it, so that reading it at
+                # the next step does not wait for the work queued on the stream since.
+                comm.all_reduce(energies, op="sum")
+                host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+                host.copy_(energies, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+                energies, wait = host, copied.synchronize
+            self.levels[bucket.slot].measured = (wait, energies, compressed.density)
         return work.get_future()
 
     def decompress(self, comm, bucket: Bucket, compressed, exchanged: torch.Tensor) -> torch.Tensor:

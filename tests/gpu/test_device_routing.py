@@ -243,3 +243,103 @@ def test_without_device_transports_cuda_tensors_are_staged_and_logged_once():
         assert len(lines) == 1 and "device_transports=() turns the device path off" in lines[0], (
             lines
         )
+
+
+def sparse_rank(comm):
+    import ringcomm
+    from ringcomm import staging
+
+    torch.cuda.set_device(0)
+    rank, numel = comm.rank, 100_003
+    results = []
+    for case, (value_dtype, out_dtype, op) in enumerate(
+        [
+            (torch.float32, torch.float32, "sum"),
+            (torch.bfloat16, torch.float32, "avg"),
+            (torch.float16, torch.float16, "sum"),
+        ]
+    ):
+        # Distinct indices per rank, a different count on each (rank 1 sends none in case 1).
+        k = 0 if (case, rank) == (1, 1) else 1000 * (rank + 1) + case
+        gen = torch.Generator().manual_seed(100 * case + rank)
+        indices = torch.randperm(numel, generator=gen)[:k].to(torch.int32)
+        values = torch.randint(-8, 9, (k,), generator=gen).to(value_dtype)
+        out = torch.empty(numel, dtype=out_dtype, device="cuda")
+        work = comm.sparse_all_reduce(
+            indices.cuda(), values.cuda(), numel, out=out, op=op, async_op=True
+        )
+        work.wait()
+        results.append((indices, values, out.cpu()))
+    # Rank 1 sends an index past the end: every rank skips it and then says so.
+    bad = torch.tensor([numel + 5 if rank == 1 else 0], dtype=torch.int32, device="cuda")
+    comm.sparse_all_reduce(bad, torch.ones(1, device="cuda"), numel)
+    try:
+        comm._device_paths.get(torch.device("cuda", 0)).synchronize()
+        refused = ""
+    except ringcomm.ProtocolError as e:
+        refused = str(e)
+    return results, staging.bytes_to_host(), comm.stats()["device"], refused
+
+
+def test_sparse_all_reduce_of_cuda_pairs_on_the_device_path():
+    results = run_ranks(2, sparse_rank, timeout=240, comm_timeout=60)
+    numel, world = 100_003, 2
+    for case, op in enumerate(("sum", "avg", "sum")):
+        expected = torch.zeros(numel, dtype=torch.float64)
+        for r in range(world):
+            indices, values, _ = results[r][0][case]
+            expected.index_add_(0, indices.long(), values.double())
+        if op == "avg":
+            expected /= world
+        for r in range(world):
+            got = results[r][0][case][2]
+            assert torch.equal(got, expected.to(got.dtype)), (case, r)
+    for _, staged, device, refused in results:
+        assert staged == 0 and device == {"cuda:0": "cuda_ipc"}, (staged, device)
+        assert "index outside its output" in refused, refused
+
+
+def topk_rank(comm, store):
+    import ringcomm.hooks as hooks
+    from ringcomm import staging
+
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("pg", store), rank=comm.rank, world_size=comm.world_size
+    )
+    out = {}
+    # "fixed": sparse exchanges from the second step; "signal": whole steps first, and the
+    # ranks' energies summed on the device.
+    for schedule in ("fixed", "signal"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4)
+        ).cuda()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.1)
+        state = hooks.TopKState(comm=comm, schedule=schedule, warmup_steps=0, adaptive=False)
+        ddp.register_comm_hook(state, hooks.topk_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        before = staging.bytes_to_host()
+        for step in range(6):
+            gen = torch.Generator().manual_seed(100 * step + comm.rank)
+            x = torch.randn(16, 32, generator=gen).cuda()
+            opt.zero_grad()
+            ddp(x).square().mean().backward()
+            opt.step()
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+        low, high = params.clone(), params.clone()
+        comm.all_reduce(low, op="min")
+        comm.all_reduce(high, op="max")
+        out[schedule] = (
+            torch.equal(low, high),
+            staging.bytes_to_host() - before,
+            state.stats.compressed_buckets + state.stats.dense_buckets,
+        )
+    dist.destroy_process_group()
+    return out
+
+
+def test_ddp_with_topk_on_cuda_keeps_gradients_on_the_device():
+    for out in run_ranks(2, topk_rank, with_store=True, timeout=300, comm_timeout=60):
+        for schedule, (same, staged, buckets) in out.items():
+            assert same and staged == 0 and buckets > 0, (schedule, same, staged, buckets)
