@@ -155,7 +155,7 @@ class GradientAverager:
                 p.grad = p.grad.contiguous()
             grads.append(p.grad)
         if self._compressor is not None:
-            # a Future with the flat average, or None once the grads hold it
+            # a Future with the flat average, or once the grads hold it None (CUDA: the grads)
             average = self._compressor.average(self._comm, Bucket(grads, b))
             self._works.append((average, grads, torch.futures.Future.value))
             return
@@ -201,7 +201,7 @@ class GradientAverager:
             for work, grads, result in self._works:
                 work.wait()  # a Work, or a compressor's Future: both raise the operation's error
                 averaged = None if result is None else result(work)
-                if averaged is not None:  # the average comes back flat
+                if isinstance(averaged, torch.Tensor):  # the average comes back flat
                     for g, piece in zip(grads, torch.split(averaged, [g.numel() for g in grads])):
                         g.copy_(piece.view_as(g))
             if self._works and self._compressor is not None:

@@ -274,11 +274,15 @@ def model_is_pinned() -> bool:
     return env_string("RINGCOMM_TUNING") != "" and not env_int("RINGCOMM_RETUNE_CALLS")
 
 
-def all_reduce_algorithm(comm, nbytes: int) -> str:
-    """The algorithm a compression all-reduces `nbytes` of floating values with: "auto" where its
-    choice replays (model_is_pinned(), or RINGCOMM_ALGO forces one), else the fixed model's choice
-    for that size over the communicator's ranks and hosts. Algorithms add in different orders, so
-    this is what keeps the bits of an average independent of the load at start."""
+def all_reduce_algorithm(comm, nbytes: int, device: Optional[torch.device] = None) -> str:
+    """The algorithm a compression all-reduces `nbytes` of floating values on `device` (default
+    the CPU) with: "auto" where its choice replays (model_is_pinned(), or RINGCOMM_ALGO forces
+    one), else the fixed model's choice for that size over the communicator's ranks and hosts.
+    Algorithms add in different orders, so this is what keeps the bits of an average independent
+    of the load at start. CUDA tensors take "auto": the device path's choice follows the size
+    alone (csrc/device/executor.cc), among its transport's algorithms, which are not the host's."""
+    if device is not None and device.type == "cuda":
+        return "auto"
     if comm.world_size < 2 or model_is_pinned() or env_string("RINGCOMM_ALGO") != "auto":
         return "auto"
     return _C.fixed_all_reduce(comm._core, int(nbytes))
@@ -317,7 +321,7 @@ def average_densely(comm, tensor: torch.Tensor, async_op: bool = True):
     a Work with async_op, else done on return. float16 is divided first and summed (its partial
     sums could overflow where the mean does not); the rest is summed and divided inside the core
     (the ring divides only each rank's reduced share)."""
-    algorithm = all_reduce_algorithm(comm, tensor.numel() * tensor.element_size())
+    algorithm = all_reduce_algorithm(comm, tensor.numel() * tensor.element_size(), tensor.device)
     if tensor.dtype == torch.float16:
         tensor.div_(comm.world_size)
         return comm.all_reduce(tensor, op="sum", algorithm=algorithm, async_op=async_op)
@@ -349,6 +353,10 @@ class Bucket:
     @property
     def dtype(self) -> torch.dtype:
         return self.flat.dtype if self.flat is not None else self.grads[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device if self.flat is not None else self.grads[0].device
 
     def gradient(self) -> torch.Tensor:
         """The bucket's gradients as one contiguous flat tensor: flat itself where it is one,
@@ -533,14 +541,22 @@ def abort_on(comm, error: BaseException, name: str) -> None:
         comm.abort(f"{name} failed on rank {comm.rank}: {type(error).__name__}: {error}")
 
 
-def rounds(comm, lane: Lane, steps) -> torch.futures.Future:
+def rounds(comm, lane: Lane, steps, device: Optional[torch.device] = None) -> torch.futures.Future:
     """Runs a bucket's rounds of collectives in the lane's order: steps[0](None) once the bucket
     before has issued its last, then each steps[i](value) with the value of the Work step i-1
     returned, from that Work's completion (on the progress thread). Each step returns a Work; the
     Future completes with the last one's value, or fails with the first error, which also aborts
-    the communicator where it is the code's and not the communicator's."""
+    the communicator where it is the code's and not the communicator's.
+
+    On a CUDA `device` the Future is CUDA-aware, steps[0] runs after the work on the caller's
+    current stream (where what it sends was made, whichever thread runs it), and each later step
+    on a stream after the collective before it (the Work's CUDA-aware future)."""
     previous, mine = lane.enter()
-    done = torch.futures.Future()
+    made = None
+    if device is not None and device.type == "cuda":
+        made = torch.cuda.Event()
+        made.record(torch.cuda.current_stream(device))
+    done = torch.futures.Future(devices=None if made is None else [device])
 
     def release():
         if not mine.done():
@@ -556,6 +572,8 @@ def rounds(comm, lane: Lane, steps) -> torch.futures.Future:
 
     def run(i, value):
         try:
+            if i == 0 and made is not None:
+                torch.cuda.current_stream(device).wait_event(made)
             work = steps[i](value)
         except BaseException as e:  # noqa: BLE001 - every failure must reach the future
             fail(e)
@@ -654,7 +672,9 @@ class Compressor:
     def average(self, comm, bucket: Bucket) -> torch.futures.Future:
         """Starts averaging the bucket: a Future completed with decompress()'s result once it is
         ready (and the step ended, if the bucket is its last), or holding the error, as it was
-        raised (a then() callback would hold it wrapped in a RuntimeError)."""
+        raised (a then() callback would hold it wrapped in a RuntimeError). For CUDA gradients
+        the Future is CUDA-aware, and holds bucket.grads where decompress() returns None: a
+        CUDA-aware Future makes its waiters' streams wait only for the tensors it holds."""
         stats = self.stats
         if self._step_start_bytes is None:
             self._step_start_bytes = comm.bytes_sent
@@ -682,7 +702,10 @@ class Compressor:
         else:
             exchanged = self.exchange(comm, bucket, compressed)
         self.started(comm, bucket, compressed)
-        done = torch.futures.Future()
+        # finish runs in the exchange's callback, on a stream after its collectives: on CUDA, the
+        # waiters' streams wait for what it enqueued there
+        on_cuda = bucket.device.type == "cuda"
+        done = torch.futures.Future(devices=[bucket.device] if on_cuda else None)
 
         def finish(fut: torch.futures.Future) -> None:
             try:
@@ -699,7 +722,7 @@ class Compressor:
             except BaseException as e:  # noqa: BLE001 - every failure must reach the future
                 done.set_exception(as_exception(e))
                 return
-            done.set_result(average)
+            done.set_result(bucket.grads if average is None and on_cuda else average)
 
         exchanged.add_done_callback(finish)
         return done

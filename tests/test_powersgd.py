@@ -375,6 +375,7 @@ def test_state_and_hook_validate_their_arguments():
         powersgd_hook(None, bucket)
     with pytest.raises(ValueError, match="PowerSGDState"):
         ringcomm.GradientAverager([nn.Parameter(torch.ones(2))], None, compression="powersgd")
+    PowerSGDState().check_device(torch.device("cuda", 0))  # CUDA gradients: averaged there
 
 
 def test_orthonormalize_is_deterministic_and_survives_dependent_columns():

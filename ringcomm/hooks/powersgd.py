@@ -30,6 +30,16 @@ operations fail at once instead of waiting for a message this rank will not send
 take an algorithm chosen by size (compress.all_reduce_algorithm), so the bits of the average do
 not depend on the load at start either.
 
+CUDA gradients stay on their device: the factors, the error memory and the scratch are made
+there, and the products and QR run there with torch's CUDA ops; the all-reduces take the
+communicator's device path (staged through host memory only where no device transport serves
+every rank, ringcomm/staging.py). Each step is enqueued on a stream that waits for the one before
+(P's preparation, then each all-reduce's CUDA-aware future), and the Future returned is
+CUDA-aware: its waiters' streams wait for M'. The host waits for none of it; on the device path a
+collective's Work completes for the host once enqueued, so a bucket's rounds are all enqueued
+before the hook returns. Only the random starting Q (drawn from `seed`, no gradient data) crosses
+from the host.
+
 This module must not use `from __future__ import annotations` (see default.py: DDP compares the
 hook's annotations as objects).
 """
@@ -50,11 +60,6 @@ from .compressor import run_compressor
 from .state import ReportsBuckets, ringcomm_named
 
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # float16 / bfloat16 gradients: math in float32
-# Its factors and error memory live in host memory, and its futures are not CUDA-aware.
-CUDA_REFUSED = (
-    "ringcomm's PowerSGD runs on CPU gradients only; for CUDA gradients use "
-    "allreduce_hook, bf16_compress_hook or topk_hook"
-)
 
 
 @dataclass
@@ -64,7 +69,8 @@ class PowerSGDStats(CompressionStats):
 
     compressed_tensors: int = 0  # gradients sent as P and Q factors (counted every step)
     dense_tensors: int = 0  # gradients sent whole (warm-up steps included)
-    compute_seconds: float = 0.0  # error feedback, P, Q, orthonormalization, M' on this rank
+    # error feedback, P, Q, orthonormalization, M' on this rank (CUDA gradients: enqueuing them)
+    compute_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -178,16 +184,20 @@ class PowerSGDState(ReportsBuckets, Compressor):
             for key, value in amounts.items():
                 setattr(self.stats, key, getattr(self.stats, key) + value)
 
-    def _memory_for(self, slot: int, signature: tuple, plan: _Plan, dtype) -> _Memory:
-        """The slot's memory, made anew when its gradients changed (DDP rebuilt its buckets) or
-        the configuration did."""
+    def _memory_for(self, slot: int, signature: tuple, plan: _Plan, dtype, device) -> _Memory:
+        """The slot's memory on the gradients' device, made anew when its gradients changed (DDP
+        rebuilt its buckets) or the configuration did; moved there when loaded from another."""
         mem = self.factors.get(slot)
         if mem is None or mem.signature != signature:
             mem = self.factors[slot] = _Memory(signature, None, None)
         if not self.error_feedback:
             mem.error = None
         elif mem.error is None:
-            mem.error = torch.zeros(plan.m_numel, dtype=dtype)
+            mem.error = torch.zeros(plan.m_numel, dtype=dtype, device=device)
+        else:
+            mem.error = mem.error.to(device)
+        if mem.q is not None:
+            mem.q = mem.q.to(device)
         return mem
 
     def state_dict(self) -> dict:
@@ -223,10 +233,6 @@ class PowerSGDState(ReportsBuckets, Compressor):
 
     # -- the Compressor: see the module's docstring for the steps and their order ---------------
 
-    def check_device(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            raise ValueError(CUDA_REFUSED)
-
     def compress(self, comm, bucket: Bucket) -> "_Exchange":
         """Error feedback, the starting Q and the P factors, packed after the tensors sent whole.
         A failure aborts the communicator: the other ranks wait for this bucket's messages."""
@@ -238,9 +244,10 @@ class PowerSGDState(ReportsBuckets, Compressor):
 
     def exchange(self, comm, bucket: Bucket, compressed: "_Exchange") -> torch.futures.Future:
         """Once the bucket before it has issued its last message: [whole tensors | P] averaged,
-        then the Q factors, from the progress thread."""
+        then the Q factors, from P's completion (on the progress thread; on the device path, at
+        once)."""
         rounds = [compressed.send_p] + ([compressed.send_q] if compressed.plan.matrices else [])
-        return compress.rounds(comm, self._lane, rounds)
+        return compress.rounds(comm, self._lane, rounds, compressed.device)
 
     def decompress(
         self, comm, bucket: Bucket, compressed: "_Exchange", exchanged
@@ -298,7 +305,7 @@ class _Exchange:
 
     def __init__(self, state, comm, bucket: Bucket):
         self.state, self.comm, self.grads, self.slot = state, comm, list(bucket.grads), bucket.slot
-        self.index = bucket.index
+        self.index, self.device = bucket.index, bucket.device
         flat = bucket.flat
         started = time.perf_counter()
         dtype = self.grads[0].dtype if self.grads else torch.float32
@@ -339,7 +346,7 @@ class _Exchange:
     def _prepare(self, shapes, dtype):
         """Error feedback, the starting Q and the P factors, packed after the whole tensors."""
         state, plan = self.state, self.plan
-        self.w1 = torch.empty(plan.dense_numel + plan.p_numel, dtype=self.wire)
+        self.w1 = torch.empty(plan.dense_numel + plan.p_numel, dtype=self.wire, device=self.device)
         offset = 0
         for i in plan.dense:
             g = self.grads[i]
@@ -355,12 +362,16 @@ class _Exchange:
             int(state.matrix_approximation_rank),
             float(state.min_compression_rate),
         )
-        self.mem = state._memory_for(self.slot, signature, plan, self.compute)
+        self.mem = state._memory_for(self.slot, signature, plan, self.compute, self.device)
+        self._held(self.mem.error, self.mem.q)
         if state.warm_start and self.mem.q is not None:
             q_flat = self.mem.q
         else:
+            # drawn on the host whatever the device, the same start on every rank; copied to a
+            # CUDA device without a wait for its stream (pageable memory is staged at once)
             gen = torch.Generator().manual_seed(_seed_for(state.seed, self.slot, state.step))
             q_flat = torch.randn(plan.q_numel, generator=gen, dtype=self.compute)
+            q_flat = q_flat.to(self.device, non_blocking=True)
         self.ms, p_offset, q_offset, e_offset = [], offset, 0, 0
         for i, n, m, r in plan.matrices:
             g = self.grads[i]
@@ -390,8 +401,9 @@ class _Exchange:
         Q factors all-reduced."""
         started = time.perf_counter()
         plan = self.plan
+        self._held(self.w1, *self.ms)
         self._unpack_whole()
-        self.w2 = torch.empty(plan.q_numel, dtype=self.wire)
+        self.w2 = torch.empty(plan.q_numel, dtype=self.wire, device=self.device)
         self.ps, p_offset, q_offset = [], plan.dense_numel, 0
         for (_, n, m, r), matrix in zip(plan.matrices, self.ms):
             p = self.w1[p_offset : p_offset + n * r].view(n, r)
@@ -409,11 +421,23 @@ class _Exchange:
         return self._all_reduce(self.w2)
 
     def _all_reduce(self, flat: torch.Tensor):
-        algorithm = compress.all_reduce_algorithm(self.comm, flat.numel() * flat.element_size())
+        algorithm = compress.all_reduce_algorithm(
+            self.comm, flat.numel() * flat.element_size(), flat.device
+        )
         work = self.comm.all_reduce(flat, op=self.op, algorithm=algorithm, async_op=True)
         if self.index is not None:
             self.comm.bucket_stats.add_work(self.index, work)
         return work
+
+    def _held(self, *tensors):
+        """On CUDA, where the steps run on different streams (the caller's, then each
+        collective's callback's): `tensors` (None skipped), made or last used on another stream,
+        stay allocated until the current one is past what is enqueued on them now."""
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(stream)
 
     def _unpack_whole(self):
         if not self.in_place:
@@ -429,11 +453,13 @@ class _Exchange:
         """M' = P Q^T into the compressed gradients; the error memory and the warm start kept.
         Without matrices, the whole tensors into the gradients."""
         plan = self.plan
+        self._held(self.w1)
         if not plan.matrices:
             self._unpack_whole()
             return
         started = time.perf_counter()
         mem = self.mem
+        self._held(self.w2, mem.error, *self.ms, *self.ps)
         q_flat = self.w2 if self.wire == self.compute else self.w2.to(self.compute)
         q_offset, e_offset = 0, 0
         for (i, n, m, r), matrix, p in zip(plan.matrices, self.ms, self.ps):
