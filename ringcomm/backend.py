@@ -42,26 +42,103 @@ logger = logging.getLogger("ringcomm")
 
 class _DeviceRoute:
     """Where a ringcomm process group's operations on CUDA tensors run, asked by its backend
-    (csrc/torch/backend.cc) with the GIL: all_reduce and allreduce_coalesced on the group's
-    device paths (which log, once per device, why one stages); the backend stages the rest."""
+    (csrc/torch/backend.cc) with the GIL. all_reduce, broadcast, the all-gathers and the
+    reduce-scatters into tensors run on the group's device paths (which log, once per device, why
+    one stages); each method returns the stream it enqueued its operation on, as (stream_id,
+    device_index, device_type), or None where no device path serves: the backend then stages,
+    as it does every other operation."""
 
     def __init__(self, paths: DevicePaths):
         self.paths = paths
         self._logged = set()
 
-    def __call__(self, tensors: list, reduce_op: int, factor):
-        """Enqueues an all_reduce of each of `tensors` (one CUDA device) by `reduce_op` (a core
-        op code), each first scaled by `factor` where it is not None, on the device path after
-        the work on the current stream, and returns the stream it runs on as (stream_id,
-        device_index, device_type); None where no device path serves: the backend stages."""
+    def _run(self, tensors, body):
         path = self.paths.get(tensors[0].device)
         if path is None:
             return None
-        if factor is not None:
-            for t in tensors:
-                t.mul_(factor)
-        stream = path.all_reduce_stream(tensors, reduce_op)
+        stream = path.run_after(tensors, lambda: body(path))
         return stream.stream_id, stream.device_index, stream.device_type
+
+    @staticmethod
+    def _scale(tensor, tensor_factor, factor):
+        """PREMUL_SUM's factor applied (a tensor or a number, or neither)."""
+        if tensor_factor is not None:
+            tensor.mul_(tensor_factor.to(tensor.device))
+        elif factor is not None:
+            tensor.mul_(factor)
+
+    def all_reduce(self, tensors: list, op: int, tensor_factor, factor):
+        """Each of `tensors` all-reduced in place by `op` (a core op code), first scaled by the
+        factor where one is given."""
+
+        def body(path):
+            for t in tensors:
+                self._scale(t, tensor_factor, factor)
+                path.all_reduce_on(t, op)
+
+        return self._run(tensors, body)
+
+    def broadcast(self, tensor, root: int):
+        """`root`'s tensor into every rank's: an all-gather in place in which only `root` has a
+        block, so the bits arrive as sent."""
+        counts = [tensor.numel() if r == root else 0 for r in range(self.paths.world_size)]
+        return self._run([tensor], lambda path: path.all_gather_on(tensor.view(-1), counts))
+
+    def all_gather(self, outputs: list, inputs: list):
+        """outputs[i] (world_size x inputs[i]'s elements) receives every rank's inputs[i]."""
+        world, rank = self.paths.world_size, self.paths.rank
+        for o, i in zip(outputs, inputs):
+            if o.dtype != i.dtype or o.numel() != world * i.numel():
+                raise ValueError(
+                    f"ringcomm allgather: an output of {o.numel()} {o.dtype} for an input of "
+                    f"{i.numel()} {i.dtype} (expected world size x input, one dtype)"
+                )
+
+        def body(path):
+            for o, i in zip(outputs, inputs):
+                n = i.numel()
+                o.view(-1)[rank * n : (rank + 1) * n].copy_(i.view(-1))
+                path.all_gather_on(o.view(-1), [n] * world)
+
+        return self._run(outputs + inputs, body)
+
+    def all_gather_list(self, outputs: list, input):
+        """outputs[q] receives rank q's `input`."""
+        world, rank, n = self.paths.world_size, self.paths.rank, input.numel()
+        if len(outputs) != world or any(o.dtype != input.dtype or o.numel() != n for o in outputs):
+            raise ValueError(
+                f"ringcomm allgather: needs {world} outputs of {n} {input.dtype} elements"
+            )
+
+        def body(path):
+            flat = torch.empty(world * n, dtype=input.dtype, device=input.device)
+            flat[rank * n : (rank + 1) * n].copy_(input.view(-1))
+            path.all_gather_on(flat, [n] * world)
+            for q, o in enumerate(outputs):
+                o.view(-1).copy_(flat[q * n : (q + 1) * n])
+
+        return self._run(outputs + [input], body)
+
+    def reduce_scatter(self, outputs: list, inputs: list, op: int, tensor_factor, factor):
+        """outputs[i] receives this rank's block of inputs[i] (world_size x outputs[i]'s
+        elements) reduced over the ranks: an all-reduce of a copy of the input, then the block."""
+        world, rank = self.paths.world_size, self.paths.rank
+        for o, i in zip(outputs, inputs):
+            if o.dtype != i.dtype or i.numel() != world * o.numel():
+                raise ValueError(
+                    f"ringcomm reduce_scatter: an input of {i.numel()} {i.dtype} for an output of "
+                    f"{o.numel()} {o.dtype} (expected world size x output, one dtype)"
+                )
+
+        def body(path):
+            for o, i in zip(outputs, inputs):
+                n = o.numel()
+                reduced = i.reshape(-1).clone()  # the input is not the caller's to change
+                self._scale(reduced, tensor_factor, factor)
+                path.all_reduce_on(reduced, op)
+                o.view(-1).copy_(reduced[rank * n : (rank + 1) * n])
+
+        return self._run(outputs + inputs, body)
 
     def staged(self, op: str, device: str) -> None:
         """Logs, once per operation and device, that the backend stages `op`."""
@@ -69,7 +146,7 @@ class _DeviceRoute:
             self._logged.add((op, device))
             logger.info(
                 "ringcomm: rank %d of %d stages %s of CUDA tensors on %s through host memory: "
-                "the device path carries all_reduce alone",
+                "the device path does not carry it",
                 self.paths.rank,
                 self.paths.world_size,
                 op,

@@ -219,13 +219,33 @@ class DeviceCommunicator:
             own = self._enqueue_after(caller, [tensor], op, algorithm)
             return self._finish(caller, own, tensor, async_op)
 
-    def all_reduce_stream(self, tensors: Sequence[torch.Tensor], op="sum") -> torch.cuda.Stream:
-        """all_reduce of each of `tensors`, in order, with all_reduce_work's stream semantics;
-        returns the stream they run on, for the caller to record its own completion on (the
-        torch backend's c10d Work, csrc/torch/backend.cc)."""
+    def run_after(self, tensors: Sequence[torch.Tensor], body) -> torch.cuda.Stream:
+        """Runs body() with this communicator's own stream current, after the work already on
+        the current stream, and holds `tensors` until that stream is past what body() enqueued
+        there (all_gather_on, all_reduce_on, torch ops); returns the stream. For composite
+        operations: the torch backend's broadcast, all-gathers and reduce-scatters."""
         caller = torch.cuda.current_stream(self.device)
         with self._lock:
-            return self._enqueue_after(caller, tensors, op, "auto")
+            own = self._own_after(caller)
+            with torch.cuda.stream(own):
+                body()
+            for t in tensors:
+                t.record_stream(own)
+            return own
+
+    def all_gather_on(self, flat: torch.Tensor, counts: Sequence[int]) -> None:
+        """Inside run_after's body: the all-gather into `flat`, every rank's block back to back
+        (counts[q] elements from rank q, this rank's already in place)."""
+        self._comm.all_gather(
+            flat.data_ptr(),
+            [int(c) for c in counts],
+            TORCH_DTYPES[flat.dtype],
+            self._stream.cuda_stream,
+        )
+
+    def all_reduce_on(self, tensor: torch.Tensor, op="sum") -> None:
+        """Inside run_after's body: the all-reduce of `tensor` in place."""
+        self._enqueue(tensor, op, "auto", self._stream)
 
     def sparse_all_reduce_work(
         self,

@@ -511,6 +511,10 @@ class RingcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
+    if (tensors.size() == 1 && routed(tensors[0]))
+      if (auto work = on_device(c10d::OpType::BROADCAST, tensors, tensors, "broadcast", tensors[0],
+                                checked_root(opts.rootRank)))
+        return work;
     Staged t(one(tensors, "broadcast"));
     return run(
         c10d::OpType::BROADCAST, tensors, {t},
@@ -523,7 +527,12 @@ class RingcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
-    if (auto work = on_device(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp)) return work;
+    if (!tensors.empty() && routed(tensors[0])) {
+      const DeviceOp d = device_op(opts.reduceOp, tensors[0]);
+      if (auto work = on_device(c10d::OpType::ALLREDUCE, tensors, tensors, "all_reduce", tensors,
+                                d.op, d.tensor_factor, d.factor))
+        return work;
+    }
     Staged t(one(tensors, "allreduce"));
     rc::ReduceOp op = premultiply(opts.reduceOp, t);
     return run(
@@ -538,8 +547,12 @@ class RingcommBackend : public c10d::Backend {
   // Through the fused bucket path: bitwise what one allreduce per tensor gives.
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
-    if (auto work = on_device(c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.reduceOp))
-      return work;
+    if (!tensors.empty() && routed(tensors[0])) {
+      const DeviceOp d = device_op(opts.reduceOp, tensors[0]);
+      if (auto work = on_device(c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors, "all_reduce",
+                                tensors, d.op, d.tensor_factor, d.factor))
+        return work;
+    }
     std::vector<Staged> staged;
     std::vector<rc::Communicator::BufferRef> refs;
     staged.reserve(tensors.size());
@@ -584,6 +597,13 @@ class RingcommBackend : public c10d::Backend {
     one(inputs, "allgather");
     TORCH_CHECK_VALUE(outputs.size() == 1, "ringcomm allgather: expected one output list, got ",
                       outputs.size());
+    if (routed(inputs[0])) {
+      std::vector<at::Tensor> all = outputs[0];
+      all.push_back(inputs[0]);
+      if (auto work = on_device(c10d::OpType::ALLGATHER, all, outputs[0], "all_gather_list",
+                                outputs[0], inputs[0]))
+        return work;
+    }
     std::vector<std::vector<at::Tensor>> per_rank;
     for (const auto& t : outputs[0]) per_rank.push_back({t});
     return gather_lists(c10d::OpType::ALLGATHER, per_rank, inputs, outputs[0], opts.asyncOp);
@@ -594,18 +614,30 @@ class RingcommBackend : public c10d::Backend {
                                                      const c10d::AllgatherOptions& opts) override {
     std::vector<at::Tensor> results;
     for (auto& list : outputs) results.insert(results.end(), list.begin(), list.end());
+    note_staged(c10d::OpType::ALLGATHER_COALESCED, results);  // the route carries the other form
     return gather_lists(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs, results, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override {
     std::vector<at::Tensor> outputs{output}, inputs{input};
+    if (routed(input))
+      if (auto work = on_device(c10d::OpType::_ALLGATHER_BASE, {output, input}, outputs,
+                                "all_gather", outputs, inputs))
+        return work;
     return allgather_into_tensor(c10d::OpType::_ALLGATHER_BASE, outputs, inputs, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override {
+    if (!inputs.empty() && routed(inputs[0]) && outputs.size() == inputs.size()) {
+      std::vector<at::Tensor> all = outputs;
+      all.insert(all.end(), inputs.begin(), inputs.end());
+      if (auto work = on_device(c10d::OpType::ALLGATHER_COALESCED, all, outputs, "all_gather",
+                                outputs, inputs))
+        return work;
+    }
     return allgather_into_tensor(c10d::OpType::ALLGATHER_COALESCED, outputs, inputs, opts.asyncOp);
   }
 
@@ -673,6 +705,13 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
     std::vector<at::Tensor> outputs{output};
+    if (routed(input)) {
+      const DeviceOp d = device_op(opts.reduceOp, input);
+      if (auto work = on_device(c10d::OpType::_REDUCE_SCATTER_BASE, {output, input}, outputs,
+                                "reduce_scatter", outputs, std::vector<at::Tensor>{input}, d.op,
+                                d.tensor_factor, d.factor))
+        return work;
+    }
     return reduce_scatter_into(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, {Staged(output)},
                                {input}, opts.reduceOp, opts.asyncOp);
   }
@@ -683,6 +722,14 @@ class RingcommBackend : public c10d::Backend {
     TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
                       "ringcomm reduce_scatter_tensor_coalesced: ", outputs.size(), " outputs for ",
                       inputs.size(), " inputs");
+    if (!inputs.empty() && routed(inputs[0])) {
+      const DeviceOp d = device_op(opts.reduceOp, inputs[0]);
+      std::vector<at::Tensor> all = outputs;
+      all.insert(all.end(), inputs.begin(), inputs.end());
+      if (auto work = on_device(c10d::OpType::COALESCED, all, outputs, "reduce_scatter", outputs,
+                                inputs, d.op, d.tensor_factor, d.factor))
+        return work;
+    }
     std::vector<Staged> outs(outputs.begin(), outputs.end());
     // OpType::COALESCED: REDUCE_SCATTER_TENSOR_COALESCED is newer than torch 2.11.
     return reduce_scatter_into(c10d::OpType::COALESCED, outputs, outs, inputs, opts.reduceOp,
@@ -913,12 +960,35 @@ class RingcommBackend : public c10d::Backend {
     return rc::ReduceOp::kSum;
   }
 
-  // An all-reduce of CUDA tensors goes to the device route, which enqueues it on its device path
-  // after the work on the caller's current stream; nullptr (CPU tensors, or no device path reaches
-  // every rank) leaves it to the staged path.
-  c10::intrusive_ptr<c10d::Work> on_device(c10d::OpType type, std::vector<at::Tensor>& tensors,
-                                           const c10d::ReduceOp& reduce_op) {
-    if (!route_ || tensors.empty() || !tensors[0].is_cuda()) return nullptr;
+  // Whether an operation on `first` (and its like) asks the device route.
+  bool routed(const at::Tensor& first) const { return route_ && first.is_cuda(); }
+
+  // A reduce op as the device route takes it: the core's op code, and PREMUL_SUM's factor (a
+  // tensor or a number) with a sum.
+  struct DeviceOp {
+    int op;
+    std::optional<at::Tensor> tensor_factor;
+    std::optional<double> factor;
+  };
+  static DeviceOp device_op(const c10d::ReduceOp& reduce_op, const at::Tensor& t) {
+    if (reduce_op.op_ != c10d::ReduceOp::PREMUL_SUM) return {int(op_of(reduce_op, t)), {}, {}};
+    auto* f = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(reduce_op.supplement_.get());
+    TORCH_CHECK_VALUE(f != nullptr, "ringcomm: PREMUL_SUM without a factor");
+    TORCH_CHECK_TYPE(t.is_floating_point(), "ringcomm: PREMUL_SUM needs a floating dtype");
+    if (f->tensor_factor.defined()) return {int(rc::ReduceOp::kSum), f->tensor_factor, {}};
+    return {int(rc::ReduceOp::kSum), {}, f->double_factor};
+  }
+
+  // An operation on CUDA tensors goes to the device route's `method` (ringcomm/backend.py), which
+  // enqueues it on its device path after the work on the caller's current stream and returns the
+  // stream it runs on: the Work then completes there, as ProcessGroupNCCL's do. nullptr (a
+  // non-contiguous tensor, or no device path reaches every rank) leaves it to the staged path.
+  // `tensors`: every tensor it touches; `results`: the Work's.
+  template <typename... Args>
+  c10::intrusive_ptr<c10d::Work> on_device(c10d::OpType type,
+                                           const std::vector<at::Tensor>& tensors,
+                                           const std::vector<at::Tensor>& results,
+                                           const char* method, const Args&... args) {
     for (const at::Tensor& t : tensors) {
       check_tensor(t);
       TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "ringcomm ", c10d::opTypeToString(type),
@@ -926,33 +996,51 @@ class RingcommBackend : public c10d::Backend {
                         "; an operation takes one device");
       if (!t.is_contiguous()) return nullptr;  // the staged path copies it contiguous and back
     }
-    const bool premul = reduce_op.op_ == c10d::ReduceOp::PREMUL_SUM;
-    const int op = premul ? int(rc::ReduceOp::kSum) : int(op_of(reduce_op, tensors[0]));
     std::tuple<int64_t, int64_t, int64_t> stream;
     {
       py::gil_scoped_acquire gil;
       try {
-        py::object factor = py::none();
-        if (premul) {
-          auto* f = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(reduce_op.supplement_.get());
-          TORCH_CHECK_VALUE(f != nullptr, "ringcomm: PREMUL_SUM without a factor");
-          TORCH_CHECK_TYPE(tensors[0].is_floating_point(),
-                           "ringcomm: PREMUL_SUM needs a floating dtype");
-          factor =
-              f->tensor_factor.defined() ? py::cast(f->tensor_factor) : py::cast(f->double_factor);
-        }
-        py::object ran = (*route_)(tensors, op, factor);
+        py::object ran = route_->attr(method)(args...);
         if (ran.is_none()) return nullptr;
         stream = ran.cast<std::tuple<int64_t, int64_t, int64_t>>();
       } catch (py::error_already_set& e) {
-        fail(c10::str("ringcomm ", c10d::opTypeToString(type), " on ", tensors[0].device(), ": ",
-                      e.what()));
+        const std::string what = c10::str("ringcomm ", c10d::opTypeToString(type), " on ",
+                                          tensors[0].device(), ": ", e.what());
+        TORCH_CHECK_VALUE(!e.matches(PyExc_ValueError), what);
+        TORCH_CHECK_TYPE(!e.matches(PyExc_TypeError), what);
+        fail(what);
       }
     }
     return c10::make_intrusive<DeviceWork>(
-        getRank(), type, tensors,
+        getRank(), type, results,
         c10::Stream::unpack3(std::get<0>(stream), c10::DeviceIndex(std::get<1>(stream)),
                              c10::DeviceType(std::get<2>(stream))));
+  }
+
+  static bool device_routed(c10d::OpType type) {
+    switch (type) {
+      case c10d::OpType::ALLREDUCE:
+      case c10d::OpType::ALLREDUCE_COALESCED:
+      case c10d::OpType::BROADCAST:
+      case c10d::OpType::ALLGATHER:
+      case c10d::OpType::_ALLGATHER_BASE:
+      case c10d::OpType::ALLGATHER_COALESCED:
+      case c10d::OpType::_REDUCE_SCATTER_BASE:
+      case c10d::OpType::COALESCED:
+        return true;
+      default:
+        return false;
+    }
+  }
+
+  // Tells the device route that `type` is staged, if any of `results` is a CUDA tensor.
+  void note_staged(c10d::OpType type, const std::vector<at::Tensor>& results) {
+    if (!route_) return;
+    auto cuda = std::find_if(results.begin(), results.end(),
+                             [](const at::Tensor& t) { return t.is_cuda(); });
+    if (cuda == results.end()) return;
+    py::gil_scoped_acquire gil;
+    route_->attr("staged")(c10d::opTypeToString(type), cuda->device().str());
   }
 
   // Calls the device route's `method` (close, abort) where there is one and Python runs.
@@ -970,15 +1058,9 @@ class RingcommBackend : public c10d::Backend {
                                        const std::function<std::vector<rc::WorkPtr>(bool)>& issue,
                                        std::vector<at::Tensor> keep = {}, bool async = true) {
     auto work = c10::make_intrusive<RingcommWork>(getRank(), type, comm_, results);
-    if (route_ && type != c10d::OpType::ALLREDUCE && type != c10d::OpType::ALLREDUCE_COALESCED) {
-      // An all-reduce staged is the device paths' to log; any other staged operation, the route's.
-      auto cuda = std::find_if(results.begin(), results.end(),
-                               [](const at::Tensor& t) { return t.is_cuda(); });
-      if (cuda != results.end()) {
-        py::gil_scoped_acquire gil;
-        route_->attr("staged")(c10d::opTypeToString(type), cuda->device().str());
-      }
-    }
+    // An operation the route carries is staged only where no device path is, which the paths
+    // log; any other is logged here.
+    if (!device_routed(type)) note_staged(type, results);
     std::vector<rc::WorkPtr> ops;
     try {
       ops = issue(async || comm_->on_progress_thread());

@@ -142,7 +142,7 @@ class QuantizeState(ReportsBuckets, Compressor):
                 )
             return self._count(comm, bucket, comm.all_reduce(q.codes, op="sum", async_op=True))
 
-        return compress.rounds(comm, self._lane, [agree, send])
+        return compress.rounds(comm, self._lane, [agree, send], bucket.device)
 
     def decompress(self, comm, bucket: Bucket, q: _Quantized, sums: torch.Tensor) -> torch.Tensor:
         """The mean, into the bucket's gradient: shaped like bucket.flat, where given."""

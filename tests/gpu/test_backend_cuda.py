@@ -1,8 +1,9 @@
 """The torch.distributed backend "ringcomm" with CUDA tensors, 2 ranks on one GPU: all_reduce and
 its coalesced form on the device path against exact results, no byte staged to the host; the
-stream semantics of ProcessGroupNCCL through dist.all_reduce; the other operations on CUDA
-tensors staged, right, and logged once each; DDP on CUDA over the backend alone and with
-ringcomm's hooks given the group, no gradient byte on the host; FSDP2 on CUDA."""
+stream semantics of ProcessGroupNCCL through dist.all_reduce; broadcast, the all-gathers and the
+reduce-scatters on the device path too, the other operations staged, right, and logged once each;
+DDP on CUDA over the backend alone and with ringcomm's hooks given the group, no byte on the host
+from its construction on; FSDP2 on CUDA, on the device path, against FSDP2 on the CPU."""
 
 import copy
 import logging
@@ -149,29 +150,53 @@ def test_dist_all_reduce_has_the_stream_semantics_of_processgroupnccl():
         assert r["right"] and r["future"] and r["doubled"], r
 
 
-def staged_rank(store, rank, world):
+def collectives_rank(store, rank, world):
+    from ringcomm import staging
+
     records = init(store, rank, world)
-    n = 1001
+    n, right = 1001, []
+    # On the device path: broadcast, the all-gathers and the reduce-scatters.
     t = torch.full((n,), float(rank + 1), device="cuda")
+    t[0] = -0.0 if rank == 1 else 5.0  # a broadcast's bits arrive as sent
     dist.broadcast(t, src=1)
-    right = [bool((t == 2.0).all())]
+    right.append(bool((t[1:] == 2.0).all()) and str(t[0].item()) == "-0.0")
     gathered = torch.empty(world * n, device="cuda")
-    for _ in range(2):  # logged once
-        dist.all_gather_into_tensor(gathered, torch.full((n,), float(rank), device="cuda"))
+    dist.all_gather_into_tensor(gathered, torch.full((n,), float(rank), device="cuda"))
     right.append(torch.equal(gathered.cpu(), torch.arange(world).repeat_interleave(n).float()))
+    parts = [torch.empty(n, dtype=torch.int64, device="cuda") for _ in range(world)]
+    dist.all_gather(parts, torch.full((n,), rank, dtype=torch.int64, device="cuda"))
+    right.append(all(bool((p == q).all()) for q, p in enumerate(parts)))
     out = torch.empty(n, device="cuda")
-    dist.reduce_scatter_tensor(out, torch.ones(world * n, device="cuda"))
-    right.append(bool((out == world).all()))
+    source = torch.arange(world * n, dtype=torch.float32, device="cuda")
+    dist.reduce_scatter_tensor(out, source, op=dist.ReduceOp.AVG)
+    right.append(torch.equal(out.cpu(), torch.arange(rank * n, (rank + 1) * n).float()))
+    right.append(torch.equal(source.cpu(), torch.arange(world * n).float()))  # left alone
+    dist.reduce_scatter_tensor(out, torch.ones(world * n, device="cuda"), op=premul())
+    right.append(bool((out == 0.5 * world).all()))
+    on_device = staging.bytes_to_host()
+    # Staged, each logged once: reduce, all_to_all.
+    for _ in range(2):
+        r = torch.full((n,), float(rank + 1), device="cuda")
+        dist.reduce(r, dst=0)
+    right.append(rank != 0 or bool((r == world * (world + 1) / 2).all()))
+    received = torch.empty(world * 4, device="cuda")
+    dist.all_to_all_single(received, torch.full((world * 4,), float(rank), device="cuda"))
+    right.append(torch.equal(received.cpu(), torch.arange(world).repeat_interleave(4).float()))
     lines = staged_lines(records)
     dist.destroy_process_group()
-    return right, lines
+    return right, on_device, lines
 
 
-def test_other_operations_on_cuda_tensors_are_staged_and_logged_once_each():
-    for right, lines in run_ranks(2, staged_rank, make_comm=False, timeout=240):
+def premul():
+    return dist._make_nccl_premul_sum(0.5)
+
+
+def test_collectives_on_cuda_tensors_run_on_the_device_path_or_are_staged_and_logged_once():
+    for right, on_device, lines in run_ranks(2, collectives_rank, make_comm=False, timeout=240):
         assert all(right), right
-        assert len(lines) == 3, lines
-        for op in ("BROADCAST", "_ALLGATHER_BASE", "_REDUCE_SCATTER_BASE"):
+        assert on_device == 0, on_device
+        assert len(lines) == 2, lines
+        for op in ("REDUCE", "ALLTOALL_BASE"):
             assert any(f"stages {op} of CUDA tensors on cuda:0" in line for line in lines), (
                 op,
                 lines,
@@ -195,11 +220,11 @@ def ddp_rank(store, rank, world):
     for hook_name, tol in tolerance.items():
         model = mlp().cuda()
         local = copy.deepcopy(model)  # the same steps without DDP: each rank's own gradient
+        before = staging.bytes_to_host()
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.1)
         if hook_name is not None:
             ddp.register_comm_hook(dist.group.WORLD, getattr(hooks, hook_name))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        before = staging.bytes_to_host()  # DDP's broadcast of the first weights is staged
         for step in range(3):
             gen = torch.Generator().manual_seed(100 * step + rank)
             x = torch.randn(16, 32, generator=gen).cuda()
@@ -237,6 +262,8 @@ def fsdp_rank(store, rank, world, device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from ringcomm import staging
+
     init(store, rank, world)
     mesh = init_device_mesh(device, (world,))
     model = mlp().to(device)
@@ -257,14 +284,16 @@ def fsdp_rank(store, rank, world, device):
         dist.all_reduce(summed)
         losses.append(float(summed) / world)
     full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    staged = staging.bytes_to_host()
     dist.destroy_process_group()
-    return losses, full
+    return losses, full, staged
 
 
-def test_fsdp2_on_cuda_matches_fsdp2_on_cpu():
+def test_fsdp2_on_cuda_runs_on_the_device_path_and_matches_fsdp2_on_cpu():
     cuda = run_ranks(2, fsdp_rank, "cuda", make_comm=False, timeout=300)
     cpu = run_ranks(2, fsdp_rank, "cpu", make_comm=False, timeout=300)
-    for (losses, state), (cpu_losses, cpu_state) in zip(cuda, cpu):
+    for (losses, state, staged), (cpu_losses, cpu_state, _) in zip(cuda, cpu):
+        assert staged == 0, staged
         assert losses[-1] < losses[0], losses  # it trains
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-4, atol=1e-4
