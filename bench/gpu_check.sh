@@ -7,8 +7,9 @@
 # ranks on one GPU beside the device memory floor, time-sliced and under an MPS daemon this
 # script starts (its pipe and log directories in a temporary directory, stopped at the end; the
 # GPU's compute mode is left alone), with the device path's one_shot and shared_buffer forced
-# beside it under MPS; with 2 GPUs or more, also beside NCCL. A step that would overrun the time
-# left is cut short and says so; the next steps still run in what is left.
+# beside it under MPS; with 2 GPUs or more, also beside NCCL; and bench/ddp_hooks.py, DDP's step
+# with each hook against one that does not communicate, 2 ranks on the GPU. A step that would
+# overrun the time left is cut short and says so; the next steps still run in what is left.
 #
 #   bench/gpu_check.sh              # PYTHON: the interpreter (default .venv/bin/python, else python3)
 #   bench/gpu_check.sh --dry-run    # every step named with its time limit, none run (no GPU needed)
@@ -120,8 +121,8 @@ main() {
 print(i['gpus'], i.get('compute_capability', '9.0'))" "$WORK/info.json")
     ARCHS=${RINGCOMM_CUDA_ARCHS:-${CAP/./}-real}  # 9.0: 90-real
   fi
-  RUNS=4
-  [ "$GPUS" -ge 2 ] && RUNS=5
+  RUNS=5  # the timed runs after the tests: each bench sweep and the DDP hooks
+  [ "$GPUS" -ge 2 ] && RUNS=6
 
   built=0
   if step build 240 $((200 + RUNS * 20)) env RINGCOMM_CUDA=1 RINGCOMM_CUDA_ARCHS="$ARCHS" \
@@ -144,6 +145,9 @@ ok, why = c.status(); print('ringcomm CUDA kernels:', why or 'ready'); raise Sys
         --json "$WORK/bench_${ranks}ranks_time-sliced.json"
       RUNS=$((RUNS - 1))
     done
+    step "ddp hooks 2 ranks" 60 $(((RUNS - 1) * 25)) "$PY" bench/ddp_hooks.py --device cuda \
+      --ranks 2 --timeout 55 --json "$WORK/ddp_2ranks.json"
+    RUNS=$((RUNS - 1))
     if [ "$DRY" = 1 ] || start_mps; then
       for ranks in 2 4; do
         step "bench ${ranks} ranks mps" "$BENCH_S" $(((RUNS - 1) * 25)) \

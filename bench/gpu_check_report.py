@@ -180,6 +180,11 @@ def assemble(work: str, report: str) -> dict:
         "tests": tests,
         "bench": {name: {"figures": figures(run), "run": run} for name, run in runs.items()},
     }
+    for path in sorted(glob.glob(os.path.join(work, "ddp_*.json"))):
+        with open(path) as f:
+            out.setdefault("ddp", {})[os.path.basename(path)[len("ddp_") : -len(".json")]] = (
+                json.load(f)
+            )
     if os.path.exists(servers):
         with open(servers) as f:
             out["mps_servers"] = f.read().split()
@@ -201,6 +206,13 @@ def summary(out: dict) -> list[str]:
         lines += [
             f"  FAILED {f['test']}: {f['message'].splitlines()[0][:160] if f['message'] else ''}"
             for f in t["failed"]
+        ]
+    for name, d in out.get("ddp", {}).items():
+        lines.append(f"# DDP step by hook, {name} ({d['params_m']:g}M parameters):")
+        lines += [
+            f"  {r['hook']:<10} {r['step_ms']:8.2f} ms  {r['over_local']:5.2f}x local  "
+            f"{r['staged_bytes']} bytes staged"
+            for r in d["rows"]
         ]
     for name, b in out["bench"].items():
         run, fig = b["run"], b["figures"]

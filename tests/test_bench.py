@@ -536,3 +536,19 @@ def test_gpu_check_dry_run_names_every_step_and_writes_one_report(tmp_path):
     assert "RINGCOMM_CUDA_ARCHS=90-real" in report["steps"][0]["command"]
     assert "--device cuda -b 8 -e 64M" in report["steps"][4]["command"]
     assert "# GPU check:" in run.stdout and "report:" in run.stdout
+
+
+def test_ddp_hooks_bench_times_each_hook_against_local_and_counts_staging(tmp_path):
+    out = tmp_path / "ddp.json"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "ddp_hooks.py"), "--device", "cpu"]
+    cmd += ["--ranks", "2", "--params", "0.05", "--steps", "3", "--warmup", "1"]
+    cmd += ["--hooks", "allreduce,topk", "--timeout", "120", "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["hook"] for r in report["rows"]] == ["local", "allreduce", "topk"]
+    for row in report["rows"]:
+        assert row["step_ms"] > 0 and row["staged_bytes"] == 0, row
+        assert row["over_local"] == pytest.approx(row["step_ms"] / report["rows"][0]["step_ms"])
+    assert report["device"] == "cpu"
+    assert_run_metadata(report)
