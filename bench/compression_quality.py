@@ -16,7 +16,8 @@ Models: "digits", the MLP 64-W-W-10 of examples/train_ddp.py on scikit-learn's d
 weights on the same batches (--batch per rank), with SGD (--lr, momentum 0.9), DDP over gloo, and
 rank 0 measures test accuracy --evals times along the run (outside the timed steps). Gradients are
 averaged by DDP's own gloo all-reduce ("dense", float32) or by a ringcomm comm hook; "bf16" is the
-16-bit baseline. A configuration is a name below, with settings of its state after slashes
+16-bit baseline; "local" does not communicate: its step time is the computation's, the floor of
+every other's. A configuration is a name below, with settings of its state after slashes
 (topk/ratio=0.001/schedule='fixed'), or FILE.py:CLASS / MODULE:CLASS naming a
 ringcomm.compress.Compressor, built without arguments and run by ringcomm.hooks.compressor_hook.
 Bytes are what every rank sent, over TCP (all of the process's sockets) and through ringcomm's
@@ -76,9 +77,18 @@ def torch_powersgd(rank):
     return make
 
 
+def local_hook(state, bucket):
+    """No communication: each rank keeps its own gradient. Its step time is the floor of every
+    configuration's, the computation alone (its accuracy means nothing)."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 # name -> () -> (hook state, hook), or None for DDP's own all-reduce
 CONFIGS = {
     "dense": None,
+    "local": lambda: (None, local_hook),
     "fp16": lambda: (None, hooks.fp16_compress_hook),
     "bf16": lambda: (None, hooks.bf16_compress_hook),
     "topk": state(hooks.TopKState, hooks.topk_hook),  # the defaults
