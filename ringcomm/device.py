@@ -4,6 +4,7 @@ the first device transport that serves every rank.
     comm = ringcomm.device.DeviceCommunicator(store, rank, world_size)  # current CUDA device
     comm.transport          # "cuda_ipc" or "nccl"; comm.refused: why not the others
     comm.all_reduce(t)      # in place, on t's current stream; op="sum" | "avg" | "min" ...
+    comm.all_gather(out, t) # every rank's t into out (world_size x t), on t's current stream
                             # algorithm="auto" | "one_shot" | "shared_buffer" | "ring" (cuda_ipc)
                             # | "ring" | "tree" | "recursive_doubling" | "nccl" (nccl)
     comm.synchronize()      # waits; raises if a peer failed or the timeout passed
@@ -242,6 +243,26 @@ class DeviceCommunicator:
             TORCH_DTYPES[flat.dtype],
             self._stream.cuda_stream,
         )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """Every rank's `input` into `output` (world_size times its elements, rank q's as block
+        q), enqueued on the current stream of their device, as all_reduce is."""
+        cuda._check(input, "input", device=self.device)
+        cuda._check(output, "output", (input.dtype,), device=self.device)
+        n = input.numel()
+        if output.numel() != self.world_size * n:
+            raise ValueError(
+                f"output has {output.numel()} elements, expected world_size x input = "
+                f"{self.world_size * n}"
+            )
+        output.view(-1)[self.rank * n : (self.rank + 1) * n].copy_(input.view(-1))
+        self._comm.all_gather(
+            output.data_ptr(),
+            [n] * self.world_size,
+            TORCH_DTYPES[output.dtype],
+            torch.cuda.current_stream(self.device).cuda_stream,
+        )
+        return output
 
     def all_reduce_on(self, tensor: torch.Tensor, op="sum") -> None:
         """Inside run_after's body: the all-reduce of `tensor` in place."""

@@ -2,7 +2,7 @@
 process on ONE GPU: all_reduce of every op, dtype and size of the grid below, bit for bit against
 every rank's input folded in rank order on the GPU (the order one_shot and shared_buffer fold
 in), and each window algorithm by name on whole numbers (exact in any order: the ring folds each
-block in its own); then a rank killed while the others run collectives, who must raise within
+block in its own); all_gather of every dtype and size, every block bit for bit; then a rank killed while the others run collectives, who must raise within
 the timeout, never hang. Each runs without MPS and, where nvidia-cuda-mps-control exists, under
 an MPS daemon of its own (pipe and log directories in a temporary directory, stopped after; the
 GPU's compute mode is left alone)."""
@@ -113,6 +113,17 @@ def grid_rank(rank, world, store_path, results):
                     comm.synchronize()
                     if not torch.equal(t, reference(case, world, n, dtype, op, True)):
                         raise AssertionError(f"{algorithm} {dtype} {op} {size}: wrong result")
+        for dtype in DTYPES:
+            for size in SIZES:
+                case += 1
+                n = elements(size, dtype)
+                mine = placed(contribution(case, rank, n, dtype, False), size)
+                out = placed(torch.empty(world * n, dtype=dtype, device="cuda"), size)
+                comm.all_gather(out, mine)
+                comm.synchronize()
+                every = [contribution(case, r, n, dtype, False) for r in range(world)]
+                if not torch.equal(out, torch.cat(every)):
+                    raise AssertionError(f"all_gather {dtype} {size}: not every rank's block")
         comm.close()
         results.put((rank, "ok"))
     except BaseException as e:  # reported to the parent, which fails the test with it
