@@ -175,17 +175,21 @@ def mlp(inputs: int, width: int, seed: int) -> torch.nn.Module:
 
 
 def classification(features: int, seed: int):
-    """(train x, train y, test x, test y): make_classification's 6,000 examples of `features`
-    features (96 of them informative or redundant), 10 classes, standardized, split 80/20."""
+    """(train x, train y, test x, test y): make_classification's 16,000 examples of `features`
+    features (96 of them informative or redundant, the rest noise), 10 classes of one cluster
+    each, standardized, split 80/20. The MLP learns it to about 80% (3,200 test examples: a
+    standard error of 0.7 points), where closer classes (class_sep 1, two clusters each) leave
+    it near chance and the comparison with dense without resolution."""
     from sklearn.datasets import make_classification
 
     x, y = make_classification(
-        n_samples=6000,
+        n_samples=16000,
         n_features=features,
         n_informative=48,
         n_redundant=48,
         n_classes=10,
-        n_clusters_per_class=2,
+        n_clusters_per_class=1,
+        class_sep=2.0,
         flip_y=0.01,
         random_state=seed,
     )
