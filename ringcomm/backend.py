@@ -52,7 +52,11 @@ class _DeviceRoute:
         self.paths = paths
         self._logged = set()
 
-    def _run(self, tensors, body):
+    def _run(self, tensors, body, tensor_factor=None):
+        """body(path) on the path's stream after the caller's; `tensors` and the factor held
+        until it is past them."""
+        if tensor_factor is not None and tensor_factor.is_cuda:
+            tensors = tensors + [tensor_factor]
         path = self.paths.get(tensors[0].device)
         if path is None:
             return None
@@ -76,7 +80,7 @@ class _DeviceRoute:
                 self._scale(t, tensor_factor, factor)
                 path.all_reduce_on(t, op)
 
-        return self._run(tensors, body)
+        return self._run(tensors, body, tensor_factor)
 
     def broadcast(self, tensor, root: int):
         """`root`'s tensor into every rank's: an all-gather in place in which only `root` has a
@@ -138,7 +142,7 @@ class _DeviceRoute:
                 path.all_reduce_on(reduced, op)
                 o.view(-1).copy_(reduced[rank * n : (rank + 1) * n])
 
-        return self._run(outputs + inputs, body)
+        return self._run(outputs + inputs, body, tensor_factor)
 
     def staged(self, op: str, device: str) -> None:
         """Logs, once per operation and device, that the backend stages `op`."""

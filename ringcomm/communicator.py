@@ -382,7 +382,8 @@ class Communicator:
     ):
         """Dense sum (op="avg": average) over ranks of every rank's (indices, values) pairs.
 
-        indices: int32 tensor of k positions in [0, numel) (repeats add up); values: k float32,
+        indices: int32 tensor of k positions in [0, numel) (repeats add up on CPU tensors; CUDA
+        ones must be distinct within a rank, as a top-k's are); values: k float32,
         float16 or bfloat16 values; ranks may pass different k. The result goes to `out` (numel
         elements, float32/float16/bfloat16; default a new float32 tensor), which is returned.
         algorithm: "auto" (cheapest estimate), "sparse_gather", "sparse_ranges" or "ring" (dense).
@@ -405,9 +406,15 @@ class Communicator:
             )
             if out.numel() != int(numel):
                 raise ValueError(f"out has {out.numel()} elements, expected numel = {numel}")
-            counts = torch.zeros(self.world_size, dtype=torch.int64)
-            self.all_gather(counts, torch.tensor([indices.numel()], dtype=torch.int64))
-            work = path.sparse_all_reduce_work(indices, values, counts.tolist(), out, op, async_op)
+            # The counts, and whether any rank has seen a bad index so far: every rank raises
+            # at the same call, or none does.
+            said = torch.zeros(2 * self.world_size, dtype=torch.int64)
+            mine = [indices.numel(), int(path.bad_index_seen())]
+            self.all_gather(said, torch.tensor(mine, dtype=torch.int64))
+            if said[1::2].any():
+                path.raise_bad_index()
+            counts = said[0::2].tolist()
+            work = path.sparse_all_reduce_work(indices, values, counts, out, op, async_op)
             return work if async_op else out
         return self._host_sparse_all_reduce(
             indices, values, numel, out, op, algorithm, None, async_op

@@ -190,7 +190,8 @@ class DeviceCommunicator:
         """In place, enqueued on the current stream of the tensor's device. `algorithm` names
         one of the transport's (the module's docstring)."""
         cuda._check(tensor, "tensor", device=self.device)
-        self._enqueue(tensor, op, algorithm, torch.cuda.current_stream(self.device))
+        with self._lock:  # the transport's counts follow the order of calls
+            self._enqueue(tensor, op, algorithm, torch.cuda.current_stream(self.device))
         return tensor
 
     def _enqueue(self, tensor: torch.Tensor, op, algorithm: str, stream: torch.cuda.Stream):
@@ -256,12 +257,13 @@ class DeviceCommunicator:
                 f"{self.world_size * n}"
             )
         output.view(-1)[self.rank * n : (self.rank + 1) * n].copy_(input.view(-1))
-        self._comm.all_gather(
-            output.data_ptr(),
-            [n] * self.world_size,
-            TORCH_DTYPES[output.dtype],
-            torch.cuda.current_stream(self.device).cuda_stream,
-        )
+        with self._lock:  # the transport's counts follow the order of calls
+            self._comm.all_gather(
+                output.data_ptr(),
+                [n] * self.world_size,
+                TORCH_DTYPES[output.dtype],
+                torch.cuda.current_stream(self.device).cuda_stream,
+            )
         return output
 
     def all_reduce_on(self, tensor: torch.Tensor, op="sum") -> None:
@@ -282,8 +284,9 @@ class DeviceCommunicator:
         added rank by rank into `out` (zeroed first) by ringcomm's scatter-add kernel, in the same
         order on every rank (indices distinct within a rank, as top-k gives them); "avg" divides
         by the ranks. Stream semantics, Work and future as all_reduce_work's. An index outside
-        `out` is skipped, and raises ProtocolError at this communicator's next sparse_all_reduce
-        or synchronize(): checking it at once would block the host."""
+        `out` is skipped and sets a flag that raise_bad_index() (Communicator.sparse_all_reduce's
+        next call, synchronize()) raises as ProtocolError: checking it at once would block the
+        host."""
         if op not in ("sum", "avg"):
             raise ValueError(f"sparse_all_reduce sums or averages, got op {op!r}")
         cuda._check(indices, "indices", (torch.int32,), device=self.device)
@@ -301,7 +304,6 @@ class DeviceCommunicator:
         total = sum(counts)
         caller = torch.cuda.current_stream(self.device)
         with self._lock:
-            self._raise_bad_index()
             own = self._own_after(caller)
             if self._bad is None:
                 self._bad = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -376,20 +378,28 @@ class DeviceCommunicator:
             future.set_result(result)  # its event: recorded on `own`, right after `done`
         return DeviceWork(self, result, done, future)
 
-    def _raise_bad_index(self, wait: bool = False) -> None:
-        """Raises ProtocolError if an earlier sparse_all_reduce met an index outside its output
-        (known once its flag has reached the host; `wait`: waits for that)."""
-        if self._bad is None:
-            return
-        if wait:
+    def bad_index_seen(self) -> bool:
+        """Whether an earlier sparse_all_reduce met an index outside its output, as far as its
+        flag has reached the host (no wait). Every rank scatters the same pairs, so every rank's
+        flag ends the same; when it is known differs, so callers agree on it before raising."""
+        return self._bad is not None and self._bad_copied.query() and bool(self._bad_host.item())
+
+    def raise_bad_index(self) -> None:
+        """Waits for the flag of the sparse_all_reduces so far and, where it is set, clears it
+        and raises ProtocolError."""
+        with self._lock:
+            if self._bad is None:
+                return
             self._bad_copied.synchronize()
-        elif not self._bad_copied.query():
-            return
-        if self._bad_host.item():
-            raise _C.ProtocolError(
-                f"rank {self.rank}: a sparse_all_reduce on {self.device} received an index "
-                f"outside its output; the pairs holding it were skipped"
-            )
+            if not self._bad_host.item():
+                return
+            self._bad_host.zero_()
+            with torch.cuda.stream(self._stream):  # after the scatter-adds that set it
+                self._bad.zero_()
+        raise _C.ProtocolError(
+            f"rank {self.rank}: a sparse_all_reduce on {self.device} received an index outside "
+            f"its output; the pairs holding it were skipped"
+        )
 
     def synchronize(self, timeout: Optional[timedelta] = None) -> None:
         """Waits for the work on the current stream. A failed peer, an abort or the deadline
@@ -398,8 +408,7 @@ class DeviceCommunicator:
         self._comm.synchronize(
             torch.cuda.current_stream(self.device).cuda_stream, timeout.total_seconds()
         )
-        with self._lock:
-            self._raise_bad_index(wait=True)
+        self.raise_bad_index()
 
     def close(self) -> None:
         """Releases the transport; every rank calls it once its work is done (cuda_ipc waits

@@ -529,6 +529,7 @@ def test_gpu_check_dry_run_names_every_step_and_writes_one_report(tmp_path):
         "tests/gpu mps",
         "bench 2 ranks time-sliced",
         "bench 4 ranks time-sliced",
+        "ddp hooks 2 ranks",
         "bench 2 ranks mps",
         "bench 4 ranks mps",
     ], steps

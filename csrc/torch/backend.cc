@@ -398,6 +398,7 @@ class DeviceWork : public c10d::Work {
   }
 
   bool isCompleted() override { return done_.query(); }
+  void synchronize() override { future_->wait(); }
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   bool wait(std::chrono::milliseconds) override {
@@ -871,11 +872,20 @@ class RingcommBackend : public c10d::Backend {
   // shutdown() lets queued operations finish; abort() fails them at once and tells the peers.
   // The device route's paths likewise.
   void shutdown() override {
-    call_route("close");
+    std::exception_ptr route_error;
+    try {
+      call_route("close");
+    } catch (...) {
+      route_error = std::current_exception();
+    }
     comm_->close();
+    if (route_error) std::rethrow_exception(route_error);
   }
   void abort() override {
-    call_route("abort");
+    try {
+      call_route("abort");
+    } catch (...) {  // the core's abort must still reach the peers
+    }
     comm_->abort("ProcessGroup.abort() called");
     comm_->close();
   }
@@ -981,8 +991,8 @@ class RingcommBackend : public c10d::Backend {
 
   // An operation on CUDA tensors goes to the device route's `method` (ringcomm/backend.py), which
   // enqueues it on its device path after the work on the caller's current stream and returns the
-  // stream it runs on: the Work then completes there, as ProcessGroupNCCL's do. nullptr (a
-  // non-contiguous tensor, or no device path reaches every rank) leaves it to the staged path.
+  // stream it runs on: the Work then completes there, as ProcessGroupNCCL's do. nullptr (no
+  // device path reaches every rank) leaves it to the staged path.
   // `tensors`: every tensor it touches; `results`: the Work's.
   template <typename... Args>
   c10::intrusive_ptr<c10d::Work> on_device(c10d::OpType type,
@@ -994,7 +1004,10 @@ class RingcommBackend : public c10d::Backend {
       TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "ringcomm ", c10d::opTypeToString(type),
                         ": tensors on ", tensors[0].device(), " and ", t.device(),
                         "; an operation takes one device");
-      if (!t.is_contiguous()) return nullptr;  // the staged path copies it contiguous and back
+      // As ProcessGroupNCCL: staging this rank's tensor alone would put it on another channel
+      // than its peers'.
+      TORCH_CHECK_VALUE(t.is_contiguous(), "ringcomm ", c10d::opTypeToString(type),
+                        ": CUDA tensors must be contiguous");
     }
     std::tuple<int64_t, int64_t, int64_t> stream;
     {
@@ -1035,7 +1048,7 @@ class RingcommBackend : public c10d::Backend {
 
   // Tells the device route that `type` is staged, if any of `results` is a CUDA tensor.
   void note_staged(c10d::OpType type, const std::vector<at::Tensor>& results) {
-    if (!route_) return;
+    if (!route_ || !python_running()) return;
     auto cuda = std::find_if(results.begin(), results.end(),
                              [](const at::Tensor& t) { return t.is_cuda(); });
     if (cuda == results.end()) return;

@@ -367,10 +367,15 @@ class _Exchange:
         if state.warm_start and self.mem.q is not None:
             q_flat = self.mem.q
         else:
-            # drawn on the host whatever the device, the same start on every rank; copied to a
-            # CUDA device without a wait for its stream (pageable memory is staged at once)
+            # drawn on the host whatever the device, the same start on every rank; into pinned
+            # memory for a CUDA device, so that the copy does not wait for its stream
             gen = torch.Generator().manual_seed(_seed_for(state.seed, self.slot, state.step))
-            q_flat = torch.randn(plan.q_numel, generator=gen, dtype=self.compute)
+            q_flat = torch.randn(
+                plan.q_numel,
+                generator=gen,
+                dtype=self.compute,
+                pin_memory=self.device.type == "cuda",
+            )
             q_flat = q_flat.to(self.device, non_blocking=True)
         self.ms, p_offset, q_offset, e_offset = [], offset, 0, 0
         for i, n, m, r in plan.matrices:

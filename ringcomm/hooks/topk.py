@@ -432,7 +432,7 @@ class TopKState(ReportsBuckets, Compressor):
                 host = torch.empty(2, dtype=torch.float64, pin_memory=True)
                 host.copy_(energies, non_blocking=True)
                 copied = torch.cuda.Event()
-                copied.record()
+                copied.record(torch.cuda.current_stream(energies.device))
                 energies, wait = host, copied.synchronize
             self.levels[bucket.slot].measured = (wait, energies, compressed.density)
         return work.get_future()
