@@ -88,15 +88,19 @@ class _DeviceRoute:
         counts = [tensor.numel() if r == root else 0 for r in range(self.paths.world_size)]
         return self._run([tensor], lambda path: path.all_gather_on(tensor.view(-1), counts))
 
+    def _check_blocks(self, op: str, whole: str, wholes: list, block: str, blocks: list):
+        """Each of `wholes` holds world_size of the matching one of `blocks`, in its dtype."""
+        for w, b in zip(wholes, blocks):
+            if w.dtype != b.dtype or w.numel() != self.paths.world_size * b.numel():
+                raise ValueError(
+                    f"ringcomm {op}: an {whole} of {w.numel()} {w.dtype} for an {block} of "
+                    f"{b.numel()} {b.dtype} (expected world size x {block}, one dtype)"
+                )
+
     def all_gather(self, outputs: list, inputs: list):
         """outputs[i] (world_size x inputs[i]'s elements) receives every rank's inputs[i]."""
         world, rank = self.paths.world_size, self.paths.rank
-        for o, i in zip(outputs, inputs):
-            if o.dtype != i.dtype or o.numel() != world * i.numel():
-                raise ValueError(
-                    f"ringcomm allgather: an output of {o.numel()} {o.dtype} for an input of "
-                    f"{i.numel()} {i.dtype} (expected world size x input, one dtype)"
-                )
+        self._check_blocks("allgather", "output", outputs, "input", inputs)
 
         def body(path):
             for o, i in zip(outputs, inputs):
@@ -126,13 +130,8 @@ class _DeviceRoute:
     def reduce_scatter(self, outputs: list, inputs: list, op: int, tensor_factor, factor):
         """outputs[i] receives this rank's block of inputs[i] (world_size x outputs[i]'s
         elements) reduced over the ranks: an all-reduce of a copy of the input, then the block."""
-        world, rank = self.paths.world_size, self.paths.rank
-        for o, i in zip(outputs, inputs):
-            if o.dtype != i.dtype or i.numel() != world * o.numel():
-                raise ValueError(
-                    f"ringcomm reduce_scatter: an input of {i.numel()} {i.dtype} for an output of "
-                    f"{o.numel()} {o.dtype} (expected world size x output, one dtype)"
-                )
+        rank = self.paths.rank
+        self._check_blocks("reduce_scatter", "input", inputs, "output", outputs)
 
         def body(path):
             for o, i in zip(outputs, inputs):

@@ -182,6 +182,16 @@ struct Case {
 };
 
 // Rank r's input to case `index`: whole numbers for the ring, whose order of folding differs
+// Whether every rank reported "ok"; prints the first that did not.
+bool all_ok(const World& w, uint32_t base) {
+  for (int r = 0; r < w.n; ++r)
+    if (w.report(r) != "ok") {
+      std::printf("world %d, counts from %u, rank %d: %s\n", w.n, base, r, w.report(r).c_str());
+      return false;
+    }
+  return true;
+}
+
 // from block to block (any order gives their exact sum); any float for the others.
 std::vector<char> input(const Case& c, int index, int r) {
   std::vector<char> bytes(c.count * dtype_size(c.dtype) + 1);
@@ -254,12 +264,7 @@ bool plans(int n, uint32_t base) {
     }
     w.report(rank, "ok");
   });
-  for (int r = 0; r < n; ++r)
-    if (w.report(r) != "ok") {
-      std::printf("world %d, counts from %u, rank %d: %s\n", n, base, r, w.report(r).c_str());
-      return false;
-    }
-  return true;
+  return all_ok(w, base);
 }
 
 // All-gathers of equal and unequal blocks (some empty, some over several rounds), each after a
@@ -308,12 +313,7 @@ bool gathers(int n, uint32_t base) {
     }
     w.report(rank, "ok");
   });
-  for (int r = 0; r < n; ++r)
-    if (w.report(r) != "ok") {
-      std::printf("world %d, counts from %u, rank %d: %s\n", n, base, r, w.report(r).c_str());
-      return false;
-    }
-  return true;
+  return all_ok(w, base);
 }
 
 // Rank 2 of 3 never arrives: ranks 0 and 1 give up after their timeout, naming it.
