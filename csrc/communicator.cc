@@ -35,13 +35,6 @@ Error error_at(const std::exception_ptr& error, const std::string& where) {
   return Error(message_of(error) + where, error_kind_of(error));
 }
 
-uint64_t hash_counts(const std::vector<size_t>& counts) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (size_t c : counts)
-    for (int i = 0; i < 8; ++i) h = (h ^ ((c >> (8 * i)) & 0xff)) * 1099511628211ull;
-  return h;
-}
-
 }  // namespace
 
 namespace {
@@ -487,8 +480,9 @@ WorkPtr Communicator::all_gatherv(void* out, const void* in, const std::vector<s
   }
   bool uniform =
       std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; });
-  auto sig = collective(uniform ? Collective::kAllGather : Collective::kAllGatherV, dtype,
-                        ReduceOp::kSum, Algorithm::kRing, total, -1, hash_counts(counts));
+  auto sig =
+      collective(uniform ? Collective::kAllGather : Collective::kAllGatherV, dtype, ReduceOp::kSum,
+                 Algorithm::kRing, total, -1, hash_counts(counts.data(), counts.size()));
   const size_t e = dtype_size(dtype);
   return submit(
       sig,

@@ -112,6 +112,13 @@ bool Signature::operator==(const Signature& o) const {
          root == o.root && seq == o.seq && count == o.count && aux == o.aux;
 }
 
+uint64_t hash_counts(const size_t* counts, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t k = 0; k < n; ++k)
+    for (int i = 0; i < 8; ++i) h = (h ^ ((counts[k] >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return h;
+}
+
 std::string Signature::describe() const {
   std::string s = str_cat(collective_name(coll), "(", p2p ? "p2p seq=" : "seq=", seq,
                           ", count=", count, ", ", dtype_name(dtype));

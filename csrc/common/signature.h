@@ -88,6 +88,9 @@ struct Signature {
   std::string describe() const;
 };
 
+// A hash of per-rank counts (FNV-1a over their bytes): the aux of an all_gatherv's signature.
+uint64_t hash_counts(const size_t* counts, size_t n);
+
 // The names of registered step lists by their id, for describe() and the reports of what ran
 // (the timeline, Work stats): kept for the life of the process.
 void name_registered_lists(uint64_t id, const std::string& name);

@@ -51,7 +51,8 @@ void Executor::all_reduce(void* data, size_t count, DType dtype, ReduceOp op, Al
   kernels::visit_reduce(dtype, op, [](auto, auto) {});  // raises on pairs no kernel reduces
   const int n = transport_.size();
   if (algo == Algorithm::kAuto) algo = choose_all_reduce(count * dtype_size(dtype));
-  if (transport_.windows() != nullptr) {
+  if (Windows* windows = transport_.windows()) {
+    windows->agree(Signature{Collective::kAllReduce, dtype, op, algo, false, -1, 0, count, 0});
     const WindowPlan plan = window_all_reduce_plan(algo, layout_, state_, transport_.rank(), count,
                                                    dtype_size(dtype), op == ReduceOp::kAvg);
     run_plan(plan, static_cast<char*>(data), dtype, op, stream);
@@ -75,7 +76,11 @@ void Executor::all_gather(void* data, const std::vector<size_t>& counts, DType d
   cuda::DeviceScope scope(transport_.device());
   const int n = transport_.size();
   RC_CHECK_ARG(int(counts.size()) == n, counts.size(), " block sizes for ", n, " ranks");
-  if (transport_.windows() != nullptr) {
+  if (Windows* windows = transport_.windows()) {
+    size_t total = 0;
+    for (size_t c : counts) total += c;
+    windows->agree(Signature{Collective::kAllGatherV, dtype, ReduceOp::kSum, Algorithm::kAuto,
+                             false, -1, 0, total, hash_counts(counts.data(), counts.size())});
     const WindowPlan plan =
         window_all_gather_plan(layout_, state_, transport_.rank(), counts, dtype_size(dtype));
     run_plan(plan, static_cast<char*>(data), dtype, ReduceOp::kSum, stream);

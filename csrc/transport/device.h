@@ -19,6 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/signature.h"
+
 struct CUstream_st;
 
 namespace ringcomm {
@@ -59,6 +61,11 @@ class Windows {
   // the work before it on the stream; work after a wait sees every write the peer made before
   // its signal.
   virtual void sync(const WindowSync* syncs, size_t n, Stream stream) = 0;
+  // Called by every rank before each operation it runs over the windows, in the same order:
+  // compares `sig` (its seq is the transport's to number) with what the peers that have reached
+  // this operation called it with. Where one differs, gives up, so that every rank raises, and
+  // raises an ErrorKind::kMismatch naming the peer and both operations.
+  virtual void agree(Signature sig) = 0;
 
  protected:
   ~Windows() = default;

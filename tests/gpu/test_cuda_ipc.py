@@ -2,8 +2,10 @@
 process on ONE GPU: all_reduce of every op, dtype and size of the grid below, bit for bit against
 every rank's input folded in rank order on the GPU (the order one_shot and shared_buffer fold
 in), and each window algorithm by name on whole numbers (exact in any order: the ring folds each
-block in its own); all_gather of every dtype and size, every block bit for bit; then a rank killed while the others run collectives, who must raise within
-the timeout, never hang. Each runs without MPS and, where nvidia-cuda-mps-control exists, under
+block in its own); all_gather of every dtype and size, every block bit for bit; then a rank
+killed while the others run collectives, who must raise within the timeout, never hang; and
+ranks that issue different collectives, who must all raise MismatchError at once, naming the
+operations. Each runs without MPS and, where nvidia-cuda-mps-control exists, under
 an MPS daemon of its own (pipe and log directories in a temporary directory, stopped after; the
 GPU's compute mode is left alone)."""
 
@@ -157,6 +159,28 @@ def kill_rank(rank, world, store_path, results, victim):
     os._exit(0)  # the transport failed: nothing to release
 
 
+def mismatch_rank(rank, world, store_path, results, case):
+    import ringcomm
+
+    comm = communicator(store_path, rank, world, 20)
+    t = torch.ones(1000, device="cuda")
+    comm.all_reduce(t)  # one that agrees first
+    start = time.monotonic()
+    try:
+        if case == "count" and rank == 1:
+            comm.all_reduce(torch.ones(2000, device="cuda"))
+        elif case == "collective" and rank == 2:
+            comm.all_gather(torch.empty(1000 * world, device="cuda"), t)
+        else:
+            comm.all_reduce(t)
+        comm.synchronize()
+        outcome = "no error"
+    except ringcomm.RingcommError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    results.put((rank, (outcome, time.monotonic() - start)))
+    os._exit(0)
+
+
 def spawn(target, world, args, env):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -267,3 +291,19 @@ def test_a_killed_rank_makes_the_others_raise_within_the_timeout(mps, tmp_path):
             outcome,
         )
         assert drained == "drained", (r, drained)
+
+
+@pytest.mark.parametrize("case", ["count", "collective"])
+def test_mismatched_collectives_raise_on_every_rank(case, tmp_path):
+    world = 3
+    procs, results = spawn(mismatch_rank, world, lambda q: (str(tmp_path / "store"), q, case), {})
+    got = collect(procs, results, world, timeout=120)
+    alive = finish(procs, 10)
+    assert not alive, f"ranks still running: {got}"
+    for r in range(world):
+        outcome, took = got[r][-1]
+        assert outcome.startswith("MismatchError") and "mismatched operations" in outcome, (r, got)
+        # Found when the operations are posted: well within the 20 s timeout.
+        assert took < 10, (r, outcome, took)
+    odd = "count=2000" if case == "count" else "all_gatherv"
+    assert all(odd in got[r][-1][0] for r in range(world)), got

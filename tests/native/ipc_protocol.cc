@@ -13,6 +13,9 @@
 //   abort    a peer sets the abort word: every waiting rank returns, naming it and its reason
 //   stale    counts left from the last operation never satisfy the next; cyclic counts; a
 //            waiting process released by another's stores (the watchdog's release)
+//   agree    the posts of operations' signatures: ranks that run up to thousands of operations
+//            apart never see a mismatch where there is none; ranks that post at once, one of
+//            them another operation, always have at least one that sees it
 // Prints "ok", or what failed and exits 1.
 #include <sched.h>
 #include <sys/mman.h>
@@ -425,6 +428,70 @@ bool stale() {
   return true;
 }
 
+// Operation k's signature words; `other`: one word off.
+void operation_words(uint64_t k, bool other, uint64_t (&words)[ipc::kPostWords]) {
+  for (int i = 0; i < ipc::kPostWords; ++i) words[i] = k * 0x9e3779b97f4a7c15ull + uint64_t(i);
+  if (other) words[3] ^= 1;
+}
+
+bool agree() {
+  // Four ranks, 3,000 operations each, pausing at random: a rank runs kPosts and more ahead,
+  // writing over posts its peers have yet to compare, and none sees a mismatch.
+  {
+    World w(4, 0);
+    fork_ranks(4, [&](int rank) {
+      std::mt19937 random(10 + unsigned(rank));
+      std::string why;
+      for (uint64_t k = 0; k < 3000 && why.empty(); ++k) {
+        uint64_t mine[ipc::kPostWords], theirs[ipc::kPostWords];
+        operation_words(k, false, mine);
+        w.segment.post(rank, k, mine);
+        const int q = w.segment.differing(rank, k, mine, theirs);
+        if (q >= 0)
+          why = "operation " + std::to_string(k) + ": rank " + std::to_string(q) + " differs";
+        const unsigned dice = random() % 64;
+        if (dice == 0) std::this_thread::sleep_for(std::chrono::microseconds(random() % 2000));
+        if (dice == 1) sched_yield();
+      }
+      w.report(rank, why.empty() ? "ok" : why);
+    });
+    if (!all_ok(w, 0)) return false;
+  }
+  // Trials in which the four ranks post operation t at once (a spin barrier before each); in odd
+  // trials rank 2 posts another. seen[t][r]: 1 + the peer rank r found differing, 0 for none.
+  constexpr int kRanks = 4, kTrials = 400;
+  World w(kRanks, 0);
+  auto* arrived = static_cast<uint32_t*>(shared_memory(sizeof(uint32_t)));
+  auto* seen = static_cast<int8_t*>(shared_memory(size_t(kTrials) * kRanks));
+  fork_ranks(kRanks, [&](int rank) {
+    for (int t = 0; t < kTrials; ++t) {
+      __atomic_fetch_add(arrived, 1u, __ATOMIC_ACQ_REL);
+      while (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) < uint32_t((t + 1) * kRanks)) sched_yield();
+      uint64_t mine[ipc::kPostWords], theirs[ipc::kPostWords];
+      operation_words(uint64_t(t), t % 2 == 1 && rank == 2, mine);
+      w.segment.post(rank, uint64_t(t), mine);
+      seen[t * kRanks + rank] = int8_t(1 + w.segment.differing(rank, uint64_t(t), mine, theirs));
+    }
+  });
+  for (int t = 0; t < kTrials; ++t) {
+    bool any = false;
+    for (int r = 0; r < kRanks; ++r) {
+      const int peer = seen[t * kRanks + r] - 1;
+      any = any || peer >= 0;
+      const bool allowed = t % 2 == 1 && (r == 2 ? peer != 2 : peer == 2 || peer < 0);
+      if (peer >= 0 && !allowed) {
+        std::printf("trial %d: rank %d found rank %d differing\n", t, r, peer);
+        return false;
+      }
+    }
+    if (t % 2 == 1 && !any) {
+      std::printf("trial %d: no rank saw rank 2's other operation\n", t);
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -441,8 +508,10 @@ int main(int argc, char** argv) {
     ok = abort_word();
   } else if (mode == "stale") {
     ok = stale();
+  } else if (mode == "agree") {
+    ok = agree();
   } else {
-    std::printf("usage: ipc_protocol plans|timeout|abort|stale\n");
+    std::printf("usage: ipc_protocol plans|timeout|abort|stale|agree\n");
     return 2;
   }
   if (ok) std::printf("ok\n");

@@ -15,6 +15,15 @@
 // wrap at 2^32 without harm. Both sides derive k from the same plan
 // (algorithms/window_plan.h), so no count ever crosses the wire but in its slot.
 //
+// Agreement. Before a rank enqueues an operation it posts the operation's signature, numbered,
+// into the ring of posts in its flags, then reads its peers' posts of the same number: a post
+// that differs is a mismatch, which the rank reports by giving up (below), so that every rank
+// raises it. Posts are written and read by host threads only. Of two ranks that post the same
+// operation at once, at least one sees the other's post: each writes its own before it reads
+// (with a full fence between), the pattern of Dekker's lock. A peer more than kPosts operations
+// ahead has written over the post; that operation is not compared, and a mismatch there ends in
+// the timeout of the wait it leaves unmatched.
+//
 // Abort. The header's abort word is 0 while every rank is well; the first rank that gives up
 // (its timeout, a dead peer, abort()) writes why into its flags' reason and sets the word to
 // 1 + its rank. Every rank's watchdog watches the word, and then releases its own stream's
@@ -52,8 +61,18 @@ struct alignas(64) SegmentHeader {
   uint32_t abort;  // 0, or 1 + the rank that gave up first
 };
 
+// The operations a rank's posts cover, and the words of one: an operation's signature, which the
+// transport packs and this file compares as words.
+constexpr int kPosts = 64;
+constexpr int kPostWords = 5;
+struct Post {
+  uint64_t stamp;  // 1 + the operation's number once written, 0 while it is written
+  uint64_t words[kPostWords];
+};
+
 struct alignas(64) RankFlags {
   uint32_t signal[kChannels][kMaxRanks];  // [channel][sender]: the sender's count
+  Post posts[kPosts];                     // operation k's in posts[k % kPosts]
   uint32_t kind;                          // when this rank gave up: the ErrorKind, and why
   char reason[kReasonBytes];
 };
@@ -129,6 +148,37 @@ class Segment {
       uint32_t* s = slot(rank, waits[i].channel, waits[i].peer);
       if (!reached(load(s), waits[i].count)) store(s, waits[i].count);
     }
+  }
+
+  // Rank `rank` posts the signature of its operation number `op` (a seqlock: one writer, the
+  // stamp cleared while the words change).
+  void post(int rank, uint64_t op, const uint64_t (&words)[kPostWords]) const {
+    Post& p = flags(rank)->posts[op % kPosts];
+    __atomic_store_n(&p.stamp, uint64_t(0), __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    for (int i = 0; i < kPostWords; ++i) __atomic_store_n(&p.words[i], words[i], __ATOMIC_RELAXED);
+    __atomic_store_n(&p.stamp, op + 1, __ATOMIC_RELEASE);
+  }
+  // Rank `peer`'s post of operation `op` into *words; false while the peer has not posted it,
+  // is writing that slot, or has posted kPosts operations past it.
+  bool posted(int peer, uint64_t op, uint64_t (&words)[kPostWords]) const {
+    const Post& p = flags(peer)->posts[op % kPosts];
+    if (__atomic_load_n(&p.stamp, __ATOMIC_ACQUIRE) != op + 1) return false;
+    for (int i = 0; i < kPostWords; ++i) words[i] = __atomic_load_n(&p.words[i], __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return __atomic_load_n(&p.stamp, __ATOMIC_RELAXED) == op + 1;
+  }
+  // After rank `rank` posted operation `op` as `mine`: the first peer whose post of it differs,
+  // its words in *theirs, or -1 where every post of it found there agrees.
+  int differing(int rank, uint64_t op, const uint64_t (&mine)[kPostWords],
+                uint64_t (&theirs)[kPostWords]) const {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  // this rank's post is seen before it reads
+    for (int q = 0; q < world_; ++q) {
+      if (q == rank || !posted(q, op, theirs)) continue;
+      for (int i = 0; i < kPostWords; ++i)
+        if (theirs[i] != mine[i]) return q;
+    }
+    return -1;
   }
 
   // The rank that gave up first, or -1.

@@ -363,6 +363,48 @@ void IpcTransport::sync(const device::WindowSync* syncs, size_t n, cudaStream_t 
   }
 }
 
+namespace {
+
+void pack(const Signature& s, uint64_t (&words)[kPostWords]) {
+  words[0] = uint64_t(s.coll) | uint64_t(s.dtype) << 8 | uint64_t(s.op) << 16 |
+             uint64_t(s.algo) << 24 | uint64_t(s.p2p) << 32;
+  words[1] = uint64_t(uint32_t(s.root));
+  words[2] = s.seq;
+  words[3] = s.count;
+  words[4] = s.aux;
+}
+
+// A peer's words, shown as what they say: a peer that wrote garbage there is reported with it.
+Signature unpack(const uint64_t (&words)[kPostWords]) {
+  Signature s;
+  s.coll = Collective(words[0] & 0xff);
+  s.dtype = DType(words[0] >> 8 & 0xff);
+  s.op = ReduceOp(words[0] >> 16 & 0xff);
+  s.algo = Algorithm(words[0] >> 24 & 0xff);
+  s.p2p = (words[0] >> 32 & 1) != 0;
+  s.root = int32_t(uint32_t(words[1]));
+  s.seq = words[2];
+  s.count = words[3];
+  s.aux = words[4];
+  return s;
+}
+
+}  // namespace
+
+void IpcTransport::agree(Signature sig) {
+  check_usable();
+  sig.seq = operations_++;
+  uint64_t mine[kPostWords], theirs[kPostWords];
+  pack(sig, mine);
+  segment_.post(rank_, sig.seq, mine);
+  const int peer = segment_.differing(rank_, sig.seq, mine, theirs);
+  if (peer < 0) return;
+  fail(ErrorKind::kMismatch,
+       str_cat("mismatched operations: rank ", peer, " issued ", unpack(theirs).describe(),
+               " but rank ", rank_, " issued ", sig.describe()));
+  check_usable();  // raises this rank's reason, or that of a rank that gave up first
+}
+
 void IpcTransport::check_usable() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) RC_THROW_AS(kAborted, "the CUDA IPC transport is closed");

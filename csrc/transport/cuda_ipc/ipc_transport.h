@@ -82,6 +82,7 @@ class IpcTransport final : public device::DeviceTransport, public device::Window
   size_t window_bytes() const override { return window_bytes_; }
   char* window(int rank) const override { return windows_[size_t(rank)] + kProofBytes; }
   void sync(const device::WindowSync* syncs, size_t n, cudaStream_t stream) override;
+  void agree(Signature sig) override;
 
  private:
   // A window starts with the proof's words, one per writer; the plans' window follows.
@@ -122,6 +123,7 @@ class IpcTransport final : public device::DeviceTransport, public device::Window
   uint64_t nonce_ = 0;                 // rank 0's, in the segment's header and the proof's tokens
   cudaStream_t own_stream_ = nullptr;  // the proof's
   void* batch_mem_op_ = nullptr;       // cuStreamBatchMemOp, from the driver
+  uint64_t operations_ = 0;            // agree()'s calls: the number of the next post
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;
