@@ -129,7 +129,7 @@ class _DeviceRoute:
 
     def reduce_scatter(self, outputs: list, inputs: list, op: int, tensor_factor, factor):
         """outputs[i] receives this rank's block of inputs[i] (world_size x outputs[i]'s
-        elements) reduced over the ranks: an all-reduce of a copy of the input, then the block."""
+        elements) reduced over the ranks: a reduce-scatter of a copy of the input, in place."""
         rank = self.paths.rank
         self._check_blocks("reduce_scatter", "input", inputs, "output", outputs)
 
@@ -138,7 +138,7 @@ class _DeviceRoute:
                 n = o.numel()
                 reduced = i.reshape(-1).clone()  # the input is not the caller's to change
                 self._scale(reduced, tensor_factor, factor)
-                path.all_reduce_on(reduced, op)
+                path.reduce_scatter_on(reduced, op)
                 o.view(-1).copy_(reduced[rank * n : (rank + 1) * n])
 
         return self._run(outputs + inputs, body, tensor_factor)

@@ -5,6 +5,7 @@ the first device transport that serves every rank.
     comm.transport          # "cuda_ipc" or "nccl"; comm.refused: why not the others
     comm.all_reduce(t)      # in place, on t's current stream; op="sum" | "avg" | "min" ...
     comm.all_gather(out, t) # every rank's t into out (world_size x t), on t's current stream
+    comm.reduce_scatter(out, t)  # block `rank` of t (world_size x out) reduced over the ranks
                             # algorithm="auto" | "one_shot" | "shared_buffer" | "ring" (cuda_ipc)
                             # | "ring" | "tree" | "recursive_doubling" | "nccl" (nccl)
     comm.synchronize()      # waits; raises if a peer failed or the timeout passed
@@ -264,6 +265,41 @@ class DeviceCommunicator:
                 TORCH_DTYPES[output.dtype],
                 torch.cuda.current_stream(self.device).cuda_stream,
             )
+        return output
+
+    def reduce_scatter_on(self, flat: torch.Tensor, op="sum") -> None:
+        """Inside run_after's body: the reduce-scatter of `flat`, world_size blocks back to back;
+        block `rank` ends reduced in place, the others hold scratch."""
+        self._comm.reduce_scatter(
+            flat.data_ptr(),
+            flat.numel() // self.world_size,
+            TORCH_DTYPES[flat.dtype],
+            op_code(op),
+            self._stream.cuda_stream,
+        )
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op="sum") -> torch.Tensor:
+        """Block `rank` of `input` (world_size times output's elements) reduced over the ranks
+        into `output`, enqueued on the current stream of their device, as all_reduce is; `input`
+        is left as it was."""
+        cuda._check(input, "input", device=self.device)
+        cuda._check(output, "output", (input.dtype,), device=self.device)
+        n = output.numel()
+        if input.numel() != self.world_size * n:
+            raise ValueError(
+                f"input has {input.numel()} elements, expected world_size x output = "
+                f"{self.world_size * n}"
+            )
+        scratch = input.reshape(-1).clone()  # the reduction runs in place
+        with self._lock:  # the transport's counts follow the order of calls
+            self._comm.reduce_scatter(
+                scratch.data_ptr(),
+                n,
+                TORCH_DTYPES[scratch.dtype],
+                op_code(op),
+                torch.cuda.current_stream(self.device).cuda_stream,
+            )
+        output.view(-1).copy_(scratch[self.rank * n : (self.rank + 1) * n])
         return output
 
     def all_reduce_on(self, tensor: torch.Tensor, op="sum") -> None:

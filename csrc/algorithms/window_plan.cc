@@ -65,6 +65,28 @@ class Planner {
     }
   }
 
+  // The reduce-scatter's rounds: the round's part of every block onto my board, at strides that
+  // keep each part 16-byte aligned; part `rank` of every board folded into my block.
+  void scatter_rounds(size_t block) {
+    const size_t stride = layout_.round_bytes / size_t(world_) / 16 * 16;
+    const size_t per_round = std::max<size_t>(1, stride / elem_);
+    for (size_t first = 0; first < block; first += per_round) {
+      const int half = int(state_.rounds++ % 2);
+      const size_t n = std::min(per_round, block - first);
+      auto in_block = [&](int q) {
+        return WindowRef{WindowRef::kCaller, (size_t(q) * block + first) * elem_};
+      };
+      auto on_board = [&](int r, int q) {
+        return WindowRef{r, layout_.board(half) + size_t(q) * stride};
+      };
+      for (int q = 0; q < world_; ++q) copy(in_block(q), on_board(rank_, q), n);
+      all_to_all();
+      std::vector<WindowRef> sources;
+      for (int r = 0; r < world_; ++r) sources.push_back(on_board(r, rank_));
+      fold(sources, {in_block(rank_)}, n, avg_);
+    }
+  }
+
   // The ring's step list, each step's receive, fold and send as one fold, in rounds whose
   // blocks are at most a slice: one message per step, so that every rank sends and receives in
   // lockstep and two inbox slots keep the ring moving (with several messages a step, every rank
@@ -206,6 +228,13 @@ WindowPlan window_all_gather_plan(const WindowLayout& layout, WindowState& state
                " ranks");
   Planner planner(layout, state, rank, elem, false);
   if (layout.world > 1) planner.gather_rounds(counts);
+  return planner.take();
+}
+
+WindowPlan window_reduce_scatter_plan(const WindowLayout& layout, WindowState& state, int rank,
+                                      size_t block, size_t elem, bool avg) {
+  Planner planner(layout, state, rank, elem, avg);
+  if (layout.world > 1) planner.scatter_rounds(block);
   return planner.take();
 }
 

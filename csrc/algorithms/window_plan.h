@@ -13,6 +13,12 @@
 //   round's part of every peer's block from its board into my buffer. A rank whose block ends
 //   sooner still signals and waits in every round. Wire: each rank's block read once by each
 //   peer, (n - 1) x its bytes.
+// reduce_scatter: the buffer holds n blocks of `block` elements; block `rank` ends reduced in
+//   place. In rounds of at most round_bytes / n of each block (round k on half k % 2): copy the
+//   round's part of every block onto my board (block q's at q x stride); signal every peer; wait
+//   for every peer; fold part `rank` of every rank's board, rank 0's first, into my block. Wire:
+//   each rank's block q read once, by rank q: (n - 1) / n of the buffer, half the two-shot
+//   all-reduce's, and each element folded in the all-reduces' order: their bits.
 // one_shot: in rounds of at most round_bytes (round k on half k % 2): copy the round's part of
 //   the buffer onto my board; signal every peer; wait for every peer; fold every rank's board,
 //   rank 0's first, into my buffer. Every rank folds in the same order: the same bits.
@@ -114,5 +120,11 @@ WindowPlan window_all_reduce_plan(Algorithm algo, const WindowLayout& layout, Wi
 // out as `layout`. Advances `state` as the all-reduces do. Empty for one rank.
 WindowPlan window_all_gather_plan(const WindowLayout& layout, WindowState& state, int rank,
                                   const std::vector<size_t>& counts, size_t elem);
+
+// Rank `rank`'s plan for the reduce-scatter of a buffer of n blocks of `block` elements of `elem`
+// bytes (n the world), block `rank` reduced in place; `avg` divides it by n. Advances `state`
+// as the all-reduces do. Empty for one rank.
+WindowPlan window_reduce_scatter_plan(const WindowLayout& layout, WindowState& state, int rank,
+                                      size_t block, size_t elem, bool avg);
 
 }  // namespace ringcomm

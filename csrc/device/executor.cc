@@ -93,6 +93,27 @@ void Executor::all_gather(void* data, const std::vector<size_t>& counts, DType d
              static_cast<char*>(data), dtype, ReduceOp::kSum, stream);
 }
 
+void Executor::reduce_scatter(void* data, size_t block, DType dtype, ReduceOp op,
+                              cudaStream_t stream) {
+  transport_.check_usable();
+  cuda::DeviceScope scope(transport_.device());
+  kernels::visit_reduce(dtype, op, [](auto, auto) {});  // raises on pairs no kernel reduces
+  const int n = transport_.size();
+  if (Windows* windows = transport_.windows()) {
+    windows->agree(Signature{Collective::kReduceScatter, dtype, op, Algorithm::kAuto, false, -1, 0,
+                             block * size_t(n), 0});
+    const WindowPlan plan = window_reduce_scatter_plan(layout_, state_, transport_.rank(), block,
+                                                       dtype_size(dtype), op == ReduceOp::kAvg);
+    run_plan(plan, static_cast<char*>(data), dtype, op, stream);
+    return;
+  }
+  if (n == 1) return;
+  const Schedule schedule = ring_reduce_scatter_schedule(n, transport_.rank());
+  const Segments blocks(block * size_t(n), n);
+  run_groups(schedule, blocks, stream_slice(schedule, blocks, ring_slice(dtype_size(dtype), n)),
+             static_cast<char*>(data), dtype, op, stream);
+}
+
 // The schedule's groups one after another on `stream`: the group's messages, then the
 // reduction of what it received into staging.
 void Executor::run_groups(const Schedule& schedule, const Segments& blocks, size_t slice,

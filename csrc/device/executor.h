@@ -35,6 +35,10 @@ class Executor {
   // elements, this rank's already in place): by the ring's step list over messages, by the
   // board rounds of window_all_gather_plan over windows.
   void all_gather(void* data, const std::vector<size_t>& counts, DType dtype, cudaStream_t stream);
+  // The reduce-scatter of `data`, the ranks' blocks of `block` elements back to back: block
+  // `rank` ends reduced in place (the rest is left as scratch). By the ring's reduce-scatter step
+  // list over messages, by window_reduce_scatter_plan over windows.
+  void reduce_scatter(void* data, size_t block, DType dtype, ReduceOp op, cudaStream_t stream);
 
   // What kAuto runs for `bytes`: up to kSmallBytes recursive doubling over messages and
   // one_shot over windows; above, the ring over messages and shared_buffer over windows (one

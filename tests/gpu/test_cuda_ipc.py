@@ -2,7 +2,8 @@
 process on ONE GPU: all_reduce of every op, dtype and size of the grid below, bit for bit against
 every rank's input folded in rank order on the GPU (the order one_shot and shared_buffer fold
 in), and each window algorithm by name on whole numbers (exact in any order: the ring folds each
-block in its own); all_gather of every dtype and size, every block bit for bit; then a rank
+block in its own); all_gather of every dtype and size, every block bit for bit; reduce_scatter
+of every op, dtype and size, each rank's block bit for bit against the same fold; then a rank
 killed while the others run collectives, who must raise within the timeout, never hang; and
 ranks that issue different collectives, who must all raise MismatchError at once, naming the
 operations. Each runs without MPS and, where nvidia-cuda-mps-control exists, under
@@ -126,6 +127,21 @@ def grid_rank(rank, world, store_path, results):
                 every = [contribution(case, r, n, dtype, False) for r in range(world)]
                 if not torch.equal(out, torch.cat(every)):
                     raise AssertionError(f"all_gather {dtype} {size}: not every rank's block")
+        for dtype in DTYPES:
+            for op in OPS:
+                for size in SIZES:
+                    case += 1
+                    n = elements(size, dtype) // world  # a block
+                    whole = placed(contribution(case, rank, world * n, dtype, False), size)
+                    before = whole.clone()
+                    out = torch.empty(n, dtype=dtype, device="cuda")
+                    comm.reduce_scatter(out, whole, op)
+                    comm.synchronize()
+                    want = reference(case, world, world * n, dtype, op, False)
+                    if not torch.equal(out, want[rank * n : (rank + 1) * n]):
+                        raise AssertionError(f"reduce_scatter {dtype} {op} {size}: wrong block")
+                    if not torch.equal(whole, before):
+                        raise AssertionError(f"reduce_scatter {dtype} {op} {size}: input changed")
         comm.close()
         results.put((rank, "ok"))
     except BaseException as e:  # reported to the parent, which fails the test with it

@@ -8,7 +8,8 @@
 //   plans    worlds 1-8: one-shot, shared-buffer and ring all-reduces back to back (three dtypes,
 //            four ops, sizes 0 to several rounds), counts from 0 and from just below 2^32; each
 //            rank checks its result bit for bit against the fold it expects; all-gathers of
-//            equal and unequal blocks between them
+//            equal and unequal blocks between them; reduce-scatters, each rank's block bit
+//            for bit
 //   timeout  a peer that never arrives: the bounded wait returns, naming it
 //   abort    a peer sets the abort word: every waiting rank returns, naming it and its reason
 //   stale    counts left from the last operation never satisfy the next; cyclic counts; a
@@ -184,7 +185,6 @@ struct Case {
   size_t count;
 };
 
-// Rank r's input to case `index`: whole numbers for the ring, whose order of folding differs
 // Whether every rank reported "ok"; prints the first that did not.
 bool all_ok(const World& w, uint32_t base) {
   for (int r = 0; r < w.n; ++r)
@@ -195,6 +195,7 @@ bool all_ok(const World& w, uint32_t base) {
   return true;
 }
 
+// Rank r's input to case `index`: whole numbers for the ring, whose order of folding differs
 // from block to block (any order gives their exact sum); any float for the others.
 std::vector<char> input(const Case& c, int index, int r) {
   std::vector<char> bytes(c.count * dtype_size(c.dtype) + 1);
@@ -313,6 +314,47 @@ bool gathers(int n, uint32_t base) {
           return w.report(rank, what + "block " + std::to_string(q) + " wrong");
       }
       if (data.back() != -1.0f) return w.report(rank, what + "wrote past the last block");
+    }
+    w.report(rank, "ok");
+  });
+  return all_ok(w, base);
+}
+
+// Reduce-scatters of every dtype, four ops and blocks from empty to several rounds, each after a
+// one-shot all-reduce, so the halves and counts carry over between the kinds of plan. Each rank
+// checks its block bit for bit against every rank's input folded in rank order.
+bool scatters(int n, uint32_t base) {
+  World w(n, base);
+  std::vector<Case> all;  // count: the whole buffer, n blocks
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax})
+      for (size_t block : {size_t(0), size_t(1), size_t(7), size_t(1001), kRoundBytes + 5})
+        all.push_back({Algorithm::kOneShot, dtype, op, size_t(n) * block});
+  fork_ranks(n, [&](int rank) {
+    WindowState state(n, base);
+    std::mt19937 random(unsigned(rank + 13));
+    for (size_t k = 0; k < all.size(); ++k) {
+      const Case& c = all[k];
+      const size_t e = dtype_size(c.dtype), block = c.count / size_t(n);
+      const std::string what = std::string("reduce_scatter ") + dtype_name(c.dtype) + " " +
+                               op_name(c.op) + " of " + std::to_string(block) + " a block: ";
+      std::vector<float> sum(9, float(rank));
+      std::string why = run_plan(w, rank,
+                                 window_all_reduce_plan(Algorithm::kOneShot, w.layout, state, rank,
+                                                        9, sizeof(float), false),
+                                 reinterpret_cast<char*>(sum.data()), DType::kFloat32,
+                                 ReduceOp::kSum, 20.0, random);
+      if (!why.empty()) return w.report(rank, what + "the all-reduce before: " + why);
+      std::vector<char> data = input(c, int(k), rank);
+      why = run_plan(
+          w, rank,
+          window_reduce_scatter_plan(w.layout, state, rank, block, e, c.op == ReduceOp::kAvg),
+          data.data(), c.dtype, c.op, 20.0, random);
+      if (!why.empty()) return w.report(rank, what + why);
+      const std::vector<char> want = expected(c, int(k), n);
+      if (std::memcmp(data.data() + size_t(rank) * block * e,
+                      want.data() + size_t(rank) * block * e, block * e) != 0)
+        return w.report(rank, what + "wrong result");
     }
     w.report(rank, "ok");
   });
@@ -499,9 +541,9 @@ int main(int argc, char** argv) {
   bool ok = false;
   if (mode == "plans") {
     ok = true;
-    for (int n = 1; n <= 8 && ok; ++n) ok = plans(n, 0) && gathers(n, 0);
+    for (int n = 1; n <= 8 && ok; ++n) ok = plans(n, 0) && gathers(n, 0) && scatters(n, 0);
     for (int n : {3, 8})
-      if (ok) ok = plans(n, 0xfffffff0u) && gathers(n, 0xfffffff0u);
+      if (ok) ok = plans(n, 0xfffffff0u) && gathers(n, 0xfffffff0u) && scatters(n, 0xfffffff0u);
   } else if (mode == "timeout") {
     ok = timeout();
   } else if (mode == "abort") {
