@@ -8,12 +8,14 @@
 torch wraps the backend in a named ProcessGroup as it does gloo, so everything built on process
 groups works: subgroups, DeviceMesh, FSDP2, DTensor, functional collectives, DDP.
 
-CUDA tensors: all_reduce (and its coalesced form, DDP's) runs on the group's device path
-(ringcomm.device: CUDA IPC between ranks of one host, any number of them per GPU, or NCCL) with
-ProcessGroupNCCL's stream semantics; every other operation on CUDA tensors, and every one on a
-device no device transport reaches, is staged through pinned host memory by the backend, counted
-in ringcomm.staging.bytes_to_host() and logged at INFO on the "ringcomm" logger, once per
-operation and device. DDP hooks given the group as their state share its device path.
+CUDA tensors: all_reduce (and its coalesced form, DDP's), broadcast, reduce, the all-gathers,
+gather, scatter, the reduce-scatters into tensors and all_to_all_single with equal splits run on
+the group's device path (ringcomm.device: CUDA IPC between ranks of one host, any number of them
+per GPU, or NCCL) with ProcessGroupNCCL's stream semantics; send/recv, the list forms of
+all_to_all and reduce_scatter, uneven splits, and every operation on a device no device
+transport reaches, are staged through pinned host memory by the backend, counted in
+ringcomm.staging.bytes_to_host() and logged at INFO on the "ringcomm" logger, once per operation
+and device. DDP hooks given the group as their state share its device path.
 
 The backend (csrc/torch/backend.cc, ringcomm._C_torch) is compiled against the installed torch
 the first time it is needed, and cached (_extension.py): load() builds it, built() says whether
@@ -42,8 +44,8 @@ logger = logging.getLogger("ringcomm")
 
 class _DeviceRoute:
     """Where a ringcomm process group's operations on CUDA tensors run, asked by its backend
-    (csrc/torch/backend.cc) with the GIL. all_reduce, broadcast, the all-gathers and the
-    reduce-scatters into tensors run on the group's device paths (which log, once per device, why
+    (csrc/torch/backend.cc) with the GIL. The operations named in the module's docstring run on
+    the group's device paths (which log, once per device, why
     one stages); each method returns the stream it enqueued its operation on, as (stream_id,
     device_index, device_type), or None where no device path serves: the backend then stages,
     as it does every other operation."""
@@ -110,13 +112,23 @@ class _DeviceRoute:
 
         return self._run(outputs + inputs, body)
 
+    def _check_list(self, op: str, tensors: list, like):
+        """`tensors` are world_size tensors of `like`'s elements and dtype."""
+        world, n = self.paths.world_size, like.numel()
+        if len(tensors) != world or any(t.dtype != like.dtype or t.numel() != n for t in tensors):
+            raise ValueError(f"ringcomm {op}: needs {world} tensors of {n} {like.dtype} elements")
+
     def all_gather_list(self, outputs: list, input):
         """outputs[q] receives rank q's `input`."""
+        self._check_list("allgather", outputs, input)
+        return self.gather(outputs, input, None)
+
+    def gather(self, outputs: list, input, root):
+        """outputs[q] receives rank q's `input` at `root` (its outputs: the others pass none;
+        None: every rank's): an all-gather, of which the root keeps the blocks."""
         world, rank, n = self.paths.world_size, self.paths.rank, input.numel()
-        if len(outputs) != world or any(o.dtype != input.dtype or o.numel() != n for o in outputs):
-            raise ValueError(
-                f"ringcomm allgather: needs {world} outputs of {n} {input.dtype} elements"
-            )
+        if root is not None and rank == root:
+            self._check_list("gather", outputs, input)
 
         def body(path):
             flat = torch.empty(world * n, dtype=input.dtype, device=input.device)
@@ -126,6 +138,51 @@ class _DeviceRoute:
                 o.view(-1).copy_(flat[q * n : (q + 1) * n])
 
         return self._run(outputs + [input], body)
+
+    def scatter(self, output, inputs: list, root: int):
+        """`output` receives inputs[rank] of `root` (its inputs: the others pass none): an
+        all-gather in which only the root has a block, the whole list, each rank keeping its
+        part."""
+        world, rank, n = self.paths.world_size, self.paths.rank, output.numel()
+        if rank == root:
+            self._check_list("scatter", inputs, output)
+
+        def body(path):
+            flat = torch.empty(world * n, dtype=output.dtype, device=output.device)
+            for q, i in enumerate(inputs):
+                flat[q * n : (q + 1) * n].copy_(i.view(-1))
+            path.all_gather_on(flat, [world * n if r == root else 0 for r in range(world)])
+            output.view(-1).copy_(flat[rank * n : (rank + 1) * n])
+
+        return self._run([output] + inputs, body)
+
+    def reduce(self, tensor, op: int, tensor_factor, factor, root: int):
+        """`root`'s tensor receives every rank's reduced by `op`; the others' are left as they
+        were: an all-reduce, in place at the root, of a copy elsewhere."""
+        rank = self.paths.rank
+
+        def body(path):
+            target = tensor if rank == root else tensor.clone()
+            self._scale(target, tensor_factor, factor)
+            path.all_reduce_on(target, op)
+
+        return self._run([tensor], body, tensor_factor)
+
+    def all_to_all(self, output, input):
+        """Equal splits: block q of `output` receives block `rank` of rank q's `input`."""
+        world = self.paths.world_size
+        if output.dtype != input.dtype or output.numel() != input.numel() or input.numel() % world:
+            raise ValueError(
+                f"ringcomm alltoall_base: input and output of one dtype and size, a multiple of "
+                f"the world size {world}; got {input.numel()} {input.dtype} and "
+                f"{output.numel()} {output.dtype}"
+            )
+
+        def body(path):
+            output.view(-1).copy_(input.view(-1))
+            path.all_to_all_on(output.view(-1))
+
+        return self._run([output, input], body)
 
     def reduce_scatter(self, outputs: list, inputs: list, op: int, tensor_factor, factor):
         """outputs[i] receives this rank's block of inputs[i] (world_size x outputs[i]'s

@@ -6,6 +6,7 @@ the first device transport that serves every rank.
     comm.all_reduce(t)      # in place, on t's current stream; op="sum" | "avg" | "min" ...
     comm.all_gather(out, t) # every rank's t into out (world_size x t), on t's current stream
     comm.reduce_scatter(out, t)  # block `rank` of t (world_size x out) reduced over the ranks
+    comm.all_to_all(out, t) # block q of out receives block `rank` of rank q's t
                             # algorithm="auto" | "one_shot" | "shared_buffer" | "ring" (cuda_ipc)
                             # | "ring" | "tree" | "recursive_doubling" | "nccl" (nccl)
     comm.synchronize()      # waits; raises if a peer failed or the timeout passed
@@ -300,6 +301,37 @@ class DeviceCommunicator:
                 torch.cuda.current_stream(self.device).cuda_stream,
             )
         output.view(-1).copy_(scratch[self.rank * n : (self.rank + 1) * n])
+        return output
+
+    def all_to_all_on(self, flat: torch.Tensor) -> None:
+        """Inside run_after's body: the all-to-all of `flat` in place, world_size blocks back to
+        back; block q receives block `rank` of rank q's."""
+        self._comm.all_to_all(
+            flat.data_ptr(),
+            flat.numel() // self.world_size,
+            TORCH_DTYPES[flat.dtype],
+            self._stream.cuda_stream,
+        )
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """Block q of `output` receives block `rank` of rank q's `input` (both world_size equal
+        blocks), enqueued on the current stream of their device, as all_reduce is; `input` is
+        left as it was."""
+        cuda._check(input, "input", device=self.device)
+        cuda._check(output, "output", (input.dtype,), device=self.device)
+        if output.numel() != input.numel() or input.numel() % self.world_size:
+            raise ValueError(
+                f"all_to_all needs input and output of one size, a multiple of world_size "
+                f"{self.world_size}; got {input.numel()} and {output.numel()} elements"
+            )
+        output.view(-1).copy_(input.view(-1))
+        with self._lock:  # the transport's counts follow the order of calls
+            self._comm.all_to_all(
+                output.data_ptr(),
+                output.numel() // self.world_size,
+                TORCH_DTYPES[output.dtype],
+                torch.cuda.current_stream(self.device).cuda_stream,
+            )
         return output
 
     def all_reduce_on(self, tensor: torch.Tensor, op="sum") -> None:

@@ -65,9 +65,10 @@ class Planner {
     }
   }
 
-  // The reduce-scatter's rounds: the round's part of every block onto my board, at strides that
-  // keep each part 16-byte aligned; part `rank` of every board folded into my block.
-  void scatter_rounds(size_t block) {
+  // The reduce-scatter's and all-to-all's rounds: the round's part of every block onto my board,
+  // at strides that keep each part 16-byte aligned; then part `rank` of every board folded into
+  // my block (`fold`), or copied into block r for rank r's board.
+  void exchange_rounds(size_t block, bool fold) {
     const size_t stride = layout_.round_bytes / size_t(world_) / 16 * 16;
     const size_t per_round = std::max<size_t>(1, stride / elem_);
     for (size_t first = 0; first < block; first += per_round) {
@@ -81,9 +82,13 @@ class Planner {
       };
       for (int q = 0; q < world_; ++q) copy(in_block(q), on_board(rank_, q), n);
       all_to_all();
+      if (!fold) {
+        for (int r = 0; r < world_; ++r) copy(on_board(r, rank_), in_block(r), n);
+        continue;
+      }
       std::vector<WindowRef> sources;
       for (int r = 0; r < world_; ++r) sources.push_back(on_board(r, rank_));
-      fold(sources, {in_block(rank_)}, n, avg_);
+      this->fold(sources, {in_block(rank_)}, n, avg_);
     }
   }
 
@@ -234,7 +239,14 @@ WindowPlan window_all_gather_plan(const WindowLayout& layout, WindowState& state
 WindowPlan window_reduce_scatter_plan(const WindowLayout& layout, WindowState& state, int rank,
                                       size_t block, size_t elem, bool avg) {
   Planner planner(layout, state, rank, elem, avg);
-  if (layout.world > 1) planner.scatter_rounds(block);
+  if (layout.world > 1) planner.exchange_rounds(block, true);
+  return planner.take();
+}
+
+WindowPlan window_all_to_all_plan(const WindowLayout& layout, WindowState& state, int rank,
+                                  size_t block, size_t elem) {
+  Planner planner(layout, state, rank, elem, false);
+  if (layout.world > 1) planner.exchange_rounds(block, false);
   return planner.take();
 }
 

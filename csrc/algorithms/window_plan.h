@@ -19,6 +19,9 @@
 //   for every peer; fold part `rank` of every rank's board, rank 0's first, into my block. Wire:
 //   each rank's block q read once, by rank q: (n - 1) / n of the buffer, half the two-shot
 //   all-reduce's, and each element folded in the all-reduces' order: their bits.
+// all_to_all: the reduce-scatter's rounds with copies for the fold: block r of my buffer receives
+//   part `rank` of rank r's board, in place (my blocks' part of a round is on my board before any
+//   peer's is copied over it). Wire: (n - 1) / n of the buffer, read once.
 // one_shot: in rounds of at most round_bytes (round k on half k % 2): copy the round's part of
 //   the buffer onto my board; signal every peer; wait for every peer; fold every rank's board,
 //   rank 0's first, into my buffer. Every rank folds in the same order: the same bits.
@@ -126,5 +129,11 @@ WindowPlan window_all_gather_plan(const WindowLayout& layout, WindowState& state
 // as the all-reduces do. Empty for one rank.
 WindowPlan window_reduce_scatter_plan(const WindowLayout& layout, WindowState& state, int rank,
                                       size_t block, size_t elem, bool avg);
+
+// Rank `rank`'s plan for the all-to-all in place of a buffer of n blocks of `block` elements:
+// block r receives block `rank` of rank r's buffer. Advances `state` as the all-reduces do.
+// Empty for one rank.
+WindowPlan window_all_to_all_plan(const WindowLayout& layout, WindowState& state, int rank,
+                                  size_t block, size_t elem);
 
 }  // namespace ringcomm

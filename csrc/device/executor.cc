@@ -114,6 +114,41 @@ void Executor::reduce_scatter(void* data, size_t block, DType dtype, ReduceOp op
              static_cast<char*>(data), dtype, op, stream);
 }
 
+void Executor::all_to_all(void* data, size_t block, DType dtype, cudaStream_t stream) {
+  transport_.check_usable();
+  cuda::DeviceScope scope(transport_.device());
+  const int n = transport_.size(), rank = transport_.rank();
+  const size_t bytes = block * dtype_size(dtype);
+  if (Windows* windows = transport_.windows()) {
+    windows->agree(Signature{Collective::kAllToAll, dtype, ReduceOp::kSum, Algorithm::kAuto, false,
+                             -1, 0, block * size_t(n), 0});
+    run_plan(window_all_to_all_plan(layout_, state_, rank, block, dtype_size(dtype)),
+             static_cast<char*>(data), dtype, ReduceOp::kSum, stream);
+    return;
+  }
+  if (n == 1 || bytes == 0) return;
+  char* blocks = static_cast<char*>(data);
+  char* sent = nullptr;  // the blocks as they were: the receives overwrite them in place
+  RC_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&sent), bytes * size_t(n), stream));
+  Messages& messages = *transport_.messages();
+  try {
+    RC_CUDA_CHECK(
+        cudaMemcpyAsync(sent, blocks, bytes * size_t(n), cudaMemcpyDeviceToDevice, stream));
+    messages.group_start();
+    for (int q = 0; q < n; ++q) {
+      if (q == rank) continue;
+      messages.send(sent + size_t(q) * bytes, bytes, q, stream);
+      messages.recv(blocks + size_t(q) * bytes, bytes, q, stream);
+    }
+    messages.group_end();
+  } catch (...) {
+    cudaFreeAsync(sent, stream);
+    transport_.abort();
+    throw;
+  }
+  RC_CUDA_CHECK(cudaFreeAsync(sent, stream));
+}
+
 // The schedule's groups one after another on `stream`: the group's messages, then the
 // reduction of what it received into staging.
 void Executor::run_groups(const Schedule& schedule, const Segments& blocks, size_t slice,

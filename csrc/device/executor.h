@@ -39,6 +39,10 @@ class Executor {
   // `rank` ends reduced in place (the rest is left as scratch). By the ring's reduce-scatter step
   // list over messages, by window_reduce_scatter_plan over windows.
   void reduce_scatter(void* data, size_t block, DType dtype, ReduceOp op, cudaStream_t stream);
+  // The all-to-all in place of `data`, the ranks' blocks of `block` elements back to back: block
+  // r receives block `rank` of rank r's. Over windows by window_all_to_all_plan; over messages
+  // one group of a send and a receive per peer, sent from a copy.
+  void all_to_all(void* data, size_t block, DType dtype, cudaStream_t stream);
 
   // What kAuto runs for `bytes`: up to kSmallBytes recursive doubling over messages and
   // one_shot over windows; above, the ring over messages and shared_buffer over windows (one

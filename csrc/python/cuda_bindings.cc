@@ -56,6 +56,9 @@ class DeviceCommunicator {
   void all_gather(uintptr_t data, const std::vector<size_t>& counts, int dtype, uintptr_t stream) {
     executor_.all_gather(address(data), counts, checked_dtype(dtype), stream_of(stream));
   }
+  void all_to_all(uintptr_t data, size_t block, int dtype, uintptr_t stream) {
+    executor_.all_to_all(address(data), block, checked_dtype(dtype), stream_of(stream));
+  }
   void reduce_scatter(uintptr_t data, size_t block, int dtype, int op, uintptr_t stream) {
     const DType d = checked_dtype(dtype);
     executor_.reduce_scatter(address(data), block, d, checked_op(op, d), stream_of(stream));
@@ -249,6 +252,7 @@ PYBIND11_MODULE(_C_cuda, m) {
       .def("all_reduce", &DeviceCommunicator::all_reduce, G())
       .def("all_gather", &DeviceCommunicator::all_gather, G())
       .def("reduce_scatter", &DeviceCommunicator::reduce_scatter, G())
+      .def("all_to_all", &DeviceCommunicator::all_to_all, G())
       .def(
           "synchronize",
           [](DeviceCommunicator& c, uintptr_t stream, double timeout_s) {

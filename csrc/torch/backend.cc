@@ -580,6 +580,12 @@ class RingcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
                                         const c10d::ReduceOptions& opts) override {
+    if (tensors.size() == 1 && routed(tensors[0])) {
+      const DeviceOp d = device_op(opts.reduceOp, tensors[0]);
+      if (auto work = on_device(c10d::OpType::REDUCE, tensors, tensors, "reduce", tensors[0], d.op,
+                                d.tensor_factor, d.factor, checked_root(opts.rootRank)))
+        return work;
+    }
     Staged t(one(tensors, "reduce"));
     rc::ReduceOp op = premultiply(opts.reduceOp, t);
     return run(
@@ -645,8 +651,17 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override {
-    Staged in(one(inputs, "gather"));
     const int root = checked_root(opts.rootRank);
+    if (inputs.size() == 1 && routed(inputs[0])) {
+      TORCH_CHECK_VALUE(getRank() != root || outputs.size() == 1,
+                        "ringcomm gather: expected one output list");
+      std::vector<at::Tensor> list = getRank() == root ? outputs[0] : std::vector<at::Tensor>{};
+      std::vector<at::Tensor> all = list;
+      all.push_back(inputs[0]);
+      if (auto work = on_device(c10d::OpType::GATHER, all, list, "gather", list, inputs[0], root))
+        return work;
+    }
+    Staged in(one(inputs, "gather"));
     std::vector<Staged> outs;
     std::vector<void*> pointers;
     std::vector<at::Tensor> results;
@@ -671,8 +686,18 @@ class RingcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
                                          std::vector<std::vector<at::Tensor>>& inputs,
                                          const c10d::ScatterOptions& opts) override {
-    Staged out(one(outputs, "scatter"));
     const int root = checked_root(opts.rootRank);
+    if (outputs.size() == 1 && routed(outputs[0])) {
+      TORCH_CHECK_VALUE(getRank() != root || inputs.size() == 1,
+                        "ringcomm scatter: expected one input list");
+      std::vector<at::Tensor> list = getRank() == root ? inputs[0] : std::vector<at::Tensor>{};
+      std::vector<at::Tensor> all = outputs;
+      all.insert(all.end(), list.begin(), list.end());
+      if (auto work =
+              on_device(c10d::OpType::SCATTER, all, outputs, "scatter", outputs[0], list, root))
+        return work;
+    }
+    Staged out(one(outputs, "scatter"));
     std::vector<const void*> pointers;
     std::vector<at::Tensor> keep;
     if (getRank() == root) {
@@ -742,6 +767,15 @@ class RingcommBackend : public c10d::Backend {
                                                std::vector<int64_t>& input_splits,
                                                const c10d::AllToAllOptions& opts) override {
     check_same(output, input, "alltoall_base");
+    if (routed(input)) {
+      if (output_splits.empty() && input_splits.empty()) {
+        if (auto work = on_device(c10d::OpType::ALLTOALL_BASE, {output, input}, {output},
+                                  "all_to_all", output, input))
+          return work;
+      } else {
+        note_staged(c10d::OpType::ALLTOALL_BASE, {output});  // the route carries equal splits
+      }
+    }
     Staged out(output), in(input);
     const auto out_rows = rows(out.dense, output_splits, "output");
     const auto in_rows = rows(in.dense, input_splits, "input");
@@ -1040,6 +1074,10 @@ class RingcommBackend : public c10d::Backend {
       case c10d::OpType::ALLGATHER_COALESCED:
       case c10d::OpType::_REDUCE_SCATTER_BASE:
       case c10d::OpType::COALESCED:
+      case c10d::OpType::REDUCE:
+      case c10d::OpType::GATHER:
+      case c10d::OpType::SCATTER:
+      case c10d::OpType::ALLTOALL_BASE:
         return true;
       default:
         return false;

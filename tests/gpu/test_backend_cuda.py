@@ -1,7 +1,8 @@
 """The torch.distributed backend "ringcomm" with CUDA tensors, 2 ranks on one GPU: all_reduce and
 its coalesced form on the device path against exact results, no byte staged to the host; the
-stream semantics of ProcessGroupNCCL through dist.all_reduce; broadcast, the all-gathers and the
-reduce-scatters on the device path too, the other operations staged, right, and logged once each;
+stream semantics of ProcessGroupNCCL through dist.all_reduce; broadcast, reduce, gather, scatter,
+the all-gathers, the reduce-scatters and all_to_all_single on the device path too; uneven splits
+and send/recv staged, right, and logged once each;
 DDP on CUDA over the backend alone and with ringcomm's hooks given the group, no byte on the host
 from its construction on; FSDP2 on CUDA, on the device path, against FSDP2 on the CPU."""
 
@@ -173,15 +174,35 @@ def collectives_rank(store, rank, world):
     right.append(torch.equal(source.cpu(), torch.arange(world * n).float()))  # left alone
     dist.reduce_scatter_tensor(out, torch.ones(world * n, device="cuda"), op=premul())
     right.append(bool((out == 0.5 * world).all()))
-    on_device = staging.bytes_to_host()
-    # Staged, each logged once: reduce, all_to_all.
-    for _ in range(2):
-        r = torch.full((n,), float(rank + 1), device="cuda")
-        dist.reduce(r, dst=0)
-    right.append(rank != 0 or bool((r == world * (world + 1) / 2).all()))
+    # reduce (the others' tensors left alone), gather, scatter, all_to_all_single (equal splits).
+    r = torch.full((n,), float(rank + 1), device="cuda")
+    dist.reduce(r, dst=0)
+    right.append(bool((r == (world * (world + 1) / 2 if rank == 0 else rank + 1)).all()))
+    into = [torch.empty(n, device="cuda") for _ in range(world)] if rank == 1 else None
+    dist.gather(torch.full((n,), float(rank), device="cuda"), into, dst=1)
+    right.append(rank != 1 or all(bool((g == q).all()) for q, g in enumerate(into)))
+    part = torch.empty(n, device="cuda")
+    pieces = [torch.full((n,), 10.0 + q, device="cuda") for q in range(world)]
+    dist.scatter(part, pieces if rank == 0 else None, src=0)
+    right.append(bool((part == 10.0 + rank).all()))
     received = torch.empty(world * 4, device="cuda")
-    dist.all_to_all_single(received, torch.full((world * 4,), float(rank), device="cuda"))
-    right.append(torch.equal(received.cpu(), torch.arange(world).repeat_interleave(4).float()))
+    sent = torch.arange(world * 4, dtype=torch.float32, device="cuda") + 100 * rank
+    dist.all_to_all_single(received, sent)
+    want = torch.cat([torch.arange(rank * 4, rank * 4 + 4) + 100 * q for q in range(world)])
+    right.append(torch.equal(received.cpu(), want.float()))
+    on_device = staging.bytes_to_host()
+    # Staged, each logged once: all_to_all_single with uneven splits, send/recv.
+    for _ in range(2):
+        splits = [1, 3] if rank == 0 else [3, 1]
+        got = torch.empty(4, device="cuda")
+        dist.all_to_all_single(got, torch.full((4,), float(rank), device="cuda"), splits, splits)
+    right.append(torch.equal(got.cpu(), torch.tensor([0.0] * splits[0] + [1.0] * splits[1])))
+    if rank == 0:
+        dist.send(torch.full((n,), 7.0, device="cuda"), dst=1)
+    else:
+        got = torch.empty(n, device="cuda")
+        dist.recv(got, src=0)
+        right.append(bool((got == 7.0).all()))
     lines = staged_lines(records)
     dist.destroy_process_group()
     return right, on_device, lines
@@ -196,11 +217,12 @@ def test_collectives_on_cuda_tensors_run_on_the_device_path_or_are_staged_and_lo
         assert all(right), right
         assert on_device == 0, on_device
         assert len(lines) == 2, lines
-        for op in ("REDUCE", "ALLTOALL_BASE"):
-            assert any(f"stages {op} of CUDA tensors on cuda:0" in line for line in lines), (
-                op,
-                lines,
-            )
+        assert any("stages ALLTOALL_BASE of CUDA tensors on cuda:0" in line for line in lines)
+        assert any(
+            f"stages {op} of CUDA tensors on cuda:0" in line
+            for line in lines
+            for op in ("SEND", "RECV")
+        ), lines
 
 
 def mlp():

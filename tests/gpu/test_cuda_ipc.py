@@ -3,12 +3,12 @@ process on ONE GPU: all_reduce of every op, dtype and size of the grid below, bi
 every rank's input folded in rank order on the GPU (the order one_shot and shared_buffer fold
 in), and each window algorithm by name on whole numbers (exact in any order: the ring folds each
 block in its own); all_gather of every dtype and size, every block bit for bit; reduce_scatter
-of every op, dtype and size, each rank's block bit for bit against the same fold; then a rank
-killed while the others run collectives, who must raise within the timeout, never hang; and
-ranks that issue different collectives, who must all raise MismatchError at once, naming the
-operations. Each runs without MPS and, where nvidia-cuda-mps-control exists, under
-an MPS daemon of its own (pipe and log directories in a temporary directory, stopped after; the
-GPU's compute mode is left alone)."""
+of every op, dtype and size, each rank's block bit for bit against the same fold; all_to_all of
+every dtype and size; then a rank killed while the others run collectives, who must raise within
+the timeout, never hang; and ranks that issue different collectives, who must all raise
+MismatchError at once, naming the operations. Each runs without MPS and, where
+nvidia-cuda-mps-control exists, under an MPS daemon of its own (pipe and log directories in a
+temporary directory, stopped after; the GPU's compute mode is left alone)."""
 
 import os
 import shutil
@@ -142,6 +142,18 @@ def grid_rank(rank, world, store_path, results):
                         raise AssertionError(f"reduce_scatter {dtype} {op} {size}: wrong block")
                     if not torch.equal(whole, before):
                         raise AssertionError(f"reduce_scatter {dtype} {op} {size}: input changed")
+        for dtype in DTYPES:
+            for size in SIZES:
+                case += 1
+                n = elements(size, dtype) // world
+                mine = placed(contribution(case, rank, world * n, dtype, False), size)
+                out = torch.empty(world * n, dtype=dtype, device="cuda")
+                comm.all_to_all(out, mine)
+                comm.synchronize()
+                every = [contribution(case, r, world * n, dtype, False) for r in range(world)]
+                want = torch.cat([e[rank * n : (rank + 1) * n] for e in every])
+                if not torch.equal(out, want):
+                    raise AssertionError(f"all_to_all {dtype} {size}: wrong blocks")
         comm.close()
         results.put((rank, "ok"))
     except BaseException as e:  # reported to the parent, which fails the test with it

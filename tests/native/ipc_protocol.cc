@@ -9,7 +9,7 @@
 //            four ops, sizes 0 to several rounds), counts from 0 and from just below 2^32; each
 //            rank checks its result bit for bit against the fold it expects; all-gathers of
 //            equal and unequal blocks between them; reduce-scatters, each rank's block bit
-//            for bit
+//            for bit, and all-to-alls
 //   timeout  a peer that never arrives: the bounded wait returns, naming it
 //   abort    a peer sets the abort word: every waiting rank returns, naming it and its reason
 //   stale    counts left from the last operation never satisfy the next; cyclic counts; a
@@ -321,8 +321,9 @@ bool gathers(int n, uint32_t base) {
 }
 
 // Reduce-scatters of every dtype, four ops and blocks from empty to several rounds, each after a
-// one-shot all-reduce, so the halves and counts carry over between the kinds of plan. Each rank
-// checks its block bit for bit against every rank's input folded in rank order.
+// one-shot all-reduce and before an all-to-all of the same inputs, so the halves and counts carry
+// over between the kinds of plan. Each rank checks its reduced block bit for bit against every
+// rank's input folded in rank order, and every block the all-to-all brought against its sender's.
 bool scatters(int n, uint32_t base) {
   World w(n, base);
   std::vector<Case> all;  // count: the whole buffer, n blocks
@@ -355,6 +356,18 @@ bool scatters(int n, uint32_t base) {
       if (std::memcmp(data.data() + size_t(rank) * block * e,
                       want.data() + size_t(rank) * block * e, block * e) != 0)
         return w.report(rank, what + "wrong result");
+      // An all-to-all of the same inputs, in place: block r from rank r's block `rank`.
+      data = input(c, int(k), rank);
+      why = run_plan(w, rank, window_all_to_all_plan(w.layout, state, rank, block, e), data.data(),
+                     c.dtype, ReduceOp::kSum, 20.0, random);
+      if (!why.empty()) return w.report(rank, "all_to_all after " + what + why);
+      for (int r = 0; r < n; ++r) {
+        const std::vector<char> theirs = input(c, int(k), r);
+        if (std::memcmp(data.data() + size_t(r) * block * e,
+                        theirs.data() + size_t(rank) * block * e, block * e) != 0)
+          return w.report(rank,
+                          "all_to_all after " + what + "block " + std::to_string(r) + " wrong");
+      }
     }
     w.report(rank, "ok");
   });
