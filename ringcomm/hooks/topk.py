@@ -84,8 +84,9 @@ class Level:
     (TopKState.ladder(): 0 is whole); `steps` there; `signal`, the smoothed density * residual
     energy / gradient energy; `energy`, the smoothed gradient energy, and `history`, its last
     WINDOW + 1 values; `calm`, the steps since it last changed by more than critical_change over
-    WINDOW steps; `measured`, the last exchange's summed (residual, gradient) energies and the
-    density they were measured at, once their all-reduce (`work`) is done."""
+    WINDOW steps; `sparse`, whether it has left the whole level (it then goes no denser than
+    level 1); `measured`, the last exchange's summed (residual, gradient) energies and the density
+    they were measured at, once their all-reduce (`work`) is done."""
 
     level: int = 0
     steps: int = 0
@@ -93,10 +94,19 @@ class Level:
     energy: Optional[float] = None
     history: list = field(default_factory=list)
     calm: int = 0
+    sparse: bool = False
     measured: Optional[tuple] = None  # (wait, energies, density): wait() until they are here
 
     def saved(self) -> tuple:
-        return (self.level, self.steps, self.signal, self.energy, list(self.history), self.calm)
+        return (
+            self.level,
+            self.steps,
+            self.signal,
+            self.energy,
+            list(self.history),
+            self.calm,
+            self.sparse,
+        )
 
 
 @dataclass(eq=False)
@@ -120,7 +130,10 @@ class TopKState(ReportsBuckets, Compressor):
     where it is gradient held back step after step. A bucket starts whole; after MIN_STEPS steps
     at a level it goes a level denser while critical or held back, and a level sparser once it
     has spent 1 / density steps there (the steps error feedback takes to settle), nothing was
-    critical for WINDOW steps and nothing is held back. "fixed": Deep Gradient Compression's
+    critical for WINDOW steps and nothing is held back. Whole is for the start's critical regime:
+    a bucket that has gone sparse goes no denser than warmup_density again, where a later
+    critical spell (the energy falling as fast as the loss) held buckets whole for most of a
+    200-step run at no gain in accuracy (docs/performance.md). "fixed": Deep Gradient Compression's
     warm-up schedule: warmup_density, divided by 4 at each of the stages that share
     warmup_steps equally, then ratio (warmup_steps 0: ratio from the start).
     critical_change, residual_limit: the signal schedule's thresholds (above).
@@ -303,7 +316,8 @@ class TopKState(ReportsBuckets, Compressor):
                 lv.signal = q if lv.signal is None else lv.signal + SMOOTHING * (q - lv.signal)
         if lv.signal is not None and lv.steps >= MIN_STEPS:
             if (lv.calm == 0 or lv.signal > self.residual_limit) and lv.level > 0:
-                lv.level, lv.steps, lv.signal = lv.level - 1, 0, None
+                # once sparse, level 1 at the densest: it starts over there
+                lv.level, lv.steps, lv.signal = max(lv.level - 1, int(lv.sparse)), 0, None
             elif (
                 lv.calm >= WINDOW
                 and lv.signal <= self.residual_limit
@@ -311,6 +325,7 @@ class TopKState(ReportsBuckets, Compressor):
                 and lv.steps >= math.ceil(1 / ladder[lv.level])
             ):
                 lv.level, lv.steps, lv.signal = lv.level + 1, 0, None
+                lv.sparse = True
         return ladder[lv.level]
 
     # -- the Compressor: the bucket's top-k with error feedback, or the bucket whole -------------
