@@ -359,10 +359,15 @@ def test_signal_schedule_goes_denser_while_the_gradient_changes_or_is_held_back(
     # move by critical_change (meanwhile 6.25% has settled), then the bucket goes a level denser
     densities = [feed(state, 0, 0.1, 1.08**60 / 3) for _ in range(18)]
     assert densities == [0.0625] * 13 + [0.015625] * 4 + [0.0625]
-    # critical again (growing 8% a step): it has gone sparse, so 6.25% is the densest it goes
-    densities = [feed(state, 0, 0.1, 1.08 ** (60 + t) / 3) for t in range(40)]
+    # critical again (growing 8% a step): whole again; without return_whole, having gone sparse,
+    # 6.25% is the densest it goes
+    kept = TopKState(ratio=0.01, return_whole=False)
+    kept.load_state_dict(state.state_dict() | {"return_whole": False})
+    again = [feed(state, 0, 0.1, 1.08 ** (60 + t) / 3) for t in range(40)]
+    assert again[-1] == 1.0, again
+    densities = [feed(kept, 0, 0.1, 1.08 ** (60 + t) / 3) for t in range(40)]
     assert 1.0 not in densities and densities[-1] == 0.0625, densities
-    assert state.levels[0].sparse and state.levels[0].calm == 0
+    assert kept.levels[0].sparse and kept.levels[0].calm == 0
     # a residual holding gradient back (signal 5 > residual_limit 1) keeps it denser too
     state = TopKState(ratio=0.01, critical_change=1e9)
     assert {feed(state, 1, 5.0) for _ in range(100)} == {1.0}
