@@ -237,14 +237,15 @@ class DeviceCommunicator:
                 t.record_stream(own)
             return own
 
-    def all_gather_on(self, flat: torch.Tensor, counts: Sequence[int]) -> None:
-        """Inside run_after's body: the all-gather into `flat`, every rank's block back to back
-        (counts[q] elements from rank q, this rank's already in place)."""
+    def all_gather_on(self, flat: torch.Tensor, counts: Sequence[int], stream=None) -> None:
+        """Inside run_after's body (or, with the lock held, on `stream`): the all-gather into
+        `flat`, every rank's block back to back (counts[q] elements from rank q, this rank's
+        already in place)."""
         self._comm.all_gather(
             flat.data_ptr(),
             [int(c) for c in counts],
             TORCH_DTYPES[flat.dtype],
-            self._stream.cuda_stream,
+            (stream or self._stream).cuda_stream,
         )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
@@ -260,23 +261,21 @@ class DeviceCommunicator:
             )
         output.view(-1)[self.rank * n : (self.rank + 1) * n].copy_(input.view(-1))
         with self._lock:  # the transport's counts follow the order of calls
-            self._comm.all_gather(
-                output.data_ptr(),
-                [n] * self.world_size,
-                TORCH_DTYPES[output.dtype],
-                torch.cuda.current_stream(self.device).cuda_stream,
+            self.all_gather_on(
+                output.view(-1), [n] * self.world_size, torch.cuda.current_stream(self.device)
             )
         return output
 
-    def reduce_scatter_on(self, flat: torch.Tensor, op="sum") -> None:
-        """Inside run_after's body: the reduce-scatter of `flat`, world_size blocks back to back;
-        block `rank` ends reduced in place, the others hold scratch."""
+    def reduce_scatter_on(self, flat: torch.Tensor, op="sum", stream=None) -> None:
+        """Inside run_after's body (or, with the lock held, on `stream`): the reduce-scatter of
+        `flat`, world_size blocks back to back; block `rank` ends reduced in place, the others
+        hold scratch."""
         self._comm.reduce_scatter(
             flat.data_ptr(),
             flat.numel() // self.world_size,
             TORCH_DTYPES[flat.dtype],
             op_code(op),
-            self._stream.cuda_stream,
+            (stream or self._stream).cuda_stream,
         )
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op="sum") -> torch.Tensor:
@@ -293,24 +292,19 @@ class DeviceCommunicator:
             )
         scratch = input.reshape(-1).clone()  # the reduction runs in place
         with self._lock:  # the transport's counts follow the order of calls
-            self._comm.reduce_scatter(
-                scratch.data_ptr(),
-                n,
-                TORCH_DTYPES[scratch.dtype],
-                op_code(op),
-                torch.cuda.current_stream(self.device).cuda_stream,
-            )
+            self.reduce_scatter_on(scratch, op, torch.cuda.current_stream(self.device))
         output.view(-1).copy_(scratch[self.rank * n : (self.rank + 1) * n])
         return output
 
-    def all_to_all_on(self, flat: torch.Tensor) -> None:
-        """Inside run_after's body: the all-to-all of `flat` in place, world_size blocks back to
-        back; block q receives block `rank` of rank q's."""
+    def all_to_all_on(self, flat: torch.Tensor, stream=None) -> None:
+        """Inside run_after's body (or, with the lock held, on `stream`): the all-to-all of
+        `flat` in place, world_size blocks back to back; block q receives block `rank` of rank
+        q's."""
         self._comm.all_to_all(
             flat.data_ptr(),
             flat.numel() // self.world_size,
             TORCH_DTYPES[flat.dtype],
-            self._stream.cuda_stream,
+            (stream or self._stream).cuda_stream,
         )
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
@@ -326,12 +320,7 @@ class DeviceCommunicator:
             )
         output.view(-1).copy_(input.view(-1))
         with self._lock:  # the transport's counts follow the order of calls
-            self._comm.all_to_all(
-                output.data_ptr(),
-                output.numel() // self.world_size,
-                TORCH_DTYPES[output.dtype],
-                torch.cuda.current_stream(self.device).cuda_stream,
-            )
+            self.all_to_all_on(output.view(-1), torch.cuda.current_stream(self.device))
         return output
 
     def all_reduce_on(self, tensor: torch.Tensor, op="sum") -> None:
