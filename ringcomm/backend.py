@@ -8,12 +8,12 @@
 torch wraps the backend in a named ProcessGroup as it does gloo, so everything built on process
 groups works: subgroups, DeviceMesh, FSDP2, DTensor, functional collectives, DDP.
 
-CUDA tensors: all_reduce (and its coalesced form, DDP's), broadcast, reduce, the all-gathers,
-gather, scatter, the reduce-scatters into tensors and all_to_all_single with equal splits run on
-the group's device path (ringcomm.device: CUDA IPC between ranks of one host, any number of them
-per GPU, or NCCL) with ProcessGroupNCCL's stream semantics; send/recv, the list forms of
-all_to_all and reduce_scatter, uneven splits, and every operation on a device no device
-transport reaches, are staged through pinned host memory by the backend, counted in
+CUDA tensors: every collective and send/recv run on the group's device path (ringcomm.device:
+CUDA IPC between ranks of one host, any number of them per GPU, or NCCL) with ProcessGroupNCCL's
+stream semantics, send and recv on a stream of their own per peer and way once a collective has
+joined the device path (which takes every rank). recv from any source raises there (NCCL has none
+either); it, sends and receives before that first collective, the coalesced all-gather of lists,
+and every operation on a device no device transport reaches, are staged through pinned host memory by the backend, counted in
 ringcomm.staging.bytes_to_host() and logged at INFO on the "ringcomm" logger, once per operation
 and device. DDP hooks given the group as their state share its device path.
 
@@ -125,15 +125,22 @@ class _DeviceRoute:
 
     def gather(self, outputs: list, input, root):
         """outputs[q] receives rank q's `input` at `root` (its outputs: the others pass none;
-        None: every rank's): an all-gather, of which the root keeps the blocks."""
+        None: every rank's, an all-gather): an exchange in which every rank sends its input to
+        the root."""
         world, rank, n = self.paths.world_size, self.paths.rank, input.numel()
         if root is not None and rank == root:
             self._check_list("gather", outputs, input)
 
         def body(path):
-            flat = torch.empty(world * n, dtype=input.dtype, device=input.device)
-            flat[rank * n : (rank + 1) * n].copy_(input.view(-1))
-            path.all_gather_on(flat, [n] * world)
+            if root is None:
+                flat = torch.empty(world * n, dtype=input.dtype, device=input.device)
+                flat[rank * n : (rank + 1) * n].copy_(input.view(-1))
+                path.all_gather_on(flat, [n] * world)
+            else:
+                size = world * n if rank == root else 0
+                flat = torch.empty(size, dtype=input.dtype, device=input.device)
+                recvs = [(q, q * n, n) for q in range(world)] if rank == root else []
+                path.exchange_on(input.view(-1), flat, [(root, 0, n)], recvs, "gather", root, n)
             for q, o in enumerate(outputs):
                 o.view(-1).copy_(flat[q * n : (q + 1) * n])
 
@@ -141,18 +148,18 @@ class _DeviceRoute:
 
     def scatter(self, output, inputs: list, root: int):
         """`output` receives inputs[rank] of `root` (its inputs: the others pass none): an
-        all-gather in which only the root has a block, the whole list, each rank keeping its
-        part."""
+        exchange in which the root sends each rank its part."""
         world, rank, n = self.paths.world_size, self.paths.rank, output.numel()
         if rank == root:
             self._check_list("scatter", inputs, output)
 
         def body(path):
-            flat = torch.empty(world * n, dtype=output.dtype, device=output.device)
-            for q, i in enumerate(inputs):
-                flat[q * n : (q + 1) * n].copy_(i.view(-1))
-            path.all_gather_on(flat, [world * n if r == root else 0 for r in range(world)])
-            output.view(-1).copy_(flat[rank * n : (rank + 1) * n])
+            if rank == root:
+                source = torch.cat([i.view(-1) for i in inputs])
+                sends = [(q, q * n, n) for q in range(world)]
+            else:
+                source, sends = output.view(-1), []
+            path.exchange_on(source, output.view(-1), sends, [(root, 0, n)], "scatter", root, n)
 
         return self._run([output] + inputs, body)
 
@@ -168,21 +175,109 @@ class _DeviceRoute:
 
         return self._run([tensor], body, tensor_factor)
 
-    def all_to_all(self, output, input):
-        """Equal splits: block q of `output` receives block `rank` of rank q's `input`."""
+    def _parts(self, tensor, splits: list, what: str) -> list:
+        """(offset, count) in elements of each rank's part of `tensor`: `splits` rows of its
+        first dimension each, or world_size equal parts where `splits` is empty."""
         world = self.paths.world_size
-        if output.dtype != input.dtype or output.numel() != input.numel() or input.numel() % world:
+        rows = tensor.shape[0] if tensor.dim() else 1
+        per_row = tensor.numel() // rows if rows else 0
+        if not splits:
+            if rows % world:
+                raise ValueError(
+                    f"ringcomm alltoall_base: {what} of {rows} rows, not a multiple of the world "
+                    f"size {world}; give its splits"
+                )
+            splits = [rows // world] * world
+        if len(splits) != world or any(r < 0 for r in splits) or sum(splits) != rows:
             raise ValueError(
-                f"ringcomm alltoall_base: input and output of one dtype and size, a multiple of "
-                f"the world size {world}; got {input.numel()} {input.dtype} and "
-                f"{output.numel()} {output.dtype}"
+                f"ringcomm alltoall_base: {what} splits {list(splits)} for {rows} rows and "
+                f"{world} ranks"
             )
+        offsets = [sum(splits[:q]) * per_row for q in range(world)]
+        return [(offsets[q], splits[q] * per_row) for q in range(world)]
+
+    def all_to_all(self, output, input, output_splits: list, input_splits: list):
+        """Part q of `output` receives part `rank` of rank q's `input`: equal parts by the
+        device all-to-all, splits (rows of the first dimension) by an exchange."""
+        world = self.paths.world_size
+        if output.dtype != input.dtype:
+            raise TypeError(
+                f"ringcomm alltoall_base: input of {input.dtype}, output of {output.dtype}"
+            )
+        sends = self._parts(input, input_splits, "input")
+        recvs = self._parts(output, output_splits, "output")
+        equal = not input_splits and not output_splits and output.numel() == input.numel()
 
         def body(path):
-            output.view(-1).copy_(input.view(-1))
-            path.all_to_all_on(output.view(-1))
+            if equal:
+                output.view(-1).copy_(input.view(-1))
+                path.all_to_all_on(output.view(-1))
+                return
+            path.exchange_on(
+                input.view(-1),
+                output.view(-1),
+                [(q, *sends[q]) for q in range(world)],
+                [(q, *recvs[q]) for q in range(world)],
+                "all_to_all",
+                -1,
+                0,
+            )
 
         return self._run([output, input], body)
+
+    def all_to_all_list(self, outputs: list, inputs: list):
+        """outputs[q] receives rank q's inputs[rank]: an exchange of the inputs back to back."""
+        world = self.paths.world_size
+        if any(t.dtype != inputs[0].dtype for t in outputs + inputs):
+            raise TypeError("ringcomm alltoall: tensors of one dtype")
+        ins = [t.numel() for t in inputs]
+        outs = [t.numel() for t in outputs]
+
+        def body(path):
+            source = torch.cat([t.view(-1) for t in inputs])
+            flat = torch.empty(sum(outs), dtype=outputs[0].dtype, device=outputs[0].device)
+            path.exchange_on(
+                source,
+                flat,
+                [(q, sum(ins[:q]), ins[q]) for q in range(world)],
+                [(q, sum(outs[:q]), outs[q]) for q in range(world)],
+                "all_to_all",
+                -1,
+                0,
+            )
+            for q, o in enumerate(outputs):
+                o.view(-1).copy_(flat[sum(outs[:q]) : sum(outs[:q]) + outs[q]])
+
+        return self._run(outputs + inputs, body)
+
+    def send(self, tensor, dst: int, tag: int):
+        """`tensor` to rank `dst`, on the path's stream for the sends to it (DeviceCommunicator.
+        send)."""
+        return self._message(tensor, dst, True, tag)
+
+    def recv(self, tensor, src: int, tag: int):
+        """Rank `src`'s matching send into `tensor`."""
+        return self._message(tensor, src, False, tag)
+
+    def _message(self, tensor, peer: int, send: bool, tag: int):
+        """On the device path a collective has joined: a send or receive involves two ranks,
+        and joining takes every rank. Before, staged, as its peer's is."""
+        path = self.paths.joined_on(tensor.device)
+        if path is None:
+            self.staged("SEND" if send else "RECV", str(tensor.device))
+            return None
+        stream = path.enqueue_message(tensor, peer, send, tag)
+        return stream.stream_id, stream.device_index, stream.device_type
+
+    def recv_any(self, tensor):
+        """None (staged) before a device path is joined; after, sends of CUDA tensors run
+        there, where a receive names its source."""
+        if self.paths.joined_on(tensor.device) is not None:
+            raise ValueError(
+                f"recv from any source: sends of CUDA tensors on {tensor.device} run on the "
+                f"device path, where a receive names its source (src=)"
+            )
+        return None
 
     def reduce_scatter(self, outputs: list, inputs: list, op: int, tensor_factor, factor):
         """outputs[i] receives this rank's block of inputs[i] (world_size x outputs[i]'s

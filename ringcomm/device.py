@@ -9,6 +9,8 @@ the first device transport that serves every rank.
     comm.all_to_all(out, t) # block q of out receives block `rank` of rank q's t
                             # algorithm="auto" | "one_shot" | "shared_buffer" | "ring" (cuda_ipc)
                             # | "ring" | "tree" | "recursive_doubling" | "nccl" (nccl)
+    work = comm.send(t, dst) # t to rank dst, whose k-th recv from this rank takes the k-th
+    work = comm.recv(t, src) # send: each on a stream of its own per peer and way (DeviceWork)
     comm.synchronize()      # waits; raises if a peer failed or the timeout passed
     work = comm.all_reduce_work(t, async_op=True)   # on the communicator's own stream, after
                             # the current one's work (ProcessGroupNCCL's semantics: DeviceWork)
@@ -101,6 +103,7 @@ class DeviceCommunicator:
         self._rounds = 0
         self._comm = None
         self._stream = None  # all_reduce_work's, with its two reusable events; made on first use
+        self._message_streams = {}  # (peer, send): the stream of the sends to it, or receives
         self._ready = self._done = None
         # sparse_all_reduce's flag of an index outside the output, and its copy on the host
         self._bad = self._bad_host = self._bad_copied = None
@@ -223,14 +226,23 @@ class DeviceCommunicator:
             own = self._enqueue_after(caller, [tensor], op, algorithm)
             return self._finish(caller, own, tensor, async_op)
 
-    def run_after(self, tensors: Sequence[torch.Tensor], body) -> torch.cuda.Stream:
+    def run_after(
+        self, tensors: Sequence[torch.Tensor], body, messages: Sequence[tuple] = ()
+    ) -> torch.cuda.Stream:
         """Runs body() with this communicator's own stream current, after the work already on
         the current stream, and holds `tensors` until that stream is past what body() enqueued
-        there (all_gather_on, all_reduce_on, torch ops); returns the stream. For composite
-        operations: the torch backend's broadcast, all-gathers and reduce-scatters."""
+        there (all_gather_on, all_reduce_on, torch ops); returns the stream. `messages`, (tensor,
+        peer, send) each, are sent or received first as send() and recv() do, and the stream
+        waits for them before body(). For composite operations: the torch backend's
+        broadcast, all-gathers, reduce-scatters, gather, scatter and all-to-alls."""
         caller = torch.cuda.current_stream(self.device)
         with self._lock:
+            streams = {self.message_after(caller, *m) for m in messages}
             own = self._own_after(caller)
+            for stream in streams:
+                done = torch.cuda.Event()
+                done.record(stream)
+                own.wait_event(done)
             with torch.cuda.stream(own):
                 body()
             for t in tensors:
@@ -322,6 +334,87 @@ class DeviceCommunicator:
         with self._lock:  # the transport's counts follow the order of calls
             self.all_to_all_on(output.view(-1), torch.cuda.current_stream(self.device))
         return output
+
+    # Sends and receives.
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> "DeviceWork":
+        """`tensor` to rank `dst`, whose k-th recv from this rank takes this rank's k-th send
+        to it (the same count, dtype and tag, else every rank raises MismatchError over
+        cuda_ipc). Enqueued after the work on the current stream, on a stream of its own for the
+        sends to `dst`: a send that waits for its receive holds back neither the collectives nor
+        the receives. The DeviceWork's wait() makes the current stream wait for it."""
+        return self._message(tensor, dst, True, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> "DeviceWork":
+        """Rank `src`'s matching send into `tensor`, as send() is enqueued."""
+        return self._message(tensor, src, False, tag)
+
+    def _message(self, tensor: torch.Tensor, peer: int, send: bool, tag: int) -> "DeviceWork":
+        caller = torch.cuda.current_stream(self.device)
+        with self._lock:
+            stream = self.message_after(caller, tensor, peer, send, tag)
+            return self._finish(caller, stream, tensor, True)
+
+    def enqueue_message(self, tensor, peer: int, send: bool, tag: int = 0) -> torch.cuda.Stream:
+        """send() or recv() without a DeviceWork: returns the stream it is enqueued on (the
+        torch backend makes its own Work)."""
+        caller = torch.cuda.current_stream(self.device)
+        with self._lock:
+            return self.message_after(caller, tensor, peer, send, tag)
+
+    def exchange_on(
+        self, source, flat, sends: Sequence[tuple], recvs: Sequence[tuple], kind: str, root, count
+    ) -> None:
+        """Inside run_after's body: the exchange of `kind` ("scatter", "gather", "all_to_all",
+        with its root, -1 for none, and count): `sends`, (peer, offset, count) in elements of
+        `source`, and `recvs`, into `flat`, at most one of each per peer, in rank order; the send
+        to a peer pairs with its receive from this rank, of the same count (to itself: a copy)."""
+        cuda._check(source, "source", device=self.device)
+        cuda._check(flat, "flat", (source.dtype,), device=self.device)
+        for what, tensor, parts in (("source", source, sends), ("flat", flat, recvs)):
+            if any(o < 0 or n < 0 or o + n > tensor.numel() for _, o, n in parts):
+                raise ValueError(f"an exchange's parts overrun its {what} of {tensor.numel()}")
+        self._comm.exchange(
+            source.data_ptr(),
+            flat.data_ptr(),
+            [(int(q), int(o), int(n)) for q, o, n in sends],
+            [(int(q), int(o), int(n)) for q, o, n in recvs],
+            TORCH_DTYPES[source.dtype],
+            kind,
+            int(root),
+            int(count),
+            self._stream.cuda_stream,
+        )
+
+    def message_after(self, caller, tensor, peer: int, send: bool, tag: int = 0):
+        """Under self._lock (send(), recv(), run_after()): the send of `tensor` to `peer`
+        (`send`) or its receive from it, on the stream of that peer and way, after the work on
+        `caller`; `tensor` held until that stream is past it. Returns the stream."""
+        cuda._check(tensor, "tensor", device=self.device)
+        if not tensor.is_contiguous():
+            raise ValueError("send and recv take contiguous tensors")
+        peer = int(peer)
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(
+                f"rank {self.rank} of {self.world_size} cannot "
+                f"{'send to' if send else 'receive from'} rank {peer}"
+            )
+        stream = self._message_streams.get((peer, send))
+        if stream is None:
+            stream = self._message_streams[(peer, send)] = torch.cuda.Stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(caller)
+        stream.wait_event(ready)
+        (self._comm.send if send else self._comm.recv)(
+            tensor.data_ptr(),
+            tensor.numel(),
+            TORCH_DTYPES[tensor.dtype],
+            peer,
+            int(tag) & 0xFFFFFFFF,
+            stream.cuda_stream,
+        )
+        tensor.record_stream(stream)
+        return stream
 
     def all_reduce_on(self, tensor: torch.Tensor, op="sum") -> None:
         """Inside run_after's body: the all-reduce of `tensor` in place."""
@@ -433,7 +526,7 @@ class DeviceCommunicator:
         future = torch.futures.Future(devices=[self.device])
         with torch.cuda.stream(own):
             future.set_result(result)  # its event: recorded on `own`, right after `done`
-        return DeviceWork(self, result, done, future)
+        return DeviceWork(self, result, done, future, own)
 
     def bad_index_seen(self) -> bool:
         """Whether an earlier sparse_all_reduce met an index outside its output, as far as its
@@ -470,11 +563,13 @@ class DeviceCommunicator:
     def close(self) -> None:
         """Releases the transport; every rank calls it once its work is done (cuda_ipc waits
         until every rank has, within the timeout). The work on all_reduce_work's stream is
-        waited for first."""
+        and the sends' and receives' streams are waited for first."""
         try:
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    self.synchronize()  # a failure raises after the release: close() then frees
+            # a failure raises after the release: close() then frees
+            for stream in [self._stream, *self._message_streams.values()]:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        self.synchronize()
         finally:
             self._comm.close()
 
@@ -485,11 +580,11 @@ class DeviceCommunicator:
 
 
 class DeviceWork:
-    """The Work of DeviceCommunicator.all_reduce_work, as ProcessGroupNCCL's: for the host the
-    operation is done once enqueued; the device is done when its stream is past it.
+    """The Work of DeviceCommunicator.all_reduce_work, send and recv, as ProcessGroupNCCL's: for
+    the host the operation is done once enqueued; the device is done when its stream is past it.
 
     wait() makes the current stream wait for it, without blocking the host; wait(timeout)
-    also blocks the host until the communicator's stream is done, raising RingcommError if a
+    also blocks the host until the operation's stream is done, raising RingcommError if a
     peer failed or the timeout passed. get_future() is a CUDA-aware torch Future holding the
     tensor: waiting on it, or on what it chains, makes the current stream wait. A peer's failure
     raises at the communicator's next call, as its module says."""
@@ -500,14 +595,16 @@ class DeviceWork:
         tensor: torch.Tensor,
         done: torch.cuda.Event,
         future: torch.futures.Future,
+        stream: torch.cuda.Stream,
     ):
         self._comm, self._tensor, self._done, self._future = comm, tensor, done, future
+        self._stream = stream
 
     def wait(self, timeout=None) -> bool:
         if timeout is not None:
             if not isinstance(timeout, timedelta):
                 timeout = timedelta(seconds=timeout)
-            with torch.cuda.stream(self._comm._stream):
+            with torch.cuda.stream(self._stream):
                 self._comm.synchronize(timeout)
         torch.cuda.current_stream(self._comm.device).wait_event(self._done)
         return True
@@ -597,6 +694,12 @@ class DevicePaths:
                 )
             self._paths[where.index] = path
             return path
+
+    def joined_on(self, where: torch.device) -> Optional[DeviceCommunicator]:
+        """The device path of `where` if a collective has joined it, else None; never joins
+        (for sends and receives, which not every rank takes part in)."""
+        with self._lock:
+            return self._paths.get(where.index)
 
     def transports(self) -> dict:
         """{"cuda:<i>": "cuda_ipc" | "nccl" | "host"} for each device met so far."""

@@ -9,6 +9,15 @@ namespace {
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
+// Messages through inboxes: the channel a message is signalled on, the one its slot is returned
+// on, and the inboxes' first sender index in the layout (world for the sends' inboxes).
+struct Lane {
+  uint8_t message, credit;
+  int inboxes;
+};
+constexpr Lane kRingLane{kMessageChannel, kCreditChannel, 0};
+constexpr Lane send_lane(int world) { return {kSendChannel, kReturnChannel, world}; }
+
 // Builds one rank's plan, keeping the counts of `state` as it goes.
 class Planner {
  public:
@@ -92,6 +101,49 @@ class Planner {
     }
   }
 
+  // The exchange's rounds of one message per part; the part to itself copied first.
+  void exchange(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, Lane lane) {
+    const Transfer* to_self = nullptr;
+    const Transfer* from_self = nullptr;
+    size_t longest = 0;
+    std::vector<bool> sending(size_t(world_), false), receiving(size_t(world_), false);
+    for (const Transfer& t : sends) {
+      RC_CHECK_ARG(t.peer >= 0 && t.peer < world_ && !sending[size_t(t.peer)], "rank ", rank_,
+                   " sends to rank ", t.peer, " twice or out of ", world_);
+      sending[size_t(t.peer)] = true;
+      if (t.peer == rank_) to_self = &t;
+      longest = std::max(longest, t.count);
+    }
+    for (const Transfer& t : recvs) {
+      RC_CHECK_ARG(t.peer >= 0 && t.peer < world_ && !receiving[size_t(t.peer)], "rank ", rank_,
+                   " receives from rank ", t.peer, " twice or out of ", world_);
+      receiving[size_t(t.peer)] = true;
+      if (t.peer == rank_) from_self = &t;
+      longest = std::max(longest, t.count);
+    }
+    RC_CHECK_ARG((to_self == nullptr) == (from_self == nullptr) &&
+                     (to_self == nullptr || to_self->count == from_self->count),
+                 "rank ", rank_, "'s part to itself is sent and received alike");
+    if (to_self != nullptr && to_self->count > 0)
+      copy({WindowRef::kSource, to_self->offset * elem_},
+           {WindowRef::kCaller, from_self->offset * elem_}, to_self->count);
+    const size_t per_message = std::max<size_t>(1, layout_.slice_bytes / elem_);
+    for (size_t first = 0; first < longest; first += per_message) {
+      for (const Transfer& t : sends) {
+        if (t.peer == rank_ || first >= t.count) continue;
+        copy({WindowRef::kSource, (t.offset + first) * elem_}, send_slot(t.peer, lane),
+             std::min(per_message, t.count - first));
+        signal(lane.message, t.peer);
+      }
+      for (const Transfer& t : recvs) {
+        if (t.peer == rank_ || first >= t.count) continue;
+        copy(receive_slot(t.peer, lane), {WindowRef::kCaller, (t.offset + first) * elem_},
+             std::min(per_message, t.count - first));
+        signal(lane.credit, t.peer);
+      }
+    }
+  }
+
   // The ring's step list, each step's receive, fold and send as one fold, in rounds whose
   // blocks are at most a slice: one message per step, so that every rank sends and receives in
   // lockstep and two inbox slots keep the ring moving (with several messages a step, every rank
@@ -147,15 +199,15 @@ class Planner {
   // Where this rank's next message to `to` goes, once `to` has returned the slot it last held
   // (message m - kInboxSlots; before the first kInboxSlots messages, a count the slot's initial
   // value has reached cyclically).
-  WindowRef send_slot(int to) {
-    const uint32_t m = state_.sent[kMessageChannel][size_t(to)] + 1;  // the message about to go
-    sync(true, kCreditChannel, to, m - WindowLayout::kInboxSlots);
-    return {to, layout_.inbox(rank_, int((m - 1) % WindowLayout::kInboxSlots))};
+  WindowRef send_slot(int to, Lane lane = kRingLane) {
+    const uint32_t m = state_.sent[lane.message][size_t(to)] + 1;  // the message about to go
+    sync(true, lane.credit, to, m - WindowLayout::kInboxSlots);
+    return {to, layout_.inbox(lane.inboxes + rank_, int((m - 1) % WindowLayout::kInboxSlots))};
   }
   // Where the next message from `from` lies, once it has come.
-  WindowRef receive_slot(int from) {
-    const uint32_t m = await(kMessageChannel, from);
-    return {rank_, layout_.inbox(from, int((m - 1) % WindowLayout::kInboxSlots))};
+  WindowRef receive_slot(int from, Lane lane = kRingLane) {
+    const uint32_t m = await(lane.message, from);
+    return {rank_, layout_.inbox(lane.inboxes + from, int((m - 1) % WindowLayout::kInboxSlots))};
   }
   void copy(WindowRef from, WindowRef to, size_t count) {
     WindowAction a{WindowAction::kCopy};
@@ -240,6 +292,32 @@ WindowPlan window_reduce_scatter_plan(const WindowLayout& layout, WindowState& s
                                       size_t block, size_t elem, bool avg) {
   Planner planner(layout, state, rank, elem, avg);
   if (layout.world > 1) planner.exchange_rounds(block, true);
+  return planner.take();
+}
+
+WindowPlan window_exchange_plan(const WindowLayout& layout, WindowState& state, int rank,
+                                const std::vector<Transfer>& sends,
+                                const std::vector<Transfer>& recvs, size_t elem) {
+  Planner planner(layout, state, rank, elem, false);
+  planner.exchange(sends, recvs, kRingLane);
+  return planner.take();
+}
+
+WindowPlan window_send_plan(const WindowLayout& layout, WindowState& state, int rank, int to,
+                            size_t count, size_t elem) {
+  RC_CHECK_ARG(to >= 0 && to < layout.world && to != rank, "rank ", rank, " cannot send to rank ",
+               to, " of ", layout.world);
+  Planner planner(layout, state, rank, elem, false);
+  planner.exchange({{to, 0, count}}, {}, send_lane(layout.world));
+  return planner.take();
+}
+
+WindowPlan window_recv_plan(const WindowLayout& layout, WindowState& state, int rank, int from,
+                            size_t count, size_t elem) {
+  RC_CHECK_ARG(from >= 0 && from < layout.world && from != rank, "rank ", rank,
+               " cannot receive from rank ", from, " of ", layout.world);
+  Planner planner(layout, state, rank, elem, false);
+  planner.exchange({}, {{from, 0, count}}, send_lane(layout.world));
   return planner.take();
 }
 

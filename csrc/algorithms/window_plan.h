@@ -6,7 +6,8 @@
 // memory. A window holds (window_layout):
 //   boards:  two halves of `round_bytes`, where a rank copies its part of the buffer for a round;
 //   results: two halves of `result_bytes`, where a rank leaves its reduced block of a round;
-//   inboxes: for each sender, kInboxSlots messages of `slice_bytes` (the ring's).
+//   inboxes: for each sender, kInboxSlots messages of `slice_bytes` (the ring's), then as many
+//            again for the messages of sends.
 //
 // all_gather: in rounds of at most round_bytes of the longest block (round k on half k % 2): copy
 //   the round's part of my block onto my board; signal every peer; wait for every peer; copy the
@@ -35,6 +36,17 @@
 //   its buffer and, when the step forwards, into the next rank's inbox, then returns the slot
 //   with a signal on kCreditChannel; a sender waits for the credit of message m - kInboxSlots
 //   before writing message m.
+// exchange (scatter, gather, all-to-all of any splits): each rank sends parts of its source
+//   buffer to peers and receives parts from peers into its buffer, a part from itself copied:
+//   each part in messages of at most a slice, by the ring's protocol through the ring's inboxes,
+//   message j to every peer it sends to, then message j from every peer it receives from, for
+//   j = 0, 1, ... Message j waits for the credit of message j - kInboxSlots of its pair, which
+//   the receiver returned in an earlier round: every rank finishes each round. Wire: each part
+//   once.
+// send, recv (point to point, between two ranks only): an exchange of one part on channels and
+//   inboxes of their own (kSendChannel, kReturnChannel, the sends' inboxes), so that a send or
+//   receive may run on another stream than the collectives, and than the messages the other way,
+//   without their counts crossing.
 //
 // Why the halves are enough: a rank writes half h of its board or results in round k + 2 only
 // after every peer's first signal of round k + 1, which each peer sends after its reads of
@@ -52,8 +64,15 @@
 
 namespace ringcomm {
 
-// Board rounds' signals; ring messages' (sender to receiver); their credits (back).
-enum WindowChannel : uint8_t { kRoundChannel = 0, kMessageChannel = 1, kCreditChannel = 2 };
+// Board rounds' signals; ring messages' (sender to receiver); their credits (back); then the
+// same two for the messages of sends and receives.
+enum WindowChannel : uint8_t {
+  kRoundChannel = 0,
+  kMessageChannel = 1,
+  kCreditChannel = 2,
+  kSendChannel = 3,
+  kReturnChannel = 4,
+};
 
 struct WindowLayout {
   static constexpr int kInboxSlots = 2;  // a power of two: slots follow counts across their wrap
@@ -68,7 +87,8 @@ struct WindowLayout {
     return 2 * (round_bytes + result_bytes) +
            (size_t(from) * kInboxSlots + size_t(slot)) * slice_bytes;
   }
-  size_t bytes() const { return inbox(world, 0); }
+  // Senders 0 to world - 1: the ring's inboxes; world + q: rank q's sends'.
+  size_t bytes() const { return inbox(2 * world, 0); }
 };
 // The layout for `world` ranks and rounds of about `round_bytes` (at least 4 KiB).
 WindowLayout window_layout(int world, size_t round_bytes);
@@ -77,9 +97,11 @@ WindowLayout window_layout(int world, size_t round_bytes);
 // ones may be empty).
 Segments aligned_blocks(size_t count, int n, size_t align);
 
-// A place in a window (rank >= 0) or in the caller's buffer (kCaller), `offset` bytes in.
+// A place in a window (rank >= 0), in the caller's buffer (kCaller) or in the caller's source
+// buffer (kSource: what an exchange sends), `offset` bytes in.
 struct WindowRef {
   static constexpr int kCaller = -1;
+  static constexpr int kSource = -2;
   int rank;
   size_t offset;
 };
@@ -135,5 +157,29 @@ WindowPlan window_reduce_scatter_plan(const WindowLayout& layout, WindowState& s
 // Empty for one rank.
 WindowPlan window_all_to_all_plan(const WindowLayout& layout, WindowState& state, int rank,
                                   size_t block, size_t elem);
+
+// `count` elements at element `offset` of a buffer, to or from rank `peer`.
+struct Transfer {
+  int peer;
+  size_t offset, count;
+};
+
+// Rank `rank`'s plan for an exchange: `sends` from its source buffer, `recvs` into its buffer, at
+// most one of each per peer, in an order every rank shares (rank order); the send to `peer` pairs
+// with `peer`'s receive from this rank, of the same count (one to itself: a copy). Advances
+// `state` as the all-reduces do.
+WindowPlan window_exchange_plan(const WindowLayout& layout, WindowState& state, int rank,
+                                const std::vector<Transfer>& sends,
+                                const std::vector<Transfer>& recvs, size_t elem);
+
+// Rank `rank`'s plan for sending `count` elements of `elem` bytes from its source buffer to rank
+// `to`, and rank `from`'s for receiving them into its buffer: the k-th send from one rank to
+// another pairs with the other's k-th receive from it, and both must give the same count.
+// Advances the send channels' counts of `state` (between this pair, this way), which no
+// collective uses.
+WindowPlan window_send_plan(const WindowLayout& layout, WindowState& state, int rank, int to,
+                            size_t count, size_t elem);
+WindowPlan window_recv_plan(const WindowLayout& layout, WindowState& state, int rank, int from,
+                            size_t count, size_t elem);
 
 }  // namespace ringcomm

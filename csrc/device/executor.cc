@@ -149,6 +149,105 @@ void Executor::all_to_all(void* data, size_t block, DType dtype, cudaStream_t st
   RC_CUDA_CHECK(cudaFreeAsync(sent, stream));
 }
 
+void Executor::send(const void* data, size_t count, DType dtype, int peer, uint32_t tag,
+                    cudaStream_t stream) {
+  // A send's plan only reads its source.
+  message(static_cast<char*>(const_cast<void*>(data)), count, dtype, peer, tag, true, stream);
+}
+
+void Executor::recv(void* data, size_t count, DType dtype, int peer, uint32_t tag,
+                    cudaStream_t stream) {
+  message(static_cast<char*>(data), count, dtype, peer, tag, false, stream);
+}
+
+void Executor::message(char* data, size_t count, DType dtype, int peer, uint32_t tag, bool send,
+                       cudaStream_t stream) {
+  transport_.check_usable();
+  cuda::DeviceScope scope(transport_.device());
+  const int rank = transport_.rank();
+  RC_CHECK_ARG(peer >= 0 && peer < transport_.size() && peer != rank, "rank ", rank,
+               send ? " cannot send to rank " : " cannot receive from rank ", peer, " of ",
+               transport_.size());
+  if (Windows* windows = transport_.windows()) {
+    const size_t e = dtype_size(dtype);
+    const WindowPlan plan = send ? window_send_plan(layout_, state_, rank, peer, count, e)
+                                 : window_recv_plan(layout_, state_, rank, peer, count, e);
+    windows->agree_message(peer, send, Windows::kPointToPoint,
+                           Signature{Collective::kSendRecv, dtype, ReduceOp::kSum, Algorithm::kAuto,
+                                     true, send ? rank : peer, 0, count, tag});
+    run_plan(plan, data, dtype, ReduceOp::kSum, stream, data);
+    return;
+  }
+  const size_t bytes = count * dtype_size(dtype);
+  if (bytes == 0) return;
+  Messages& messages = *transport_.messages();
+  try {
+    messages.group_start();
+    if (send)
+      messages.send(data, bytes, peer, stream);
+    else
+      messages.recv(data, bytes, peer, stream);
+    messages.group_end();
+  } catch (...) {
+    transport_.abort();
+    throw;
+  }
+}
+
+void Executor::exchange(const void* source, void* data, const std::vector<Transfer>& sends,
+                        const std::vector<Transfer>& recvs, DType dtype, Signature sig,
+                        cudaStream_t stream) {
+  transport_.check_usable();
+  cuda::DeviceScope scope(transport_.device());
+  const int rank = transport_.rank();
+  const size_t e = dtype_size(dtype);
+  const char* from = static_cast<const char*>(source);
+  char* into = static_cast<char*>(data);
+  if (Windows* windows = transport_.windows()) {
+    const WindowPlan plan = window_exchange_plan(layout_, state_, rank, sends, recvs, e);
+    windows->agree(sig);
+    // Each part as the pair sees it: the collective's, its sender and its size.
+    auto part = [&](int sender, size_t count) {
+      Signature p = sig;
+      p.p2p = true;
+      p.root = sender;
+      p.count = count;
+      p.aux = 0;
+      return p;
+    };
+    for (const Transfer& t : sends)
+      if (t.peer != rank)
+        windows->agree_message(t.peer, true, Windows::kCollective, part(rank, t.count));
+    for (const Transfer& t : recvs)
+      if (t.peer != rank)
+        windows->agree_message(t.peer, false, Windows::kCollective, part(t.peer, t.count));
+    run_plan(plan, into, dtype, ReduceOp::kSum, stream, from);
+    return;
+  }
+  Messages& messages = *transport_.messages();
+  try {
+    messages.group_start();
+    for (const Transfer& t : sends) {
+      if (t.count == 0) continue;
+      if (t.peer == rank) {
+        for (const Transfer& r : recvs)
+          if (r.peer == rank)
+            RC_CUDA_CHECK(cudaMemcpyAsync(into + r.offset * e, from + t.offset * e, t.count * e,
+                                          cudaMemcpyDeviceToDevice, stream));
+        continue;
+      }
+      messages.send(from + t.offset * e, t.count * e, t.peer, stream);
+    }
+    for (const Transfer& t : recvs)
+      if (t.count > 0 && t.peer != rank)
+        messages.recv(into + t.offset * e, t.count * e, t.peer, stream);
+    messages.group_end();
+  } catch (...) {
+    transport_.abort();
+    throw;
+  }
+}
+
 // The schedule's groups one after another on `stream`: the group's messages, then the
 // reduction of what it received into staging.
 void Executor::run_groups(const Schedule& schedule, const Segments& blocks, size_t slice,
@@ -206,11 +305,14 @@ void Executor::run_groups(const Schedule& schedule, const Segments& blocks, size
 // Consecutive signals and waits go to the transport as one batch, consecutive copies to one
 // kernel; the plan's order is kept.
 void Executor::run_plan(const WindowPlan& plan, char* data, DType dtype, ReduceOp op,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, const char* source) {
   Windows& windows = *transport_.windows();
   const size_t e = dtype_size(dtype);
-  auto address = [&](const WindowRef& r) {
-    return r.rank == WindowRef::kCaller ? data + r.offset : windows.window(r.rank) + r.offset;
+  auto address = [&](const WindowRef& r) -> char* {
+    if (r.rank == WindowRef::kCaller) return data + r.offset;
+    // Only copies read kSource: the kernels take it as a source, never write it.
+    if (r.rank == WindowRef::kSource) return const_cast<char*>(source) + r.offset;
+    return windows.window(r.rank) + r.offset;
   };
   std::vector<WindowSync> syncs;
   std::vector<cuda::CopyPiece> pieces;

@@ -44,6 +44,24 @@ class Executor {
   // one group of a send and a receive per peer, sent from a copy.
   void all_to_all(void* data, size_t block, DType dtype, cudaStream_t stream);
 
+  // `count` elements from `data` to rank `peer`, and from rank `peer` into `data`: the k-th send
+  // from one rank to another pairs with the other's k-th receive from it, of the same count and
+  // dtype. Over windows by window_send_plan and window_recv_plan, which keep to channels of their
+  // own: a send or receive may go on another stream than the collectives (and than the
+  // messages the other way), so that sends that wait for their receives cannot hold back a
+  // receive. Over messages, one group of one message.
+  void send(const void* data, size_t count, DType dtype, int peer, uint32_t tag,
+            cudaStream_t stream);
+  void recv(void* data, size_t count, DType dtype, int peer, uint32_t tag, cudaStream_t stream);
+
+  // An exchange: `sends` from `source`, `recvs` into `data`, parts of elements of `dtype`, at
+  // most one of each per peer, in rank order (window_exchange_plan). The ranks agree on `sig`,
+  // the collective it carries out, and each pair on the size of each part. Over windows by
+  // window_exchange_plan; over messages, one group of every part's send and receive.
+  void exchange(const void* source, void* data, const std::vector<Transfer>& sends,
+                const std::vector<Transfer>& recvs, DType dtype, Signature sig,
+                cudaStream_t stream);
+
   // What kAuto runs for `bytes`: up to kSmallBytes recursive doubling over messages and
   // one_shot over windows; above, the ring over messages and shared_buffer over windows (one
   // fold per element, two rounds of signals per board, where the ring takes 2(n - 1) steps).
@@ -59,8 +77,13 @@ class Executor {
   // as stream groups over the transport's messages.
   void run_groups(const Schedule& schedule, const Segments& blocks, size_t slice, char* data,
                   DType dtype, ReduceOp op, cudaStream_t stream);
-  // `plan`'s actions in order over the transport's windows; the caller's buffer is `data`.
-  void run_plan(const WindowPlan& plan, char* data, DType dtype, ReduceOp op, cudaStream_t stream);
+  // A send (`send`) or receive of `count` elements at `data` with `peer`.
+  void message(char* data, size_t count, DType dtype, int peer, uint32_t tag, bool send,
+               cudaStream_t stream);
+  // `plan`'s actions in order over the transport's windows; the caller's buffer is `data`, its
+  // source buffer `source`.
+  void run_plan(const WindowPlan& plan, char* data, DType dtype, ReduceOp op, cudaStream_t stream,
+                const char* source = nullptr);
 
   DeviceTransport& transport_;
   WindowLayout layout_;

@@ -63,6 +63,37 @@ class DeviceCommunicator {
     const DType d = checked_dtype(dtype);
     executor_.reduce_scatter(address(data), block, d, checked_op(op, d), stream_of(stream));
   }
+  // `kind`: the collective the exchange carries out ("scatter", "gather", "all_to_all"), with its
+  // root (-1 for none) and count, for the ranks to agree on. Transfers: (peer, offset, count).
+  void exchange(uintptr_t source, uintptr_t data,
+                const std::vector<std::tuple<int, size_t, size_t>>& sends,
+                const std::vector<std::tuple<int, size_t, size_t>>& recvs, int dtype,
+                const std::string& kind, int root, size_t count, uintptr_t stream) {
+    static const std::pair<const char*, Collective> kinds[] = {
+        {"scatter", Collective::kScatter},
+        {"gather", Collective::kGather},
+        {"all_to_all", Collective::kAllToAll}};
+    Collective coll = Collective::kBarrier;
+    for (const auto& [name, c] : kinds)
+      if (kind == name) coll = c;
+    RC_CHECK_ARG(coll != Collective::kBarrier, "no exchange carries out ", kind);
+    auto transfers = [](const std::vector<std::tuple<int, size_t, size_t>>& list) {
+      std::vector<Transfer> out;
+      for (const auto& [peer, offset, n] : list) out.push_back({peer, offset, n});
+      return out;
+    };
+    const DType d = checked_dtype(dtype);
+    executor_.exchange(
+        address(source), address(data), transfers(sends), transfers(recvs), d,
+        Signature{coll, d, ReduceOp::kSum, Algorithm::kAuto, false, root, 0, count, 0},
+        stream_of(stream));
+  }
+  void send(uintptr_t data, size_t count, int dtype, int peer, uint32_t tag, uintptr_t stream) {
+    executor_.send(address(data), count, checked_dtype(dtype), peer, tag, stream_of(stream));
+  }
+  void recv(uintptr_t data, size_t count, int dtype, int peer, uint32_t tag, uintptr_t stream) {
+    executor_.recv(address(data), count, checked_dtype(dtype), peer, tag, stream_of(stream));
+  }
 
  private:
   std::unique_ptr<device::DeviceTransport> transport_;
@@ -253,6 +284,9 @@ PYBIND11_MODULE(_C_cuda, m) {
       .def("all_gather", &DeviceCommunicator::all_gather, G())
       .def("reduce_scatter", &DeviceCommunicator::reduce_scatter, G())
       .def("all_to_all", &DeviceCommunicator::all_to_all, G())
+      .def("exchange", &DeviceCommunicator::exchange, G())
+      .def("send", &DeviceCommunicator::send, G())
+      .def("recv", &DeviceCommunicator::recv, G())
       .def(
           "synchronize",
           [](DeviceCommunicator& c, uintptr_t stream, double timeout_s) {

@@ -5,9 +5,11 @@
 // It translates and nothing else: tensors to (pointer, count, dtype) of the torch-free core
 // (libringcomm.so, shared with ringcomm._C), options to arguments, core Works to c10d Works with
 // futures. Every collective is the core's; a non-contiguous tensor is staged through a contiguous
-// copy that is copied back once the operation has finished. An all-reduce of CUDA tensors is the
-// device route's (ringcomm/backend.py), which runs it on the device path and hands back the stream
-// it is on; other operations on CUDA tensors are staged through pinned host memory.
+// copy that is copied back once the operation has finished. Operations on CUDA tensors are the
+// device route's (ringcomm/backend.py), which runs them on the device path and hands back the
+// stream each is on; where no device path serves (and for the coalesced all-gather of lists), they
+// are staged through pinned host memory, as are sends and receives before a collective has joined
+// the device path. A receive from any source raises once one has.
 //
 // Built against the installed torch on first use (ringcomm/backend.py). Only the headers it uses:
 // torch/extension.h brings the whole C++ frontend (nn, optim), and parsing it was 21 s of a 56 s
@@ -724,6 +726,13 @@ class RingcommBackend : public c10d::Backend {
     Staged out(one(outputs, "reduce_scatter"));
     per_rank(inputs[0], out, "reduce_scatter input");
     at::Tensor flat = at::cat(flatten_all(inputs[0]));
+    if (routed(outputs[0])) {
+      const DeviceOp d = device_op(opts.reduceOp, flat);
+      if (auto work =
+              on_device(c10d::OpType::REDUCE_SCATTER, {outputs[0], flat}, outputs, "reduce_scatter",
+                        outputs, std::vector<at::Tensor>{flat}, d.op, d.tensor_factor, d.factor))
+        return work;
+    }
     return reduce_scatter_into(c10d::OpType::REDUCE_SCATTER, outputs, {out}, {flat}, opts.reduceOp,
                                opts.asyncOp);
   }
@@ -767,15 +776,10 @@ class RingcommBackend : public c10d::Backend {
                                                std::vector<int64_t>& input_splits,
                                                const c10d::AllToAllOptions& opts) override {
     check_same(output, input, "alltoall_base");
-    if (routed(input)) {
-      if (output_splits.empty() && input_splits.empty()) {
-        if (auto work = on_device(c10d::OpType::ALLTOALL_BASE, {output, input}, {output},
-                                  "all_to_all", output, input))
-          return work;
-      } else {
-        note_staged(c10d::OpType::ALLTOALL_BASE, {output});  // the route carries equal splits
-      }
-    }
+    if (routed(input))
+      if (auto work = on_device(c10d::OpType::ALLTOALL_BASE, {output, input}, {output},
+                                "all_to_all", output, input, output_splits, input_splits))
+        return work;
     Staged out(output), in(input);
     const auto out_rows = rows(out.dense, output_splits, "output");
     const auto in_rows = rows(in.dense, input_splits, "input");
@@ -809,6 +813,13 @@ class RingcommBackend : public c10d::Backend {
     TORCH_CHECK_VALUE(int(outputs.size()) == getSize() && int(inputs.size()) == getSize(),
                       "ringcomm alltoall: needs ", getSize(), " outputs and inputs, got ",
                       outputs.size(), " and ", inputs.size());
+    if (routed(inputs[0])) {
+      std::vector<at::Tensor> all = outputs;
+      all.insert(all.end(), inputs.begin(), inputs.end());
+      if (auto work =
+              on_device(c10d::OpType::ALLTOALL, all, outputs, "all_to_all_list", outputs, inputs))
+        return work;
+    }
     std::vector<Staged> outs(outputs.begin(), outputs.end());
     std::vector<at::Tensor> keep;
     std::vector<void*> out_ptrs;
@@ -878,6 +889,9 @@ class RingcommBackend : public c10d::Backend {
   // Tags are not matched out of order: the k-th send from a to b pairs with the k-th receive at b
   // from a, and the signature carries the tag so a pair whose tags differ fails with both named.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    if (routed(one(tensors, "send")))
+      if (auto work = on_device(c10d::OpType::SEND, tensors, tensors, "send", tensors[0], dst, tag))
+        return work;
     Staged t(one(tensors, "send"));
     return run(c10d::OpType::SEND, tensors, {},
                [&](bool) {
@@ -888,6 +902,9 @@ class RingcommBackend : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    if (routed(one(tensors, "recv")))
+      if (auto work = on_device(c10d::OpType::RECV, tensors, tensors, "recv", tensors[0], src, tag))
+        return work;
     Staged t(one(tensors, "recv"));
     return run(c10d::OpType::RECV, tensors, {t}, [&](bool) {
       return std::vector<rc::WorkPtr>{
@@ -896,6 +913,8 @@ class RingcommBackend : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    if (routed(one(tensors, "recv")))
+      on_device(c10d::OpType::RECVANYSOURCE, tensors, tensors, "recv_any", tensors[0]);
     Staged t(one(tensors, "recv"));
     return run(c10d::OpType::RECVANYSOURCE, tensors, {t}, [&](bool) {
       return std::vector<rc::WorkPtr>{
@@ -1078,6 +1097,10 @@ class RingcommBackend : public c10d::Backend {
       case c10d::OpType::GATHER:
       case c10d::OpType::SCATTER:
       case c10d::OpType::ALLTOALL_BASE:
+      case c10d::OpType::ALLTOALL:
+      case c10d::OpType::REDUCE_SCATTER:
+      case c10d::OpType::SEND:
+      case c10d::OpType::RECV:
         return true;
       default:
         return false;

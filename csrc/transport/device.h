@@ -53,7 +53,7 @@ struct WindowSync {
 
 class Windows {
  public:
-  static constexpr int kChannels = 3;
+  static constexpr int kChannels = 5;
   virtual size_t window_bytes() const = 0;
   // Rank r's window, as this rank's device addresses it.
   virtual char* window(int rank) const = 0;
@@ -66,6 +66,15 @@ class Windows {
   // this operation called it with. Where one differs, gives up, so that every rank raises, and
   // raises an ErrorKind::kMismatch naming the peer and both operations.
   virtual void agree(Signature sig) = 0;
+  // Messages numbered apart: sends and receives (kPointToPoint), and the parts of collectives'
+  // exchanges (kCollective), which follow the collectives' order.
+  enum Lane : uint8_t { kPointToPoint = 0, kCollective = 1 };
+  static constexpr int kLanes = 2;
+  // Called before each send to `peer` (`send`) or receive from it, in the order of the sends to
+  // it, or of the receives from it, on `lane`: compares `sig` (its seq is the transport's to
+  // number, per peer, way and lane) with what the peer called its matching receive or send with;
+  // where they differ, gives up as agree() does.
+  virtual void agree_message(int peer, bool send, Lane lane, Signature sig) = 0;
 
  protected:
   ~Windows() = default;

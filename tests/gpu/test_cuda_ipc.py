@@ -6,7 +6,8 @@ block in its own); all_gather of every dtype and size, every block bit for bit; 
 of every op, dtype and size, each rank's block bit for bit against the same fold; all_to_all of
 every dtype and size; then a rank killed while the others run collectives, who must raise within
 the timeout, never hang; and ranks that issue different collectives, who must all raise
-MismatchError at once, naming the operations. Each runs without MPS and, where
+MismatchError at once, naming the operations; sends and receives of every size around a ring
+of ranks, and a receive of another size than its send. Each runs without MPS and, where
 nvidia-cuda-mps-control exists, under an MPS daemon of its own (pipe and log directories in a
 temporary directory, stopped after; the GPU's compute mode is left alone)."""
 
@@ -209,6 +210,46 @@ def mismatch_rank(rank, world, store_path, results, case):
     os._exit(0)
 
 
+def messages_rank(rank, world, store_path, results):
+    """Each size sent to rank + 1 while receiving from rank - 1 (with 2 ranks, both ways at
+    once), every element checked; then a receive of another size than its send."""
+    import ringcomm
+
+    comm = communicator(store_path, rank, world, 20)
+    outcome = "ok"
+    try:
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+        for k, n in enumerate([0, 1, 999, (1 << 20) + 3, 3 << 20]):
+            out = torch.arange(n, dtype=torch.float32, device="cuda") + 1000 * rank + k
+            into = torch.full((n + 1,), -1.0, device="cuda")
+            sent, got = comm.send(out, nxt), comm.recv(into[:n], prev)
+            sent.wait()
+            got.wait()
+            want = torch.arange(n, dtype=torch.float32, device="cuda") + 1000 * prev + k
+            if not torch.equal(into[:n], want) or into[n].item() != -1.0:
+                outcome = f"size {n}: wrong bytes from rank {prev}"
+                break
+        comm.synchronize()
+        if outcome == "ok":
+            start = time.monotonic()
+            try:
+                if rank == 0:
+                    comm.send(torch.ones(1000, device="cuda"), 1)
+                elif rank == 1:
+                    comm.recv(torch.empty(2000, device="cuda"), 0)
+                # The pair's side that sees the mismatch gives up for every rank: this
+                # all-reduce raises everywhere.
+                comm.all_reduce(torch.ones(8, device="cuda"))
+                comm.synchronize()
+                outcome = "no error"
+            except ringcomm.RingcommError as e:
+                outcome = f"{type(e).__name__} after {time.monotonic() - start:.1f} s: {e}"
+    except Exception:  # noqa: BLE001 - reported to the test
+        outcome = traceback.format_exc()
+    results.put((rank, outcome))
+    os._exit(0)
+
+
 def spawn(target, world, args, env):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -335,3 +376,17 @@ def test_mismatched_collectives_raise_on_every_rank(case, tmp_path):
         assert took < 10, (r, outcome, took)
     odd = "count=2000" if case == "count" else "all_gatherv"
     assert all(odd in got[r][-1][0] for r in range(world)), got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_send_and_recv_on_one_gpu(world, tmp_path):
+    procs, results = spawn(messages_rank, world, lambda q: (str(tmp_path / "store"), q), {})
+    got = collect(procs, results, world, timeout=120)
+    alive = finish(procs, 10)
+    assert not alive, f"ranks still running: {got}"
+    for r in range(world):
+        outcome = got[r][-1]
+        # The pair's sizes differ: found when posted, well within the 20 s timeout.
+        assert outcome.startswith("MismatchError after") and "mismatched messages" in outcome, got
+        assert "count=1000" in outcome and "count=2000" in outcome, got
+        assert float(outcome.split()[2]) < 10, got

@@ -17,6 +17,12 @@
 //   agree    the posts of operations' signatures: ranks that run up to thousands of operations
 //            apart never see a mismatch where there is none; ranks that post at once, one of
 //            them another operation, always have at least one that sees it
+//   messages worlds 2-8: every rank sends to the next and receives from the one before while it
+//            runs an all-reduce, the three plans run at once by three threads (as by three
+//            streams), sizes from empty to several slices; what arrives is checked bit for bit.
+//            The posts of sends and receives: none differs where the pair agrees, at least one
+//            side sees a receive of another size. Exchanges (all-to-alls of uneven parts,
+//            scatters, gathers) between ring all-reduces, every part checked
 // Prints "ok", or what failed and exits 1.
 #include <sched.h>
 #include <sys/mman.h>
@@ -125,10 +131,13 @@ std::string wait_signals(const World& w, int rank, const ipc::Await* waits, size
 
 // Rank `rank` runs `plan` over its buffer `data`; "" when it ran through, else why it stopped.
 std::string run_plan(const World& w, int rank, const WindowPlan& plan, char* data, DType dtype,
-                     ReduceOp op, double timeout_s, std::mt19937& random) {
+                     ReduceOp op, double timeout_s, std::mt19937& random,
+                     const char* source = nullptr) {
   const size_t e = dtype_size(dtype);
-  auto address = [&](const WindowRef& r) {
-    return r.rank == WindowRef::kCaller ? data + r.offset : w.window(r.rank) + r.offset;
+  auto address = [&](const WindowRef& r) -> char* {
+    if (r.rank == WindowRef::kCaller) return data + r.offset;
+    if (r.rank == WindowRef::kSource) return const_cast<char*>(source) + r.offset;
+    return w.window(r.rank) + r.offset;
   };
   for (const WindowAction& a : plan.actions) {
     // Pauses where another process may run: the orders the signals allow, not one schedule.
@@ -547,6 +556,185 @@ bool agree() {
   return true;
 }
 
+// Sends and receives beside collectives: in each case every rank sends a block to rank + 1 and
+// receives one from rank - 1 (with 2 ranks, both ways between the pair) while it runs an
+// all-reduce, alternately the ring (whose messages use inboxes too) and the one-shot. The three
+// plans are made in that order, then run at once by three threads, as three streams would run
+// them. Sizes run from empty to several slices, so that sends wait for their credits.
+bool messages(int n, uint32_t base) {
+  World w(n, base);
+  const size_t slice = w.layout.slice_bytes / sizeof(float);
+  const std::vector<size_t> sizes{0, 1, 7, slice, slice + 1, 3 * slice + 5, 1001};
+  auto payload = [](size_t k, int from, size_t count) {
+    std::vector<float> out(count);
+    for (size_t i = 0; i < count; ++i) out[i] = float(1000 * k + 100 * size_t(from)) + float(i) / 8;
+    return out;
+  };
+  fork_ranks(n, [&](int rank) {
+    WindowState state(n, base);
+    const int next = (rank + 1) % n, prev = (rank + n - 1) % n;
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      const size_t count = sizes[k], sum_count = k % 2 ? 3 * slice * size_t(n) : 9;
+      std::vector<float> out = payload(k, rank, count), in(count + 1, -1.0f);
+      std::vector<float> sum(sum_count, float(rank));
+      const WindowPlan plans[3] = {
+          window_send_plan(w.layout, state, rank, next, count, sizeof(float)),
+          window_recv_plan(w.layout, state, rank, prev, count, sizeof(float)),
+          window_all_reduce_plan(k % 2 ? Algorithm::kRing : Algorithm::kOneShot, w.layout, state,
+                                 rank, sum_count, sizeof(float), false)};
+      char* buffers[3] = {reinterpret_cast<char*>(out.data()), reinterpret_cast<char*>(in.data()),
+                          reinterpret_cast<char*>(sum.data())};
+      std::string why[3];
+      std::vector<std::thread> streams;
+      for (int i = 0; i < 3; ++i)
+        streams.emplace_back([&, i] {
+          std::mt19937 random(unsigned(100 * rank + 10 * i) + unsigned(k));
+          why[i] = run_plan(w, rank, plans[i], buffers[i], DType::kFloat32, ReduceOp::kSum, 20.0,
+                            random, buffers[i]);
+        });
+      for (std::thread& t : streams) t.join();
+      const std::string what =
+          "message " + std::to_string(k) + " of " + std::to_string(count) + ": ";
+      for (int i = 0; i < 3; ++i)
+        if (!why[i].empty())
+          return w.report(rank, what +
+                                    (i == 0   ? "send: "
+                                     : i == 1 ? "recv: "
+                                              : "all_reduce: ") +
+                                    why[i]);
+      const std::vector<float> want = payload(k, prev, count);
+      if (!std::equal(want.begin(), want.end(), in.begin()))
+        return w.report(rank, what + "wrong bytes from rank " + std::to_string(prev));
+      if (in.back() != -1.0f) return w.report(rank, what + "wrote past the receive");
+      const float total = float(n * (n - 1) / 2);
+      for (float x : sum)
+        if (x != total) return w.report(rank, what + "the all-reduce beside it is wrong");
+    }
+    w.report(rank, "ok");
+  });
+  return all_ok(w, base);
+}
+
+// Exchanges of every shape the collectives give them, each before a ring all-reduce, so that the
+// ring's inboxes and counts carry over between the two: an all-to-all of uneven parts (some
+// empty, some of several slices), a scatter and a gather from each root in turn. Each rank
+// checks every part bit for bit against its sender's, and that nothing else was written.
+bool exchanges(int n, uint32_t base) {
+  World w(n, base);
+  const size_t slice = w.layout.slice_bytes / sizeof(float);
+  // What rank `from` sends rank `to` in exchange k: its size, and its values.
+  auto size = [&](size_t k, int from, int to) -> size_t {
+    if (k % 3 == 0)
+      return (size_t(from) * 7 + size_t(to) * 3 + k) % 5 == 0 ? 0 : (from + 2 * to) * 37 + 1;
+    if (k % 3 == 1) return from == int(k / 3) % n ? 2 * slice + size_t(to) : 0;  // scatter
+    return to == int(k / 3) % n ? slice + 3 + size_t(from) : 0;                  // gather
+  };
+  auto value = [](size_t k, int from, int to, size_t i) {
+    return float(100000 * k + 1000 * size_t(from) + 10 * size_t(to)) + float(i) / 4;
+  };
+  const size_t cases = 3 * size_t(n) + 3;
+  fork_ranks(n, [&](int rank) {
+    WindowState state(n, base);
+    std::mt19937 random(unsigned(rank + 31));
+    for (size_t k = 0; k < cases; ++k) {
+      std::vector<Transfer> sends, recvs;
+      size_t out = 0, in = 0;
+      for (int q = 0; q < n; ++q) {
+        const size_t s = size(k, rank, q), r = size(k, q, rank);
+        // Every peer listed, even with nothing to send: its part is agreed.
+        sends.push_back({q, out, s});
+        recvs.push_back({q, in, r});
+        out += s;
+        in += r;
+      }
+      std::vector<float> source(out), data(in + 1, -1.0f);
+      for (const Transfer& t : sends)
+        for (size_t i = 0; i < t.count; ++i) source[t.offset + i] = value(k, rank, t.peer, i);
+      const std::string what = "exchange " + std::to_string(k) + ": ";
+      std::string why = run_plan(
+          w, rank, window_exchange_plan(w.layout, state, rank, sends, recvs, sizeof(float)),
+          reinterpret_cast<char*>(data.data()), DType::kFloat32, ReduceOp::kSum, 20.0, random,
+          reinterpret_cast<const char*>(source.data()));
+      if (!why.empty()) return w.report(rank, what + why);
+      for (const Transfer& t : recvs)
+        for (size_t i = 0; i < t.count; ++i)
+          if (data[t.offset + i] != value(k, t.peer, rank, i))
+            return w.report(rank, what + "wrong part from rank " + std::to_string(t.peer));
+      if (data.back() != -1.0f) return w.report(rank, what + "wrote past the last part");
+      std::vector<float> sum(3 * slice * size_t(n) + 1, float(rank));
+      why = run_plan(w, rank,
+                     window_all_reduce_plan(Algorithm::kRing, w.layout, state, rank, sum.size(),
+                                            sizeof(float), false),
+                     reinterpret_cast<char*>(sum.data()), DType::kFloat32, ReduceOp::kSum, 20.0,
+                     random);
+      if (!why.empty()) return w.report(rank, what + "the all-reduce after: " + why);
+      for (float x : sum)
+        if (x != float(n * (n - 1) / 2))
+          return w.report(rank, what + "the all-reduce after is wrong");
+    }
+    w.report(rank, "ok");
+  });
+  return all_ok(w, base);
+}
+
+bool message_posts() {
+  // Rank 0 sends 3,000 messages to rank 1 and rank 1 receives them, each pausing at random (the
+  // sender runs kMessagePosts and more ahead): no side sees a mismatch.
+  {
+    World w(2, 0);
+    fork_ranks(2, [&](int rank) {
+      std::mt19937 random(20 + unsigned(rank));
+      std::string why;
+      for (uint64_t k = 0; k < 3000 && why.empty(); ++k) {
+        uint64_t mine[ipc::kPostWords], theirs[ipc::kPostWords];
+        operation_words(k, false, mine);
+        if (w.segment.message_differs(rank, 1 - rank, rank == 0, 0, k, mine, theirs))
+          why = "message " + std::to_string(k) + " differs";
+        const unsigned dice = random() % 64;
+        if (dice == 0) std::this_thread::sleep_for(std::chrono::microseconds(random() % 2000));
+        if (dice == 1) sched_yield();
+      }
+      w.report(rank, why.empty() ? "ok" : why);
+    });
+    if (!all_ok(w, 0)) return false;
+  }
+  // Trials in which rank 1 posts its send to rank 2 and rank 2 its receive at once (a spin
+  // barrier before each), rank 2 another size in odd trials; ranks 0 and 3 post messages between
+  // them meanwhile, which never differ. seen[t][r]: whether rank r saw a mismatch.
+  constexpr int kRanks = 4, kTrials = 400;
+  World w(kRanks, 0);
+  auto* arrived = static_cast<uint32_t*>(shared_memory(sizeof(uint32_t)));
+  auto* seen = static_cast<int8_t*>(shared_memory(size_t(kTrials) * kRanks));
+  fork_ranks(kRanks, [&](int rank) {
+    const int peer = rank == 1 ? 2 : rank == 2 ? 1 : 3 - rank;
+    for (int t = 0; t < kTrials; ++t) {
+      __atomic_fetch_add(arrived, 1u, __ATOMIC_ACQ_REL);
+      while (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) < uint32_t((t + 1) * kRanks)) sched_yield();
+      uint64_t mine[ipc::kPostWords], theirs[ipc::kPostWords];
+      operation_words(uint64_t(t), t % 2 == 1 && rank == 2, mine);
+      seen[t * kRanks + rank] =
+          int8_t(w.segment.message_differs(rank, peer, rank < peer, 1, uint64_t(t), mine, theirs));
+    }
+  });
+  for (int t = 0; t < kTrials; ++t) {
+    for (int r : {0, 3})
+      if (seen[t * kRanks + r]) {
+        std::printf("trial %d: rank %d saw a mismatch where there was none\n", t, r);
+        return false;
+      }
+    const bool any = seen[t * kRanks + 1] || seen[t * kRanks + 2];
+    if (t % 2 == 0 && any) {
+      std::printf("trial %d: a mismatch seen between ranks 1 and 2, which agree\n", t);
+      return false;
+    }
+    if (t % 2 == 1 && !any) {
+      std::printf("trial %d: neither rank 1 nor rank 2 saw the other size\n", t);
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -565,8 +753,12 @@ int main(int argc, char** argv) {
     ok = stale();
   } else if (mode == "agree") {
     ok = agree();
+  } else if (mode == "messages") {
+    ok = message_posts();
+    for (int n = 2; n <= 8 && ok; ++n) ok = messages(n, 0) && exchanges(n, 0);
+    if (ok) ok = messages(3, 0xfffffff0u) && exchanges(3, 0xfffffff0u);
   } else {
-    std::printf("usage: ipc_protocol plans|timeout|abort|stale|agree\n");
+    std::printf("usage: ipc_protocol plans|timeout|abort|stale|agree|messages\n");
     return 2;
   }
   if (ok) std::printf("ok\n");

@@ -22,7 +22,10 @@
 // operation at once, at least one sees the other's post: each writes its own before it reads
 // (with a full fence between), the pattern of Dekker's lock. A peer more than kPosts operations
 // ahead has written over the post; that operation is not compared, and a mismatch there ends in
-// the timeout of the wait it leaves unmatched.
+// the timeout of the wait it leaves unmatched. Messages are agreed the same way between the two
+// ranks alone, on each lane apart (device::Windows::Lane): the k-th send from p to q posts into
+// p's ring of sends to q, the k-th receive at q from p into q's ring of receives from p, and each
+// reads the other's.
 //
 // Abort. The header's abort word is 0 while every rank is well; the first rank that gives up
 // (its timeout, a dead peer, abort()) writes why into its flags' reason and sets the word to
@@ -70,10 +73,16 @@ struct Post {
   uint64_t words[kPostWords];
 };
 
+constexpr int kMessagePosts = 8;
+
 struct alignas(64) RankFlags {
   uint32_t signal[kChannels][kMaxRanks];  // [channel][sender]: the sender's count
   Post posts[kPosts];                     // operation k's in posts[k % kPosts]
-  uint32_t kind;                          // when this rank gave up: the ErrorKind, and why
+  // On each lane, the k-th send to rank q in sends[lane][q][k % kMessagePosts], the k-th receive
+  // from q in recvs[lane][q].
+  Post sends[device::Windows::kLanes][kMaxRanks][kMessagePosts];
+  Post recvs[device::Windows::kLanes][kMaxRanks][kMessagePosts];
+  uint32_t kind;  // when this rank gave up: the ErrorKind, and why
   char reason[kReasonBytes];
 };
 
@@ -150,23 +159,14 @@ class Segment {
     }
   }
 
-  // Rank `rank` posts the signature of its operation number `op` (a seqlock: one writer, the
-  // stamp cleared while the words change).
+  // Rank `rank` posts the signature of its operation number `op`.
   void post(int rank, uint64_t op, const uint64_t (&words)[kPostWords]) const {
-    Post& p = flags(rank)->posts[op % kPosts];
-    __atomic_store_n(&p.stamp, uint64_t(0), __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_RELEASE);
-    for (int i = 0; i < kPostWords; ++i) __atomic_store_n(&p.words[i], words[i], __ATOMIC_RELAXED);
-    __atomic_store_n(&p.stamp, op + 1, __ATOMIC_RELEASE);
+    write(flags(rank)->posts[op % kPosts], op, words);
   }
   // Rank `peer`'s post of operation `op` into *words; false while the peer has not posted it,
   // is writing that slot, or has posted kPosts operations past it.
   bool posted(int peer, uint64_t op, uint64_t (&words)[kPostWords]) const {
-    const Post& p = flags(peer)->posts[op % kPosts];
-    if (__atomic_load_n(&p.stamp, __ATOMIC_ACQUIRE) != op + 1) return false;
-    for (int i = 0; i < kPostWords; ++i) words[i] = __atomic_load_n(&p.words[i], __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    return __atomic_load_n(&p.stamp, __ATOMIC_RELAXED) == op + 1;
+    return read(flags(peer)->posts[op % kPosts], op, words);
   }
   // After rank `rank` posted operation `op` as `mine`: the first peer whose post of it differs,
   // its words in *theirs, or -1 where every post of it found there agrees.
@@ -175,10 +175,20 @@ class Segment {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);  // this rank's post is seen before it reads
     for (int q = 0; q < world_; ++q) {
       if (q == rank || !posted(q, op, theirs)) continue;
-      for (int i = 0; i < kPostWords; ++i)
-        if (theirs[i] != mine[i]) return q;
+      if (!same(mine, theirs)) return q;
     }
     return -1;
+  }
+  // Rank `rank` posts its k-th send to `peer` (`send`) or receive from it on `lane`, as `mine`;
+  // then whether the peer's post of the matching receive or send differs, its words in *theirs
+  // (false where it agrees or is not there yet).
+  bool message_differs(int rank, int peer, bool send, int lane, uint64_t k,
+                       const uint64_t (&mine)[kPostWords], uint64_t (&theirs)[kPostWords]) const {
+    Post* own = send ? flags(rank)->sends[lane][peer] : flags(rank)->recvs[lane][peer];
+    write(own[k % kMessagePosts], k, mine);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  // as in differing()
+    const Post* other = send ? flags(peer)->recvs[lane][rank] : flags(peer)->sends[lane][rank];
+    return read(other[k % kMessagePosts], k, theirs) && !same(mine, theirs);
   }
 
   // The rank that gave up first, or -1.
@@ -199,6 +209,25 @@ class Segment {
   }
 
  private:
+  // A post is a seqlock: one writer, the stamp cleared while the words change.
+  static void write(Post& p, uint64_t op, const uint64_t (&words)[kPostWords]) {
+    __atomic_store_n(&p.stamp, uint64_t(0), __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    for (int i = 0; i < kPostWords; ++i) __atomic_store_n(&p.words[i], words[i], __ATOMIC_RELAXED);
+    __atomic_store_n(&p.stamp, op + 1, __ATOMIC_RELEASE);
+  }
+  static bool read(const Post& p, uint64_t op, uint64_t (&words)[kPostWords]) {
+    if (__atomic_load_n(&p.stamp, __ATOMIC_ACQUIRE) != op + 1) return false;
+    for (int i = 0; i < kPostWords; ++i) words[i] = __atomic_load_n(&p.words[i], __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return __atomic_load_n(&p.stamp, __ATOMIC_RELAXED) == op + 1;
+  }
+  static bool same(const uint64_t (&a)[kPostWords], const uint64_t (&b)[kPostWords]) {
+    for (int i = 0; i < kPostWords; ++i)
+      if (a[i] != b[i]) return false;
+    return true;
+  }
+
   SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
   RankFlags* flags(int rank) const {
     return reinterpret_cast<RankFlags*>(base_ + sizeof(SegmentHeader)) + rank;

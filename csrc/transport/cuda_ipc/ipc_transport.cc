@@ -97,7 +97,9 @@ IpcTransport::IpcTransport(int rank, int size, int device, size_t window_bytes, 
       window_bytes_(window_bytes),
       timeout_s_(timeout_s),
       windows_(size_t(size), nullptr),
-      pids_(size_t(size), 0) {}
+      pids_(size_t(size), 0),
+      sends_(size_t(kLanes) * size_t(size), 0),
+      recvs_(size_t(kLanes) * size_t(size), 0) {}
 
 std::unique_ptr<IpcTransport> IpcTransport::connect(int rank, int size, int device,
                                                     size_t window_bytes, double timeout_s,
@@ -403,6 +405,21 @@ void IpcTransport::agree(Signature sig) {
        str_cat("mismatched operations: rank ", peer, " issued ", unpack(theirs).describe(),
                " but rank ", rank_, " issued ", sig.describe()));
   check_usable();  // raises this rank's reason, or that of a rank that gave up first
+}
+
+void IpcTransport::agree_message(int peer, bool send, Lane lane, Signature sig) {
+  check_usable();
+  RC_CHECK_ARG(peer >= 0 && peer < size_ && peer != rank_, "rank ", rank_, " has no peer ", peer);
+  sig.seq = (send ? sends_ : recvs_)[size_t(lane) * size_t(size_) + size_t(peer)]++;
+  uint64_t mine[kPostWords], theirs[kPostWords];
+  pack(sig, mine);
+  if (!segment_.message_differs(rank_, peer, send, lane, sig.seq, mine, theirs)) return;
+  const int sender = send ? rank_ : peer, receiver = send ? peer : rank_;
+  fail(ErrorKind::kMismatch,
+       str_cat("mismatched messages: rank ", sender, " sent ",
+               (send ? sig : unpack(theirs)).describe(), " to rank ", receiver, ", which received ",
+               (send ? unpack(theirs) : sig).describe()));
+  check_usable();
 }
 
 void IpcTransport::check_usable() {

@@ -83,6 +83,7 @@ class IpcTransport final : public device::DeviceTransport, public device::Window
   char* window(int rank) const override { return windows_[size_t(rank)] + kProofBytes; }
   void sync(const device::WindowSync* syncs, size_t n, cudaStream_t stream) override;
   void agree(Signature sig) override;
+  void agree_message(int peer, bool send, Lane lane, Signature sig) override;
 
  private:
   // A window starts with the proof's words, one per writer; the plans' window follows.
@@ -118,12 +119,13 @@ class IpcTransport final : public device::DeviceTransport, public device::Window
   void* segment_base_ = nullptr;
   size_t segment_mapped_ = 0;
   bool segment_registered_ = false;
-  char* segment_device_ = nullptr;     // the segment as the device addresses it
-  int segment_fd_ = -1;                // rank 0's memfd
-  uint64_t nonce_ = 0;                 // rank 0's, in the segment's header and the proof's tokens
-  cudaStream_t own_stream_ = nullptr;  // the proof's
-  void* batch_mem_op_ = nullptr;       // cuStreamBatchMemOp, from the driver
-  uint64_t operations_ = 0;            // agree()'s calls: the number of the next post
+  char* segment_device_ = nullptr;       // the segment as the device addresses it
+  int segment_fd_ = -1;                  // rank 0's memfd
+  uint64_t nonce_ = 0;                   // rank 0's, in the segment's header and the proof's tokens
+  cudaStream_t own_stream_ = nullptr;    // the proof's
+  void* batch_mem_op_ = nullptr;         // cuStreamBatchMemOp, from the driver
+  uint64_t operations_ = 0;              // agree()'s calls: the number of the next post
+  std::vector<uint64_t> sends_, recvs_;  // agree_message()'s calls, per lane and peer
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;
