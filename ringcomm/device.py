@@ -226,23 +226,15 @@ class DeviceCommunicator:
             own = self._enqueue_after(caller, [tensor], op, algorithm)
             return self._finish(caller, own, tensor, async_op)
 
-    def run_after(
-        self, tensors: Sequence[torch.Tensor], body, messages: Sequence[tuple] = ()
-    ) -> torch.cuda.Stream:
+    def run_after(self, tensors: Sequence[torch.Tensor], body) -> torch.cuda.Stream:
         """Runs body() with this communicator's own stream current, after the work already on
         the current stream, and holds `tensors` until that stream is past what body() enqueued
-        there (all_gather_on, all_reduce_on, torch ops); returns the stream. `messages`, (tensor,
-        peer, send) each, are sent or received first as send() and recv() do, and the stream
-        waits for them before body(). For composite operations: the torch backend's
-        broadcast, all-gathers, reduce-scatters, gather, scatter and all-to-alls."""
+        there (all_gather_on, all_reduce_on, exchange_on, torch ops); returns the stream. For
+        composite operations: the torch backend's broadcast, all-gathers, reduce-scatters,
+        gather, scatter and all-to-alls."""
         caller = torch.cuda.current_stream(self.device)
         with self._lock:
-            streams = {self.message_after(caller, *m) for m in messages}
             own = self._own_after(caller)
-            for stream in streams:
-                done = torch.cuda.Event()
-                done.record(stream)
-                own.wait_event(done)
             with torch.cuda.stream(own):
                 body()
             for t in tensors:
@@ -340,9 +332,12 @@ class DeviceCommunicator:
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> "DeviceWork":
         """`tensor` to rank `dst`, whose k-th recv from this rank takes this rank's k-th send
         to it (the same count, dtype and tag, else every rank raises MismatchError over
-        cuda_ipc). Enqueued after the work on the current stream, on a stream of its own for the
-        sends to `dst`: a send that waits for its receive holds back neither the collectives nor
-        the receives. The DeviceWork's wait() makes the current stream wait for it."""
+        cuda_ipc). Enqueued after the work on the current stream; over cuda_ipc on a stream of
+        its own for the sends to `dst`, so that a send that waits for its receive holds back
+        neither the collectives nor the receives; over nccl on the communicator's own stream, in
+        call order, where sends that wait for receives posted after them on the other side wait
+        for ever, as NCCL's own ungrouped sends do. The DeviceWork's wait() makes the current
+        stream wait for it."""
         return self._message(tensor, dst, True, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> "DeviceWork":
@@ -387,9 +382,11 @@ class DeviceCommunicator:
         )
 
     def message_after(self, caller, tensor, peer: int, send: bool, tag: int = 0):
-        """Under self._lock (send(), recv(), run_after()): the send of `tensor` to `peer`
-        (`send`) or its receive from it, on the stream of that peer and way, after the work on
-        `caller`; `tensor` held until that stream is past it. Returns the stream."""
+        """Under self._lock (send(), recv(), enqueue_message()): the send of `tensor` to `peer`
+        (`send`) or its receive from it after the work on `caller`, on the stream of that peer
+        and way (cuda_ipc), or on this communicator's own stream in call order (nccl: its
+        operations on one communicator must not run on several streams at once); `tensor` held
+        until that stream is past it. Returns the stream."""
         cuda._check(tensor, "tensor", device=self.device)
         if not tensor.is_contiguous():
             raise ValueError("send and recv take contiguous tensors")
@@ -399,12 +396,15 @@ class DeviceCommunicator:
                 f"rank {self.rank} of {self.world_size} cannot "
                 f"{'send to' if send else 'receive from'} rank {peer}"
             )
-        stream = self._message_streams.get((peer, send))
-        if stream is None:
-            stream = self._message_streams[(peer, send)] = torch.cuda.Stream(self.device)
-        ready = torch.cuda.Event()
-        ready.record(caller)
-        stream.wait_event(ready)
+        if self.transport == "nccl":
+            stream = self._own_after(caller)
+        else:
+            stream = self._message_streams.get((peer, send))
+            if stream is None:
+                stream = self._message_streams[(peer, send)] = torch.cuda.Stream(self.device)
+            ready = torch.cuda.Event()
+            ready.record(caller)
+            stream.wait_event(ready)
         (self._comm.send if send else self._comm.recv)(
             tensor.data_ptr(),
             tensor.numel(),
