@@ -8,14 +8,15 @@
 torch wraps the backend in a named ProcessGroup as it does gloo, so everything built on process
 groups works: subgroups, DeviceMesh, FSDP2, DTensor, functional collectives, DDP.
 
-CUDA tensors: every collective and send/recv run on the group's device path (ringcomm.device:
-CUDA IPC between ranks of one host, any number of them per GPU, or NCCL) with ProcessGroupNCCL's
-stream semantics, send and recv on a stream of their own per peer and way once a collective has
-joined the device path (which takes every rank). recv from any source raises there (NCCL has none
-either); it, sends and receives before that first collective, the coalesced all-gather of lists,
-and every operation on a device no device transport reaches, are staged through pinned host memory by the backend, counted in
-ringcomm.staging.bytes_to_host() and logged at INFO on the "ringcomm" logger, once per operation
-and device. DDP hooks given the group as their state share its device path.
+CUDA tensors: every collective runs on the group's device path (ringcomm.device: CUDA IPC
+between ranks of one host, any number of them per GPU, or NCCL) with ProcessGroupNCCL's stream
+semantics; over CUDA IPC, send and recv too, on a stream of their own per peer and way, once a
+collective has joined the path (which takes every rank), and recv from any source raises there.
+Sends and receives before that collective or over NCCL, the coalesced all-gather of lists, and
+every operation on a device no device transport reaches are staged through pinned host memory
+by the backend, counted in ringcomm.staging.bytes_to_host() and logged at INFO on the "ringcomm"
+logger, once per operation and device. DDP hooks given the group as their state share its
+device path.
 
 The backend (csrc/torch/backend.cc, ringcomm._C_torch) is compiled against the installed torch
 the first time it is needed, and cached (_extension.py): load() builds it, built() says whether
@@ -197,8 +198,8 @@ class _DeviceRoute:
         return [(offsets[q], splits[q] * per_row) for q in range(world)]
 
     def all_to_all(self, output, input, output_splits: list, input_splits: list):
-        """Part q of `output` receives part `rank` of rank q's `input`: equal parts by the
-        device all-to-all, splits (rows of the first dimension) by an exchange."""
+        """Part q of `output` receives part `rank` of rank q's `input` (rows of the first
+        dimension, by the splits, equal where none are given)."""
         world = self.paths.world_size
         if output.dtype != input.dtype:
             raise TypeError(
@@ -206,13 +207,10 @@ class _DeviceRoute:
             )
         sends = self._parts(input, input_splits, "input")
         recvs = self._parts(output, output_splits, "output")
-        equal = not input_splits and not output_splits and output.numel() == input.numel()
 
+        # Always an exchange, equal parts or not: whether a rank's parts are equal, or given,
+        # is its own; the ranks must agree on what runs.
         def body(path):
-            if equal:
-                output.view(-1).copy_(input.view(-1))
-                path.all_to_all_on(output.view(-1))
-                return
             path.exchange_on(
                 input.view(-1),
                 output.view(-1),
@@ -260,10 +258,12 @@ class _DeviceRoute:
         return self._message(tensor, src, False, tag)
 
     def _message(self, tensor, peer: int, send: bool, tag: int):
-        """On the device path a collective has joined: a send or receive involves two ranks,
-        and joining takes every rank. Before, staged, as its peer's is."""
+        """Over CUDA IPC on the device path once a collective has joined it: a send or receive
+        involves two ranks, and joining takes every rank. Before, staged, as its peer's is; over
+        NCCL staged too, whose sends and receives on the collectives' communicator could wait
+        on those (ProcessGroupNCCL gives each pair a communicator of its own)."""
         path = self.paths.joined_on(tensor.device)
-        if path is None:
+        if path is None or path.transport != "cuda_ipc":
             self.staged("SEND" if send else "RECV", str(tensor.device))
             return None
         stream = path.enqueue_message(tensor, peer, send, tag)
@@ -272,7 +272,8 @@ class _DeviceRoute:
     def recv_any(self, tensor):
         """None (staged) before a device path is joined; after, sends of CUDA tensors run
         there, where a receive names its source."""
-        if self.paths.joined_on(tensor.device) is not None:
+        path = self.paths.joined_on(tensor.device)
+        if path is not None and path.transport == "cuda_ipc":
             raise ValueError(
                 f"recv from any source: sends of CUDA tensors on {tensor.device} run on the "
                 f"device path, where a receive names its source (src=)"

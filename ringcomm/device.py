@@ -50,7 +50,7 @@ logger = logging.getLogger("ringcomm")
 
 TRANSPORTS = ("cuda_ipc", "nccl")
 # A board round of the window plans (csrc/algorithms/window_plan.h): each rank's window holds
-# about 4x this plus two ring slices per rank.
+# about 2.25x this, plus one round's bytes for each rank (the ring's and the sends' inboxes).
 ROUND_BYTES = 8 << 20
 
 
@@ -401,7 +401,7 @@ class DeviceCommunicator:
         else:
             stream = self._message_streams.get((peer, send))
             if stream is None:
-                stream = self._message_streams[(peer, send)] = torch.cuda.Stream(self.device)
+                stream = self._message_streams[(peer, send)] = self._new_stream()
             ready = torch.cuda.Event()
             ready.record(caller)
             stream.wait_event(ready)
@@ -492,11 +492,17 @@ class DeviceCommunicator:
                 t.record_stream(own)
             return self._finish(caller, own, out, async_op)
 
+    def _new_stream(self) -> torch.cuda.Stream:
+        """A stream no other code of the process enqueues on (torch.cuda.Stream() hands out
+        pooled streams, which another of this path's streams, or the caller's, may share)."""
+        module = cuda._load()[0]
+        return torch.cuda.ExternalStream(module.new_stream(self.device.index), device=self.device)
+
     def _own_after(self, caller: torch.cuda.Stream) -> torch.cuda.Stream:
         """This communicator's own stream, made to wait for the work on `caller`. Under
         self._lock."""
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream = self._new_stream()
             self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
         # One event each way, reused: a stream's wait takes the event as recorded then.
         self._ready.record(caller)

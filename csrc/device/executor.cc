@@ -224,6 +224,10 @@ void Executor::exchange(const void* source, void* data, const std::vector<Transf
     run_plan(plan, into, dtype, ReduceOp::kSum, stream, from);
     return;
   }
+  for (const Transfer& t : sends)
+    for (const Transfer& r : recvs)
+      RC_CHECK_ARG(t.peer != rank || r.peer != rank || t.count == r.count, "rank ", rank,
+                   "'s part to itself is sent and received alike");
   Messages& messages = *transport_.messages();
   try {
     messages.group_start();

@@ -138,6 +138,16 @@ PYBIND11_MODULE(_C_cuda, m) {
   });
 
   m.def("device_count", &device_count, "(number of CUDA devices, reason when there are none)");
+  // A stream of its own for the device path, never destroyed: torch's streams come from a pool
+  // shared round robin by the whole process, where the stream of a send could be that of the
+  // receive it waits for; and torch's caching allocator records events on a stream whenever a
+  // tensor once used there is freed, which may be after the path has closed.
+  m.def("new_stream", [](int device) {
+    cuda::DeviceScope scope(device);
+    cudaStream_t stream = nullptr;
+    RC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    return reinterpret_cast<uintptr_t>(stream);
+  });
   m.def("runtime_version", [] {
     int version = 0;
     RC_CUDA_CHECK(cudaRuntimeGetVersion(&version));

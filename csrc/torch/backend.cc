@@ -669,7 +669,7 @@ class RingcommBackend : public c10d::Backend {
     std::vector<at::Tensor> results;
     if (getRank() == root) {
       TORCH_CHECK_VALUE(outputs.size() == 1, "ringcomm gather: expected one output list");
-      per_rank(outputs[0], in, "gather output");
+      per_rank(outputs[0], in.dense, "gather output");
       for (auto& o : outputs[0]) {
         outs.emplace_back(o);
         pointers.push_back(outs.back().data());
@@ -704,7 +704,7 @@ class RingcommBackend : public c10d::Backend {
     std::vector<at::Tensor> keep;
     if (getRank() == root) {
       TORCH_CHECK_VALUE(inputs.size() == 1, "ringcomm scatter: expected one input list");
-      per_rank(inputs[0], out, "scatter input");
+      per_rank(inputs[0], out.dense, "scatter input");
       for (auto& i : inputs[0]) {
         keep.push_back(host_dense(i));
         pointers.push_back(keep.back().data_ptr());
@@ -723,16 +723,17 @@ class RingcommBackend : public c10d::Backend {
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ReduceScatterOptions& opts) override {
     TORCH_CHECK_VALUE(inputs.size() == 1, "ringcomm reduce_scatter: expected one input list");
-    Staged out(one(outputs, "reduce_scatter"));
-    per_rank(inputs[0], out, "reduce_scatter input");
+    const at::Tensor& output = one(outputs, "reduce_scatter");
+    per_rank(inputs[0], output, "reduce_scatter input");
     at::Tensor flat = at::cat(flatten_all(inputs[0]));
-    if (routed(outputs[0])) {
+    if (routed(output)) {
       const DeviceOp d = device_op(opts.reduceOp, flat);
       if (auto work =
-              on_device(c10d::OpType::REDUCE_SCATTER, {outputs[0], flat}, outputs, "reduce_scatter",
+              on_device(c10d::OpType::REDUCE_SCATTER, {output, flat}, outputs, "reduce_scatter",
                         outputs, std::vector<at::Tensor>{flat}, d.op, d.tensor_factor, d.factor))
         return work;
     }
+    Staged out(output);  // a CUDA output is copied to the host here
     return reduce_scatter_into(c10d::OpType::REDUCE_SCATTER, outputs, {out}, {flat}, opts.reduceOp,
                                opts.asyncOp);
   }
@@ -913,7 +914,9 @@ class RingcommBackend : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
-    if (routed(one(tensors, "recv")))
+    // Raises once the device path is joined; before, and for a non-contiguous tensor (which
+    // on_device refuses), it stages.
+    if (routed(one(tensors, "recv")) && tensors[0].is_contiguous())
       on_device(c10d::OpType::RECVANYSOURCE, tensors, tensors, "recv_any", tensors[0]);
     Staged t(one(tensors, "recv"));
     return run(c10d::OpType::RECVANYSOURCE, tensors, {t}, [&](bool) {
@@ -962,14 +965,15 @@ class RingcommBackend : public c10d::Backend {
     return int(root);
   }
 
-  void per_rank(const std::vector<at::Tensor>& list, const Staged& like, const char* what) const {
+  void per_rank(const std::vector<at::Tensor>& list, const at::Tensor& like,
+                const char* what) const {
     TORCH_CHECK_VALUE(int(list.size()) == getSize(), "ringcomm ", what, ": needs ", getSize(),
                       " tensors (one per rank), got ", list.size());
     for (const auto& t : list) {
       check_tensor(t);
-      check_same(t, like.dense, what);
-      TORCH_CHECK_VALUE(t.numel() == like.dense.numel(), "ringcomm ", what, ": tensors of ",
-                        t.numel(), " elements where ", like.dense.numel(), " are expected");
+      check_same(t, like, what);
+      TORCH_CHECK_VALUE(t.numel() == like.numel(), "ringcomm ", what, ": tensors of ", t.numel(),
+                        " elements where ", like.numel(), " are expected");
     }
   }
 
