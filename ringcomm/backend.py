@@ -10,7 +10,8 @@ groups works: subgroups, DeviceMesh, FSDP2, DTensor, functional collectives, DDP
 
 CUDA tensors: every collective runs on the group's device path (ringcomm.device: CUDA IPC
 between ranks of one host, any number of them per GPU, or NCCL) with ProcessGroupNCCL's stream
-semantics; over CUDA IPC, send and recv too, on a stream of their own per peer and way, once a
+semantics; over CUDA IPC, send and recv too, sends on a stream of their own and receives on
+another, once a
 collective has joined the path (which takes every rank), and recv from any source raises there.
 Sends and receives before that collective or over NCCL, the coalesced all-gather of lists, and
 every operation on a device no device transport reaches are staged through pinned host memory

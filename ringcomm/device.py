@@ -10,7 +10,7 @@ the first device transport that serves every rank.
                             # algorithm="auto" | "one_shot" | "shared_buffer" | "ring" (cuda_ipc)
                             # | "ring" | "tree" | "recursive_doubling" | "nccl" (nccl)
     work = comm.send(t, dst) # t to rank dst, whose k-th recv from this rank takes the k-th
-    work = comm.recv(t, src) # send: each on a stream of its own per peer and way (DeviceWork)
+    work = comm.recv(t, src) # send: sends on a stream of their own, receives on another
     comm.synchronize()      # waits; raises if a peer failed or the timeout passed
     work = comm.all_reduce_work(t, async_op=True)   # on the communicator's own stream, after
                             # the current one's work (ProcessGroupNCCL's semantics: DeviceWork)
@@ -103,7 +103,7 @@ class DeviceCommunicator:
         self._rounds = 0
         self._comm = None
         self._stream = None  # all_reduce_work's, with its two reusable events; made on first use
-        self._message_streams = {}  # (peer, send): the stream of the sends to it, or receives
+        self._message_streams = {}  # send (True) or receive (False): the stream of either
         self._ready = self._done = None
         # sparse_all_reduce's flag of an index outside the output, and its copy on the host
         self._bad = self._bad_host = self._bad_copied = None
@@ -332,12 +332,12 @@ class DeviceCommunicator:
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> "DeviceWork":
         """`tensor` to rank `dst`, whose k-th recv from this rank takes this rank's k-th send
         to it (the same count, dtype and tag, else every rank raises MismatchError over
-        cuda_ipc). Enqueued after the work on the current stream; over cuda_ipc on a stream of
-        its own for the sends to `dst`, so that a send that waits for its receive holds back
-        neither the collectives nor the receives; over nccl on the communicator's own stream, in
-        call order, where sends that wait for receives posted after them on the other side wait
-        for ever, as NCCL's own ungrouped sends do. The DeviceWork's wait() makes the current
-        stream wait for it."""
+        cuda_ipc). Enqueued after the work on the current stream; over cuda_ipc on the sends'
+        stream, so that a send that waits for its receive (one of more than two slices) holds
+        back neither the collectives nor the receives, but does hold back later sends; over nccl
+        on the communicator's own stream, in call order, where sends that wait for receives
+        posted after them on the other side wait for ever, as NCCL's own ungrouped sends do. The
+        DeviceWork's wait() makes the current stream wait for it."""
         return self._message(tensor, dst, True, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> "DeviceWork":
@@ -383,8 +383,8 @@ class DeviceCommunicator:
 
     def message_after(self, caller, tensor, peer: int, send: bool, tag: int = 0):
         """Under self._lock (send(), recv(), enqueue_message()): the send of `tensor` to `peer`
-        (`send`) or its receive from it after the work on `caller`, on the stream of that peer
-        and way (cuda_ipc), or on this communicator's own stream in call order (nccl: its
+        (`send`) or its receive from it after the work on `caller`, on the sends' or the
+        receives' stream (cuda_ipc), or on this communicator's own stream in call order (nccl: its
         operations on one communicator must not run on several streams at once); `tensor` held
         until that stream is past it. Returns the stream."""
         cuda._check(tensor, "tensor", device=self.device)
@@ -399,9 +399,9 @@ class DeviceCommunicator:
         if self.transport == "nccl":
             stream = self._own_after(caller)
         else:
-            stream = self._message_streams.get((peer, send))
+            stream = self._message_streams.get(send)
             if stream is None:
-                stream = self._message_streams[(peer, send)] = self._new_stream()
+                stream = self._message_streams[send] = self._new_stream()
             ready = torch.cuda.Event()
             ready.record(caller)
             stream.wait_event(ready)

@@ -207,7 +207,7 @@ def collectives_rank(store, rank, world):
     )
     right.append(bool((out == world * rank + world * (world - 1) / 2).all()))
     # send/recv, and both ways at once through batch_isend_irecv, of more than the messages in
-    # flight (a send waits for its receive): on streams of their own per peer and way.
+    # flight (a send waits for its receive): on streams of their own for sends and receives.
     if rank == 0:
         dist.send(torch.full((n,), 7.0, device="cuda"), dst=1)
     else:
