@@ -103,32 +103,12 @@ class Planner {
 
   // The exchange's rounds of one message per part; the part to itself copied first.
   void exchange(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, Lane lane) {
-    const Transfer* to_self = nullptr;
-    const Transfer* from_self = nullptr;
-    size_t longest = 0;
-    std::vector<bool> sending(size_t(world_), false), receiving(size_t(world_), false);
-    for (const Transfer& t : sends) {
-      RC_CHECK_ARG(t.peer >= 0 && t.peer < world_ && !sending[size_t(t.peer)], "rank ", rank_,
-                   " sends to rank ", t.peer, " twice or out of ", world_);
-      sending[size_t(t.peer)] = true;
-      if (t.peer == rank_) to_self = &t;
-      longest = std::max(longest, t.count);
-    }
-    for (const Transfer& t : recvs) {
-      RC_CHECK_ARG(t.peer >= 0 && t.peer < world_ && !receiving[size_t(t.peer)], "rank ", rank_,
-                   " receives from rank ", t.peer, " twice or out of ", world_);
-      receiving[size_t(t.peer)] = true;
-      if (t.peer == rank_) from_self = &t;
-      longest = std::max(longest, t.count);
-    }
-    RC_CHECK_ARG((to_self == nullptr) == (from_self == nullptr) &&
-                     (to_self == nullptr || to_self->count == from_self->count),
-                 "rank ", rank_, "'s part to itself is sent and received alike");
-    if (to_self != nullptr && to_self->count > 0)
-      copy({WindowRef::kSource, to_self->offset * elem_},
-           {WindowRef::kCaller, from_self->offset * elem_}, to_self->count);
+    const ExchangeParts parts = exchange_parts(world_, rank_, sends, recvs);
+    if (parts.to_self != nullptr && parts.to_self->count > 0)
+      copy({WindowRef::kSource, parts.to_self->offset * elem_},
+           {WindowRef::kCaller, parts.from_self->offset * elem_}, parts.to_self->count);
     const size_t per_message = std::max<size_t>(1, layout_.slice_bytes / elem_);
-    for (size_t first = 0; first < longest; first += per_message) {
+    for (size_t first = 0; first < parts.longest; first += per_message) {
       for (const Transfer& t : sends) {
         if (t.peer == rank_ || first >= t.count) continue;
         copy({WindowRef::kSource, (t.offset + first) * elem_}, send_slot(t.peer, lane),
@@ -293,6 +273,29 @@ WindowPlan window_reduce_scatter_plan(const WindowLayout& layout, WindowState& s
   Planner planner(layout, state, rank, elem, avg);
   if (layout.world > 1) planner.exchange_rounds(block, true);
   return planner.take();
+}
+
+ExchangeParts exchange_parts(int world, int rank, const std::vector<Transfer>& sends,
+                             const std::vector<Transfer>& recvs) {
+  ExchangeParts parts;
+  auto scan = [&](const std::vector<Transfer>& list, const char* way) {
+    const Transfer* self = nullptr;
+    std::vector<bool> seen(size_t(world), false);
+    for (const Transfer& t : list) {
+      RC_CHECK_ARG(t.peer >= 0 && t.peer < world && !seen[size_t(t.peer)], "rank ", rank, way,
+                   t.peer, " twice or out of ", world);
+      seen[size_t(t.peer)] = true;
+      if (t.peer == rank) self = &t;
+      parts.longest = std::max(parts.longest, t.count);
+    }
+    return self;
+  };
+  parts.to_self = scan(sends, " sends to rank ");
+  parts.from_self = scan(recvs, " receives from rank ");
+  RC_CHECK_ARG((parts.to_self == nullptr) == (parts.from_self == nullptr) &&
+                   (parts.to_self == nullptr || parts.to_self->count == parts.from_self->count),
+               "rank ", rank, "'s part to itself is sent and received alike");
+  return parts;
 }
 
 WindowPlan window_exchange_plan(const WindowLayout& layout, WindowState& state, int rank,

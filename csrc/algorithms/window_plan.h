@@ -164,6 +164,17 @@ struct Transfer {
   size_t offset, count;
 };
 
+// An exchange's parts, checked (at most one each way per peer, in the world; the part to itself,
+// if any, sent and received alike): the part to itself each way (nullptr for none) and the
+// longest part.
+struct ExchangeParts {
+  const Transfer* to_self = nullptr;
+  const Transfer* from_self = nullptr;
+  size_t longest = 0;
+};
+ExchangeParts exchange_parts(int world, int rank, const std::vector<Transfer>& sends,
+                             const std::vector<Transfer>& recvs);
+
 // Rank `rank`'s plan for an exchange: `sends` from its source buffer, `recvs` into its buffer, at
 // most one of each per peer, in an order every rank shares (rank order); the send to `peer` pairs
 // with `peer`'s receive from this rank, of the same count (one to itself: a copy). Advances

@@ -224,22 +224,16 @@ void Executor::exchange(const void* source, void* data, const std::vector<Transf
     run_plan(plan, into, dtype, ReduceOp::kSum, stream, from);
     return;
   }
-  for (const Transfer& t : sends)
-    for (const Transfer& r : recvs)
-      RC_CHECK_ARG(t.peer != rank || r.peer != rank || t.count == r.count, "rank ", rank,
-                   "'s part to itself is sent and received alike");
+  const ExchangeParts parts = exchange_parts(transport_.size(), rank, sends, recvs);
   Messages& messages = *transport_.messages();
   try {
+    if (parts.to_self != nullptr && parts.to_self->count > 0)
+      RC_CUDA_CHECK(cudaMemcpyAsync(into + parts.from_self->offset * e,
+                                    from + parts.to_self->offset * e, parts.to_self->count * e,
+                                    cudaMemcpyDeviceToDevice, stream));
     messages.group_start();
     for (const Transfer& t : sends) {
-      if (t.count == 0) continue;
-      if (t.peer == rank) {
-        for (const Transfer& r : recvs)
-          if (r.peer == rank)
-            RC_CUDA_CHECK(cudaMemcpyAsync(into + r.offset * e, from + t.offset * e, t.count * e,
-                                          cudaMemcpyDeviceToDevice, stream));
-        continue;
-      }
+      if (t.count == 0 || t.peer == rank) continue;
       messages.send(from + t.offset * e, t.count * e, t.peer, stream);
     }
     for (const Transfer& t : recvs)

@@ -492,6 +492,19 @@ bool stale() {
   return true;
 }
 
+// Now and then a pause of up to 2 ms, or a yield: ranks drift apart by many posts.
+void random_pause(std::mt19937& random) {
+  const unsigned dice = random() % 64;
+  if (dice == 0) std::this_thread::sleep_for(std::chrono::microseconds(random() % 2000));
+  if (dice == 1) sched_yield();
+}
+
+// Every rank's arrival counted in `arrived` (shared memory); waits until it reaches `count`.
+void spin_barrier(uint32_t* arrived, uint32_t count) {
+  __atomic_fetch_add(arrived, 1u, __ATOMIC_ACQ_REL);
+  while (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) < count) sched_yield();
+}
+
 // Operation k's signature words; `other`: one word off.
 void operation_words(uint64_t k, bool other, uint64_t (&words)[ipc::kPostWords]) {
   for (int i = 0; i < ipc::kPostWords; ++i) words[i] = k * 0x9e3779b97f4a7c15ull + uint64_t(i);
@@ -513,9 +526,7 @@ bool agree() {
         const int q = w.segment.differing(rank, k, mine, theirs);
         if (q >= 0)
           why = "operation " + std::to_string(k) + ": rank " + std::to_string(q) + " differs";
-        const unsigned dice = random() % 64;
-        if (dice == 0) std::this_thread::sleep_for(std::chrono::microseconds(random() % 2000));
-        if (dice == 1) sched_yield();
+        random_pause(random);
       }
       w.report(rank, why.empty() ? "ok" : why);
     });
@@ -529,8 +540,7 @@ bool agree() {
   auto* seen = static_cast<int8_t*>(shared_memory(size_t(kTrials) * kRanks));
   fork_ranks(kRanks, [&](int rank) {
     for (int t = 0; t < kTrials; ++t) {
-      __atomic_fetch_add(arrived, 1u, __ATOMIC_ACQ_REL);
-      while (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) < uint32_t((t + 1) * kRanks)) sched_yield();
+      spin_barrier(arrived, uint32_t((t + 1) * kRanks));
       uint64_t mine[ipc::kPostWords], theirs[ipc::kPostWords];
       operation_words(uint64_t(t), t % 2 == 1 && rank == 2, mine);
       w.segment.post(rank, uint64_t(t), mine);
@@ -690,9 +700,7 @@ bool message_posts() {
         operation_words(k, false, mine);
         if (w.segment.message_differs(rank, 1 - rank, rank == 0, 0, k, mine, theirs))
           why = "message " + std::to_string(k) + " differs";
-        const unsigned dice = random() % 64;
-        if (dice == 0) std::this_thread::sleep_for(std::chrono::microseconds(random() % 2000));
-        if (dice == 1) sched_yield();
+        random_pause(random);
       }
       w.report(rank, why.empty() ? "ok" : why);
     });
@@ -708,8 +716,7 @@ bool message_posts() {
   fork_ranks(kRanks, [&](int rank) {
     const int peer = rank == 1 ? 2 : rank == 2 ? 1 : 3 - rank;
     for (int t = 0; t < kTrials; ++t) {
-      __atomic_fetch_add(arrived, 1u, __ATOMIC_ACQ_REL);
-      while (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) < uint32_t((t + 1) * kRanks)) sched_yield();
+      spin_barrier(arrived, uint32_t((t + 1) * kRanks));
       uint64_t mine[ipc::kPostWords], theirs[ipc::kPostWords];
       operation_words(uint64_t(t), t % 2 == 1 && rank == 2, mine);
       seen[t * kRanks + rank] =
