@@ -54,6 +54,25 @@ def test_ranges_are_each_chunks_min_and_max_after_error_feedback(dtype, numel, c
     assert torch.equal(ranges, reference_ranges(expect, chunk))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunks_holding_a_nan_or_an_infinity(dtype):
+    # The kernel keeps four running minima and maxima, which a NaN passes by: a chunk holding one
+    # must still report NaN, and one holding an infinity the infinity, wherever it sits (first
+    # lane, last lane, the tail after the last four), and its codes are 0.
+    chunk = 39
+    for position in (0, 3, 17, 36, 38):
+        x = torch.randn(4 * chunk, generator=torch.Generator().manual_seed(position)).to(dtype)
+        x[chunk + position] = float("nan")
+        x[2 * chunk + position] = float("inf")
+        x[3 * chunk + position] = float("-inf")
+        ranges = compress.quantize_ranges(x, None, chunk)
+        torch.testing.assert_close(
+            ranges, reference_ranges(x, chunk), rtol=0, atol=0, equal_nan=True
+        )
+        codes = compress.quantize(x, ranges, chunk, 63)
+        assert int(codes[chunk : 2 * chunk].max()) == 0, position
+
+
 def test_zeros_in_ranges_are_positive_zeros():
     # max does not order -0 and +0: every rank writes +0, so every algorithm agrees
     ranges = compress.quantize_ranges(torch.tensor([-0.0, -0.0, 0.0, 0.0]), None, 2)

@@ -84,21 +84,24 @@ RC_HOST_DEVICE Scale scale_of(float negative_lo, float hi, uint32_t levels) {
   return s;
 }
 
-// floor((x - lo) / step + offset) clamped to [0, levels]; NaN gives 0.
+// floor((x - lo) / step + offset) clamped to [0, levels]; NaN gives 0. Selects, not branches,
+// and conversions through int32 (AVX2 has none between float and uint32), so that the CPU loops
+// over it vectorise; codes fit an int32 either way.
 RC_HOST_DEVICE uint32_t code_of(float x, const Scale& s, float offset, uint32_t levels) {
-  const float v = floorf(add(mul(sub(x, s.lo), s.inverse), offset));
-  if (!(v > 0.0f)) return 0;
-  return v >= float(levels) ? levels : uint32_t(v);
+  float v = floorf(add(mul(sub(x, s.lo), s.inverse), offset));
+  v = v > 0.0f ? v : 0.0f;
+  v = v < float(levels) ? v : float(levels);
+  return uint32_t(int32_t(v));
 }
 
 // What a code stands for.
 RC_HOST_DEVICE float value_of(const Scale& s, uint32_t code) {
-  return add(s.lo, mul(float(code), s.step));
+  return add(s.lo, mul(float(int32_t(code)), s.step));
 }
 
 // The mean of `world` ranks' values whose codes summed to `sum`.
 RC_HOST_DEVICE float mean_of(const Scale& s, uint32_t sum, int world) {
-  return add(s.lo, mul(s.step, div(float(sum), float(world))));
+  return add(s.lo, mul(s.step, div(float(int32_t(sum)), float(world))));
 }
 
 // splitmix64's finalizer: a bijection of 64-bit words whose outputs look independent.
