@@ -50,6 +50,9 @@ QUANTIZE_DTYPES = TOPK_DTYPES
 # The most a uint8 sum of codes holds (kernels/quantize_math.h): each of n ranks' codes go up to
 # CODE_SUM // n, so that their sum does.
 CODE_SUM = 255
+# Elements that share one scale in the hooks' 8-bit codes (QuantizeState's default chunk, and
+# top-k's whole level): 8 bytes of ranges per 1,024 bytes of codes.
+QUANTIZE_CHUNK = 1024
 
 logger = logging.getLogger("ringcomm")
 
@@ -597,6 +600,13 @@ def rounds(comm, lane: Lane, steps, device: Optional[torch.device] = None) -> to
     return done
 
 
+def held_here(t: torch.Tensor) -> None:
+    """A CUDA tensor made on another stream, kept from reuse until the current one is past what
+    is enqueued on it now (a bucket's later rounds run on streams of their own)."""
+    if t.is_cuda:
+        t.record_stream(torch.cuda.current_stream(t.device))
+
+
 # -- the interface ---------------------------------------------------------------------------
 
 
@@ -625,6 +635,9 @@ class Compressor:
     _step_start_bytes: Optional[int] = field(default=None, repr=False)
     _param_slots: dict = field(default_factory=dict, repr=False)  # compiled DDP: id(param) -> slot
     _ways: dict = field(default_factory=dict, repr=False)  # slot -> how it went last: reason or ""
+    # A compressor whose buckets exchange in rounds keeps all its collectives in one Lane, the
+    # whole buckets' too (average() issues those): None where every bucket issues at once.
+    _lane: Optional[Lane] = field(default=None, repr=False)
 
     def compress(self, comm, bucket: Bucket):
         """On the caller's thread: what exchange() sends and decompress() needs, or Dense."""
@@ -695,10 +708,17 @@ class Compressor:
             if bucket.index is not None:
                 comm.bucket_stats.count_dense(bucket.index)
         if isinstance(compressed, Dense):
-            work = average_densely(comm, compressed.tensor)
-            if bucket.index is not None:
-                comm.bucket_stats.add_work(bucket.index, work)
-            exchanged = work.get_future()
+
+            def dense(_):
+                work = average_densely(comm, compressed.tensor)
+                if bucket.index is not None:
+                    comm.bucket_stats.add_work(bucket.index, work)
+                return work
+
+            if self._lane is None:
+                exchanged = dense(None).get_future()
+            else:
+                exchanged = rounds(comm, self._lane, [dense], bucket.device)
         else:
             exchanged = self.exchange(comm, bucket, compressed)
         self.started(comm, bucket, compressed)

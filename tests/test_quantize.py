@@ -299,3 +299,57 @@ def test_cuda_kernels_are_built_for_sm80_and_sm90_and_check_their_arguments():
         _C_cuda.quantize(0, 0, 0, 10, 4, 0, 256, False, 0, 0, 0)
     with pytest.raises(ValueError, match="chunk"):
         _C_cuda.dequantize_mean(0, 10, 0, 0, 7, 2, 0, 0, 0)
+
+
+def mixed_buckets(store, rank, world, steps):
+    """topk_hook (its whole level) and quantize_hook on three buckets a step, float32, float64
+    (which neither compresses) and float32, issued without waiting, rank 1 late with each next
+    bucket: the codes of a bucket go out from its ranges' completion meanwhile."""
+    import time
+
+    from test_topk_hook import Bucket
+
+    from ringcomm.hooks import TopKState, topk_hook
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    grads = [torch.randn(20_000), torch.randn(500, dtype=torch.float64), torch.randn(3000)]
+    results = {}
+    for name, state, hook in (
+        ("topk", TopKState(dense_steps=0), topk_hook),
+        ("quantize", QuantizeState(), quantize_hook),
+    ):
+        outs = []
+        for _ in range(steps):
+            futures = []
+            for i, g in enumerate(grads):
+                futures.append(hook(state, Bucket(g.clone(), i, i == len(grads) - 1)))
+                if rank == 1:
+                    time.sleep(0.05)
+            outs.append([f.wait() for f in futures])
+        results[name] = (outs, dict(state.stats.dense_reasons), dict(state.residuals))
+    dist.destroy_process_group()
+    return results, grads
+
+
+def test_topk_whole_level_is_the_quantizers_average_and_whole_buckets_keep_the_order():
+    world, steps = 3, 3
+    results = run_ranks(world, mixed_buckets, steps, make_comm=False, timeout=120)
+    first = results[0][0]
+    float64_mean = torch.stack([r[1][1] for r in results]).mean(0)
+    for got, _ in results:
+        for name in ("topk", "quantize"):
+            for step in range(steps):
+                for a, b in zip(got[name][0][step], first[name][0][step]):
+                    assert torch.equal(a, b), (name, step)  # every rank, the same bits
+                assert torch.allclose(got[name][0][step][1], float64_mean, rtol=0, atol=1e-12)
+        # top-k's first steps are whole, as 8-bit codes: QuantizeState's average and residuals
+        for step in range(steps):
+            for i in (0, 2):
+                assert torch.equal(got["topk"][0][step][i], got["quantize"][0][step][i]), step
+        for slot, residual in got["quantize"][2].items():
+            assert torch.equal(got["topk"][2][slot], residual)
+        assert got["topk"][1] == {
+            "whole as 8-bit codes: critical regime": 2 * steps,
+            "torch.float64 is not compressed": steps,
+        }

@@ -95,7 +95,9 @@ def ratio_one_matches_dense(store, rank, world):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(rank)
     grads = [torch.randn(5000), torch.randn(300)]
-    state = TopKState(ratio=1.0, dense_steps=0, adaptive=False, value_dtype=torch.float32)
+    state = TopKState(
+        ratio=1.0, dense_steps=0, adaptive=False, value_dtype=torch.float32, quantize_whole=False
+    )
 
     outs = [topk_hook(state, Bucket(g.clone(), i, i == 1)).wait() for i, g in enumerate(grads)]
     dense = [g.clone() for g in grads]
@@ -404,7 +406,7 @@ def test_signal_schedule_decides_alike_on_every_rank():
         assert torch.equal(r[2], params)
     assert set(history[0].values()) == {1.0}  # the dense step, then whole while not yet calm
     assert set(history[16].values()) == {1.0} and set(history[-1].values()) == {0.0625}
-    assert reasons["whole as bfloat16: critical regime"] > 0
+    assert reasons["whole as 8-bit codes: critical regime"] > 0
 
 
 # -- the same weights whatever the load at start ------------------------------------------------
@@ -465,7 +467,7 @@ def dense_bucket_logged(store, rank, world):
     for _ in range(3):
         for i, g in enumerate(grads):
             topk_hook(state, Bucket(g.clone(), i, i == 1)).wait()
-    signal = TopKState(dense_steps=0)  # starts whole, as value_dtype
+    signal = TopKState(dense_steps=0)  # starts whole, as 8-bit codes
     topk_hook(signal, Bucket(grads[1].clone(), 1, True)).wait()
     lines.append(signal.stats.dense_reasons)
     from ringcomm.hooks import default_communicator
@@ -488,7 +490,7 @@ def test_a_bucket_sent_whole_says_so_in_stats_and_at_info():
         "TopKState: bucket 0 (100 float32 elements) goes whole (its dense all-reduce costs no "
         "more) from step 1",
         "TopKState: bucket 1 (200,000 float32 elements) is compressed from step 1",
-        "TopKState: bucket 1 (200,000 float32 elements) goes whole (whole as bfloat16: critical "
+        "TopKState: bucket 1 (200,000 float32 elements) goes whole (whole as 8-bit codes: critical "
         "regime) from step 0",
-        {"whole as bfloat16: critical regime": 1},
+        {"whole as 8-bit codes: critical regime": 1},
     ], lines

@@ -74,11 +74,11 @@ class QuantizeState(ReportsBuckets, Compressor):
     sum fits a byte; at most 255 ranks.
     """
 
-    chunk: int = 1024
+    chunk: int = compress.QUANTIZE_CHUNK
     rounding: str = "nearest"
     error_feedback: bool = True
     seed: int = 0
-    _lane: Lane = field(
+    _lane: Optional[Lane] = field(
         default_factory=lambda: Lane("8-bit quantization"), repr=False, kw_only=True
     )
 
@@ -136,7 +136,7 @@ class QuantizeState(ReportsBuckets, Compressor):
             return self._count(comm, bucket, comm.all_reduce(q.ranges, op="max", async_op=True))
 
         def send(ranges):
-            _held_here(q.ranges)
+            compress.held_here(q.ranges)
             with trace.span("quantize", numel=q.source.numel()):
                 q.codes = compress.quantize(
                     q.source, ranges, self.chunk, q.levels, error=q.error, key=q.key
@@ -147,7 +147,7 @@ class QuantizeState(ReportsBuckets, Compressor):
 
     def decompress(self, comm, bucket: Bucket, q: _Quantized, sums: torch.Tensor) -> torch.Tensor:
         """The mean, into the bucket's gradient: shaped like bucket.flat, where given."""
-        _held_here(q.ranges)
+        compress.held_here(q.ranges)
         average = compress.dequantize_mean(
             sums, q.ranges, self.chunk, q.levels, comm.world_size, out=q.flat
         )
@@ -171,10 +171,3 @@ def quantize_hook(
             f"quantize_hook needs a ringcomm.hooks.QuantizeState, got {type(state).__name__}"
         )
     return run_compressor(state, bucket)
-
-
-def _held_here(t: torch.Tensor) -> None:
-    """A CUDA tensor made on another stream, kept from reuse until the current one is past what
-    is enqueued on it now (the rounds run on streams of their own)."""
-    if t.is_cuda:
-        t.record_stream(torch.cuda.current_stream(t.device))

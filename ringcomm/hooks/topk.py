@@ -9,8 +9,9 @@ and keeps what it did not send in a per-bucket residual that is added to the nex
 (all-gather of pairs, or a range-partitioned sparse reduce-scatter).
 
 How dense each bucket goes follows the run's own signal (schedule "signal"): a bucket goes whole
-(as value_dtype, with error feedback) while its gradient energy is still changing fast (the
-critical regime of Accordion, Agarwal et al. 2021), then a level sparser at a time (warmup_density,
+(as 8-bit codes, QuantizeState's scheme, with error feedback) while its gradient energy is still
+changing fast (the critical regime of Accordion, Agarwal et al. 2021), then a level sparser at a
+time (warmup_density,
 / 4, ..., ratio) once error feedback has settled at its level, and a level denser again when the
 gradient changes fast or the residual holds gradient held back (docs/algorithms.md,
 "Compression"). The signals are summed over the ranks, so every rank decides alike. Which buckets
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compress, trace
-from ..compress import Bucket, CompressionStats, Compressor, Dense
+from ..compress import Bucket, CompressionStats, Compressor, Dense, Lane
 from .compressor import run_compressor
 from .state import ReportsBuckets, ringcomm_named
 
@@ -79,6 +80,23 @@ class _Whole:
 
 
 @dataclass
+class _QuantizedWhole:
+    """A bucket on the signal schedule's whole level as 8-bit codes: `flat`, its gradient (where
+    the average lands); `source`, what is quantized (the residual after error feedback, else the
+    gradient); `error`, where what the codes lose goes (the residual, or None); `gradient`, this
+    rank's gradient for the energies; `ranges` of its chunks, all-reduced with max, and `levels`,
+    each rank's codes."""
+
+    flat: torch.Tensor
+    source: torch.Tensor
+    error: Optional[torch.Tensor]
+    gradient: torch.Tensor
+    ranges: torch.Tensor
+    levels: int
+    density: float = 1.0
+
+
+@dataclass
 class Level:
     """The signal schedule's state of one bucket slot: `level`, its place on the ladder
     (TopKState.ladder(): 0 is whole); `steps` there; `signal`, the smoothed density * residual
@@ -119,8 +137,9 @@ class TopKState(ReportsBuckets, Compressor):
     per bucket and follow their parameters when DDP rebuilds its buckets after the first
     iteration.
     schedule: how dense a bucket goes after that. "signal" (default): by the run's own signal,
-    the same on every rank. The levels: whole (every element, as value_dtype, what rounding loses
-    kept by error feedback), then warmup_density, / 4 at each level (6.25%, 1.56%, 0.39%, ...)
+    the same on every rank. The levels: whole (every element, as 8-bit codes or value_dtype, see
+    quantize_whole; what that loses kept by error feedback), then warmup_density, / 4 at each
+    level (6.25%, 1.56%, 0.39%, ...)
     down to ratio. After each step the ranks sum their gradient energy G and residual energy R
     (what error feedback keeps back). Critical: G, smoothed, changed by more than
     critical_change (relative) over the last WINDOW steps, as it does while training finds its
@@ -134,6 +153,10 @@ class TopKState(ReportsBuckets, Compressor):
     warm-up schedule: warmup_density, divided by 4 at each of the stages that share
     warmup_steps equally, then ratio (warmup_steps 0: ratio from the start).
     critical_change, residual_limit: the signal schedule's thresholds (above).
+    quantize_whole: the whole level travels as 8-bit codes, QuantizeState's scheme (an agreed
+    scale per chunk of compress.QUANTIZE_CHUNK elements, nearest rounding; two all-reduces, one
+    byte an element: half value_dtype's bytes at 16 bits). False, or over more than
+    compress.CODE_SUM ranks: as value_dtype.
     return_whole: whether a bucket that has gone sparse goes whole again in a later critical
     spell. False keeps whole to the start's critical regime (warmup_density at the densest
     after): at 200 steps and more about a third of the bytes and 1.3-1.85x faster steps, as
@@ -169,8 +192,10 @@ class TopKState(ReportsBuckets, Compressor):
     critical_change: float = 0.4
     residual_limit: float = 1.0
     return_whole: bool = True
+    quantize_whole: bool = True
     stats: TopKStats = field(default_factory=TopKStats, kw_only=True)
     levels: dict = field(default_factory=dict, repr=False, kw_only=True)  # slot -> Level
+    _lane: Optional[Lane] = field(default_factory=lambda: Lane("top-k"), repr=False, kw_only=True)
 
     SETTINGS = (
         "ratio",
@@ -187,6 +212,7 @@ class TopKState(ReportsBuckets, Compressor):
         "critical_change",
         "residual_limit",
         "return_whole",
+        "quantize_whole",
     )
 
     def __post_init__(self):
@@ -337,9 +363,9 @@ class TopKState(ReportsBuckets, Compressor):
 
     def compress(self, comm, bucket: Bucket):
         """Whole as float32 on dense steps, for other dtypes and where the cost model prefers it;
-        whole as value_dtype on the signal schedule's whole level; else the top-k of the
-        bucket's flat gradient. Both of the last two with error feedback, whose residual and
-        velocity memory is the bucket's slot."""
+        whole as 8-bit codes or value_dtype on the signal schedule's whole level; else the top-k
+        of the bucket's flat gradient. Both of the last two with error feedback, whose residual
+        and velocity memory is the bucket's slot."""
         slot, flat = bucket.slot, bucket.gradient()
         numel = flat.numel()
         source = flat
@@ -379,6 +405,13 @@ class TopKState(ReportsBuckets, Compressor):
                 source = source.clone()  # the velocity is kept; the all-reduce works in place
             return Dense(source, reason)
         residual = self.memory.get("residuals", bucket, source) if self.error_feedback else None
+        if whole and self.quantize_whole and comm.world_size <= compress.CODE_SUM:
+            with trace.span("compress", numel=numel):
+                # residual += source, then the chunks' ranges of what is owed
+                ranges = compress.quantize_ranges(source, residual, compress.QUANTIZE_CHUNK)
+            levels = compress.CODE_SUM // comm.world_size
+            owed = source if residual is None else residual
+            return _QuantizedWhole(flat, owed, residual, source, ranges, levels)
         if whole:
             if residual is None:
                 wire = source.to(self.value_dtype, copy=True)
@@ -413,54 +446,99 @@ class TopKState(ReportsBuckets, Compressor):
         return torch.stack([kept, _energy(gradient)])
 
     def dense_reason(self, compressed) -> Optional[str]:
+        if isinstance(compressed, _QuantizedWhole):
+            return "whole as 8-bit codes: critical regime"
         if isinstance(compressed, _Whole):
             return f"whole as {str(self.value_dtype).replace('torch.', '')}: critical regime"
         return super().dense_reason(compressed)
 
     def exchange(self, comm, bucket: Bucket, compressed) -> torch.futures.Future:
-        """The sparse all-reduce of the top-k, or the all-reduce of the whole bucket (averages),
-        then, for the signal schedule, the sum of the ranks' energies, added in a fixed order so
-        that every rank decides alike."""
+        """In the lane's order (a bucket of 8-bit codes issues its codes from the completion of
+        its ranges): the sparse all-reduce of the top-k, the all-reduce of the whole bucket
+        (averages), or the ranges all-reduced with max and then the codes with sum; then, for the
+        signal schedule, the sum of the ranks' energies, added in a fixed order so that every
+        rank decides alike."""
         flat = compressed.flat
-        if isinstance(compressed, _Whole):
-            work = compress.average_densely(comm, compressed.wire)
-        else:
-            # The gradient is consumed: the average can take its place (no 4-bytes-per-element
-            # allocation, and its page faults, per step).
-            work = comm.sparse_all_reduce(
-                compressed.indices,
-                compressed.values,
-                flat.numel(),
-                out=flat,
-                op="avg",
-                algorithm=compressed.algorithm,
-                async_op=True,
-            )
-        if bucket.index is not None:
-            comm.bucket_stats.add_work(bucket.index, work)
-        energies = compressed.energies
-        if energies is not None:
-            if not energies.is_cuda:
-                summed = comm.all_reduce(
-                    energies, op="sum", algorithm="recursive_doubling", async_op=True
-                )
-                wait = summed.wait
+
+        def counted(work):
+            if bucket.index is not None:
+                comm.bucket_stats.add_work(bucket.index, work)
+            return work
+
+        if isinstance(compressed, _QuantizedWhole):
+            q = compressed
+
+            def agree(_):
+                return counted(comm.all_reduce(q.ranges, op="max", async_op=True))
+
+            def send(ranges):
+                compress.held_here(q.ranges)
+                with trace.span("quantize", numel=q.source.numel()):
+                    codes = compress.quantize(
+                        q.source, ranges, compress.QUANTIZE_CHUNK, q.levels, error=q.error
+                    )
+                    energies = self._energies(q.error, q.gradient)
+                work = counted(comm.all_reduce(codes, op="sum", async_op=True))
+                self._sum_energies(comm, bucket, energies, q.density)
+                return work
+
+            return compress.rounds(comm, self._lane, [agree, send], bucket.device)
+
+        def send(_):
+            if isinstance(compressed, _Whole):
+                work = compress.average_densely(comm, compressed.wire)
             else:
-                # On the device path; the sum comes to the host behind it, so that reading it at
-                # the next step does not wait for the work queued on the stream since.
-                comm.all_reduce(energies, op="sum")
-                host = torch.empty(2, dtype=torch.float64, pin_memory=True)
-                host.copy_(energies, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(torch.cuda.current_stream(energies.device))
-                energies, wait = host, copied.synchronize
-            self.levels[bucket.slot].measured = (wait, energies, compressed.density)
-        return work.get_future()
+                # The gradient is consumed: the average can take its place (no
+                # 4-bytes-per-element allocation, and its page faults, per step).
+                work = comm.sparse_all_reduce(
+                    compressed.indices,
+                    compressed.values,
+                    flat.numel(),
+                    out=flat,
+                    op="avg",
+                    algorithm=compressed.algorithm,
+                    async_op=True,
+                )
+            counted(work)
+            if compressed.energies is not None:
+                self._sum_energies(comm, bucket, compressed.energies, compressed.density)
+            return work
+
+        return compress.rounds(comm, self._lane, [send], bucket.device)
+
+    def _sum_energies(self, comm, bucket: Bucket, energies: torch.Tensor, density: float) -> None:
+        """Starts the sum of the ranks' (residual, gradient) energies, which the slot's level
+        reads at its next step."""
+        if not energies.is_cuda:
+            summed = comm.all_reduce(
+                energies, op="sum", algorithm="recursive_doubling", async_op=True
+            )
+            wait = summed.wait
+        else:
+            # On the device path; the sum comes to the host behind it, so that reading it at
+            # the next step does not wait for the work queued on the stream since.
+            comm.all_reduce(energies, op="sum")
+            host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+            host.copy_(energies, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(energies.device))
+            energies, wait = host, copied.synchronize
+        self.levels[bucket.slot].measured = (wait, energies, density)
 
     def decompress(self, comm, bucket: Bucket, compressed, exchanged: torch.Tensor) -> torch.Tensor:
         """The average comes back whole and flat, into the gradient: shaped like bucket.flat,
         where given."""
-        if isinstance(compressed, _Whole):
+        if isinstance(compressed, _QuantizedWhole):
+            compress.held_here(compressed.ranges)
+            exchanged = compress.dequantize_mean(
+                exchanged,
+                compressed.ranges,
+                compress.QUANTIZE_CHUNK,
+                compressed.levels,
+                comm.world_size,
+                out=compressed.flat,
+            )
+        elif isinstance(compressed, _Whole):
             exchanged = compressed.flat.copy_(exchanged)
         return exchanged if bucket.flat is None else exchanged.view_as(bucket.flat)
 
