@@ -494,3 +494,30 @@ def test_a_bucket_sent_whole_says_so_in_stats_and_at_info():
         "regime) from step 0",
         {"whole as 8-bit codes: critical regime": 1},
     ], lines
+
+
+def small_and_large_buckets(store, rank, world, share):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    state = TopKState(whole_share=share, adaptive=False)
+    grads = [torch.randn(2_000), torch.randn(100_000)]  # 2% and 98% of a step
+    for _ in range(6):
+        for i, g in enumerate(grads):
+            topk_hook(state, Bucket(g.clone(), i, i == 1)).wait()
+    restored = TopKState()
+    restored.load_state_dict(state.state_dict())
+    dist.destroy_process_group()
+    return dict(state.stats.dense_reasons), sorted(state.levels), restored.step_numel
+
+
+def test_a_small_bucket_stays_whole():
+    for share, reasons, scheduled in (
+        (0.05, {"dense steps": 2, "whole as 8-bit codes: a small bucket": 5}, [1]),
+        (0.01, {"dense steps": 2, "whole as 8-bit codes: critical regime": 10}, [0, 1]),
+    ):
+        for got in run_ranks(2, small_and_large_buckets, share, make_comm=False):
+            # the large bucket's first steps are whole too, by the schedule
+            expect = dict(reasons)
+            if share == 0.05:
+                expect["whole as 8-bit codes: critical regime"] = 5
+            assert got == (expect, scheduled, 102_000), (share, got)

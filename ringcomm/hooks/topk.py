@@ -75,7 +75,8 @@ class _Whole:
 
     flat: torch.Tensor
     wire: torch.Tensor
-    energies: torch.Tensor
+    energies: Optional[torch.Tensor]
+    why: str
     density: float = 1.0
 
 
@@ -84,15 +85,17 @@ class _QuantizedWhole:
     """A bucket on the signal schedule's whole level as 8-bit codes: `flat`, its gradient (where
     the average lands); `source`, what is quantized (the residual after error feedback, else the
     gradient); `error`, where what the codes lose goes (the residual, or None); `gradient`, this
-    rank's gradient for the energies; `ranges` of its chunks, all-reduced with max, and `levels`,
-    each rank's codes."""
+    rank's gradient for the energies, None where the schedule does not measure them (a small
+    bucket); `ranges` of its chunks, all-reduced with max, and `levels`, each rank's codes;
+    `why` it is whole."""
 
     flat: torch.Tensor
     source: torch.Tensor
     error: Optional[torch.Tensor]
-    gradient: torch.Tensor
+    gradient: Optional[torch.Tensor]
     ranges: torch.Tensor
     levels: int
+    why: str
     density: float = 1.0
 
 
@@ -153,6 +156,10 @@ class TopKState(ReportsBuckets, Compressor):
     warm-up schedule: warmup_density, divided by 4 at each of the stages that share
     warmup_steps equally, then ratio (warmup_steps 0: ratio from the start).
     critical_change, residual_limit: the signal schedule's thresholds (above).
+    whole_share: with the signal schedule, a bucket of at most this share of a step's elements
+    (the last step's buckets, all of this state's) stays whole throughout: it costs that share of
+    a whole step at most, while its top-k would save little and can cost accuracy
+    (docs/performance.md: the digits MLP's first layer, 3% of its parameters). 0: none.
     quantize_whole: the whole level travels as 8-bit codes, QuantizeState's scheme (an agreed
     scale per chunk of compress.QUANTIZE_CHUNK elements, nearest rounding; two all-reduces, one
     byte an element: half value_dtype's bytes at 16 bits). False, or over more than
@@ -192,10 +199,14 @@ class TopKState(ReportsBuckets, Compressor):
     critical_change: float = 0.4
     residual_limit: float = 1.0
     return_whole: bool = True
+    whole_share: float = 0.05
     quantize_whole: bool = True
     stats: TopKStats = field(default_factory=TopKStats, kw_only=True)
     levels: dict = field(default_factory=dict, repr=False, kw_only=True)  # slot -> Level
     _lane: Optional[Lane] = field(default_factory=lambda: Lane("top-k"), repr=False, kw_only=True)
+    # Elements averaged in the last step (whole_share's denominator) and so far in this one.
+    step_numel: int = field(default=0, repr=False, kw_only=True)
+    _numel_this_step: int = field(default=0, repr=False, kw_only=True)
 
     SETTINGS = (
         "ratio",
@@ -212,6 +223,7 @@ class TopKState(ReportsBuckets, Compressor):
         "critical_change",
         "residual_limit",
         "return_whole",
+        "whole_share",
         "quantize_whole",
     )
 
@@ -232,6 +244,8 @@ class TopKState(ReportsBuckets, Compressor):
             raise ValueError(f"clip_norm must be positive or None, got {self.clip_norm}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not 0 <= self.whole_share <= 1:
+            raise ValueError(f"whole_share must be in [0, 1], got {self.whole_share}")
         if not self.residual_limit > 0 or not self.critical_change > 0:
             raise ValueError(
                 f"residual_limit and critical_change must be positive, got "
@@ -301,6 +315,7 @@ class TopKState(ReportsBuckets, Compressor):
         state = {key: getattr(self, key) for key in self.SETTINGS}
         state.update(
             step=self.step,
+            step_numel=self.step_numel,
             residuals={i: t.clone() for i, t in self.residuals.items()},
             velocities={i: t.clone() for i, t in self.velocities.items()},
             levels={i: lv.saved() for i, lv in self.levels.items()},
@@ -308,7 +323,7 @@ class TopKState(ReportsBuckets, Compressor):
         return state
 
     def load_state_dict(self, state: dict):
-        for key in self.SETTINGS + ("step",):
+        for key in self.SETTINGS + ("step", "step_numel"):
             if key in state:
                 setattr(self, key, state[key])
         self.memory.load_state_dict(
@@ -375,11 +390,14 @@ class TopKState(ReportsBuckets, Compressor):
             reason = "dense steps"
         else:
             reason = None
-        whole, density, choice = False, 1.0, None
+        self._numel_this_step += numel
+        whole, why, density, choice = False, None, 1.0, None
         if reason is None:
-            if self.schedule == "signal":
+            if self.schedule == "signal" and numel <= self.whole_share * self.step_numel:
+                whole, why = True, "a small bucket"
+            elif self.schedule == "signal":
                 density = self._level_density(slot)
-                whole = self.levels[slot].level == 0
+                whole, why = self.levels[slot].level == 0, "critical regime"
             else:
                 density = self.density()
         if reason is None and not whole:
@@ -405,13 +423,15 @@ class TopKState(ReportsBuckets, Compressor):
                 source = source.clone()  # the velocity is kept; the all-reduce works in place
             return Dense(source, reason)
         residual = self.memory.get("residuals", bucket, source) if self.error_feedback else None
+        measured = why == "critical regime"  # the schedule's level reads the energies
         if whole and self.quantize_whole and comm.world_size <= compress.CODE_SUM:
             with trace.span("compress", numel=numel):
                 # residual += source, then the chunks' ranges of what is owed
                 ranges = compress.quantize_ranges(source, residual, compress.QUANTIZE_CHUNK)
             levels = compress.CODE_SUM // comm.world_size
             owed = source if residual is None else residual
-            return _QuantizedWhole(flat, owed, residual, source, ranges, levels)
+            gradient = source if measured else None
+            return _QuantizedWhole(flat, owed, residual, gradient, ranges, levels, why)
         if whole:
             if residual is None:
                 wire = source.to(self.value_dtype, copy=True)
@@ -419,7 +439,8 @@ class TopKState(ReportsBuckets, Compressor):
                 residual.add_(source)
                 wire = residual.to(self.value_dtype, copy=True)
                 residual.sub_(wire.to(residual.dtype))  # what the rounding lost: owed
-            return _Whole(flat, wire, self._energies(residual, source))
+            energies = self._energies(residual, source) if measured else None
+            return _Whole(flat, wire, energies, why)
         with trace.span("compress", numel=numel, k=k):
             if residual is not None:
                 # what rounding to the wire type loses is owed too: the kernel keeps it
@@ -447,9 +468,10 @@ class TopKState(ReportsBuckets, Compressor):
 
     def dense_reason(self, compressed) -> Optional[str]:
         if isinstance(compressed, _QuantizedWhole):
-            return "whole as 8-bit codes: critical regime"
+            return f"whole as 8-bit codes: {compressed.why}"
         if isinstance(compressed, _Whole):
-            return f"whole as {str(self.value_dtype).replace('torch.', '')}: critical regime"
+            wire = str(self.value_dtype).replace("torch.", "")
+            return f"whole as {wire}: {compressed.why}"
         return super().dense_reason(compressed)
 
     def exchange(self, comm, bucket: Bucket, compressed) -> torch.futures.Future:
@@ -477,9 +499,11 @@ class TopKState(ReportsBuckets, Compressor):
                     codes = compress.quantize(
                         q.source, ranges, compress.QUANTIZE_CHUNK, q.levels, error=q.error
                     )
-                    energies = self._energies(q.error, q.gradient)
+                    if q.gradient is not None:
+                        energies = self._energies(q.error, q.gradient)
                 work = counted(comm.all_reduce(codes, op="sum", async_op=True))
-                self._sum_energies(comm, bucket, energies, q.density)
+                if q.gradient is not None:
+                    self._sum_energies(comm, bucket, energies, q.density)
                 return work
 
             return compress.rounds(comm, self._lane, [agree, send], bucket.device)
@@ -541,6 +565,10 @@ class TopKState(ReportsBuckets, Compressor):
         elif isinstance(compressed, _Whole):
             exchanged = compressed.flat.copy_(exchanged)
         return exchanged if bucket.flat is None else exchanged.view_as(bucket.flat)
+
+    def end_step(self, comm) -> None:
+        self.step_numel, self._numel_this_step = self._numel_this_step, 0
+        super().end_step(comm)
 
     def started(self, comm, bucket: Bucket, compressed) -> None:
         """On the last dense step, zeroed memory for the first compressed step's residuals."""
