@@ -166,8 +166,8 @@ class TopKState(ReportsBuckets, Compressor):
     compress.CODE_SUM ranks: as value_dtype.
     return_whole: whether a bucket that has gone sparse goes whole again in a later critical
     spell. False keeps whole to the start's critical regime (warmup_density at the densest
-    after): at 200 steps and more about a third of the bytes and 1.3-1.85x faster steps, as
-    accurate in measured runs on 4 ranks but 0.4-1.7 points further from dense on 2
+    after): at 200 steps and more on 4 hosts, half to three quarters of the bytes and
+    1.04-1.19x faster steps, but 0.4-1.7 points further from dense on 2 ranks
     (docs/performance.md).
     warmup_density: the densest a top-k goes (both schedules).
     error_feedback: keep unsent entries (and value rounding) for later steps.
