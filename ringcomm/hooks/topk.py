@@ -11,10 +11,10 @@ and keeps what it did not send in a per-bucket residual that is added to the nex
 How dense each bucket goes follows the run's own signal (schedule "signal"): a bucket goes whole
 (as 8-bit codes, QuantizeState's scheme, with error feedback) while its gradient energy is still
 changing fast (the critical regime of Accordion, Agarwal et al. 2021), then a level sparser at a
-time (warmup_density,
-/ 4, ..., ratio) once error feedback has settled at its level, and a level denser again when the
-gradient changes fast or the residual holds gradient held back (docs/algorithms.md,
-"Compression"). The signals are summed over the ranks, so every rank decides alike. Which buckets
+time (warmup_density, / 4, ..., ratio) once error feedback has settled at its level, and a level
+denser again when the gradient changes fast or the residual holds gradient held back
+(docs/algorithms.md, "Compression"). A bucket of a small share of the step's elements stays
+whole. The signals are summed over the ranks, so every rank decides alike. Which buckets
 go whole because that is cheaper, and by which algorithms, follows their sizes and a model every
 run agrees on, never the load at start (compress.sparse_choice).
 
@@ -71,7 +71,8 @@ class _Sparse:
 @dataclass
 class _Whole:
     """A bucket on the signal schedule's whole level: every element as `wire` (value_dtype), what
-    that rounding lost kept in the residual, and this rank's energies."""
+    that rounding lost kept in the residual, this rank's energies (None where the schedule does
+    not measure them: a small bucket), and `why` it is whole."""
 
     flat: torch.Tensor
     wire: torch.Tensor
