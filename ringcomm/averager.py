@@ -50,7 +50,7 @@ class GradientAverager:
     quantize_hook; a `ringcomm.hooks.PowerSGDState` sends it as powersgd_hook does: its matrices
     as low-rank factors with error feedback, its vectors and small matrices whole; any other
     Compressor as compressor_hook would. Until step() returns, issue nothing else on `comm`
-    (PowerSGD and the quantizer issue part of their all-reduces from the progress thread).
+    (PowerSGD, the quantizer and top-k issue part of their all-reduces from the progress thread).
     """
 
     def __init__(self, params, comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression=None):

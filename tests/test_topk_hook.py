@@ -429,7 +429,7 @@ def topk_training(store, rank, world, steps, schedule):
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     stats = state.stats
     dist.destroy_process_group()
-    return params, link["alpha_s"], stats.dense_buckets, stats.compressed_buckets
+    return params, link["alpha_s"], dict(stats.dense_reasons), stats.compressed_buckets
 
 
 @pytest.mark.parametrize("schedule", ["fixed", "signal"])
@@ -449,7 +449,10 @@ def test_topk_training_started_under_a_cpu_hog_ends_with_the_same_weights(schedu
     for q, b in zip(quiet, busy):
         assert torch.equal(q[0], b[0])  # every rank's weights, bit for bit
         assert q[2:] == b[2:]  # the same buckets went whole
-    assert quiet[0][3 if schedule == "fixed" else 2] > 0  # compressed, or whole as 8-bit codes
+    if schedule == "fixed":
+        assert quiet[0][3] > 0  # compressed
+    else:
+        assert quiet[0][2]["whole as 8-bit codes: critical regime"] > 0
     # the probe did time the machine differently: nothing of it reached the weights
     assert quiet[0][1] != busy[0][1]
 
@@ -498,28 +501,49 @@ def test_a_bucket_sent_whole_says_so_in_stats_and_at_info():
     ], lines
 
 
-def small_and_large_buckets(store, rank, world, share):
+def small_and_large_buckets(store, rank, world, share, sizes):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(rank)
     state = TopKState(whole_share=share, adaptive=False)
-    grads = [torch.randn(2_000), torch.randn(100_000)]  # 2% and 98% of a step
+    grads = [torch.randn(n) for n in sizes]
     for _ in range(6):
         for i, g in enumerate(grads):
-            topk_hook(state, Bucket(g.clone(), i, i == 1)).wait()
+            topk_hook(state, Bucket(g.clone(), i, i == len(grads) - 1)).wait()
     restored = TopKState()
     restored.load_state_dict(state.state_dict())
     dist.destroy_process_group()
-    return dict(state.stats.dense_reasons), sorted(state.levels), restored.step_numel
+    return dict(state.stats.dense_reasons), sorted(state.levels), sorted(restored._small)
 
 
-def test_a_small_bucket_stays_whole():
-    for share, reasons, scheduled in (
-        (0.05, {"dense steps": 2, "whole as 8-bit codes: a small bucket": 5}, [1]),
-        (0.01, {"dense steps": 2, "whole as 8-bit codes: critical regime": 10}, [0, 1]),
+def test_the_smallest_buckets_stay_whole():
+    # 2% and 98% of a step: at 5% the small one is whole from the step after the dense one (5
+    # steps), the large one whole by the schedule's start; at 1% both by the schedule
+    both = {"dense steps": 2, "whole as 8-bit codes: critical regime": 10}
+    for share, sizes, reasons, scheduled, small in (
+        (
+            0.05,
+            [2_000, 98_000],
+            {
+                "dense steps": 2,
+                "whole as 8-bit codes: a small bucket": 5,
+                "whole as 8-bit codes: critical regime": 5,
+            },
+            [1],
+            [0],
+        ),
+        (0.01, [2_000, 98_000], both, [0, 1], []),
+        # ten equal buckets of 10% each: none fits 5% of the step, so none is kept whole
+        (
+            0.05,
+            [10_000] * 10,
+            {"dense steps": 10, "whole as 8-bit codes: critical regime": 50},
+            list(range(10)),
+            [],
+        ),
+        # the smallest first, while together within 25%: 5% + 10% + 10%
+        (0.25, [5_000, 10_000, 10_000, 75_000], None, [3], [0, 1, 2]),
     ):
-        for got in run_ranks(2, small_and_large_buckets, share, make_comm=False):
-            # the large bucket's first steps are whole too, by the schedule
-            expect = dict(reasons)
-            if share == 0.05:
-                expect["whole as 8-bit codes: critical regime"] = 5
-            assert got == (expect, scheduled, 102_000), (share, got)
+        for got in run_ranks(2, small_and_large_buckets, share, sizes, make_comm=False):
+            if reasons is not None:
+                assert got[0] == reasons, (share, sizes, got)
+            assert got[1:] == (scheduled, small), (share, sizes, got)

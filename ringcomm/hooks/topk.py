@@ -9,12 +9,12 @@ and keeps what it did not send in a per-bucket residual that is added to the nex
 (all-gather of pairs, or a range-partitioned sparse reduce-scatter).
 
 How dense each bucket goes follows the run's own signal (schedule "signal"): a bucket goes whole
-(as 8-bit codes, QuantizeState's scheme, with error feedback) while its gradient energy is still
+(as 8-bit codes, QuantizeState's scheme) while its gradient energy is still
 changing fast (the critical regime of Accordion, Agarwal et al. 2021), then a level sparser at a
 time (warmup_density, / 4, ..., ratio) once error feedback has settled at its level, and a level
 denser again when the gradient changes fast or the residual holds gradient held back
-(docs/algorithms.md, "Compression"). A bucket of a small share of the step's elements stays
-whole. The signals are summed over the ranks, so every rank decides alike. Which buckets
+(docs/algorithms.md, "Compression"). The smallest buckets, together a small share of a step's
+elements (whole_share), stay whole. The signals are summed over the ranks, so every rank decides alike. Which buckets
 go whole because that is cheaper, and by which algorithms, follows their sizes and a model every
 run agrees on, never the load at start (compress.sparse_choice).
 
@@ -44,6 +44,9 @@ SMOOTHING = 0.25
 ENERGY_SMOOTHING = 0.0625
 WINDOW = 16
 MIN_STEPS = 4
+# The fewest code values a rank's 8-bit codes may take on the whole level (255 // world): more
+# than 17 ranks send the whole level as value_dtype, coarser codes would hold gradient back.
+MIN_WHOLE_LEVELS = 15
 
 
 @dataclass
@@ -85,15 +88,14 @@ class _Whole:
 class _QuantizedWhole:
     """A bucket on the signal schedule's whole level as 8-bit codes: `flat`, its gradient (where
     the average lands); `source`, what is quantized (the residual after error feedback, else the
-    gradient); `error`, where what the codes lose goes (the residual, or None); `gradient`, this
-    rank's gradient for the energies, None where the schedule does not measure them (a small
-    bucket); `ranges` of its chunks, all-reduced with max, and `levels`, each rank's codes;
-    `why` it is whole."""
+    gradient); `error`, where what the codes lose goes (the residual, or None); `gradient_energy`,
+    this rank's, None where the schedule does not measure it (a small bucket); `ranges` of its
+    chunks, all-reduced with max, and `levels`, each rank's codes; `why` it is whole."""
 
     flat: torch.Tensor
     source: torch.Tensor
     error: Optional[torch.Tensor]
-    gradient: Optional[torch.Tensor]
+    gradient_energy: Optional[torch.Tensor]
     ranges: torch.Tensor
     levels: int
     why: str
@@ -157,14 +159,15 @@ class TopKState(ReportsBuckets, Compressor):
     warm-up schedule: warmup_density, divided by 4 at each of the stages that share
     warmup_steps equally, then ratio (warmup_steps 0: ratio from the start).
     critical_change, residual_limit: the signal schedule's thresholds (above).
-    whole_share: with the signal schedule, a bucket of at most this share of a step's elements
-    (the last step's buckets, all of this state's) stays whole throughout: it costs that share of
-    a whole step at most, while its top-k would save little and can cost accuracy
-    (docs/performance.md: the digits MLP's first layer, 3% of its parameters). 0: none.
+    whole_share: with the signal schedule, the smallest buckets of the last step, together at
+    most this share of its elements, stay whole from the step after (every step once the
+    buckets are known): they cost that share of a whole step at most, while their top-k would
+    save little and can cost accuracy (docs/performance.md: the digits MLP's first layer, 3% of
+    its parameters). 0: none.
     quantize_whole: the whole level travels as 8-bit codes, QuantizeState's scheme (an agreed
     scale per chunk of compress.QUANTIZE_CHUNK elements, nearest rounding; two all-reduces, one
-    byte an element: half value_dtype's bytes at 16 bits). False, or over more than
-    compress.CODE_SUM ranks: as value_dtype.
+    byte an element: half value_dtype's bytes at 16 bits). False, or over more than 17 ranks
+    (fewer than MIN_WHOLE_LEVELS code values a rank): as value_dtype.
     return_whole: whether a bucket that has gone sparse goes whole again in a later critical
     spell. False keeps whole to the start's critical regime (warmup_density at the densest
     after): at 200 steps and more on 4 hosts, half to three quarters of the bytes and
@@ -205,9 +208,10 @@ class TopKState(ReportsBuckets, Compressor):
     stats: TopKStats = field(default_factory=TopKStats, kw_only=True)
     levels: dict = field(default_factory=dict, repr=False, kw_only=True)  # slot -> Level
     _lane: Optional[Lane] = field(default_factory=lambda: Lane("top-k"), repr=False, kw_only=True)
-    # Elements averaged in the last step (whole_share's denominator) and so far in this one.
-    step_numel: int = field(default=0, repr=False, kw_only=True)
-    _numel_this_step: int = field(default=0, repr=False, kw_only=True)
+    # Each bucket slot's elements in the last step, and so far in this one (whole_share).
+    step_numels: dict = field(default_factory=dict, repr=False, kw_only=True)
+    _numels_this_step: dict = field(default_factory=dict, repr=False, kw_only=True)
+    _small: frozenset = field(default=frozenset(), repr=False, kw_only=True)
 
     SETTINGS = (
         "ratio",
@@ -316,7 +320,7 @@ class TopKState(ReportsBuckets, Compressor):
         state = {key: getattr(self, key) for key in self.SETTINGS}
         state.update(
             step=self.step,
-            step_numel=self.step_numel,
+            step_numels=dict(self.step_numels),
             residuals={i: t.clone() for i, t in self.residuals.items()},
             velocities={i: t.clone() for i, t in self.velocities.items()},
             levels={i: lv.saved() for i, lv in self.levels.items()},
@@ -324,9 +328,12 @@ class TopKState(ReportsBuckets, Compressor):
         return state
 
     def load_state_dict(self, state: dict):
-        for key in self.SETTINGS + ("step", "step_numel"):
+        for key in self.SETTINGS + ("step",):
             if key in state:
                 setattr(self, key, state[key])
+        self.step_numels = {int(i): n for i, n in state.get("step_numels", {}).items()}
+        self._numels_this_step = {}
+        self._small = self._small_slots()
         self.memory.load_state_dict(
             {"residuals": state["residuals"], "velocities": state["velocities"]}
         )
@@ -391,11 +398,14 @@ class TopKState(ReportsBuckets, Compressor):
             reason = "dense steps"
         else:
             reason = None
-        self._numel_this_step += numel
+        self._numels_this_step[slot] = numel
         whole, why, density, choice = False, None, 1.0, None
         if reason is None:
-            if self.schedule == "signal" and numel <= self.whole_share * self.step_numel:
+            # the slot's size checked too: DDP rebuilds its buckets after the first step
+            small = slot in self._small and self.step_numels.get(slot) == numel
+            if self.schedule == "signal" and small:
                 whole, why = True, "a small bucket"
+                self.levels.pop(slot, None)
             elif self.schedule == "signal":
                 density = self._level_density(slot)
                 whole, why = self.levels[slot].level == 0, "critical regime"
@@ -425,14 +435,15 @@ class TopKState(ReportsBuckets, Compressor):
             return Dense(source, reason)
         residual = self.memory.get("residuals", bucket, source) if self.error_feedback else None
         measured = why == "critical regime"  # the schedule's level reads the energies
-        if whole and self.quantize_whole and comm.world_size <= compress.CODE_SUM:
+        levels = compress.CODE_SUM // comm.world_size
+        if whole and self.quantize_whole and levels >= MIN_WHOLE_LEVELS:
             with trace.span("compress", numel=numel):
                 # residual += source, then the chunks' ranges of what is owed
                 ranges = compress.quantize_ranges(source, residual, compress.QUANTIZE_CHUNK)
-            levels = compress.CODE_SUM // comm.world_size
             owed = source if residual is None else residual
-            gradient = source if measured else None
-            return _QuantizedWhole(flat, owed, residual, gradient, ranges, levels, why)
+            # the gradient's energy here, on the caller's stream, while `source` is alive
+            energy = _energy(source) if measured else None
+            return _QuantizedWhole(flat, owed, residual, energy, ranges, levels, why)
         if whole:
             if residual is None:
                 wire = source.to(self.value_dtype, copy=True)
@@ -460,12 +471,9 @@ class TopKState(ReportsBuckets, Compressor):
     def _energies(residual: Optional[torch.Tensor], gradient: torch.Tensor) -> torch.Tensor:
         """This rank's (residual, gradient) energies, float64 on the gradient's device, to sum
         over ranks."""
-        kept = (
-            torch.zeros((), dtype=torch.float64, device=gradient.device)
-            if residual is None
-            else _energy(residual)
-        )
-        return torch.stack([kept, _energy(gradient)])
+        energy = _energy(gradient)
+        kept = torch.zeros_like(energy) if residual is None else _energy(residual)
+        return torch.stack([kept, energy])
 
     def dense_reason(self, compressed) -> Optional[str]:
         if isinstance(compressed, _QuantizedWhole):
@@ -495,15 +503,22 @@ class TopKState(ReportsBuckets, Compressor):
                 return counted(comm.all_reduce(q.ranges, op="max", async_op=True))
 
             def send(ranges):
-                compress.held_here(q.ranges)
+                measured = q.gradient_energy is not None
+                for t in (q.ranges, q.source) + ((q.gradient_energy,) if measured else ()):
+                    compress.held_here(t)
                 with trace.span("quantize", numel=q.source.numel()):
                     codes = compress.quantize(
                         q.source, ranges, compress.QUANTIZE_CHUNK, q.levels, error=q.error
                     )
-                    if q.gradient is not None:
-                        energies = self._energies(q.error, q.gradient)
+                    if measured:
+                        kept = (
+                            torch.zeros_like(q.gradient_energy)
+                            if q.error is None
+                            else _energy(q.error)
+                        )
+                        energies = torch.stack([kept, q.gradient_energy])
                 work = counted(comm.all_reduce(codes, op="sum", async_op=True))
-                if q.gradient is not None:
+                if measured:
                     self._sum_energies(comm, bucket, energies, q.density)
                 return work
 
@@ -540,14 +555,25 @@ class TopKState(ReportsBuckets, Compressor):
             )
             wait = summed.wait
         else:
-            # On the device path; the sum comes to the host behind it, so that reading it at
-            # the next step does not wait for the work queued on the stream since.
-            comm.all_reduce(energies, op="sum")
+            # The sum comes to the host from its completion (this may run on the progress
+            # thread, where a blocking all-reduce cannot wait), behind it on the stream, so that
+            # reading it at the next step does not wait for the work queued on the stream since.
             host = torch.empty(2, dtype=torch.float64, pin_memory=True)
-            host.copy_(energies, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record(torch.cuda.current_stream(energies.device))
-            energies, wait = host, copied.synchronize
+
+            def to_host(fut):
+                host.copy_(fut.value(), non_blocking=True)
+                copied.record(torch.cuda.current_stream(host_device))
+
+            host_device = energies.device
+            work = comm.all_reduce(energies, op="sum", async_op=True)
+            done = work.get_future().then(to_host)
+
+            def wait():
+                done.wait()
+                copied.synchronize()
+
+            energies = host
         self.levels[bucket.slot].measured = (wait, energies, density)
 
     def decompress(self, comm, bucket: Bucket, compressed, exchanged: torch.Tensor) -> torch.Tensor:
@@ -568,8 +594,21 @@ class TopKState(ReportsBuckets, Compressor):
         return exchanged if bucket.flat is None else exchanged.view_as(bucket.flat)
 
     def end_step(self, comm) -> None:
-        self.step_numel, self._numel_this_step = self._numel_this_step, 0
+        self.step_numels, self._numels_this_step = self._numels_this_step, {}
+        self._small = self._small_slots()
         super().end_step(comm)
+
+    def _small_slots(self) -> frozenset:
+        """The slots whole_share keeps whole: the last step's smallest buckets (ties by slot, so
+        every rank picks alike) while together at most whole_share of its elements."""
+        budget = self.whole_share * sum(self.step_numels.values())
+        small, used = set(), 0
+        for numel, slot in sorted((n, s) for s, n in self.step_numels.items()):
+            if used + numel > budget:
+                break
+            small.add(slot)
+            used += numel
+        return frozenset(small)
 
     def started(self, comm, bucket: Bucket, compressed) -> None:
         """On the last dense step, zeroed memory for the first compressed step's residuals."""
