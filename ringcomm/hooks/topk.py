@@ -451,7 +451,7 @@ class TopKState(ReportsBuckets, Compressor):
                 residual.add_(source)
                 wire = residual.to(self.value_dtype, copy=True)
                 residual.sub_(wire.to(residual.dtype))  # what the rounding lost: owed
-            energies = self._energies(residual, source) if measured else None
+            energies = self._energies(residual, _energy(source)) if measured else None
             return _Whole(flat, wire, energies, why)
         with trace.span("compress", numel=numel, k=k):
             if residual is not None:
@@ -462,18 +462,19 @@ class TopKState(ReportsBuckets, Compressor):
             else:
                 values, indices = compress.topk(source, k)
                 wire_values = values.to(self.value_dtype)
-            energies = self._energies(residual, source) if self.schedule == "signal" else None
+            energies = (
+                self._energies(residual, _energy(source)) if self.schedule == "signal" else None
+            )
         if self.momentum_correction:
             source.index_fill_(0, indices.long(), 0)  # DGC's momentum factor masking
         return _Sparse(flat, indices, wire_values, choice.algorithm, density, energies)
 
     @staticmethod
-    def _energies(residual: Optional[torch.Tensor], gradient: torch.Tensor) -> torch.Tensor:
+    def _energies(residual: Optional[torch.Tensor], gradient_energy: torch.Tensor) -> torch.Tensor:
         """This rank's (residual, gradient) energies, float64 on the gradient's device, to sum
         over ranks."""
-        energy = _energy(gradient)
-        kept = torch.zeros_like(energy) if residual is None else _energy(residual)
-        return torch.stack([kept, energy])
+        kept = torch.zeros_like(gradient_energy) if residual is None else _energy(residual)
+        return torch.stack([kept, gradient_energy])
 
     def dense_reason(self, compressed) -> Optional[str]:
         if isinstance(compressed, _QuantizedWhole):
@@ -511,12 +512,7 @@ class TopKState(ReportsBuckets, Compressor):
                         q.source, ranges, compress.QUANTIZE_CHUNK, q.levels, error=q.error
                     )
                     if measured:
-                        kept = (
-                            torch.zeros_like(q.gradient_energy)
-                            if q.error is None
-                            else _energy(q.error)
-                        )
-                        energies = torch.stack([kept, q.gradient_energy])
+                        energies = self._energies(q.error, q.gradient_energy)
                 work = counted(comm.all_reduce(codes, op="sum", async_op=True))
                 if measured:
                     self._sum_energies(comm, bucket, energies, q.density)
