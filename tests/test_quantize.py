@@ -301,19 +301,42 @@ def test_cuda_kernels_are_built_for_sm80_and_sm90_and_check_their_arguments():
         _C_cuda.dequantize_mean(0, 10, 0, 0, 7, 2, 0, 0, 0)
 
 
+class KeptBucket:
+    """A DDP bucket (buffer(), index(), is_last(), parameters()) whose parameter is the same object
+    at every step, as DDP's are: the memory a compressor keeps for it (residual, velocity) follows
+    the parameter, so it is kept from step to step."""
+
+    def __init__(self, gradient, parameter, index, last):
+        self.t, self.parameter, self.i, self.last = gradient, parameter, index, last
+
+    def buffer(self):
+        return self.t
+
+    def index(self):
+        return self.i
+
+    def is_last(self):
+        return self.last
+
+    def parameters(self):
+        return [self.parameter]
+
+    def gradients(self):
+        return [self.t]
+
+
 def mixed_buckets(store, rank, world, steps):
     """topk_hook (its whole level) and quantize_hook on three buckets a step, float32, float64
     (which neither compresses) and float32, issued without waiting, rank 1 late with each next
     bucket: the codes of a bucket go out from its ranges' completion meanwhile."""
     import time
 
-    from test_topk_hook import Bucket
-
     from ringcomm.hooks import TopKState, topk_hook
 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(rank)
     grads = [torch.randn(20_000), torch.randn(500, dtype=torch.float64), torch.randn(3000)]
+    parameters = [torch.zeros_like(g) for g in grads]
     results = {}
     for name, state, hook in (
         ("topk", TopKState(dense_steps=0), topk_hook),
@@ -323,7 +346,8 @@ def mixed_buckets(store, rank, world, steps):
         for _ in range(steps):
             futures = []
             for i, g in enumerate(grads):
-                futures.append(hook(state, Bucket(g.clone(), i, i == len(grads) - 1)))
+                last = i == len(grads) - 1
+                futures.append(hook(state, KeptBucket(g.clone(), parameters[i], i, last)))
                 if rank == 1:
                     time.sleep(0.05)
             outs.append([f.wait() for f in futures])
@@ -353,3 +377,68 @@ def test_topk_whole_level_is_the_quantizers_average_and_whole_buckets_keep_the_o
             "whole as 8-bit codes: critical regime": 2 * steps,
             "torch.float64 is not compressed": steps,
         }
+
+
+def whole_level_variants(store, rank, world, steps):
+    """topk_hook's whole level (8-bit codes) without error feedback, with momentum correction and
+    with clipping, each against quantize_hook fed what that variant quantizes: the gradient
+    itself, the velocity, the clipped gradient."""
+    from ringcomm.hooks import TopKState, topk_hook
+
+    parameter = torch.zeros(20_000)
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    grad = torch.randn(20_000) * (1 + rank)
+    momentum, clip_norm = 0.5, 10.0
+    limit = clip_norm / world**0.5
+    clipped = grad * (limit / float(torch.linalg.vector_norm(grad)))
+    velocity = torch.zeros_like(grad)
+    velocities = [velocity.mul_(momentum).add_(grad).clone() for _ in range(steps)]
+    variants = {
+        "no error feedback": (
+            TopKState(dense_steps=0, error_feedback=False),
+            QuantizeState(error_feedback=False),
+            [grad] * steps,
+        ),
+        "momentum correction": (
+            TopKState(dense_steps=0, momentum_correction=True, momentum=momentum),
+            QuantizeState(),
+            velocities,
+        ),
+        "clipped": (
+            TopKState(dense_steps=0, clip_norm=clip_norm),
+            QuantizeState(),
+            [clipped] * steps,
+        ),
+    }
+    results = {}
+    for name, (topk_state, quantize_state, fed) in variants.items():
+        outs = []
+        for step in range(steps):
+            got = topk_hook(topk_state, KeptBucket(grad.clone(), parameter, 0, True)).wait()
+            want = quantize_hook(quantize_state, KeptBucket(fed[step].clone(), parameter, 0, True))
+            outs.append((got, want.wait()))
+        results[name] = (
+            outs,
+            dict(topk_state.stats.dense_reasons),
+            dict(topk_state.residuals),
+            dict(quantize_state.residuals),
+        )
+    dist.destroy_process_group()
+    return results
+
+
+def test_topk_whole_level_without_error_feedback_with_momentum_or_clipped_is_the_quantizers():
+    world, steps = 2, 3
+    results = run_ranks(world, whole_level_variants, steps, make_comm=False, timeout=120)
+    for got in results:
+        for name, (outs, reasons, topk_residuals, quantize_residuals) in got.items():
+            assert reasons == {"whole as 8-bit codes: critical regime": steps}, name
+            for step, (topk_average, quantize_average) in enumerate(outs):
+                assert torch.equal(topk_average, quantize_average), (name, step)
+                assert torch.equal(topk_average, results[0][name][0][step][0]), (name, step)
+            assert topk_residuals.keys() == quantize_residuals.keys(), name
+            for slot, residual in quantize_residuals.items():
+                assert torch.equal(topk_residuals[slot], residual), (name, slot)
+        assert got["no error feedback"][2] == {}
