@@ -170,9 +170,9 @@ class TopKState(ReportsBuckets, Compressor):
     (fewer than MIN_WHOLE_LEVELS code values a rank): as value_dtype.
     return_whole: whether a bucket that has gone sparse goes whole again in a later critical
     spell. False keeps whole to the start's critical regime (warmup_density at the densest
-    after): at 200 steps and more on 4 hosts, half to three quarters of the bytes and
-    1.04-1.19x faster steps, but 0.4-1.7 points further from dense on 2 ranks
-    (docs/performance.md).
+    after): on 4 hosts, half the bytes and 1.24x faster steps on the classification MLP of
+    docs/performance.md at 200 steps, and with warmup_density=1/32 too 2.09-2.28x bf16's speed at
+    200 steps and more; but on 2 ranks 1-2 points further from dense on that MLP.
     warmup_density: the densest a top-k goes (both schedules).
     error_feedback: keep unsent entries (and value rounding) for later steps.
     adaptive: a bucket goes whole when the cost model puts its dense all-reduce at no more than
