@@ -172,7 +172,8 @@ class TopKState(ReportsBuckets, Compressor):
     spell. False keeps whole to the start's critical regime (warmup_density at the densest
     after): on 4 hosts, half the bytes and 1.24x faster steps on the classification MLP of
     docs/performance.md at 200 steps, and with warmup_density=1/32 too 2.09-2.28x bf16's speed at
-    200 steps and more; but on 2 ranks 1-2 points further from dense on that MLP.
+    200 steps and more; but 1.6-2.2 points from dense (medians) on that MLP at 64 examples a step
+    (2 ranks of 32, 4 of 16), where the later whole spells keep it within about a point.
     warmup_density: the densest a top-k goes (both schedules).
     error_feedback: keep unsent entries (and value rounding) for later steps.
     adaptive: a bucket goes whole when the cost model puts its dense all-reduce at no more than
