@@ -282,9 +282,12 @@ def all_reduce_algorithm(comm, nbytes: int, device: Optional[torch.device] = Non
     the CPU) with: "auto" where its choice replays (model_is_pinned(), or RINGCOMM_ALGO forces
     one), else the fixed model's choice for that size over the communicator's ranks and hosts.
     Algorithms add in different orders, so this is what keeps the bits of an average independent
-    of the load at start. CUDA tensors take "auto": the device path's choice follows the size
-    alone (csrc/device/executor.cc), among its transport's algorithms, which are not the host's."""
-    if device is not None and device.type == "cuda":
+    of the load at start. CUDA tensors on a device path take "auto": its choice follows the size
+    alone (csrc/device/executor.cc), among its transport's algorithms, which are not the host's.
+    CUDA tensors staged through the host (no device path) take the host's, as CPU tensors do.
+    Asking joins the device's path where none is yet (DevicePaths.get, a collective): callers
+    ask right before the all-reduce of a tensor on that device, which would join it there."""
+    if device is not None and device.type == "cuda" and comm._device_paths.get(device) is not None:
         return "auto"
     if comm.world_size < 2 or model_is_pinned() or env_string("RINGCOMM_ALGO") != "auto":
         return "auto"

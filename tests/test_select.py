@@ -380,3 +380,28 @@ def test_an_algorithm_all_reduce_does_not_have_is_refused_before_anything_is_sen
     for refused, value in run_ranks(2, refuse_a_non_all_reduce_algorithm):
         assert refused is not None and "all_reduce has no algorithm chain" in refused
         assert value == 2
+
+
+def staged_and_cpu_choices(store, rank, world):
+    """compress.all_reduce_algorithm for CUDA tensors that no device path serves
+    (device_transports=()), against its choice for CPU tensors of the same sizes."""
+    import ringcomm
+    from ringcomm import compress
+
+    comm = ringcomm.Communicator(store, rank, world, timeout=30, device_transports=())
+    cuda = torch.device("cuda", 0)  # never touched: without a device path nothing runs there
+    sizes = (8, 16, 4096, 1 << 20, 64 << 20)
+    choices = [
+        (compress.all_reduce_algorithm(comm, n, cuda), compress.all_reduce_algorithm(comm, n))
+        for n in sizes
+    ]
+    comm.close()
+    return choices
+
+
+def test_cuda_tensors_staged_through_the_host_take_the_hosts_fixed_choice():
+    # "auto" would be the host's probed and trial-timed choice: bits that follow the load at start
+    # (the model not pinned: with RINGCOMM_TUNING=off, as the suite runs, both would be "auto")
+    unpinned = {"RINGCOMM_TUNING": ""}
+    for staged, cpu in run_ranks(2, staged_and_cpu_choices, make_comm=False, env=unpinned)[0]:
+        assert staged == cpu != "auto", (staged, cpu)

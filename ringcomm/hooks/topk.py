@@ -563,7 +563,9 @@ class TopKState(ReportsBuckets, Compressor):
                 copied.record(torch.cuda.current_stream(host_device))
 
             host_device = energies.device
-            work = comm.all_reduce(energies, op="sum", async_op=True)
+            nbytes = energies.numel() * energies.element_size()
+            algorithm = compress.all_reduce_algorithm(comm, nbytes, host_device)
+            work = comm.all_reduce(energies, op="sum", algorithm=algorithm, async_op=True)
             done = work.get_future().then(to_host)
 
             def wait():
