@@ -301,35 +301,13 @@ def test_cuda_kernels_are_built_for_sm80_and_sm90_and_check_their_arguments():
         _C_cuda.dequantize_mean(0, 10, 0, 0, 7, 2, 0, 0, 0)
 
 
-class KeptBucket:
-    """A DDP bucket (buffer(), index(), is_last(), parameters()) whose parameter is the same object
-    at every step, as DDP's are: the memory a compressor keeps for it (residual, velocity) follows
-    the parameter, so it is kept from step to step."""
-
-    def __init__(self, gradient, parameter, index, last):
-        self.t, self.parameter, self.i, self.last = gradient, parameter, index, last
-
-    def buffer(self):
-        return self.t
-
-    def index(self):
-        return self.i
-
-    def is_last(self):
-        return self.last
-
-    def parameters(self):
-        return [self.parameter]
-
-    def gradients(self):
-        return [self.t]
-
-
 def mixed_buckets(store, rank, world, steps):
     """topk_hook (its whole level) and quantize_hook on three buckets a step, float32, float64
     (which neither compresses) and float32, issued without waiting, rank 1 late with each next
     bucket: the codes of a bucket go out from its ranges' completion meanwhile."""
     import time
+
+    from test_topk_hook import Bucket
 
     from ringcomm.hooks import TopKState, topk_hook
 
@@ -347,7 +325,7 @@ def mixed_buckets(store, rank, world, steps):
             futures = []
             for i, g in enumerate(grads):
                 last = i == len(grads) - 1
-                futures.append(hook(state, KeptBucket(g.clone(), parameters[i], i, last)))
+                futures.append(hook(state, Bucket(g.clone(), i, last, parameters[i])))
                 if rank == 1:
                     time.sleep(0.05)
             outs.append([f.wait() for f in futures])
@@ -383,6 +361,8 @@ def whole_level_variants(store, rank, world, steps):
     """topk_hook's whole level (8-bit codes) without error feedback, with momentum correction and
     with clipping, each against quantize_hook fed what that variant quantizes: the gradient
     itself, the velocity, the clipped gradient."""
+    from test_topk_hook import Bucket
+
     from ringcomm.hooks import TopKState, topk_hook
 
     parameter = torch.zeros(20_000)
@@ -416,8 +396,8 @@ def whole_level_variants(store, rank, world, steps):
     for name, (topk_state, quantize_state, fed) in variants.items():
         outs = []
         for step in range(steps):
-            got = topk_hook(topk_state, KeptBucket(grad.clone(), parameter, 0, True)).wait()
-            want = quantize_hook(quantize_state, KeptBucket(fed[step].clone(), parameter, 0, True))
+            got = topk_hook(topk_state, Bucket(grad.clone(), 0, True, parameter)).wait()
+            want = quantize_hook(quantize_state, Bucket(fed[step].clone(), 0, True, parameter))
             outs.append((got, want.wait()))
         results[name] = (
             outs,

@@ -111,8 +111,12 @@ def ratio_one_matches_dense(store, rank, world):
 
 
 class Bucket:  # what DDP passes a hook: buffer(), index(), is_last(), parameters()
-    def __init__(self, t, i, last):
-        self.t, self.i, self.last = t, i, last
+    """`parameter`: the bucket's one parameter, the same object from step to step as under DDP,
+    so that the memory a compressor keeps for it (residual, velocity), which follows it, is kept;
+    None: the gradient itself, a new object each step."""
+
+    def __init__(self, t, i, last, parameter=None):
+        self.t, self.i, self.last, self.parameter = t, i, last, parameter
 
     def buffer(self):
         return self.t
@@ -124,7 +128,7 @@ class Bucket:  # what DDP passes a hook: buffer(), index(), is_last(), parameter
         return self.last
 
     def parameters(self):
-        return [self.t]  # one parameter the bucket's size
+        return [self.t if self.parameter is None else self.parameter]
 
     def gradients(self):
         return [self.t]

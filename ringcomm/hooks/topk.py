@@ -14,9 +14,9 @@ changing fast (the critical regime of Accordion, Agarwal et al. 2021), then a le
 time (warmup_density, / 4, ..., ratio) once error feedback has settled at its level, and a level
 denser again when the gradient changes fast or the residual holds gradient held back
 (docs/algorithms.md, "Compression"). The smallest buckets, together a small share of a step's
-elements (whole_share), stay whole. The signals are summed over the ranks, so every rank decides alike. Which buckets
-go whole because that is cheaper, and by which algorithms, follows their sizes and a model every
-run agrees on, never the load at start (compress.sparse_choice).
+elements (whole_share), stay whole. The signals are summed over the ranks, so every rank decides
+alike. Which buckets go whole because that is cheaper, and by which algorithms, follows their
+sizes and a model every run agrees on, never the load at start (compress.sparse_choice).
 
 This module must not use `from __future__ import annotations` (see default.py: DDP compares the
 hook's annotations as objects).
